@@ -1,0 +1,143 @@
+"""Model hyper-parameters, read from an HF config.json or from GGUF metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ir.rope import RopeSpec
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # the registry's architecture name
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    source_model_type: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.hidden_act not in ("silu", "gelu", "gelu_tanh"):
+            raise ValueError(f"unsupported activation {self.hidden_act!r}")
+
+    def with_(self, **kw: Any) -> ModelConfig:
+        return replace(self, **kw)
+
+
+_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+         "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in v) if isinstance(v, list | tuple) else (int(v),)
+
+
+def hf_rope(cfg: Mapping[str, Any], head_dim: int) -> RopeSpec:
+    """transformers 5 keeps theta and scaling in `rope_parameters`; older files use `rope_theta` and
+    `rope_scaling`. Read both, so that neither layout silently falls back to a default theta."""
+    params = dict(cfg.get("rope_parameters") or {})
+    params.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if v is not None})
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    partial = float(params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+    scaling = () if kind == "default" else tuple(sorted({"rope_type": kind, **params}.items()))
+    return RopeSpec(theta=float(theta), rotary_dim=int(head_dim * partial), scaling=scaling)
+
+
+def from_hf(cfg: Mapping[str, Any], arch: str, defaults: Mapping[str, Any]) -> ModelConfig:
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        window = None
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if act not in _ACTS:
+        raise ValueError(f"unsupported hidden_act {act!r}")
+    kw = dict(defaults)
+    for key in ("qkv_bias", "o_bias"):
+        if "attention_bias" in cfg:
+            kw[key] = bool(cfg["attention_bias"])
+    if "mlp_bias" in cfg:
+        kw["mlp_bias"] = bool(cfg["mlp_bias"])
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=hf_rope(cfg, head_dim),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hidden_act=_ACTS[act],
+        sliding_window=int(window) if window else None,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_ids(cfg.get("eos_token_id")),
+        source_model_type=str(cfg.get("model_type", "")),
+        **kw,
+    )
+
+
+def from_gguf(meta: Mapping[str, Any], arch: str, defaults: Mapping[str, Any],
+              tied: bool, freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
+    a = meta["general.architecture"]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{a}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length") or hidden // heads)
+    kind = get("rope.scaling.type") or "default"
+    scaling: dict[str, Any] = {}
+    if kind not in ("none", "default"):
+        scaling = {"rope_type": kind, "factor": float(get("rope.scaling.factor", 1.0)),
+                   "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+    rope = RopeSpec(theta=float(get("rope.freq_base", 10000.0)),
+                    rotary_dim=int(get("rope.dimension_count") or head_dim),
+                    scaling=tuple(sorted(scaling.items())), freq_factors=freq_factors)
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    window = get("attention.sliding_window")
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope=rope,
+        max_position_embeddings=int(get("context_length") or 4096),
+        tie_word_embeddings=tied,
+        sliding_window=int(window) if window else None,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_ids(meta.get("tokenizer.ggml.eos_token_id")),
+        source_model_type=a,
+        **dict(defaults),
+    )

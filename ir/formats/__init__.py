@@ -1,0 +1,1 @@
+"""Readers and decoders for on-disk model weight formats."""

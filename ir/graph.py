@@ -1,0 +1,114 @@
+"""The tensor IR: typed values, nodes, parameters and a graph builder with shape inference.
+
+A graph describes one forward step over a flat varlen batch (see `ir.batch`): every backend lowers
+the same graph, and `ir.interpreter` defines what it computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ir.ops import OPS, Dim, TensorType
+
+__all__ = ["Graph", "Node", "Param", "TensorType", "Value"]
+
+
+@dataclass(eq=False)
+class Value:
+    """An SSA value: a graph input, a parameter reference or a node's result."""
+
+    id: int
+    type: TensorType
+    kind: str  # "input" | "param" | "node"
+    name: str | None = None
+
+    @property
+    def shape(self) -> tuple[Dim, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype
+
+    def ref(self) -> str:
+        return f"@{self.name}" if self.kind == "param" else f"%{self.name or self.id}"
+
+
+@dataclass(eq=False)
+class Node:
+    op: str
+    inputs: tuple[Value | None, ...]
+    attrs: dict[str, Any]
+    out: Value
+
+
+@dataclass
+class Param:
+    """A weight the graph reads. `shard` annotates tensor-parallel splitting: "column" splits the
+    output rows, "row" splits the input columns, None replicates."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    shard: str | None = None
+
+
+@dataclass(eq=False)
+class Graph:
+    name: str
+    dtype: str = "f32"
+    inputs: dict[str, Value] = field(default_factory=dict)
+    params: dict[str, Param] = field(default_factory=dict)
+    nodes: list[Node] = field(default_factory=list)
+    outputs: dict[str, Value] = field(default_factory=dict)
+    _param_values: dict[str, Value] = field(default_factory=dict)
+    _next_id: int = 0
+
+    def _new_value(self, type_: TensorType, kind: str, name: str | None = None) -> Value:
+        v = Value(self._next_id, type_, kind, name)
+        self._next_id += 1
+        return v
+
+    def input(self, name: str, shape: tuple[Dim, ...], dtype: str) -> Value:
+        if name in self.inputs:
+            return self.inputs[name]
+        v = self._new_value(TensorType(tuple(shape), dtype), "input", name)
+        self.inputs[name] = v
+        return v
+
+    def param(self, name: str, shape: tuple[int, ...], dtype: str | None = None,
+              shard: str | None = None) -> Value:
+        """Declare (or reuse, e.g. for tied embeddings) a parameter."""
+        if name in self.params:
+            p = self.params[name]
+            if p.shape != tuple(shape):
+                raise ValueError(f"parameter {name} redeclared with shape {shape}, was {p.shape}")
+            return self._param_values[name]
+        p = Param(name, tuple(int(s) for s in shape), dtype or self.dtype, shard)
+        self.params[name] = p
+        v = self._new_value(TensorType(p.shape, p.dtype), "param", name)
+        self._param_values[name] = v
+        return v
+
+    def output(self, name: str, value: Value) -> None:
+        self.outputs[name] = value
+
+    def op(self, op: str, *inputs: Value | None, **attrs: Any) -> Value:
+        """Append a node; its result type comes from the op's shape and dtype inference."""
+        if op not in OPS:
+            raise KeyError(f"unknown IR op {op!r}")
+        try:
+            out_type = OPS[op].infer([i.type if i is not None else None for i in inputs], attrs)
+        except (ValueError, IndexError) as e:
+            shapes = ", ".join(str(i.type) if i is not None else "None" for i in inputs)
+            raise ValueError(f"{op}({shapes}) {attrs}: {e}") from e
+        out = self._new_value(out_type, "node")
+        self.nodes.append(Node(op, tuple(inputs), dict(attrs), out))
+        return out
+
+    def __getattr__(self, op: str):
+        # g.linear(x, w) == g.op("linear", x, w): the builder API is the op table itself.
+        if op in OPS:
+            return lambda *inputs, **attrs: self.op(op, *inputs, **attrs)
+        raise AttributeError(op)

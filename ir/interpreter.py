@@ -1,0 +1,182 @@
+"""The reference semantics of the IR: a plain numpy interpreter in fp32.
+
+Every backend is checked against what this computes. Clarity beats speed here, but it must still run
+a 135M model in seconds, so weights are dequantized once and kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ir.graph import Graph, Node, Value
+from ir.rope import RopeSpec, cos_sin
+
+
+@dataclass
+class KVCache:
+    """Per-layer paged key and value caches, each [num_blocks, block_size, kv_heads, head_dim]."""
+
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    block_size: int
+
+    @classmethod
+    def for_graph(cls, graph: Graph, num_blocks: int, block_size: int) -> KVCache:
+        k, v = [], []
+        for node in graph.nodes:
+            if node.op != "attention":
+                continue
+            _, hkv, dk = node.inputs[1].shape
+            dv = node.inputs[2].shape[2]
+            assert node.attrs["layer"] == len(k), "attention layers must be numbered in order"
+            k.append(np.zeros((num_blocks, block_size, hkv, dk), np.float32))
+            v.append(np.zeros((num_blocks, block_size, hkv, dv), np.float32))
+        return cls(k, v, block_size)
+
+
+def _rms_norm(x, w, eps, offset=0.0):
+    var = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+    return (x / np.sqrt(var + np.float32(eps))) * (w + np.float32(offset))
+
+
+def _layer_norm(x, w, b=None, *, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = np.square(x - mu).mean(-1, keepdims=True)
+    y = (x - mu) / np.sqrt(var + np.float32(eps)) * w
+    return y if b is None else y + b
+
+
+def _rope(x, positions, spec: RopeSpec):
+    cos, sin = cos_sin(spec, positions)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    d = spec.rotary_dim
+    rot, rest = x[..., :d], x[..., d:]
+    if spec.style == "neox":
+        a, b = rot[..., : d // 2], rot[..., d // 2 :]
+        out = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    elif spec.style == "interleaved":
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = np.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(rot.shape)
+    else:
+        raise ValueError(f"unknown rope style {spec.style!r}")
+    return np.concatenate([out, rest], axis=-1).astype(np.float32)
+
+
+def _softmax(x, axis=-1):
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def paged_attention(q, k, v, slots, tables, ctx, qstart, *, cache: KVCache, layer: int, scale: float,
+                    sliding_window: int | None = None, softcap: float | None = None):
+    """The contract of `ir.batch`, written as plainly as possible."""
+    kc, vc = cache.k[layer], cache.v[layer]
+    bs = cache.block_size
+    flat_k = kc.reshape(-1, *kc.shape[2:])
+    flat_v = vc.reshape(-1, *vc.shape[2:])
+    keep = slots >= 0
+    flat_k[slots[keep]] = k[keep]
+    flat_v[slots[keep]] = v[keep]
+    hq, hkv = q.shape[1], k.shape[1]
+    out = np.zeros((q.shape[0], hq, v.shape[2]), np.float32)
+    for b in range(len(ctx)):
+        s, e, n_ctx = int(qstart[b]), int(qstart[b + 1]), int(ctx[b])
+        if e == s:
+            continue
+        j = np.arange(n_ctx)
+        kv_slots = tables[b, j // bs].astype(np.int64) * bs + j % bs
+        keys = np.repeat(flat_k[kv_slots], hq // hkv, axis=1)  # [L, hq, d]
+        vals = np.repeat(flat_v[kv_slots], hq // hkv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q[s:e], keys) * np.float32(scale)
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
+        qi = n_ctx - (e - s) + np.arange(e - s)
+        mask = j[None, :] <= qi[:, None]
+        if sliding_window:
+            mask &= j[None, :] > qi[:, None] - sliding_window
+        probs = _softmax(np.where(mask[None], scores, -np.inf))
+        out[s:e] = np.einsum("hqk,khd->qhd", probs, vals)
+    return out
+
+
+def _gelu(x):
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    return (0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(np.float32)
+
+
+def _gelu_tanh(x):
+    return (0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))).astype(np.float32)
+
+
+def _linear(x, w, b=None):
+    y = x @ w.T
+    return y if b is None else y + b
+
+
+KERNELS: dict[str, Callable] = {
+    "embedding": lambda table, ids, **a: table[ids],
+    "linear": _linear,
+    "rms_norm": lambda x, w, eps, offset=0.0: _rms_norm(x, w, eps, offset),
+    "layer_norm": _layer_norm,
+    "rope": lambda x, positions, spec: _rope(x, positions, spec),
+    "silu": lambda x: x / (1 + np.exp(-x)),
+    "gelu": _gelu,
+    "gelu_tanh": _gelu_tanh,
+    "softcap": lambda x, cap: cap * np.tanh(x / cap),
+    "scale": lambda x, factor: x * np.float32(factor),
+    "add": lambda x, y: x + y,
+    "mul": lambda x, y: x * y,
+    "gather_rows": lambda x, indices: x[indices],
+}
+
+
+class Interpreter:
+    """Runs a graph on numpy arrays. `weights` maps parameter names to arrays (any float dtype) or to
+    objects with a `dequantize()` method; both become fp32 once, on first use."""
+
+    def __init__(self, graph: Graph, weights: Mapping[str, object]):
+        missing = [p for p in graph.params if p not in weights]
+        if missing:
+            raise KeyError(f"weights missing for parameters: {', '.join(missing[:8])}")
+        self.graph = graph
+        self._weights = weights
+        self._dense: dict[str, np.ndarray] = {}
+
+    def param(self, name: str) -> np.ndarray:
+        if name not in self._dense:
+            w = self._weights[name]
+            arr = w.dequantize() if hasattr(w, "dequantize") else np.asarray(w)
+            shape = self.graph.params[name].shape
+            self._dense[name] = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+        return self._dense[name]
+
+    def run(self, inputs: Mapping[str, np.ndarray], cache: KVCache) -> dict[str, np.ndarray]:
+        env: dict[int, np.ndarray] = {}
+        for name, v in self.graph.inputs.items():
+            if name not in inputs:
+                raise KeyError(f"graph input {name!r} not supplied")
+            env[v.id] = np.asarray(inputs[name])
+
+        def get(v: Value | None):
+            if v is None:
+                return None
+            return self.param(v.name) if v.kind == "param" else env[v.id]
+
+        for node in self.graph.nodes:
+            env[node.out.id] = self._eval(node, [get(i) for i in node.inputs], cache)
+        return {k: env[v.id] for k, v in self.graph.outputs.items()}
+
+    def _eval(self, node: Node, args: list, cache: KVCache) -> np.ndarray:
+        if node.op == "attention":
+            return paged_attention(*args, cache=cache, **node.attrs)
+        if node.op == "reshape":
+            sizes = {d: n for d, n in zip(node.inputs[0].shape, args[0].shape, strict=True)}
+            return args[0].reshape([sizes[d] if isinstance(d, str) else d for d in node.attrs["shape"]])
+        while args and args[-1] is None:  # absent optional operands (a bias)
+            args = args[:-1]
+        return np.asarray(KERNELS[node.op](*args, **node.attrs), dtype=np.float32)

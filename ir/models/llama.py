@@ -1,0 +1,122 @@
+"""The llama family: llama, llama3 rope scaling, mistral, yi, SmolLM. qwen2 and qwen3 reuse this
+decoder with their flags (qkv bias, q/k norms)."""
+
+from __future__ import annotations
+
+from ir.batch import ATTENTION_INPUTS
+from ir.config import ModelConfig
+from ir.graph import Graph, Value
+from ir.models import Architecture, register
+
+# IR parameter -> (HF name, GGUF name); "{i}" is the layer index.
+LAYER_NAMES = {
+    "attn_norm": ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    "wq": ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
+    "wk": ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
+    "wv": ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
+    "wo": ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    "bq": ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias"),
+    "bk": ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias"),
+    "bv": ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias"),
+    "bo": ("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias"),
+    "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
+    "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
+    "ffn_norm": ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    "w_up": ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    "w_down": ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+    "b_gate": ("model.layers.{i}.mlp.gate_proj.bias", "blk.{i}.ffn_gate.bias"),
+    "b_up": ("model.layers.{i}.mlp.up_proj.bias", "blk.{i}.ffn_up.bias"),
+    "b_down": ("model.layers.{i}.mlp.down_proj.bias", "blk.{i}.ffn_down.bias"),
+}
+TOP_NAMES = {
+    "embed": ("model.embed_tokens.weight", "token_embd.weight"),
+    "final_norm": ("model.norm.weight", "output_norm.weight"),
+    "lm_head": ("lm_head.weight", "output.weight"),
+}
+
+
+def _names(cfg: ModelConfig, which: int) -> dict[str, str]:
+    out = {k: v[which] for k, v in TOP_NAMES.items()}
+    for i in range(cfg.num_layers):
+        out.update({f"layers.{i}.{k}": v[which].format(i=i) for k, v in LAYER_NAMES.items()})
+    return out
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, str]:
+    return _names(cfg, 0)
+
+
+def gguf_names(cfg: ModelConfig) -> dict[str, str]:
+    return _names(cfg, 1)
+
+
+def _dense(g: Graph, x: Value, prefix: str, out: int, inp: int, bias: bool, shard: str,
+           w: str, b: str) -> Value:
+    weight = g.param(f"{prefix}.{w}", (out, inp), shard=shard)
+    # A row-split layer's bias is added once, after the reduction: it is not sharded.
+    bias_v = g.param(f"{prefix}.{b}", (out,), shard="column" if shard == "column" else None) if bias else None
+    return g.linear(x, weight, bias_v)
+
+
+def _attention_block(g: Graph, cfg: ModelConfig, x: Value, i: int, pos: Value,
+                     meta: list[Value]) -> Value:
+    p, d = f"layers.{i}", cfg.head_dim
+    hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
+    q = _dense(g, x, p, hq * d, h, cfg.qkv_bias, "column", "wq", "bq")
+    k = _dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wk", "bk")
+    v = _dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wv", "bv")
+    q = g.reshape(q, shape=("T", hq, d))
+    k = g.reshape(k, shape=("T", hkv, d))
+    v = g.reshape(v, shape=("T", hkv, d))
+    if cfg.qk_norm:
+        q = g.rms_norm(q, g.param(f"{p}.q_norm", (d,)), eps=cfg.rms_norm_eps)
+        k = g.rms_norm(k, g.param(f"{p}.k_norm", (d,)), eps=cfg.rms_norm_eps)
+    q = g.rope(q, pos, spec=cfg.rope)
+    k = g.rope(k, pos, spec=cfg.rope)
+    o = g.attention(q, k, v, *meta, layer=i, scale=d**-0.5, sliding_window=cfg.sliding_window)
+    o = g.reshape(o, shape=("T", hq * d))
+    return _dense(g, o, p, h, hq * d, cfg.o_bias, "row", "wo", "bo")
+
+
+def _mlp_block(g: Graph, cfg: ModelConfig, x: Value, i: int) -> Value:
+    p, h, f = f"layers.{i}", cfg.hidden_size, cfg.intermediate_size
+    gate = _dense(g, x, p, f, h, cfg.mlp_bias, "column", "w_gate", "b_gate")
+    up = _dense(g, x, p, f, h, cfg.mlp_bias, "column", "w_up", "b_up")
+    act = g.op(cfg.hidden_act, gate)
+    return _dense(g, g.mul(act, up), p, h, f, cfg.mlp_bias, "row", "w_down", "b_down")
+
+
+def build(cfg: ModelConfig, dtype: str = "f32") -> Graph:
+    """One forward step of a pre-norm decoder over a flat varlen batch; logits for `logits_indices`."""
+    g = Graph(cfg.arch, dtype)
+    ids = g.input("token_ids", ("T",), "i32")
+    pos = g.input("positions", ("T",), "i32")
+    meta = [g.input("slot_mapping", ("T",), "i32"), g.input("block_tables", ("B", "M"), "i32"),
+            g.input("context_lens", ("B",), "i32"), g.input("query_start", ("B1",), "i32")]
+    assert [m.name for m in meta] == list(ATTENTION_INPUTS)
+    rows = g.input("logits_indices", ("N",), "i32")
+    embed = g.param("embed", (cfg.vocab_size, cfg.hidden_size), shard="column")
+    h = g.embedding(embed, ids)
+    for i in range(cfg.num_layers):
+        x = g.rms_norm(h, g.param(f"layers.{i}.attn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
+        h = g.add(h, _attention_block(g, cfg, x, i, pos, meta))
+        x = g.rms_norm(h, g.param(f"layers.{i}.ffn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
+        h = g.add(h, _mlp_block(g, cfg, x, i))
+    h = g.rms_norm(h, g.param("final_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
+    h = g.gather_rows(h, rows)
+    head = embed if cfg.tie_word_embeddings else g.param(
+        "lm_head", (cfg.vocab_size, cfg.hidden_size), shard="column")
+    g.output("logits", g.linear(h, head))
+    return g
+
+
+ARCH = register(Architecture(
+    name="llama",
+    hf_model_types=("llama", "mistral", "yi"),
+    gguf_archs=("llama", "mistral"),
+    build=build,
+    hf_names=hf_names,
+    gguf_names=gguf_names,
+    gguf_permuted_qk=True,
+))

@@ -1,0 +1,173 @@
+"""The IR's op table: each op's operands, attributes and shape/dtype inference.
+
+Dimensions are ints or symbols: "T" (tokens in the batch), "B" (sequences), "M" (blocks per
+sequence in the block table), "N" (rows that need logits). The numpy semantics of every op live in
+`ir.interpreter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+Dim = int | str
+DTYPES = ("f32", "f16", "bf16", "i32")
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple[Dim, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(str(d) for d in self.shape)}]"
+
+
+Infer = Callable[[list[TensorType | None], dict[str, Any]], TensorType]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    operands: tuple[str, ...]  # names; a trailing "?" marks an optional operand
+    infer: Infer
+    doc: str
+
+
+def _same_dim(a: Dim, b: Dim, what: str) -> None:
+    if isinstance(a, int) and isinstance(b, int) and a != b:
+        raise ValueError(f"{what}: {a} != {b}")
+    if isinstance(a, str) and isinstance(b, str) and a != b:
+        raise ValueError(f"{what}: {a} != {b}")
+
+
+def _float(t: TensorType, what: str) -> None:
+    if t.dtype == "i32":
+        raise ValueError(f"{what} must be a float tensor, got {t}")
+
+
+def _int(t: TensorType, what: str) -> None:
+    if t.dtype != "i32":
+        raise ValueError(f"{what} must be i32, got {t}")
+
+
+def _embedding(ts, a):
+    table, ids = ts
+    _int(ids, "ids")
+    if len(table.shape) != 2:
+        raise ValueError("embedding table must be 2-D")
+    return TensorType(ids.shape + (table.shape[1],), a.get("dtype", table.dtype))
+
+
+def _linear(ts, a):
+    x, w, b = (ts + [None])[:3]
+    _float(x, "x")
+    if len(w.shape) != 2:
+        raise ValueError("linear weight must be [out, in]")
+    _same_dim(x.shape[-1], w.shape[1], "linear in-features")
+    if b is not None:
+        _same_dim(b.shape[0], w.shape[0], "linear bias")
+    return TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
+
+
+def _norm(ts, a):
+    x, w = ts[0], ts[1]
+    _float(x, "x")
+    _same_dim(x.shape[-1], w.shape[0], "norm weight")
+    if "eps" not in a:
+        raise ValueError("norm needs eps")
+    return x
+
+
+def _rope(ts, a):
+    x, pos = ts
+    _int(pos, "positions")
+    if len(x.shape) != 3:
+        raise ValueError("rope input must be [T, heads, head_dim]")
+    _same_dim(x.shape[0], pos.shape[0], "rope tokens")
+    spec = a["spec"]
+    if isinstance(x.shape[2], int) and spec.rotary_dim > x.shape[2]:
+        raise ValueError(f"rotary_dim {spec.rotary_dim} > head_dim {x.shape[2]}")
+    return x
+
+
+def _attention(ts, a):
+    q, k, v, slots, tables, ctx, qstart = ts
+    for t, n in ((q, "q"), (k, "k"), (v, "v")):
+        if len(t.shape) != 3:
+            raise ValueError(f"attention {n} must be [T, heads, head_dim]")
+    _int(slots, "slot_mapping")
+    _int(tables, "block_tables")
+    _int(ctx, "context_lens")
+    _int(qstart, "query_start")
+    hq, hkv = q.shape[1], k.shape[1]
+    if isinstance(hq, int) and isinstance(hkv, int) and hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    _same_dim(k.shape[1], v.shape[1], "k/v heads")
+    _same_dim(q.shape[2], k.shape[2], "q/k head_dim")
+    for key in ("layer", "scale"):
+        if key not in a:
+            raise ValueError(f"attention needs {key}")
+    return TensorType(q.shape[:2] + (v.shape[2],), q.dtype)
+
+
+def _unary(ts, a):
+    _float(ts[0], "x")
+    return ts[0]
+
+
+def _binary(ts, a):
+    x, y = ts
+    if len(x.shape) != len(y.shape):
+        raise ValueError(f"rank mismatch {x} vs {y}")
+    for i, (p, q) in enumerate(zip(x.shape, y.shape, strict=True)):
+        _same_dim(p, q, f"dim {i}")
+    return x
+
+
+def _reshape(ts, a):
+    x = ts[0]
+    shape = tuple(a["shape"])
+    known_in = [d for d in x.shape if isinstance(d, int)]
+    known_out = [d for d in shape if isinstance(d, int)]
+    sym_in = sorted(d for d in x.shape if isinstance(d, str))
+    sym_out = sorted(d for d in shape if isinstance(d, str))
+    if sym_in != sym_out or prod(known_in) != prod(known_out):
+        raise ValueError(f"cannot reshape {x} to {shape}")
+    return TensorType(shape, x.dtype)
+
+
+def _gather_rows(ts, a):
+    x, idx = ts
+    _int(idx, "indices")
+    return TensorType(idx.shape + x.shape[1:], x.dtype)
+
+
+def _op(name: str, operands: Sequence[str], infer: Infer, doc: str) -> OpDef:
+    return OpDef(name, tuple(operands), infer, doc)
+
+
+OPS: dict[str, OpDef] = {o.name: o for o in [
+    _op("embedding", ["table", "ids"], _embedding, "rows of table at ids"),
+    _op("linear", ["x", "w", "b?"], _linear, "x @ w.T (+ b); w is [out, in], dense or quantized"),
+    _op("rms_norm", ["x", "w"], _norm, "x / rms(x) * (w + offset) over the last dim, in fp32"),
+    _op("layer_norm", ["x", "w", "b?"], _norm, "(x - mean) / std * w + b over the last dim"),
+    _op("rope", ["x", "positions"], _rope, "rotary embedding on the first rotary_dim of each head"),
+    _op("attention", ["q", "k", "v", "slot_mapping", "block_tables", "context_lens", "query_start"],
+        _attention, "write k, v into the paged cache of `layer`, then causal attention over it"),
+    _op("silu", ["x"], _unary, "x * sigmoid(x)"),
+    _op("gelu", ["x"], _unary, "exact (erf) gelu"),
+    _op("gelu_tanh", ["x"], _unary, "tanh-approximated gelu"),
+    _op("softcap", ["x"], _unary, "cap * tanh(x / cap)"),
+    _op("scale", ["x"], _unary, "x * factor"),
+    _op("add", ["x", "y"], _binary, "x + y"),
+    _op("mul", ["x", "y"], _binary, "x * y"),
+    _op("reshape", ["x"], _reshape, "same elements, new shape (symbols must be kept)"),
+    _op("gather_rows", ["x", "indices"], _gather_rows, "x[indices] along the first dim"),
+]}

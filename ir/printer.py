@@ -1,0 +1,51 @@
+"""A readable text form of a graph: inputs, parameter table, then one line per node."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ir.graph import Graph, Node
+
+
+def _attr(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, tuple):
+        return "(" + ",".join(str(x) for x in v) + ")"
+    return str(v)
+
+
+def format_node(node: Node) -> str:
+    args = ", ".join(i.ref() if i is not None else "_" for i in node.inputs)
+    attrs = " ".join(f"{k}={_attr(v)}" for k, v in node.attrs.items())
+    attrs = f" {{{attrs}}}" if attrs else ""
+    return f"  %{node.out.id} = {node.op}({args}){attrs} : {node.out.type}"
+
+
+def format_graph(graph: Graph) -> str:
+    lines = [f"graph {graph.name} (compute {graph.dtype})"]
+    for name, v in graph.inputs.items():
+        lines.append(f"  input %{name} : {v.type}")
+    lines += [format_node(n) for n in graph.nodes]
+    for name, v in graph.outputs.items():
+        lines.append(f"  output {name} = %{v.id} : {v.type}")
+    return "\n".join(lines)
+
+
+def format_params(graph: Graph, storage: Mapping[str, str] | None = None,
+                  sources: Mapping[str, str] | None = None) -> str:
+    """The parameter table; `storage` gives each parameter's stored type (e.g. Q4_1), `sources` the
+    tensor name it was loaded from."""
+    rows = [("param", "shape", "stored", "shard", "source")]
+    total = 0
+    for p in graph.params.values():
+        n = 1
+        for d in p.shape:
+            n *= d
+        total += n
+        rows.append((p.name, "x".join(map(str, p.shape)), (storage or {}).get(p.name, p.dtype),
+                     p.shard or "-", (sources or {}).get(p.name, "")))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows]
+    out.append(f"{len(graph.params)} parameters, {total:,} elements")
+    return "\n".join(line.rstrip() for line in out)

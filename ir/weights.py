@@ -1,0 +1,72 @@
+"""The weight store: every tensor as it was stored (typed array, raw bf16 bits or raw GGUF blocks).
+
+Quantized tensors stay quantized; a consumer that needs dense values calls `dequantize()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ir.formats.gguf_quants import dequantize
+
+DENSE_KINDS = ("F32", "F16", "BF16")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    data: np.ndarray  # f32/f16 array, uint16 bf16 bits, or uint8 blocks [rows, row_bytes]
+    kind: str  # "F32", "F16", "BF16" or a GGUF quant type such as "Q4_K"
+    shape: tuple[int, ...]  # logical shape, [out, in] for a matrix
+    source: str = ""  # the tensor's name in its file
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind not in DENSE_KINDS
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        return dequantize(np.ascontiguousarray(self.data), self.kind, self.shape)
+
+    def permute_rows(self, perm: np.ndarray) -> StoredTensor:
+        """Reorder output rows; valid for quantized blocks too, since a block never spans two rows."""
+        rows = self.data.reshape(self.shape[0], -1) if self.data.ndim == 1 and len(self.shape) > 1 else self.data
+        return StoredTensor(np.ascontiguousarray(rows[perm]), self.kind, self.shape, self.source)
+
+
+class WeightStore(Mapping[str, StoredTensor]):
+    """IR parameter name -> stored tensor."""
+
+    def __init__(self, tensors: dict[str, StoredTensor] | None = None):
+        self._t: dict[str, StoredTensor] = dict(tensors or {})
+
+    def __getitem__(self, name: str) -> StoredTensor:
+        return self._t[name]
+
+    def __setitem__(self, name: str, t: StoredTensor) -> None:
+        self._t[name] = t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._t)
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._t.values())
+
+    def kinds(self) -> dict[str, str]:
+        return {k: t.kind for k, t in self._t.items()}
+
+
+def rope_unpermute_rows(rows: int, n_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (which interleaves each head's two rotary
+    halves for ggml's rope), giving back the HF neox layout."""
+    head_dim = rows // n_heads
+    return np.arange(rows).reshape(n_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
