@@ -54,7 +54,8 @@ def _bind(graph: Graph, names: Mapping[str, str], fetch: Callable[[str], StoredT
         if t is None:
             raise ModelFormatError(path, f"missing tensor {src!r} (for parameter {pname})")
         if tuple(t.shape) != p.shape:
-            raise ModelFormatError(path, f"tensor {src!r} has shape {list(t.shape)}, the config implies {list(p.shape)}")
+            raise ModelFormatError(path, f"tensor {src!r} has shape {list(t.shape)}, "
+                                   f"the config implies {list(p.shape)}")
         store[pname] = t
     return store
 

@@ -33,10 +33,10 @@ class ReferenceRunner:
         batch = make_batch([prompt], [0], [self._table(0)], self.block_size, all_logits=True)
         return self.interp.run(batch.inputs(), self._cache(1))["logits"]
 
-    def greedy(self, prompts: Sequence[Sequence[int]], max_new: int,
-               suppress: Sequence[int] = ()) -> tuple[list[list[int]], np.ndarray]:
+    def greedy(self, prompts: Sequence[Sequence[int]], max_new: int, suppress: Sequence[int] = (),
+               stop: Sequence[int] = ()) -> tuple[list[list[int]], np.ndarray]:
         """Greedy continuation of each prompt (decoded together, one step per token), and the first
-        step's logits [len(prompts), vocab] before suppression."""
+        step's logits [len(prompts), vocab] before suppression. A sequence ends after a `stop` id."""
         cache = self._cache(len(prompts))
         tables = [self._table(i) for i in range(len(prompts))]
         chunks = [list(p) for p in prompts]
@@ -44,6 +44,8 @@ class ReferenceRunner:
         outs: list[list[int]] = [[] for _ in prompts]
         first = None
         for _ in range(max_new):
+            if all(o and o[-1] in stop for o in outs):
+                break
             batch = make_batch(chunks, cached, tables, self.block_size)
             logits = self.interp.run(batch.inputs(), cache)["logits"]
             if first is None:
@@ -51,6 +53,8 @@ class ReferenceRunner:
             logits[:, list(suppress)] = -np.inf
             nxt = logits.argmax(-1)
             for i, t in enumerate(nxt):
+                if outs[i] and outs[i][-1] in stop:
+                    continue  # finished; it still rides along in the batch, its output is frozen
                 outs[i].append(int(t))
                 cached[i] += len(chunks[i])
                 chunks[i] = [int(t)]

@@ -72,17 +72,24 @@ def _yarn(inv: np.ndarray, p: dict, factor: float, spec: RopeSpec) -> tuple[np.n
     def correction_dim(rotations: float) -> float:
         return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp, as the reference implementations do
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
     out = (inv / factor) * (1 - extrapolation) + inv * extrapolation
-    mscale = p.get("attention_factor")
-    if mscale is None:
-        mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    return out.astype(np.float32), float(mscale)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+    attn = p.get("attention_factor")
+    if attn is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return out.astype(np.float32), float(attn)
 
 
 def cos_sin(spec: RopeSpec, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

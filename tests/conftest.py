@@ -1,0 +1,53 @@
+"""Shared fixtures. Torch (the numerical reference) gets one thread: on a 2-core machine its default
+thread pool spins and slows every other test down."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_configure(config):
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    from ir.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path):
+    """Our loaded SmolLM2 GGUF."""
+    from ir.loader import load_model
+
+    return load_model(smollm_path, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer(smollm_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_path.parent, gguf_file=smollm_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    """transformers' own reading of the same GGUF, dequantized to fp32: the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm_path.parent, gguf_file=smollm_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
