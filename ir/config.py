@@ -29,6 +29,8 @@ class ModelConfig:
     qk_norm: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None
+    # Which layers the window applies to ("sliding_attention" / "full_attention"); None means all.
+    layer_types: tuple[str, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     source_model_type: str = ""
@@ -38,6 +40,11 @@ class ModelConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.hidden_act not in ("silu", "gelu", "gelu_tanh"):
             raise ValueError(f"unsupported activation {self.hidden_act!r}")
+
+    def window_for(self, layer: int) -> int | None:
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def with_(self, **kw: Any) -> ModelConfig:
         return replace(self, **kw)
@@ -71,6 +78,11 @@ def from_hf(cfg: Mapping[str, Any], arch: str, defaults: Mapping[str, Any]) -> M
     window = cfg.get("sliding_window")
     if cfg.get("use_sliding_window") is False:
         window = None
+    layer_types = cfg.get("layer_types")
+    if window and not layer_types and cfg.get("max_window_layers") is not None:
+        # qwen2/qwen3 before transformers 5 wrote layer_types: layers from max_window_layers on slide.
+        n = int(cfg["num_hidden_layers"])
+        layer_types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(n)]
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
     if act not in _ACTS:
         raise ValueError(f"unsupported hidden_act {act!r}")
@@ -95,6 +107,7 @@ def from_hf(cfg: Mapping[str, Any], arch: str, defaults: Mapping[str, Any]) -> M
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         hidden_act=_ACTS[act],
         sliding_window=int(window) if window else None,
+        layer_types=tuple(layer_types) if window and layer_types else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
         source_model_type=str(cfg.get("model_type", "")),

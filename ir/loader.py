@@ -60,6 +60,10 @@ def _bind(graph: Graph, names: Mapping[str, str], fetch: Callable[[str], StoredT
     return store
 
 
+_GGUF_OPTIONAL = {"qkv_bias": "blk.0.attn_q.bias", "o_bias": "blk.0.attn_output.bias",
+                  "mlp_bias": "blk.0.ffn_up.bias", "qk_norm": "blk.0.attn_q_norm.weight"}
+
+
 def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
     f = GGUFFile(path)
     meta = f.metadata
@@ -69,9 +73,11 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
     freqs = f.tensors.get("rope_freqs.weight")
     factors = tuple(float(x) for x in StoredTensor(freqs.data, freqs.qtype, freqs.shape).dequantize()) \
         if freqs is not None else None
+    # GGUF metadata has no bias or norm flags: the tensors present are the description.
+    present = {flag: True for flag, name in _GGUF_OPTIONAL.items() if name in f.tensors}
     try:
-        cfg = configs.from_gguf(meta, arch.name, arch.defaults, tied="output.weight" not in f.tensors,
-                                freq_factors=factors)
+        cfg = configs.from_gguf(meta, arch.name, {**arch.defaults, **present},
+                                tied="output.weight" not in f.tensors, freq_factors=factors)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(path, f"metadata does not describe a {arch.name} model: {e}") from e
     graph = arch.build(cfg, dtype)

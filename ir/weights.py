@@ -35,8 +35,9 @@ class StoredTensor:
 
     def permute_rows(self, perm: np.ndarray) -> StoredTensor:
         """Reorder output rows; valid for quantized blocks too, since a block never spans two rows."""
-        rows = self.data.reshape(self.shape[0], -1) if self.data.ndim == 1 and len(self.shape) > 1 else self.data
-        return StoredTensor(np.ascontiguousarray(rows[perm]), self.kind, self.shape, self.source)
+        rows = self.data.reshape(self.shape[0], -1)  # 1-D tensors arrive from GGUF as one row of bytes
+        out = np.ascontiguousarray(rows[perm]).reshape(self.data.shape)
+        return StoredTensor(out, self.kind, self.shape, self.source)
 
 
 class WeightStore(Mapping[str, StoredTensor]):

@@ -74,7 +74,7 @@ def _attention_block(g: Graph, cfg: ModelConfig, x: Value, i: int, pos: Value,
         k = g.rms_norm(k, g.param(f"{p}.k_norm", (d,)), eps=cfg.rms_norm_eps)
     q = g.rope(q, pos, spec=cfg.rope)
     k = g.rope(k, pos, spec=cfg.rope)
-    o = g.attention(q, k, v, *meta, layer=i, scale=d**-0.5, sliding_window=cfg.sliding_window)
+    o = g.attention(q, k, v, *meta, layer=i, scale=d**-0.5, sliding_window=cfg.window_for(i))
     o = g.reshape(o, shape=("T", hq * d))
     return _dense(g, o, p, h, hq * d, cfg.o_bias, "row", "wo", "bo")
 
