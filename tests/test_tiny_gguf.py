@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from ir.loader import load_model
@@ -97,21 +98,8 @@ def add_gpt2_vocab(w: gguf.GGUFWriter, n: int) -> None:
 
 
 def make_hf(case: str, seed: int = 0) -> torch.nn.Module:
-    """A random fp32 model with weights large enough that logits spread over several units."""
     cls, extra, _ = CASES[case]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cls(**{**TINY, **extra}), attn_implementation="eager",
-                                             dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.3 * torch.randn_like(p))
-            else:
-                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
-                p.copy_(gain * torch.randn_like(p) / p.shape[-1] ** 0.5)
-    return model.eval()
+    return random_causal_lm(cls(**{**TINY, **extra}), seed)
 
 
 def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
@@ -200,19 +188,7 @@ def rounded_hf(case: str, model: torch.nn.Module, kinds: dict[str, Q]) -> torch.
 
 
 def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
-    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
-
-
-def hf_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def assert_close(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4) -> None:
-    assert ours.shape == ref.shape
-    err, scale = float(np.abs(ours - ref).max()), float(np.abs(ref).max())
-    assert scale > 1.0, f"reference logits are nearly zero (max {scale}); the test would prove little"
-    assert err <= rtol * scale, f"max abs err {err:.3g} > {rtol:g} * max|ref| {scale:.3g}"
+    return random_prompt(seed, n, VOCAB)
 
 
 @pytest.mark.parametrize("case", TRANSFORMERS_CASES)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -50,30 +51,8 @@ MAIN = ["llama3_rope", "llama_bias_tied", "mistral_window", "qwen2", "qwen3"]
 
 
 def make_hf(case: str, seed: int = 0) -> torch.nn.Module:
-    """A random fp32 model whose weights are large enough that attention is far from uniform and the
-    logits spread over several units (the default init of std 0.02 gives near-zero logits, where a
-    wrong rope or mask would hardly show)."""
     cls, extra = CASES[case]
-    cfg = cls(**{**TINY, **extra})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.3 * torch.randn_like(p))
-            else:  # a matrix: unit-variance outputs, a bit more for q/k to sharpen attention
-                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
-                p.copy_(gain * torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.generation_config.eos_token_id = None
-    model.generation_config.bos_token_id = None
-    return model.eval()
-
-
-def hf_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
+    return random_causal_lm(cls(**{**TINY, **extra}), seed)
 
 
 def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
@@ -86,15 +65,8 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
     return new
 
 
-def assert_close(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4) -> None:
-    assert ours.shape == ref.shape
-    err, scale = float(np.abs(ours - ref).max()), float(np.abs(ref).max())
-    assert scale > 1.0, f"reference logits are nearly zero (max {scale}); the test would prove little"
-    assert err <= rtol * scale, f"max abs err {err:.3g} > {rtol:g} * max|ref| {scale:.3g}"
-
-
 def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
-    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
+    return random_prompt(seed, n, VOCAB)
 
 
 @pytest.fixture(scope="module")
