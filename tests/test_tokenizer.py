@@ -181,10 +181,28 @@ def test_dir_config_variants(saved_dir, tmp_path):
     assert ours.apply_chat_template(QUESTION, add_special_tokens=True) == [0, *x]
 
 
+def _tokenizer_gguf_writer(path: Path, arch: str):
+    """A GGUF writer holding the minimal model metadata transformers needs to read a tokenizer."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), arch)
+    for add, value in ((writer.add_context_length, 128), (writer.add_embedding_length, 64),
+                       (writer.add_block_count, 1), (writer.add_feed_forward_length, 128),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 4)):
+        add(value)
+    writer.add_layer_norm_rms_eps(1e-5)
+    return writer
+
+
+def _close(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _write_spm_gguf(path: Path, meta: dict, arch: str) -> None:
     """A small SentencePiece-style vocabulary (byte fallback, scores, no merges) in a tokens-only GGUF,
     respelled from SmolLM2's: no real SPM GGUF is available offline."""
-    gguf = pytest.importorskip("gguf")
     from ir.tokenizer import _bytes_to_unicode
 
     to_byte = {c: b for b, c in _bytes_to_unicode().items()}
@@ -201,12 +219,7 @@ def _write_spm_gguf(path: Path, meta: dict, arch: str) -> None:
             types.append(1)
     tokens += ["<|user|>", "<think>"]
     types += [3, 4]
-    writer = gguf.GGUFWriter(str(path), arch)
-    for add, value in ((writer.add_context_length, 128), (writer.add_embedding_length, 64),
-                       (writer.add_block_count, 1), (writer.add_feed_forward_length, 128),
-                       (writer.add_head_count, 4), (writer.add_head_count_kv, 4)):
-        add(value)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer = _tokenizer_gguf_writer(path, arch)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
@@ -214,10 +227,7 @@ def _write_spm_gguf(path: Path, meta: dict, arch: str) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _close(writer)
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
@@ -238,16 +248,10 @@ def test_sentencepiece_gguf_matches_transformers(meta, tmp_path, arch):
 
 def _write_bpe_gguf(path: Path, meta: dict, pre: str) -> None:
     """SmolLM2's first 8000 tokens and their merges, labelled with another pre-tokenizer."""
-    gguf = pytest.importorskip("gguf")
     tokens = meta["tokenizer.ggml.tokens"][:8000]
     kept = set(tokens)
     merges = [m for m in meta["tokenizer.ggml.merges"] if m.replace(" ", "") in kept]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in ((writer.add_context_length, 128), (writer.add_embedding_length, 64),
-                       (writer.add_block_count, 1), (writer.add_feed_forward_length, 128),
-                       (writer.add_head_count, 4), (writer.add_head_count_kv, 4)):
-        add(value)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer = _tokenizer_gguf_writer(path, "llama")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -256,10 +260,7 @@ def _write_bpe_gguf(path: Path, meta: dict, pre: str) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _close(writer)
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-4o"])
