@@ -1,0 +1,70 @@
+"""Gated activations act(gate) * up (SiLU, GELU exact and tanh forms): DSL kernel, host launcher, reference.
+
+gate and up are two row-strided inputs, so the fused gate_up projection [T, 2I] passes as its two halves
+(views, no copy). Math in fp32; the output takes out's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kernels_src.dsl import compile, elem_stride, tl
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def _act(x, ACT):
+    if ACT == "silu":
+        return x / (1.0 + tl.exp(-x))
+    if ACT == "gelu":
+        return 0.5 * x * (1.0 + tl.erf(x * (1.0 / math.sqrt(2.0))))
+    if ACT == "gelu_tanh":
+        return 0.5 * x * (1.0 + tl.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+    raise ValueError(f"unknown activation {ACT!r} (known: {', '.join(ACTIVATIONS)})")
+
+
+def gated_act_kernel(gate, up, out, n_cols, gate_stride, up_stride, out_stride, BLOCK: tl.constexpr,
+                     ACT: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gate + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * out_stride + cols, _act(g, ACT) * u, mask=mask)
+
+
+def gated_act(gate, up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy"):
+    """act(gate) * up for gate, up [T, I]; out [T, I] (gate's dtype by default)."""
+    if out is None:
+        out = np.empty(gate.shape, gate.dtype) if isinstance(gate, np.ndarray) else gate.new_empty(gate.shape)
+    n = gate.shape[1]
+    block = min(block, tl.next_power_of_2(n))
+    k = compile(gated_act_kernel, target, BLOCK=block, ACT=act)
+    k[gate.shape[0], tl.cdiv(n, block)](gate, up, out, n, elem_stride(gate, 0), elem_stride(up, 0),
+                                         elem_stride(out, 0))
+    return out
+
+
+def gated_act_fused(gate_up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy"):
+    """act(gate) * up on a fused [T, 2I] projection (gate first)."""
+    i = gate_up.shape[1] // 2
+    return gated_act(gate_up[:, :i], gate_up[:, i:], act, out=out, block=block, target=target)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float32)
+
+
+def gated_act_ref(gate: np.ndarray, up: np.ndarray, act: str = "silu") -> np.ndarray:
+    g, u = gate.astype(np.float32), up.astype(np.float32)
+    if act == "silu":
+        a = g / (1 + np.exp(-g))
+    elif act == "gelu":
+        a = 0.5 * g * (1 + _erf(g / np.sqrt(2.0)))
+    elif act == "gelu_tanh":
+        a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+    else:
+        raise ValueError(f"unknown activation {act!r}")
+    return (a * u).astype(gate.dtype)

@@ -1,0 +1,11 @@
+"""A tile-level kernel DSL: kernels written once in Python, traced to a small IR, run by a numpy interpreter
+(the oracle) or emitted as Triton source (and later Metal / CUDA C). See ir.py for the IR's rules."""
+
+from . import tl
+from .ir import KernelIR
+from .launch import TARGETS, Kernel, cache_info, compile, elem_stride
+from .printer import format_kernel
+from .tracer import TraceError, trace
+
+__all__ = ["TARGETS", "Kernel", "KernelIR", "TraceError", "cache_info", "compile", "elem_stride", "format_kernel",
+           "tl", "trace"]

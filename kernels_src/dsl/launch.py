@@ -1,0 +1,110 @@
+"""Compiling and launching: `k = compile(fn, target, **constexprs)`, then `k[grid](*args)`.
+
+Runtime parameter types come from the launch arguments (arrays -> pointers of their dtype, int -> i32,
+float -> fp32), like Triton's JIT; each new signature is traced once. Compiled kernels are cached by
+(target, source, constexprs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .interpreter import run
+from .ir import KernelIR, dtype_of
+from .printer import format_kernel
+from .tracer import split_params, trace
+
+TARGETS = ("numpy", "triton", "triton-interpret")
+_compiled: dict[tuple, Callable] = {}
+_kernels: dict[tuple, Kernel] = {}
+
+
+def arg_type(a) -> str:
+    """Signature string of one launch argument: "*fp16" for arrays and tensors, "i32"/"i64"/"fp32" for numbers."""
+    if isinstance(a, bool | np.bool_):
+        return "i1"
+    if isinstance(a, int):
+        return "i32" if -2**31 <= a < 2**31 else "i64"
+    if isinstance(a, float):
+        return "fp32"
+    if isinstance(a, np.generic):
+        return str(dtype_of(a.dtype))
+    if hasattr(a, "dtype") and hasattr(a, "shape"):
+        return "*" + str(dtype_of(a.dtype))
+    raise TypeError(f"cannot pass {type(a).__name__} to a kernel")
+
+
+def elem_stride(a, dim: int) -> int:
+    """Stride of `dim` in elements, for numpy arrays and torch tensors."""
+    if isinstance(a, np.ndarray):
+        return a.strides[dim] // a.itemsize
+    return int(a.stride(dim))
+
+
+def _freeze(d: dict) -> tuple:
+    return tuple(sorted(d.items()))
+
+
+class Kernel:
+    """A kernel function bound to a target and constexprs; `k[grid](*args)` launches it."""
+
+    def __init__(self, fn, target: str, constexprs: dict, num_warps: int = 4):
+        if target not in TARGETS:
+            raise ValueError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
+        self.fn, self.target, self.constexprs, self.num_warps = fn, target, constexprs, num_warps
+        self.runtime_params = split_params(fn)[0]
+        self._traces: dict[tuple, KernelIR] = {}
+
+    def trace(self, *args, signature: dict | None = None) -> KernelIR:
+        """The IR for these launch arguments (or an explicit {name: "*fp32" | "i32" ...} signature)."""
+        if signature is None:
+            if len(args) != len(self.runtime_params):
+                raise TypeError(f"{self.fn.__name__} takes {len(self.runtime_params)} runtime arguments "
+                                f"({', '.join(self.runtime_params)}), got {len(args)}")
+            signature = {n: arg_type(a) for n, a in zip(self.runtime_params, args, strict=True)}
+        key = _freeze(signature)
+        if key not in self._traces:
+            self._traces[key] = trace(self.fn, signature, self.constexprs)
+        return self._traces[key]
+
+    def source(self, *args, signature: dict | None = None) -> str:
+        """What the target compiles: Triton source, or the IR text for the numpy interpreter."""
+        k = self.trace(*args, signature=signature)
+        if self.target == "numpy":
+            return format_kernel(k)
+        from .triton_target import TritonRenderer
+
+        return TritonRenderer().render(k)
+
+    def compiled(self, *args, signature: dict | None = None) -> Callable:
+        """`launch(grid, *args)` for these arguments' signature, from the cache when it was built before."""
+        k = self.trace(*args, signature=signature)
+        src = self.source(*args, signature=signature)
+        key = (self.target, src, _freeze(self.constexprs), self.num_warps)
+        if key not in _compiled:
+            if self.target == "numpy":
+                _compiled[key] = lambda grid, *a: run(k, grid, *a)
+            else:
+                from .triton_target import build
+
+                fn = build(src, k.name, interpret=self.target == "triton-interpret")
+                _compiled[key] = lambda grid, *a: fn[grid](*a, num_warps=self.num_warps)
+        return _compiled[key]
+
+    def __getitem__(self, grid) -> Callable:
+        grid = (grid,) if isinstance(grid, int) else tuple(int(g) for g in grid)
+        return lambda *args: self.compiled(*args)(grid, *args)
+
+
+def compile(fn, target: str = "numpy", *, num_warps: int = 4, **constexprs) -> Kernel:  # noqa: A001
+    """The kernel `fn` for `target` ("numpy", "triton", "triton-interpret") with its constexpr values."""
+    key = (fn, target, num_warps, _freeze(constexprs))
+    if key not in _kernels:
+        _kernels[key] = Kernel(fn, target, constexprs, num_warps)
+    return _kernels[key]
+
+
+def cache_info() -> dict:
+    return {"kernels": len(_kernels), "compiled": len(_compiled)}

@@ -1,0 +1,272 @@
+"""The kernel language, used as `from kernels_src.dsl import tl`: Triton's tile vocabulary, traced into kernel IR."""
+
+from __future__ import annotations
+
+import builtins
+
+import numpy as np
+
+from .ir import PtrType, TileType
+from .tile import (  # noqa: F401  (re-exported names of the language)
+    Tile,
+    _axis,
+    _binary,
+    _cast,
+    _common_shape,
+    _const,
+    _elementwise,
+    _lift,
+    _op,
+    _pow2,
+    _promote,
+    _to_shape,
+    _unary,
+    bfloat16,
+    constexpr,
+    expand_dims,
+    float16,
+    float32,
+    float64,
+    int1,
+    int8,
+    int16,
+    int32,
+    int64,
+    pointer_type,
+    uint8,
+    uint16,
+    uint32,
+    uint64,
+)
+from .tracer import TraceError, current
+
+# --- program indexing and tile creation ------------------------------------------------------------------------
+
+
+def program_id(axis: int) -> Tile:
+    return _op("program_id", [], TileType(int32), axis=int(axis))
+
+
+def num_programs(axis: int) -> Tile:
+    return _op("num_programs", [], TileType(int32), axis=int(axis))
+
+
+def arange(start: int, end: int) -> Tile:
+    """i32 [end - start] holding start, start+1, ...; start and end are constexprs."""
+    start, end = int(start), int(end)
+    return _op("arange", [], TileType(int32, _pow2([end - start])), start=start, end=end)
+
+
+def full(shape, value, dtype) -> Tile:
+    shape = _pow2(shape)
+    v = _cast(_lift(value), dtype) if isinstance(value, Tile) else _const(value, dtype)
+    return _to_shape(v, shape) if not shape else _op("broadcast", [v], TileType(dtype, shape), shape=shape)
+
+
+def zeros(shape, dtype) -> Tile:
+    return full(shape, 0, dtype)
+
+
+def cast(x, dtype, bitcast: bool = False) -> Tile:
+    return _lift(x).to(dtype, bitcast=bitcast)
+
+
+def broadcast_to(x, shape) -> Tile:
+    x, shape = _lift(x), tuple(shape)
+    if not x.shape:
+        return full(shape, x, x.dtype)
+    try:
+        ok = np.broadcast_shapes(x.shape, shape) == shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise TraceError(f"cannot broadcast {x.type} to {shape}")
+    return _to_shape(x, shape)
+
+
+def trans(x: Tile) -> Tile:
+    if len(x.shape) != 2:
+        raise TraceError(f"trans needs a 2-d tile, got {x.type}")
+    return _op("trans", [x], TileType(x.dtype, x.shape[::-1]))
+
+
+# --- memory ----------------------------------------------------------------------------------------------------
+
+
+def _check_ptr(ptr, what: str) -> Tile:
+    if not (isinstance(ptr, Tile) and isinstance(ptr.dtype, PtrType)):
+        raise TraceError(f"{what} needs a pointer (a pointer parameter plus offsets), got {ptr!r}")
+    return ptr
+
+
+def _check_mask(mask) -> Tile:
+    mask = _lift(mask)
+    if mask.dtype != int1:
+        raise TraceError(f"masks are booleans (comparisons), got {mask.dtype}")
+    return mask
+
+
+def _ptr_to(ptr: Tile, shape: tuple[int, ...]) -> Tile:
+    """Pointers take the access shape (masks, values and `other` may stay scalars)."""
+    if ptr.shape == shape or ptr.shape:
+        return _to_shape(ptr, shape)
+    return _op("broadcast", [ptr], TileType(ptr.dtype, shape), shape=shape)
+
+
+def load(ptr: Tile, mask=None, other=None) -> Tile:
+    """Elements at `ptr`; where `mask` is False, `other` (undefined without it: the interpreter returns poison)."""
+    ptr = _check_ptr(ptr, "load")
+    args = [ptr]
+    if mask is not None:
+        args.append(_check_mask(mask))
+        if other is not None:
+            args.append(_cast(_lift(other, ptr.dtype.elem), ptr.dtype.elem))
+    shape = _common_shape(*args)
+    args = [_ptr_to(ptr, shape)] + [_to_shape(a, shape) for a in args[1:]]
+    return _op("load", args, TileType(ptr.dtype.elem, shape))
+
+
+def store(ptr: Tile, value, mask=None) -> None:
+    """Write `value` (converted to the pointer's element type) at `ptr` where `mask` is True."""
+    ptr = _check_ptr(ptr, "store")
+    args = [ptr, _cast(_lift(value, ptr.dtype.elem), ptr.dtype.elem)]
+    if mask is not None:
+        args.append(_check_mask(mask))
+    shape = _common_shape(*args)
+    args = [_ptr_to(ptr, shape)] + [_to_shape(a, shape) for a in args[1:]]
+    current().emit("store", [a.v for a in args], {}, [])
+
+
+# --- elementwise math ------------------------------------------------------------------------------------------
+
+
+def where(cond, a, b) -> Tile:
+    cond = _check_mask(cond)
+    a_like = a.dtype if isinstance(a, Tile) else None
+    b_like = b.dtype if isinstance(b, Tile) else None
+    a, b = _lift(a, b_like), _lift(b, a_like)
+    dtype = _promote(a.dtype, b.dtype)
+    return _elementwise("where", [cond, _cast(a, dtype), _cast(b, dtype)], dtype)
+
+
+def maximum(a, b) -> Tile:
+    return _binary("max", a, b)
+
+
+def minimum(a, b) -> Tile:
+    return _binary("min", a, b)
+
+
+def abs(x) -> Tile:
+    return _unary("abs", x)
+
+
+def _math(name: str):
+    f = lambda x: _unary(name, x)
+    f.__name__ = name
+    f.__doc__ = f"Elementwise {name} of an fp32 tile."
+    return f
+
+
+exp, exp2, log, log2, sqrt, rsqrt = (_math(n) for n in ("exp", "exp2", "log", "log2", "sqrt", "rsqrt"))
+sin, cos, tanh, erf, floor, ceil = (_math(n) for n in ("sin", "cos", "tanh", "erf", "floor", "ceil"))
+
+
+def sigmoid(x) -> Tile:
+    return 1.0 / (1.0 + exp(-_lift(x)))
+
+
+# --- reductions and dot ----------------------------------------------------------------------------------------
+
+
+def _reduce(kind: str, x, axis, keep_dims: bool) -> Tile:
+    x = _lift(x)
+    if axis is None:
+        for _ in range(len(x.shape)):
+            x = _reduce(kind, x, 0, False)
+        return x
+    axis = _axis(x, axis)
+    if x.dtype.bits < 32:  # reductions run in 32 bits at least (Triton widens these itself)
+        x = _cast(x, float32 if x.dtype.is_float else int32)
+    out = _op("reduce", [x], TileType(x.dtype, x.shape[:axis] + x.shape[axis + 1:]), kind=kind, axis=axis)
+    return expand_dims(out, axis) if keep_dims else out
+
+
+def sum(x, axis=None, keep_dims: bool = False) -> Tile:
+    return _reduce("sum", x, axis, keep_dims)
+
+
+def max(x, axis=None, keep_dims: bool = False) -> Tile:
+    return _reduce("max", x, axis, keep_dims)
+
+
+def min(x, axis=None, keep_dims: bool = False) -> Tile:
+    return _reduce("min", x, axis, keep_dims)
+
+
+def dot(a: Tile, b: Tile, acc: Tile | None = None) -> Tile:
+    """[M, K] @ [K, N] -> fp32 [M, N], every dim >= 16 (Triton's tensor-core minimum); fp32 inputs in full IEEE."""
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0]:
+        raise TraceError(f"dot needs [M, K] @ [K, N], got {a.type} @ {b.type}")
+    if builtins.min(*a.shape, b.shape[1]) < 16:
+        raise TraceError(f"dot dims must be >= 16, got {a.shape} @ {b.shape}")
+    dtype = _promote(a.dtype, b.dtype)
+    if not dtype.is_float:
+        raise TraceError(f"dot is for floats, got {dtype}")
+    out = _op("dot", [_cast(a, dtype), _cast(b, dtype)], TileType(float32, (a.shape[0], b.shape[1])))
+    return out if acc is None else out + acc
+
+
+# --- loops -----------------------------------------------------------------------------------------------------
+
+
+def static_range(start: int, stop: int | None = None, step: int = 1) -> range:
+    """A constexpr loop: unrolled while tracing."""
+    return range(start, stop, step) if stop is not None else range(start)
+
+
+def fori_loop(lo, hi, body, init=(), step: int = 1):
+    """A runtime loop: `carry = body(i, *carry)` for i in range(lo, hi, step); returns the final carry.
+
+    `lo`/`hi` are i32 scalars (runtime values or ints), `step` a nonzero int. `init` is one value or a tuple;
+    the body returns the same number of values, each of its init's dtype and shape (scalars are broadcast).
+    """
+    b = current()
+    single = not isinstance(init, tuple | list)
+    inits = [_lift(x) for x in ([init] if single else init)]
+    bounds = [_cast(_lift(x, int32), int32) for x in (lo, hi)]
+    if any(t.shape for t in bounds) or not isinstance(step, int) or step == 0:
+        raise TraceError("fori_loop bounds are scalars and step a nonzero int")
+    from .ir import Block
+
+    block = Block(parent=b.block)
+    block.args = [b.value(TileType(int32), block)] + [b.value(t.type, block) for t in inits]
+    b.block = block
+    try:
+        out = body(*(Tile(v) for v in block.args))
+        outs = [out] if single and inits else list(out or ())
+        if len(outs) != len(inits):
+            raise TraceError(f"fori_loop body returned {len(outs)} values for {len(inits)} carried")
+        for k, (o, i) in enumerate(zip(outs, inits, strict=True)):
+            o = _lift(o, i.dtype)
+            if o.dtype != i.dtype or (o.shape and o.shape != i.shape):
+                raise TraceError(f"loop-carried value {k} changes from {i.type} to {o.type}")
+            if o.shape != i.shape:
+                o = full(i.shape, o, i.dtype)
+            if not o.v.block.encloses(block):
+                raise TraceError(f"loop-carried value {k} is not visible in the body")
+            block.yields.append(o.v)
+    finally:
+        b.block = block.parent
+    op = b.emit("for", [t.v for t in bounds + inits], {"step": step}, [t.type for t in inits])
+    op.body = block
+    res = [Tile(v) for v in op.results]
+    return (res[0] if res else None) if single else tuple(res)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (builtins.max(int(n), 1) - 1).bit_length()

@@ -1,0 +1,207 @@
+"""The Triton target: KernelIR -> Triton Python source -> `triton.jit` (or Triton's interpreter), and AOT builds.
+
+Constexprs are folded into the source while tracing, so the emitted function takes only runtime parameters.
+The source is written to a file named by its hash because `triton.jit` reads a function's source from its file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+from .ir import KernelIR, Op
+from .renderer import Renderer
+
+
+def _typed(r: Renderer, op: Op) -> str:
+    t = op.result.dtype
+    return f"tl.full((), {r.literal(op.attrs['value'], t)}, {r.dtype(t)})"
+
+
+def _const(r: Renderer, op: Op) -> str:
+    # Python literals are weakly typed in Triton; only i32/fp32/bool literals are exactly what the IR says.
+    if op.result.dtype.name in ("i32", "fp32", "i1"):
+        return r.literal(op.attrs["value"], op.result.dtype)
+    return _typed(r, op)
+
+
+def _broadcast(r: Renderer, op: Op, x: str) -> str:
+    return f"tl.broadcast_to({x}, {tuple(op.attrs['shape'])})"
+
+
+def _dot(r: Renderer, op: Op, a: str, b: str) -> str:
+    precision = ', input_precision="ieee"' if op.args[0].dtype.name == "fp32" else ""
+    return f"tl.dot({a}, {b}{precision})"
+
+
+def _load(r: Renderer, op: Op, p: str, mask: str | None = None, other: str | None = None) -> str:
+    return f"tl.load({p}" + (f", mask={mask}" if mask else "") + (f", other={other}" if other else "") + ")"
+
+
+def _call(fn: str):
+    return lambda r, op, x: f"{fn}({x})"
+
+
+class TritonRenderer(Renderer):
+    target = "triton"
+    dtype_names = {"i1": "tl.int1", "i8": "tl.int8", "i16": "tl.int16", "i32": "tl.int32", "i64": "tl.int64",
+                   "u8": "tl.uint8", "u16": "tl.uint16", "u32": "tl.uint32", "u64": "tl.uint64",
+                   "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
+    infix = Renderer.infix | {"idiv": "//", "mod": "%", "ptr_add": "+"}
+    code_for_op = {
+        "const": lambda r, op: _const(r, op),
+        "program_id": lambda r, op: f"tl.program_id({op.attrs['axis']})",
+        "num_programs": lambda r, op: f"tl.num_programs({op.attrs['axis']})",
+        "arange": lambda r, op: f"tl.arange({op.attrs['start']}, {op.attrs['end']})",
+        # tl.cast, not x.to: the interpreter hands loop counters over as Python ints
+        "cast": lambda r, op, x: f"tl.cast({x}, {r.dtype(op.result.dtype)})",
+        "bitcast": lambda r, op, x: f"tl.cast({x}, {r.dtype(op.result.dtype)}, bitcast=True)",
+        "ptr_cast": lambda r, op, x: f"{x}.to(tl.pointer_type({r.dtype(op.result.dtype.elem)}))",
+        "broadcast": _broadcast,
+        "expand_dims": lambda r, op, x: f"tl.expand_dims({x}, {op.attrs['axis']})",
+        "trans": lambda r, op, x: f"tl.trans({x})",
+        "reduce": lambda r, op, x: f"tl.{op.attrs['kind']}({x}, axis={op.attrs['axis']})",
+        "dot": _dot,
+        "where": lambda r, op, c, a, b: f"tl.where({c}, {a}, {b})",
+        "max": lambda r, op, a, b: f"tl.maximum({a}, {b})",
+        "min": lambda r, op, a, b: f"tl.minimum({a}, {b})",
+        "abs": lambda r, op, x: f"tl.abs({x})",
+        "tanh": lambda r, op, x: f"(2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",  # no tl.tanh in Triton 3.x
+        "load": _load,
+        **{m: _call(f"tl.{m}") for m in ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "erf",
+                                          "floor", "ceil")},
+    }
+
+    def prologue(self, k: KernelIR) -> list[str]:
+        params = ", ".join(p.name for p in k.params)
+        consts = ", ".join(f"{n}={v!r}" for n, v in k.constexprs.items())
+        return ["import triton  # noqa: F401", "import triton.language as tl", "", "",
+                f"def {k.name}({params}):", f'    """Generated from the kernel DSL; constexprs: {consts or "none"}."""']
+
+    def render_store(self, op: Op, depth: int) -> list[str]:
+        p, v, *m = (self.name(a) for a in op.args)
+        return [self.indent * depth + f"tl.store({p}, {v}" + (f", mask={m[0]}" if m else "") + ")"]
+
+    def render_for(self, op: Op, depth: int) -> list[str]:
+        pad = self.indent * depth
+        lo, hi, *init = op.args
+        iv, *carried = op.body.args
+        self.names[iv.id] = f"i{iv.id}"
+        for k, (c, r) in enumerate(zip(carried, op.results, strict=True)):
+            self.names[c.id] = self.names[r.id] = f"c{op.results[0].id}_{k}"
+        lines = []
+        if carried:  # carried values keep one exact type across iterations, so initial constants are typed
+            inits = [_typed(self, i.op) if i.op is not None and i.op.opcode == "const" else self.name(i)
+                     for i in init]
+            lines.append(pad + f"{', '.join(self.name(c) for c in carried)} = {', '.join(inits)}")
+        lines.append(pad + f"for {self.name(iv)} in range({self.name(lo)}, {self.name(hi)}, {op.attrs['step']}):")
+        lines += self.render_block(op.body, depth + 1)
+        if carried:
+            names = ", ".join(self.name(c) for c in carried)
+            lines.append(pad + self.indent + f"{names} = {', '.join(self.name(y) for y in op.body.yields)}")
+        return lines
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("KERNELS_CACHE_DIR") or Path(tempfile.gettempdir()) / f"llm-engine-kernels-{os.getuid()}"
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def load_function(source: str, name: str):
+    """The plain Python function `name` defined by `source`, imported from a file so that its source is readable."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = cache_dir() / f"triton_{name}_{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"_dsl_triton_{name}_{digest}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def build(source: str, name: str, interpret: bool = False):
+    """A launchable Triton kernel (`fn[grid](*args, num_warps=...)`) for rendered `source`."""
+    import triton
+
+    fn = load_function(source, name)
+    if interpret:
+        return _Interpreted(fn)
+    return triton.jit(fn)
+
+
+class _Interpreted:
+    """Triton's interpreter in-process, whatever TRITON_INTERPRET said when triton was imported.
+
+    Under TRITON_INTERPRET=1 `triton.jit` makes InterpretedFunctions, also for triton.language's own jit'd
+    helpers (tl.sum, tl.max, tl.sigmoid ...) at import time. Imported without it, those helpers are JITFunctions
+    that refuse to run on the host, so for the duration of a launch they are swapped for interpreted twins.
+    """
+
+    def __init__(self, fn):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.fn = InterpretedFunction(fn)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+            with _interpreted_stdlib():
+                return self.fn[grid](*args, **kwargs)
+
+        return launch
+
+
+@contextlib.contextmanager
+def _interpreted_stdlib():
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+    from triton.runtime.jit import JITFunction
+
+    importlib.import_module("triton.experimental.gluon")  # imported lazily by launches; it checks JITFunctions
+    swapped = []
+    for module in (tl, tl.standard, tl.math, tl.core):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                swapped.append((module, name, value))
+    class Twin(InterpretedFunction):
+        def __call__(self, *args, **kwargs):  # upstream leaves triton.language patched after a device call
+            scope = _patch_lang(self.fn)
+            try:
+                return self.rewrite()(*args, **kwargs)
+            finally:
+                scope.restore()
+
+    twins = {id(v): Twin(v.fn) for _, _, v in swapped}
+    try:
+        for module, name, value in swapped:
+            setattr(module, name, twins[id(value)])
+        yield
+    finally:
+        for module, name, value in swapped:
+            setattr(module, name, value)
+
+
+def aot_compile(k: KernelIR, arch: int = 90, num_warps: int = 4, num_stages: int = 3):
+    """Compile for CUDA sm_`arch` without a GPU (ptxas ships in the triton wheel); returns triton's CompiledKernel
+    whose `.asm` holds ttir, ttgir, llir, ptx and cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if triton.knobs.runtime.interpret:
+        raise RuntimeError("AOT builds need TRITON_INTERPRET unset: under it triton.language's helpers are "
+                           "interpreted functions that the compiler cannot lower")
+    # JITFunction, not triton.jit: under TRITON_INTERPRET=1 the latter makes an interpreted function
+    fn = JITFunction(load_function(TritonRenderer().render(k), k.name))
+    src = ASTSource(fn, signature=k.signature)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)

@@ -1,0 +1,82 @@
+"""RMS norm, and the fused residual add + RMS norm: DSL kernels, host launchers and numpy references.
+
+One program normalizes one row held whole in one tile (BLOCK >= hidden size), in fp32. `OFFSET` multiplies by
+(1 + w) instead of w (Gemma). The fused kernel writes the sum (rounded to its output dtype, which the norm then
+reads, as an unfused add would) and the normed sum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels_src.dsl import compile, elem_stride, tl
+
+
+def _norm_row(xv, w, n_cols, eps, cols, mask, OFFSET):
+    ms = tl.sum(xv * xv, axis=0) / n_cols
+    wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        wv = wv + 1.0
+    return xv * tl.rsqrt(ms + eps) * wv
+
+
+def rms_norm_kernel(x, w, out, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    xv = tl.load(x + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * out_stride + cols, _norm_row(xv, w, n_cols, eps, cols, mask, OFFSET), mask=mask)
+
+
+def add_rms_norm_kernel(x, residual, w, sum_out, out, n_cols, x_stride, r_stride, s_stride, out_stride, eps,
+                        BLOCK: tl.constexpr, OFFSET: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    xv = tl.load(x + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rv = tl.load(residual + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (xv + rv).to(sum_out.dtype.element_ty)
+    tl.store(sum_out + row * s_stride + cols, s, mask=mask)
+    normed = _norm_row(s.to(tl.float32), w, n_cols, eps, cols, mask, OFFSET)
+    tl.store(out + row * out_stride + cols, normed, mask=mask)
+
+
+# --- host side -------------------------------------------------------------------------------------------------
+
+def _empty_like(x):
+    return np.empty_like(x) if isinstance(x, np.ndarray) else x.new_empty(x.shape)
+
+
+def rms_norm(x, w, eps: float, *, offset: bool = False, out=None, target: str = "numpy"):
+    """x [rows, n] (rows may be strided, elements contiguous) -> out [rows, n] in out's dtype (x's by default)."""
+    out = _empty_like(x) if out is None else out
+    n = x.shape[-1]
+    k = compile(rms_norm_kernel, target, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset))
+    k[x.shape[0]](x, w, out, n, elem_stride(x, 0), elem_stride(out, 0), float(eps))
+    return out
+
+
+def add_rms_norm(x, residual, w, eps: float, *, offset: bool = False, sum_out=None, out=None,
+                 target: str = "numpy"):
+    """(x + residual, rms_norm(x + residual)); the outputs may alias the inputs (each row is read, then written)."""
+    sum_out = _empty_like(x) if sum_out is None else sum_out
+    out = _empty_like(x) if out is None else out
+    n = x.shape[-1]
+    k = compile(add_rms_norm_kernel, target, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset))
+    k[x.shape[0]](x, residual, w, sum_out, out, n, elem_stride(x, 0), elem_stride(residual, 0),
+                  elem_stride(sum_out, 0), elem_stride(out, 0), float(eps))
+    return sum_out, out
+
+
+# --- references ------------------------------------------------------------------------------------------------
+
+def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float, offset: bool = False, out_dtype=None) -> np.ndarray:
+    xf = x.astype(np.float32)
+    wf = w.astype(np.float32) + (1.0 if offset else 0.0)
+    ms = np.mean(xf * xf, axis=-1, keepdims=True)
+    return (xf / np.sqrt(ms + np.float32(eps)) * wf).astype(out_dtype or x.dtype)
+
+
+def add_rms_norm_ref(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float, offset: bool = False):
+    s = (x.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
+    return s, rms_norm_ref(s, w, eps, offset)
