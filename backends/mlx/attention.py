@@ -1,0 +1,145 @@
+"""Paged attention in mlx ops, following the contract of `ir.batch`.
+
+The per-step metadata (which cache slots each sequence reads, masks) is computed once in numpy and
+shared by every layer. Decodes (one query token) are batched into one padded attention call;
+prefill chunks run one call each. Cache layout per layer: [num_slots, kv_heads, head_dim], where
+slot = block * block_size + offset; one extra block at the end is scratch for padding writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backends.mlx.runtime import mx
+from ir.batch import Batch
+
+
+def _bucket(n: int, minimum: int) -> int:
+    """Round up to a power of two, so that shapes (and compiled graphs) repeat."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass
+class PrefillChunk:
+    rows: tuple[int, int]  # flat token rows [start, end)
+    kv_slots: mx.array  # [ctx] slots of cache indices 0..ctx-1
+    positions: np.ndarray  # [q_len] cache index of each query token
+    ctx: int
+
+
+@dataclass
+class AttentionMeta:
+    slots: mx.array  # [T] write slots; padding goes to the scratch slot
+    decode_rows: np.ndarray  # [Bd] flat row of each decode token
+    decode_slots: mx.array | None  # [Bd_pad, L] slots to read
+    decode_ctx: np.ndarray  # [Bd_pad] context length (padding rows: 0)
+    prefills: list[PrefillChunk]
+    order: mx.array | None  # inverse permutation from (decodes, prefills) back to batch rows
+    num_tokens: int
+    _masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_batch(cls, batch: Batch, block_size: int, scratch_slot: int) -> AttentionMeta:
+        tables = batch.block_tables.astype(np.int64)
+        qs, ctx = batch.query_start, batch.context_lens
+        q_lens = np.diff(qs)
+        slots = np.where(batch.slot_mapping < 0, scratch_slot, batch.slot_mapping)
+        dec = np.flatnonzero(q_lens == 1)
+        pre = np.flatnonzero(q_lens > 1)
+
+        def cache_slots(b: int, n: int) -> np.ndarray:
+            j = np.arange(n)
+            return tables[b, j // block_size] * block_size + j % block_size
+
+        decode_slots, dctx = None, np.zeros(0, np.int32)
+        if len(dec):
+            bd = _bucket(len(dec), 1)
+            width = _bucket(int(ctx[dec].max()), block_size)
+            table = np.full((bd, width), scratch_slot, np.int64)
+            dctx = np.zeros(bd, np.int32)
+            for r, b in enumerate(dec):
+                table[r, : ctx[b]] = cache_slots(b, int(ctx[b]))
+                dctx[r] = ctx[b]
+            decode_slots = mx.array(table.astype(np.int32))
+        prefills = []
+        for b in pre:
+            n, q = int(ctx[b]), int(q_lens[b])
+            prefills.append(PrefillChunk((int(qs[b]), int(qs[b + 1])), mx.array(cache_slots(b, n).astype(np.int32)),
+                                         np.arange(n - q, n), n))
+        rows = np.concatenate([qs[dec]] + [np.arange(*p.rows) for p in prefills]).astype(np.int64)
+        order = None
+        if len(rows) != batch.num_tokens or np.any(rows != np.arange(len(rows))):
+            inv = np.empty(len(rows), np.int32)
+            inv[rows] = np.arange(len(rows), dtype=np.int32)
+            order = mx.array(inv)
+        return cls(mx.array(slots.astype(np.int32)), qs[dec].astype(np.int64), decode_slots, dctx, prefills,
+                   order, batch.num_tokens)
+
+    def decode_mask(self, window: int | None) -> mx.array:
+        """Boolean mask [Bd_pad, 1, 1, L]: key j is visible to the query at cache index ctx-1."""
+        key = ("decode", window)
+        if key not in self._masks:
+            width = self.decode_slots.shape[1]
+            j = np.arange(width)[None, :]
+            last = self.decode_ctx[:, None] - 1
+            ok = j <= last
+            if window:
+                ok &= j > last - window
+            self._masks[key] = mx.array(ok[:, None, None, :])
+        return self._masks[key]
+
+    def prefill_mask(self, i: int, window: int | None) -> mx.array:
+        key = ("prefill", i, window)
+        if key not in self._masks:
+            p = self.prefills[i]
+            j = np.arange(p.ctx)[None, :]
+            qi = p.positions[:, None]
+            ok = j <= qi
+            if window:
+                ok &= j > qi - window
+            self._masks[key] = mx.array(ok[None, None])
+        return self._masks[key]
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float | None):
+    """q [B, Hq, Q, D], k/v [B, Hkv, L, D], boolean mask broadcastable to [B, Hq, Q, L]."""
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (q @ k.transpose(0, 1, 3, 2)).astype(mx.float32) * scale
+    s = mx.where(mask, softcap * mx.tanh(s / softcap), -mx.inf)
+    return mx.softmax(s, axis=-1).astype(q.dtype) @ v
+
+
+def paged_attention(q, k, v, kc, vc, meta: AttentionMeta, *, scale: float, sliding_window: int | None,
+                    softcap: float | None):
+    """Writes this step's k/v into the caches, then attends. Returns (out [T, Hq, Dv], kc, vc)."""
+    kc[meta.slots] = k
+    vc[meta.slots] = v
+    parts = []
+    if meta.decode_slots is not None:
+        bd = meta.decode_slots.shape[0]
+        qd = q[mx.array(meta.decode_rows)]
+        if qd.shape[0] < bd:
+            qd = mx.pad(qd, [(0, bd - qd.shape[0]), (0, 0), (0, 0)])
+        keys = kc[meta.decode_slots].transpose(0, 2, 1, 3)  # [Bd, Hkv, L, D]
+        vals = vc[meta.decode_slots].transpose(0, 2, 1, 3)
+        out = _attend(qd[:, :, None, :], keys, vals, meta.decode_mask(sliding_window), scale, softcap)
+        parts.append(out[: len(meta.decode_rows), :, 0, :])
+    for i, p in enumerate(meta.prefills):
+        qp = q[p.rows[0]: p.rows[1]].transpose(1, 0, 2)[None]
+        keys = kc[p.kv_slots].transpose(1, 0, 2)[None]
+        vals = vc[p.kv_slots].transpose(1, 0, 2)[None]
+        out = _attend(qp, keys, vals, meta.prefill_mask(i, sliding_window), scale, softcap)
+        parts.append(out[0].transpose(1, 0, 2))
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    if meta.order is not None:
+        out = out[meta.order]
+    return out, kc, vc

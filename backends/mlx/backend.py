@@ -1,0 +1,76 @@
+"""The MLX backend: Metal on Apple Silicon, MLX's CPU build elsewhere."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from backends.base import Backend, MemoryReport
+from backends.mlx import fast_blas, weights
+from backends.mlx.attention import AttentionMeta
+from backends.mlx.lower import GraphRunner, StepContext
+from backends.mlx.runtime import metal_available, mx
+from ir.batch import Batch
+from ir.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+class MLXBackend(Backend):
+    name = "mlx"
+
+    def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
+                 progress: bool = True):
+        self.model = model
+        self.metal = metal_available()
+        # MLX's CPU quantized_matmul and its half-precision GEMMs are several times slower than fp32
+        # through OpenBLAS (docs/BENCHMARKS.md), so the CPU default is dense fp32.
+        self.dtype = dtype or ("f16" if self.metal else "f32")
+        self.quantized = self.metal if quantized is None else quantized
+        self.params, fallbacks = weights.convert(model.graph, model.weights, self.dtype, self.quantized, progress)
+        for reason, count in fallbacks.items():
+            log.warning("%d tensor(s) kept dense instead of MLX-quantized: %s", count, reason)
+        self.fallbacks = dict(fallbacks)
+        self.runner = GraphRunner(model.graph, self.params, weights.DTYPES[self.dtype])
+        self.kv: list[list[mx.array]] = []
+        self.block_size = 0
+        self.num_blocks = 0
+        log.info("mlx backend on %s, %s, %s weights, GEMMs through %s", "metal" if self.metal else "cpu",
+                 self.dtype, "quantized" if self.quantized else "dense", fast_blas.status)
+
+    def _kv_shapes(self) -> list[tuple[int, int, int]]:
+        out = []
+        for node in self.model.graph.nodes:
+            if node.op == "attention":
+                _, hkv, dk = node.inputs[1].shape
+                out.append((hkv, dk, node.inputs[2].shape[2]))
+        return out
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        item = mx.zeros((1,), weights.DTYPES[self.dtype]).itemsize
+        return sum(block_size * hkv * (dk + dv) * item for hkv, dk, dv in self._kv_shapes())
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        dt = weights.DTYPES[self.dtype]
+        slots = (num_blocks + 1) * block_size  # the extra block is scratch for padding writes
+        self.kv = [[mx.zeros((slots, hkv, dk), dt), mx.zeros((slots, hkv, dv), dt)]
+                   for hkv, dk, dv in self._kv_shapes()]
+        mx.eval(self.kv)
+        self.block_size, self.num_blocks = block_size, num_blocks
+
+    def forward(self, batch: Batch) -> np.ndarray:
+        if not self.kv:
+            raise RuntimeError("allocate_kv must be called before forward")
+        meta = AttentionMeta.from_batch(batch, self.block_size, self.num_blocks * self.block_size)
+        ctx = StepContext(meta, batch.positions, weights.DTYPES[self.dtype])
+        inputs = {"token_ids": mx.array(batch.token_ids), "logits_indices": mx.array(batch.logits_indices)}
+        out = self.runner.run(inputs, ctx, self.kv)
+        logits = out["logits"].astype(mx.float32)
+        mx.eval(logits, self.kv)
+        return np.array(logits, copy=False)
+
+    def memory(self) -> MemoryReport:
+        wbytes = sum(v.nbytes for v in self.params.values())
+        kbytes = sum(a.nbytes for layer in self.kv for a in layer)
+        return MemoryReport(wbytes, kbytes, "metal" if self.metal else "cpu")

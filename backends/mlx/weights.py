@@ -1,0 +1,83 @@
+"""IR parameters as mlx arrays: dense in the compute dtype, or GGUF blocks as MLX affine quantization."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from backends.mlx.runtime import mx
+from ir.graph import Graph
+from ir.weights import StoredTensor
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+
+
+@dataclass
+class QuantLinear:
+    """A matrix kept as MLX affine groups: w = scales * q + biases per group of `group_size`."""
+
+    wq: mx.array
+    scales: mx.array
+    biases: mx.array
+    group_size: int
+    bits: int
+
+    def matmul(self, x: mx.array) -> mx.array:
+        return mx.quantized_matmul(x, self.wq, self.scales, self.biases, transpose=True,
+                                   group_size=self.group_size, bits=self.bits)
+
+    def rows(self, ids: mx.array) -> mx.array:
+        return mx.dequantize(self.wq[ids], self.scales[ids], self.biases[ids], group_size=self.group_size,
+                             bits=self.bits).astype(self.scales.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.wq.nbytes + self.scales.nbytes + self.biases.nbytes
+
+
+def dense_array(t: StoredTensor, shape: tuple[int, ...], dtype) -> mx.array:
+    if t.data.dtype in (np.float32, np.float16):
+        arr = t.data
+    else:  # GGUF blocks or raw bf16 bits
+        arr = t.dequantize()
+    return mx.array(np.ascontiguousarray(arr).reshape(shape)).astype(dtype)
+
+
+def matrix_params(graph: Graph) -> set[str]:
+    """Parameters used as the weight of a linear or as an embedding table: candidates for quantization."""
+    out = set()
+    for node in graph.nodes:
+        if node.op in ("linear", "embedding"):
+            w = node.inputs[1] if node.op == "linear" else node.inputs[0]
+            if w.kind == "param":
+                out.add(w.name)
+    return out
+
+
+def convert(graph: Graph, weights, dtype: str, quantized: bool, progress: bool = True):
+    """Returns ({param: mx.array | QuantLinear}, {fallback reason: count})."""
+    from backends.mlx.gguf_affine import to_affine
+
+    mdtype = DTYPES[dtype]
+    matrices = matrix_params(graph)
+    params, fallbacks = {}, Counter()
+    for name, p in tqdm(graph.params.items(), desc="to mlx", unit="tensor", disable=not progress, leave=False):
+        t = weights[name]
+        if quantized and name in matrices and t.quantized:
+            aw = to_affine(t)
+            if isinstance(aw, str):
+                fallbacks[f"{t.kind}: {aw}"] += 1
+                log.info("%s (%s) falls back to dense %s: %s", name, t.kind, dtype, aw)
+            else:
+                params[name] = QuantLinear(mx.array(aw.wq), mx.array(aw.scales).astype(mdtype),
+                                           mx.array(aw.biases).astype(mdtype), aw.group_size, aw.bits)
+                continue
+        params[name] = dense_array(t, p.shape, mdtype)
+    mx.eval([x for v in params.values() for x in ((v,) if isinstance(v, mx.array) else (v.wq, v.scales, v.biases))])
+    return params, fallbacks
