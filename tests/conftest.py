@@ -51,3 +51,33 @@ def hf_smollm(smollm_path):
     model = AutoModelForCausalLM.from_pretrained(smollm_path.parent, gguf_file=smollm_path.name,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def mlx_smollm(smollm):
+    """SmolLM2 on the MLX backend (dense fp32 on CPU), shared by engine tests: each engine
+    re-allocates the KV cache it needs."""
+    from backends.mlx.backend import MLXBackend
+
+    return MLXBackend(smollm, progress=False)
+
+
+@pytest.fixture
+def make_engine(mlx_smollm):
+    """Builds engines over the shared backend and checks, after the test, that every KV block is free."""
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    engines = []
+
+    def make(backend=None, **kw):
+        sched = {k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size") if k in kw}
+        kw.setdefault("num_kv_blocks", 256)
+        engine = LLMEngine(backend or mlx_smollm, EngineConfig(scheduler=SchedulerConfig(**sched), **kw))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        assert not engine.has_unfinished(), "a test left requests unfinished"
+        assert engine.all_blocks_free(), f"{engine.blocks.num_free_blocks}/{engine.blocks.num_blocks} blocks free"

@@ -1,0 +1,239 @@
+"""The step loop: schedule, build one flat batch, run the backend, sample, detokenize, stop."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backends.base import Backend
+from frontend.engine.block_manager import BlockManager
+from frontend.engine.detokenizer import IncrementalDetokenizer
+from frontend.engine.sampler import Sampler, make_generator
+from frontend.engine.sampling_params import SamplingParams
+from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from frontend.engine.sequence import Sequence, TokenLogprob
+from ir.batch import make_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from kv_cache_bytes
+    kv_cache_bytes: int | None = None  # None: the backend's default budget
+    max_model_len: int | None = None  # None: the model's context length
+    prefix_caching: bool = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    delta_text: str = ""  # text new since the previous report
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+class NoText:
+    """Stands in for the detokenizer of a model without a tokenizer (token ids only)."""
+
+    stopped, stop_string, text = False, None, ""
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class Request:
+    """The n sequences of one request; outputs are reported per request."""
+
+    def __init__(self, request_id: str, prompt: list[int], seqs: list[Sequence]):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.seqs = seqs
+        self.reported_tokens = [0] * len(seqs)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, backend: Backend, config: EngineConfig | None = None):
+        self.backend = backend
+        self.config = config = config or EngineConfig()
+        model = backend.model
+        self.tokenizer = model.tokenizer
+        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = config.kv_cache_bytes or backend.default_kv_bytes()
+            num_blocks = max(1, budget // backend.kv_bytes_per_block(config.block_size))
+        backend.allocate_kv(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.eos_ids = set(getattr(self.tokenizer, "eos_ids", ())) | set(model.config.eos_token_ids)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size,
+                 num_blocks * config.block_size)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_token_ids]
+        self._check_prompt(prompt, params)
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seq = Sequence(request_id, i, prompt, params, make_generator(seed), parent=seqs[0] if seqs else None)
+            seq.detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt, params) if self.tokenizer
+                               else NoText())
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = Request(request_id, prompt, seqs)
+        return request_id
+
+    def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.backend.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab}")
+        want = len(prompt) + (params.max_tokens or 1)
+        if want > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                             f"has {len(prompt)} tokens and max_tokens asks for {params.max_tokens or 1} more")
+        total = self.blocks.num_blocks * self.blocks.block_size
+        if want > total:
+            raise ValueError(f"the KV cache holds {total} tokens, fewer than the {want} this request may need")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        for seq in req.seqs if req else ():
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        sampling = [s for s in scheduled if s.samples]
+        batch = make_batch([s.seq.tokens(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new)
+                            for s in scheduled],
+                           [s.seq.num_computed_tokens for s in scheduled],
+                           [s.seq.block_table for s in scheduled], self.config.block_size)
+        keep = [i for i, s in enumerate(scheduled) if s.samples]
+        batch.logits_indices = batch.logits_indices[keep]
+        logits = self.backend.forward(batch)  # also for chunks that sample nothing: their K/V must be written
+        self.stats["steps"] += 1
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new
+            self.blocks.commit(s.seq)
+            if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
+                self.stats["prompt_tokens"] += s.num_new
+        touched = {s.seq.request_id for s in scheduled}
+        if sampling:
+            self._sample(sampling, logits)
+        return [self._report(self.requests[r]) for r in touched if r in self.requests]
+
+    def _sample(self, sampling: list[ScheduledSeq], logits: np.ndarray) -> None:
+        seqs = [s.seq for s in sampling]
+        for row, seq in enumerate(seqs):
+            if len(seq.output_token_ids) < seq.params.min_tokens:
+                stops = (set() if seq.params.ignore_eos else self.eos_ids) | set(seq.params.stop_token_ids)
+                logits[row, list(stops)] = -np.inf
+        results = self.sampler(logits, seqs)
+        now = time.monotonic()
+        for seq, res in zip(seqs, results, strict=True):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.output_token_ids.append(res.token)
+            self.stats["generation_tokens"] += 1
+            if res.logprob is not None:
+                seq.logprobs.append(TokenLogprob(res.token, res.logprob, res.top_logprobs))
+            stop_token = self._is_stop_token(seq, res.token)
+            if not stop_token or seq.params.include_stop_str_in_output:
+                seq.detokenizer.add(res.token)  # like vLLM, the EOS/stop token adds no text by default
+            reason = self._stop_reason(seq, stop_token)
+            if reason is not None:
+                if not seq.detokenizer.stopped:
+                    seq.detokenizer.flush()  # text held back for a stop string that never came
+                self.scheduler.finish(seq, reason)
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        p = seq.params
+        if len(seq.output_token_ids) < p.min_tokens:
+            return False
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return True
+        return not p.ignore_eos and token in self.eos_ids
+
+    def _stop_reason(self, seq: Sequence, stop_token: bool) -> str | None:
+        if stop_token:
+            return "stop"
+        if seq.detokenizer.stopped:
+            seq.stop_reason = seq.detokenizer.stop_string
+            return "stop"
+        if seq.params.max_tokens is not None and len(seq.output_token_ids) >= seq.params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _report(self, req: Request) -> RequestOutput:
+        outs = []
+        for i, seq in enumerate(req.seqs):
+            det = seq.detokenizer
+            delta = det.text[seq.text_offset:]
+            seq.text_offset = len(det.text)
+            new_ids = seq.output_token_ids[req.reported_tokens[i]:]
+            req.reported_tokens[i] = len(seq.output_token_ids)
+            outs.append(CompletionOutput(seq.index, det.text, list(seq.output_token_ids), seq.finish_reason,
+                                         seq.stop_reason, seq.logprobs if seq.params.logprobs is not None else None,
+                                         delta, new_ids))
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
+                             max(s.num_cached_tokens for s in req.seqs))
+
+    # -- introspection ------------------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def all_blocks_free(self) -> bool:
+        return self.blocks.num_free_blocks == self.blocks.num_blocks

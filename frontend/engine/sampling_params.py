@@ -1,0 +1,64 @@
+"""Per-request sampling and stopping parameters, with the checks the server reports as HTTP 400."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus the top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (self.n >= 1, "n", "must be at least 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be -1, 0 (off) or a positive integer"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (all(s for s in self.stop), "stop", "stop strings must not be empty"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise SamplingParamsError(name, f"{name} {why}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SamplingParamsError(ValueError):
+    """A parameter out of range; `param` names it for the OpenAI error body."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,117 @@
+"""Continuous batching: each step mixes running decodes with new (possibly chunked) prefills.
+
+A request is admitted when its blocks are free. When a running sequence needs a block and none is
+free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
+(its generated tokens are kept, so nothing is lost and greedy output is unchanged).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from frontend.engine.block_manager import BlockManager
+from frontend.engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so its logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        # Running sequences first, oldest first; they may preempt the newest ones.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_size)
+            while not self.blocks.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # it preempted itself: everything newer is gone too
+            self.blocks.append_slots(seq, n)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        # Then admissions, first come first served; a sibling waits for its parent's prefill.
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            parent = seq.parent
+            if parent is not None and parent.finished:
+                seq.parent = parent = None
+            if parent is not None and not (parent.status is Status.RUNNING and parent.prefilled):
+                skipped.append(self.waiting.popleft())
+                continue
+            if not self._admit(seq, parent):
+                break
+            self.waiting.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_size)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def _admit(self, seq: Sequence, parent: Sequence | None) -> bool:
+        if parent is not None:
+            need = self.blocks.blocks_for(seq.num_tokens) - parent.num_computed_tokens // self.blocks.block_size
+            if need > self.blocks.num_free_blocks:
+                return False
+            self.blocks.fork(parent, seq)
+            return True
+        if not self.blocks.can_allocate(seq):
+            return False
+        self.blocks.allocate(seq)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence wherever it is and free its blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free_seq(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
