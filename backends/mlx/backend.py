@@ -39,6 +39,10 @@ class MLXBackend(Backend):
         log.info("mlx backend on %s, %s, %s weights, GEMMs through %s", "metal" if self.metal else "cpu",
                  self.dtype, "quantized" if self.quantized else "dense", fast_blas.status)
 
+    def describe(self) -> str:
+        where = "metal" if self.metal else f"cpu, GEMMs via {fast_blas.status}"
+        return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}"
+
     def _kv_shapes(self) -> list[tuple[int, int, int]]:
         out = []
         for node in self.model.graph.nodes:
