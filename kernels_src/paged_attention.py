@@ -1,0 +1,209 @@
+"""Paged attention for decode (one query token per sequence), split over the context: DSL kernels, host launcher
+and the numpy reference of the `ir.batch` contract (shared with the prefill kernel in paged_prefill.py).
+
+Caches are [num_blocks, block_size, Hkv, D]; sequence b's cache index j lives at block
+`block_tables[b, j // block_size]`, offset `j % block_size`. One program takes one sequence, one KV head and every
+query head sharing it (GQA: K and V are read once), padded to 16 rows so both products are `dot`s. Keys are
+walked in tiles of BLOCK_N tokens (any multiple or fraction of the cache block size) gathered through the block
+table, with an online softmax in the log2 domain. Split-K: the context is cut into partitions of PARTITION tokens,
+each program writes its partial (max, sum, acc) to scratch and a small reduce kernel combines them (no atomics).
+A context that fits one partition skips the scratch and the reduce.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels_src.dsl import compile, elem_stride, tl
+
+LOG2E = 1.4426950408889634
+NEG_BIG = -1.0e30  # running maxima start finite: rows with every key masked stay NaN-free
+NO_WINDOW = 1 << 30
+
+
+def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window, kv_block_stride, kv_tok_stride,
+           kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP):
+    """Online softmax of query rows qv [M, BLOCK_D] (cache index qi [M]) over cache indices [lo, hi): (m, den, acc)."""
+    n = tl.arange(0, BLOCK_N)
+    rows = qv.shape[0]
+    qk_scale = scale * LOG2E
+
+    def body(it, m, den, acc):
+        toks = lo + it * BLOCK_N + n
+        valid = toks < hi
+        blk = tl.load(table + toks // BS, mask=valid, other=0).to(tl.int64)
+        off = blk * kv_block_stride + (toks % BS) * kv_tok_stride + kvh * kv_head_stride
+        kt = tl.load(k_cache + off[None, :] + d[:, None], mask=dmask[:, None] & valid[None, :], other=0.0)
+        s = tl.dot(qv, kt)
+        s = softcap * LOG2E * tl.tanh(s * (scale / softcap)) if SOFTCAP else s * qk_scale
+        keep = valid[None, :] & (toks[None, :] <= qi[:, None]) & (toks[None, :] > qi[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        vt = tl.load(v_cache + off[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+
+    init = (tl.full([rows], NEG_BIG, tl.float32), tl.zeros([rows], tl.float32),
+            tl.zeros([rows, d.shape[0]], tl.float32))
+    n_iter = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
+    return tl.fori_loop(0, n_iter, body, init)
+
+
+def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
+                        softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
+                        kv_block_stride, kv_tok_stride, kv_head_stride, GROUP: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+                        SOFTCAP: tl.constexpr):
+    b, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    gmask, dmask = g < GROUP, d < HEAD_DIM
+    heads = kvh * GROUP + g
+    mask = gmask[:, None] & dmask[None, :]
+    qv = tl.load(q + b * q_stride + heads[:, None] * q_head_stride + d[None, :], mask=mask, other=0.0)
+    ctx = tl.load(context_lens + b)
+    lo, hi = 0, ctx
+    if SPLIT:  # the last partition takes whatever is left, should a context outgrow the grid
+        lo = part * PARTITION
+        hi = tl.where(part == max_parts - 1, ctx, tl.minimum(lo + PARTITION, ctx))
+    lo = tl.maximum(lo, ctx - window)
+    qi = tl.full([BLOCK_G], ctx - 1, tl.int32)
+    m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
+                       kv_block_stride, kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP)
+    if SPLIT:
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * max_parts + part
+        tl.store(part_m + row, m, mask=gmask)
+        tl.store(part_l + row, den, mask=gmask)
+        tl.store(part_acc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+    else:
+        den = tl.where(den == 0.0, 1.0, den)  # an empty context gives zeros, not 0/0
+        tl.store(out + b * out_stride + heads[:, None] * out_head_stride + d[None, :], acc / den[:, None], mask=mask)
+
+
+def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_parts, out_stride, out_head_stride,
+                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    base = (b * tl.num_programs(1) + h) * max_parts
+    n_parts = tl.minimum((tl.load(context_lens + b) + PARTITION - 1) // PARTITION, max_parts)
+
+    def body(p, m, den, acc):
+        mp = tl.load(part_m + base + p)
+        m_new = tl.maximum(m, mp)
+        alpha, beta = tl.exp2(m - m_new), tl.exp2(mp - m_new)
+        ap = tl.load(part_acc + (base + p) * HEAD_DIM + d, mask=dmask, other=0.0)
+        return m_new, den * alpha + tl.load(part_l + base + p) * beta, acc * alpha + ap * beta
+
+    init = (tl.full((), NEG_BIG, tl.float32), tl.zeros((), tl.float32), tl.zeros([BLOCK_D], tl.float32))
+    m, den, acc = tl.fori_loop(0, n_parts, body, init)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(out + b * out_stride + h * out_head_stride + d, acc / den, mask=dmask)
+
+
+# --- host side -------------------------------------------------------------------------------------------------
+
+def empty(like, shape, dtype=None):
+    """An uninitialised array next to `like` (numpy or torch), of `dtype` ("float32") or like's."""
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype or like.dtype)
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, dtype) if dtype else like.dtype, device=like.device)
+
+
+def check_cache(q, k_cache, v_cache) -> tuple[int, int]:
+    """(GQA group, cache block size) after checking the shapes agree."""
+    hq, d = q.shape[-2:]
+    _, bs, hkv, dk = k_cache.shape
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or dk != d or hq % hkv:
+        raise ValueError(f"q [.., {hq}, {d}] does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if [elem_stride(v_cache, i) for i in range(4)] != [elem_stride(k_cache, i) for i in range(4)]:
+        raise ValueError("k and v caches must share strides")
+    if elem_stride(k_cache, 3) != 1 or elem_stride(q, 2) != 1:
+        raise ValueError("head dims must be contiguous")
+    return hq // hkv, bs
+
+
+def cache_strides(k_cache) -> tuple[int, int, int]:
+    return elem_stride(k_cache, 0), elem_stride(k_cache, 1), elem_stride(k_cache, 2)
+
+
+def num_partitions(max_context: int, partition: int) -> int:
+    return max(1, tl.cdiv(int(max_context), partition))
+
+
+def decode_workspace(q, n_parts: int) -> tuple:
+    """Split-K scratch for q [B, Hq, D]: partial maxima and sums [B, Hq, P] and accumulators [B, Hq, P, D]."""
+    n_seq, hq, d = q.shape
+    return (empty(q, (n_seq, hq, n_parts), "float32"), empty(q, (n_seq, hq, n_parts), "float32"),
+            empty(q, (n_seq, hq, n_parts, d), "float32"))
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, *, sliding_window: int | None = None,
+                 softcap: float | None = None, out=None, max_context: int | None = None, partition: int = 512,
+                 block_n: int = 64, workspace=None, num_warps: int = 4, target: str = "numpy"):
+    """Attention of q [B, Hq, D] (one token per sequence, the last of its context) over the paged caches.
+
+    `max_context` bounds context_lens (give it to keep the grid fixed, e.g. under CUDA graphs); contexts longer
+    than `partition` tokens are split. `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D].
+    """
+    group, bs = check_cache(q, k_cache, v_cache)
+    n_seq, hq, d = q.shape
+    out = empty(q, q.shape) if out is None else out
+    block_n = max(16, block_n)
+    partition = tl.cdiv(partition, block_n) * block_n
+    n_parts = num_partitions(int(context_lens.max()) if max_context is None else max_context, partition)
+    split = n_parts > 1
+    if split:
+        m, den, acc = workspace or decode_workspace(q, n_parts)
+    else:
+        m = den = acc = out  # unused
+    consts = dict(GROUP=group, HEAD_DIM=d, BLOCK_G=max(16, tl.next_power_of_2(group)),
+                  BLOCK_D=max(16, tl.next_power_of_2(d)), BLOCK_N=block_n, BS=bs, PARTITION=partition,
+                  SPLIT=split, SOFTCAP=bool(softcap))
+    kern = compile(paged_decode_kernel, target, num_warps=num_warps, **consts)
+    kern[n_seq, k_cache.shape[2], n_parts](
+        q, k_cache, v_cache, block_tables, context_lens, out, m, den, acc, float(scale), float(softcap or 0.0),
+        int(sliding_window or NO_WINDOW), n_parts, elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),
+        elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache))
+    if split:
+        red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, HEAD_DIM=d,
+                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition)
+        red[n_seq, hq](m, den, acc, context_lens, out, n_parts, elem_stride(out, 0), elem_stride(out, 1))
+    return out
+
+
+# --- reference -------------------------------------------------------------------------------------------------
+
+def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start, scale: float,
+                        sliding_window: int | None = None, softcap: float | None = None) -> np.ndarray:
+    """The `ir.batch` contract over flat varlen q [T, Hq, D], in fp32 (decode: query_start = arange(B + 1))."""
+    q, kc, vc = (np.asarray(a, np.float32) for a in (q, k_cache, v_cache))
+    bs, hq, hkv = kc.shape[1], q.shape[1], kc.shape[2]
+    out = np.zeros(q.shape, np.float32)
+    for b, n_ctx in enumerate(np.asarray(context_lens)):
+        s, e = int(query_start[b]), int(query_start[b + 1])
+        if e == s:
+            continue
+        j = np.arange(n_ctx)
+        blocks = np.asarray(block_tables)[b, j // bs]
+        keys = np.repeat(kc[blocks, j % bs], hq // hkv, axis=1)  # [L, Hq, D]
+        vals = np.repeat(vc[blocks, j % bs], hq // hkv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q[s:e], keys) * np.float32(scale)
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
+        qi = n_ctx - (e - s) + np.arange(e - s)
+        mask = j[None, :] <= qi[:, None]
+        if sliding_window:
+            mask &= j[None, :] > qi[:, None] - sliding_window
+        scores = np.where(mask[None], scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out[s:e] = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), vals)
+    return out
+
+
+def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float, **kw) -> np.ndarray:
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, np.arange(q.shape[0] + 1), scale,
+                               **kw)

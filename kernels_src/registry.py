@@ -1,0 +1,161 @@
+"""Every DSL kernel by name: its function, the constexprs and a sample signature of a realistic configuration, that
+realistic problem (`bench`) and the minimal DRAM bytes it moves, so tools, tests and GPU benchmarks share one list.
+
+`entry.trace()` gives the IR at the default configuration (constexprs overridable); `entry.bytes_moved(**bench)`
+(and `flops` where compute matters) turns a measured time into a fraction of peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ir.formats.gguf_quants import row_bytes
+from kernels_src import activations, dequant_gemv, kv_write, paged_attention, paged_prefill, rms_norm, rope
+from kernels_src.dsl import KernelIR, compile
+from kernels_src.dsl.tracer import split_params
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    name: str
+    fn: Callable  # the DSL kernel
+    constexprs: dict  # the configuration `bench` runs with
+    pointers: dict[str, str]  # pointer parameters' types there ("*bf16"); other scalars are i32 unless in `floats`
+    bench: dict  # a realistic problem, in the launcher's terms
+    bytes_moved: Callable[..., int]  # minimal DRAM bytes of a problem: bytes_moved(**bench)
+    floats: tuple[str, ...] = ()
+    flops: Callable[..., int] | None = None
+    launcher: Callable | None = None
+    notes: str = ""
+
+    @property
+    def signature(self) -> dict[str, str]:
+        """A sample runtime signature ({param: "*bf16" | "i32" | "fp32"}), in parameter order."""
+        return {p: self.pointers.get(p, "fp32" if p in self.floats else "i32") for p in split_params(self.fn)[0]}
+
+    def kernel(self, target: str = "triton", num_warps: int = 4, **constexprs):
+        return compile(self.fn, target, num_warps=num_warps, **(self.constexprs | constexprs))
+
+    def trace(self, signature: dict | None = None, **constexprs) -> KernelIR:
+        return self.kernel("numpy", **constexprs).trace(signature=self.signature | (signature or {}))
+
+
+REGISTRY: dict[str, KernelEntry] = {}
+
+
+def register(entry: KernelEntry) -> KernelEntry:
+    REGISTRY[entry.name] = entry
+    return entry
+
+
+def get(name: str) -> KernelEntry:
+    if name not in REGISTRY:
+        raise KeyError(f"no kernel {name!r} (known: {', '.join(REGISTRY)})")
+    return REGISTRY[name]
+
+
+def _ptrs(dtype: str, *names: str, **others: str) -> dict[str, str]:
+    return {n: "*" + SHORT[dtype] for n in names} | others
+
+
+# --- elementwise and normalization kernels: T = 4096 tokens of a 4096-wide model -----------------------------------
+
+BF16 = "bfloat16"
+_ROWS = dict(rows=4096, hidden=4096, dtype=BF16)
+
+register(KernelEntry(
+    "rms_norm", rms_norm.rms_norm_kernel, dict(BLOCK=4096, OFFSET=False), _ptrs(BF16, "x", "w", "out"), _ROWS,
+    lambda rows, hidden, dtype: (2 * rows * hidden + hidden) * ITEMSIZE[dtype], floats=("eps",),
+    launcher=rms_norm.rms_norm))
+register(KernelEntry(
+    "add_rms_norm", rms_norm.add_rms_norm_kernel, dict(BLOCK=4096, OFFSET=False),
+    _ptrs(BF16, "x", "residual", "w", "sum_out", "out"), _ROWS,
+    lambda rows, hidden, dtype: (4 * rows * hidden + hidden) * ITEMSIZE[dtype], floats=("eps",),
+    launcher=rms_norm.add_rms_norm))
+register(KernelEntry(
+    "rope", rope.rope_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_R=64, INTERLEAVED=False),
+    _ptrs(BF16, "q", "k", positions="*i32", cos="*fp32", sin="*fp32"),
+    dict(tokens=4096, q_heads=32, kv_heads=8, head_dim=128, dtype=BF16),
+    lambda tokens, q_heads, kv_heads, head_dim, dtype: (
+        2 * tokens * (q_heads + kv_heads) * head_dim * ITEMSIZE[dtype] + tokens * (4 + 2 * (head_dim // 2) * 4)),
+    launcher=rope.rope, notes="in place on q and k; cos/sin rows read once per token"))
+register(KernelEntry(
+    "silu_mul", activations.gated_act_kernel, dict(BLOCK=1024, ACT="silu"), _ptrs(BF16, "gate", "up", "out"),
+    dict(tokens=4096, inner=14336, dtype=BF16),
+    lambda tokens, inner, dtype: 3 * tokens * inner * ITEMSIZE[dtype], launcher=activations.gated_act))
+register(KernelEntry(
+    "kv_write", kv_write.kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128),
+    _ptrs(BF16, "k", "v", "k_cache", "v_cache", slots="*i64"), dict(tokens=4096, kv_heads=8, head_dim=128, dtype=BF16),
+    lambda tokens, kv_heads, head_dim, dtype: 4 * tokens * kv_heads * head_dim * ITEMSIZE[dtype] + 8 * tokens,
+    launcher=kv_write.kv_write))
+
+# --- paged attention: decode of 64 sequences of 4096 tokens, 32 query / 8 KV heads of 128, bf16 ----------------
+
+_DECODE = dict(batch=64, context=4096, q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=BF16)
+_ATT_PTRS = _ptrs(BF16, "q", "k_cache", "v_cache", "out", block_tables="*i32", context_lens="*i32")
+
+
+def decode_bytes(batch, context, q_heads, kv_heads, head_dim, block_size, dtype) -> int:
+    """K and V of every context once, q and out, the block tables' used entries."""
+    kv = 2 * batch * context * kv_heads * head_dim * ITEMSIZE[dtype]
+    return kv + 2 * batch * q_heads * head_dim * ITEMSIZE[dtype] + batch * (-(-context // block_size) + 1) * 4
+
+
+def decode_reduce_bytes(batch, context, q_heads, kv_heads, head_dim, block_size, dtype, partition=512) -> int:
+    parts = paged_attention.num_partitions(context, partition)
+    return batch * q_heads * (parts * (head_dim + 2) * 4 + head_dim * ITEMSIZE[dtype]) + 4 * batch
+
+
+register(KernelEntry(
+    "paged_decode", paged_attention.paged_decode_kernel,
+    dict(GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, BS=16, PARTITION=512, SPLIT=True,
+         SOFTCAP=False),
+    _ATT_PTRS | dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32"), _DECODE, decode_bytes,
+    floats=("scale", "softcap"), flops=lambda batch, context, q_heads, head_dim, **_: 4 * batch * context * q_heads
+    * head_dim, launcher=paged_attention.paged_decode,
+    notes="grid (B, Hkv, partitions); the bench time is this kernel plus paged_decode_reduce"))
+register(KernelEntry(
+    "paged_decode_reduce", paged_attention.paged_decode_reduce_kernel, dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512),
+    dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32", context_lens="*i32", out="*bf16"), _DECODE,
+    decode_reduce_bytes, launcher=paged_attention.paged_decode))
+
+# --- paged prefill: 8 sequences each adding a 512-token chunk to 3584 cached tokens ------------------------------
+
+_PREFILL = dict(seqs=8, query_len=512, context=4096, q_heads=32, kv_heads=8, head_dim=128, block_size=16,
+                dtype=BF16)
+
+
+def prefill_bytes(seqs, query_len, context, q_heads, kv_heads, head_dim, block_size, dtype) -> int:
+    qo = 2 * seqs * query_len * q_heads * head_dim * ITEMSIZE[dtype]
+    return qo + 2 * seqs * context * kv_heads * head_dim * ITEMSIZE[dtype] + seqs * -(-context // block_size) * 4
+
+
+def prefill_flops(seqs, query_len, context, q_heads, head_dim, **_) -> int:
+    """Two matmuls (2 flops a multiply-add) over the keys each query sees causally."""
+    keys = query_len * (context - query_len) + query_len * (query_len + 1) // 2
+    return 4 * seqs * keys * q_heads * head_dim
+
+
+register(KernelEntry(
+    "paged_prefill", paged_prefill.paged_prefill_kernel,
+    dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, BS=16, SOFTCAP=False),
+    _ATT_PTRS | dict(query_start="*i32"), _PREFILL, prefill_bytes, floats=("scale", "softcap"),
+    flops=prefill_flops, launcher=paged_prefill.paged_prefill, notes="compute bound: report flops too"))
+
+# --- dequantizing GEMV: one token through a 14336 x 4096 (up/gate-sized) GGUF matrix -----------------------------
+
+
+def gemv_bytes(m, n, k, qtype, dtype) -> int:
+    return n * row_bytes(qtype, k) + (m * k + m * n) * ITEMSIZE[dtype]
+
+
+for _q in dequant_gemv.QTYPES:
+    _r, _c = dequant_gemv.default_tiles(_q, 1, 14336)
+    register(KernelEntry(
+        f"dequant_gemv_{_q.lower()}", dequant_gemv.dequant_gemv_kernel, dict(QTYPE=_q, M=1, BLOCK_R=_r, BLOCK_C=_c),
+        _ptrs(BF16, "x", "y", w="*u8"), dict(m=1, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes,
+        flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dequant_gemv.dequant_gemv))
