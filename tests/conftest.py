@@ -59,7 +59,7 @@ def mlx_smollm(smollm):
     re-allocates the KV cache it needs."""
     from backends.mlx.backend import MLXBackend
 
-    return MLXBackend(smollm, progress=False)
+    return MLXBackend(smollm, progress=False, compile=os.environ.get("ENGINE_MLX_COMPILE", "1") == "1")
 
 
 @pytest.fixture

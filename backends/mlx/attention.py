@@ -126,13 +126,16 @@ def paged_attention(q, k, v, kc, vc, meta: AttentionMeta, *, scale: float, slidi
     parts = []
     if meta.decode_slots is not None:
         bd = meta.decode_slots.shape[0]
-        qd = q[mx.array(meta.decode_rows)]
-        if qd.shape[0] < bd:
-            qd = mx.pad(qd, [(0, bd - qd.shape[0]), (0, 0), (0, 0)])
+        if meta.decode_rows is None:  # the compiled decode step: rows are already the padded batch
+            qd = q
+        else:
+            qd = q[mx.array(meta.decode_rows)]
+            if qd.shape[0] < bd:
+                qd = mx.pad(qd, [(0, bd - qd.shape[0]), (0, 0), (0, 0)])
         keys = kc[meta.decode_slots].transpose(0, 2, 1, 3)  # [Bd, Hkv, L, D]
         vals = vc[meta.decode_slots].transpose(0, 2, 1, 3)
         out = _attend(qd[:, :, None, :], keys, vals, meta.decode_mask(sliding_window), scale, softcap)
-        parts.append(out[: len(meta.decode_rows), :, 0, :])
+        parts.append(out[:, :, 0, :] if meta.decode_rows is None else out[: len(meta.decode_rows), :, 0, :])
     for i, p in enumerate(meta.prefills):
         qp = q[p.rows[0]: p.rows[1]].transpose(1, 0, 2)[None]
         keys = kc[p.kv_slots].transpose(1, 0, 2)[None]

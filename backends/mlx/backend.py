@@ -9,6 +9,7 @@ import numpy as np
 from backends.base import Backend, MemoryReport
 from backends.mlx import fast_blas, weights
 from backends.mlx.attention import AttentionMeta
+from backends.mlx.decode_step import CompiledDecode
 from backends.mlx.lower import GraphRunner, StepContext
 from backends.mlx.runtime import metal_available, mx
 from ir.batch import Batch
@@ -21,7 +22,7 @@ class MLXBackend(Backend):
     name = "mlx"
 
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
-                 progress: bool = True):
+                 compile: bool = True, progress: bool = True):
         self.model = model
         self.metal = metal_available()
         # MLX's CPU quantized_matmul and its half-precision GEMMs are several times slower than fp32
@@ -33,6 +34,7 @@ class MLXBackend(Backend):
             log.warning("%d tensor(s) kept dense instead of MLX-quantized: %s", count, reason)
         self.fallbacks = dict(fallbacks)
         self.runner = GraphRunner(model.graph, self.params, weights.DTYPES[self.dtype])
+        self.decode = CompiledDecode(self.runner, weights.DTYPES[self.dtype]) if compile else None
         self.kv: list[list[mx.array]] = []
         self.block_size = 0
         self.num_blocks = 0
@@ -66,6 +68,10 @@ class MLXBackend(Backend):
     def forward(self, batch: Batch) -> np.ndarray:
         if not self.kv:
             raise RuntimeError("allocate_kv must be called before forward")
+        if self.decode is not None and CompiledDecode.applies(batch):
+            logits = self.decode(batch, self.kv, self.block_size, self.num_blocks * self.block_size)
+            mx.eval(logits, self.kv)
+            return np.array(logits, copy=False)
         meta = AttentionMeta.from_batch(batch, self.block_size, self.num_blocks * self.block_size)
         ctx = StepContext(meta, batch.positions, weights.DTYPES[self.dtype])
         inputs = {"token_ids": mx.array(batch.token_ids), "logits_indices": mx.array(batch.logits_indices)}

@@ -1,0 +1,88 @@
+"""The decode step compiled with `mx.compile`: fused elementwise work and no per-op graph building.
+
+Only batches where every sequence adds one token take this path. Batch size and context width are
+rounded up to powers of two (padding rows write to the scratch slot and read nothing), so a server
+sees a handful of shapes and `mx.compile` traces each once. Inputs and outputs are plain arrays:
+the K/V caches go in and come back, and because the backend drops its own references first, MLX
+updates them in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backends.mlx.attention import AttentionMeta, _bucket
+from backends.mlx.lower import GraphRunner, StepContext
+from backends.mlx.runtime import mx
+from ir.batch import Batch
+from ir.rope import RopeSpec, cos_sin
+
+# Contexts shorter than this share one compiled shape: padding keys costs far less than a retrace.
+MIN_WIDTH = 256
+
+
+class PreparedContext(StepContext):
+    """A StepContext whose rope tables and masks arrive as (traced) arrays."""
+
+    def __init__(self, meta: AttentionMeta, rope: dict[RopeSpec, tuple[mx.array, mx.array]]):
+        self.meta = meta
+        self._rope = rope
+
+
+class CompiledDecode:
+    def __init__(self, runner: GraphRunner, dtype):
+        self.runner = runner
+        self.dtype = dtype
+        nodes = runner.graph.nodes
+        self.specs = sorted({n.attrs["spec"] for n in nodes if n.op == "rope"}, key=str)
+        self.windows = sorted({n.attrs.get("sliding_window") for n in nodes if n.op == "attention"},
+                              key=lambda w: -1 if w is None else w)
+        self._fn = mx.compile(self._step)
+
+    @staticmethod
+    def applies(batch: Batch) -> bool:
+        return batch.num_tokens > 0 and bool(np.all(np.diff(batch.query_start) == 1))
+
+    def _step(self, tokens, slots, read_slots, rows, *rest):
+        n_rope = 2 * len(self.specs)
+        rope = {s: (rest[2 * i], rest[2 * i + 1]) for i, s in enumerate(self.specs)}
+        masks = rest[n_rope: n_rope + len(self.windows)]
+        flat_kv = rest[n_rope + len(self.windows):]
+        meta = AttentionMeta(slots, None, read_slots, None, [], None, tokens.shape[0])
+        meta._masks = {("decode", w): m for w, m in zip(self.windows, masks, strict=True)}
+        kv = [[flat_kv[i], flat_kv[i + 1]] for i in range(0, len(flat_kv), 2)]
+        out = self.runner.run({"token_ids": tokens, "logits_indices": rows}, PreparedContext(meta, rope), kv)
+        return [out["logits"].astype(mx.float32)] + [a for layer in kv for a in layer]
+
+    def __call__(self, batch: Batch, kv: list[list[mx.array]], block_size: int, scratch: int):
+        b = batch.num_tokens
+        bp = _bucket(b, 1)
+        ctx = batch.context_lens.astype(np.int64)
+        width = _bucket(int(ctx.max()), max(block_size, MIN_WIDTH))
+        j = np.arange(width)
+        tables = batch.block_tables.astype(np.int64)
+        blocks = np.take_along_axis(tables, np.minimum(j // block_size, tables.shape[1] - 1)[None].repeat(b, 0), 1)
+        read = np.full((bp, width), scratch, np.int64)
+        read[:b] = np.where(j[None] < ctx[:, None], blocks * block_size + j % block_size, scratch)
+        last = np.full(bp, -1, np.int64)
+        last[:b] = ctx - 1
+        masks = []
+        for w in self.windows:
+            ok = j[None] <= last[:, None]
+            if w:
+                ok &= j[None] > last[:, None] - w
+            masks.append(mx.array(ok[:, None, None, :]))
+        pad = lambda a, fill: np.concatenate([a, np.full(bp - b, fill, a.dtype)])  # noqa: E731
+        positions = pad(batch.positions, 0)
+        slots = np.where(batch.slot_mapping < 0, scratch, batch.slot_mapping)
+        rope = []
+        for spec in self.specs:
+            cos, sin = cos_sin(spec, positions)
+            rope += [mx.array(cos[:, None, :]).astype(self.dtype), mx.array(sin[:, None, :]).astype(self.dtype)]
+        flat = [a for layer in kv for a in layer]
+        kv.clear()  # our references must go, or MLX copies each cache instead of updating it in place
+        outs = self._fn(mx.array(pad(batch.token_ids, 0)), mx.array(pad(slots, scratch).astype(np.int32)),
+                        mx.array(read.astype(np.int32)), mx.arange(bp, dtype=mx.int32), *rope, *masks, *flat)
+        del flat
+        kv.extend([outs[i], outs[i + 1]] for i in range(1, len(outs), 2))
+        return outs[0][mx.array(batch.logits_indices)]
