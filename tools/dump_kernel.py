@@ -27,11 +27,23 @@ def _ptx(k: KernelIR, num_warps: int) -> str:
     return aot_compile(k, arch=90, num_warps=num_warps).asm["ptx"]
 
 
+def _simt(target: str) -> Callable[[KernelIR, int], str]:
+    def render(k: KernelIR, num_warps: int) -> str:
+        from kernels_src.dsl.simt_targets import listing
+
+        return listing(target, k, num_warps)
+
+    return render
+
+
 # target -> (render(kernel_ir, num_warps) -> text, printed by default)
 EMITTERS: dict[str, tuple[Callable[[KernelIR, int], str], bool]] = {
     "ir": (lambda k, num_warps: format_kernel(k), True),
     "triton": (_triton, True),
     "ptx": (_ptx, False),  # Triton AOT for sm_90: needs triton, and TRITON_INTERPRET unset
+    "metal": (_simt("metal"), False),  # the SIMT form as mx.fast.metal_kernel's header and body
+    "cuda": (_simt("cuda"), False),  # the SIMT form as CUDA C for cupy.RawKernel
+    "simt-cpu": (_simt("simt-cpu"), False),  # the SIMT form as the CPU oracle's C++
 }
 
 

@@ -51,7 +51,7 @@ class Kernel:
     """A kernel function bound to a target and constexprs; `k[grid](*args)` launches it."""
 
     def __init__(self, fn, target: str, constexprs: dict, num_warps: int = 4):
-        if target not in TARGETS:
+        if target not in TARGETS and target not in TARGET_HOOKS:
             raise ValueError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
         self.fn, self.target, self.constexprs, self.num_warps = fn, target, constexprs, num_warps
         self.runtime_params = split_params(fn)[0]
@@ -74,6 +74,8 @@ class Kernel:
         k = self.trace(*args, signature=signature)
         if self.target == "numpy":
             return format_kernel(k)
+        if self.target in TARGET_HOOKS:
+            return TARGET_HOOKS[self.target][0](k, self.num_warps)
         from .triton_target import TritonRenderer
 
         return TritonRenderer().render(k)
@@ -86,6 +88,8 @@ class Kernel:
         if key not in _compiled:
             if self.target == "numpy":
                 _compiled[key] = lambda grid, *a: run(k, grid, *a)
+            elif self.target in TARGET_HOOKS:
+                _compiled[key] = TARGET_HOOKS[self.target][1](k, self.num_warps)
             else:
                 from .triton_target import build
 
@@ -108,3 +112,12 @@ def compile(fn, target: str = "numpy", *, num_warps: int = 4, **constexprs) -> K
 
 def cache_info() -> dict:
     return {"kernels": len(_kernels), "compiled": len(_compiled)}
+
+
+# --- targets that plug in from other modules (the SIMT emitters: simt_targets.py) ------------------------------
+# name -> (render(kernel_ir, num_warps) -> source text, build(kernel_ir, num_warps) -> launch(grid, *args))
+TARGET_HOOKS: dict[str, tuple[Callable, Callable]] = {}
+
+
+def register_target(name: str, render: Callable, build: Callable) -> None:
+    TARGET_HOOKS[name] = (render, build)
