@@ -41,6 +41,10 @@ class AttentionMeta:
     prefills: list[PrefillChunk]
     order: mx.array | None  # inverse permutation from (decodes, prefills) back to batch rows
     num_tokens: int
+    # For the DSL's paged decode kernel (Metal): block tables and context lengths of the decode rows.
+    block_size: int = 0
+    decode_tables: mx.array | None = None  # [Bd_pad, L / block_size]
+    decode_ctx_lens: mx.array | None = None  # [Bd_pad]
     _masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -56,7 +60,7 @@ class AttentionMeta:
             j = np.arange(n)
             return tables[b, j // block_size] * block_size + j % block_size
 
-        decode_slots, dctx = None, np.zeros(0, np.int32)
+        decode_slots, dctx, dtables = None, np.zeros(0, np.int32), None
         if len(dec):
             bd = _bucket(len(dec), 1)
             width = _bucket(int(ctx[dec].max()), block_size)
@@ -66,6 +70,9 @@ class AttentionMeta:
                 table[r, : ctx[b]] = cache_slots(b, int(ctx[b]))
                 dctx[r] = ctx[b]
             decode_slots = mx.array(table.astype(np.int32))
+            bt = np.zeros((bd, width // block_size), np.int32)
+            bt[: len(dec), : tables.shape[1]] = np.maximum(tables[dec, : width // block_size], 0)
+            dtables = mx.array(bt)
         prefills = []
         for b in pre:
             n, q = int(ctx[b]), int(q_lens[b])
@@ -78,7 +85,7 @@ class AttentionMeta:
             inv[rows] = np.arange(len(rows), dtype=np.int32)
             order = mx.array(inv)
         return cls(mx.array(slots.astype(np.int32)), qs[dec].astype(np.int64), decode_slots, dctx, prefills,
-                   order, batch.num_tokens)
+                   order, batch.num_tokens, block_size, dtables, mx.array(dctx) if len(dec) else None)
 
     def decode_mask(self, window: int | None) -> mx.array:
         """Boolean mask [Bd_pad, 1, 1, L]: key j is visible to the query at cache index ctx-1."""
@@ -119,8 +126,9 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None):
 
 
 def paged_attention(q, k, v, kc, vc, meta: AttentionMeta, *, scale: float, sliding_window: int | None,
-                    softcap: float | None):
-    """Writes this step's k/v into the caches, then attends. Returns (out [T, Hq, Dv], kc, vc)."""
+                    softcap: float | None, kernels=None):
+    """Writes this step's k/v into the caches, then attends. Returns (out [T, Hq, Dv], kc, vc).
+    With `kernels` (backends.mlx.metal_ops.KernelOps) decodes run the DSL's paged decode kernel."""
     kc[meta.slots] = k
     vc[meta.slots] = v
     parts = []
@@ -132,10 +140,14 @@ def paged_attention(q, k, v, kc, vc, meta: AttentionMeta, *, scale: float, slidi
             qd = q[mx.array(meta.decode_rows)]
             if qd.shape[0] < bd:
                 qd = mx.pad(qd, [(0, bd - qd.shape[0]), (0, 0), (0, 0)])
-        keys = kc[meta.decode_slots].transpose(0, 2, 1, 3)  # [Bd, Hkv, L, D]
-        vals = vc[meta.decode_slots].transpose(0, 2, 1, 3)
-        out = _attend(qd[:, :, None, :], keys, vals, meta.decode_mask(sliding_window), scale, softcap)
-        parts.append(out[:, :, 0, :] if meta.decode_rows is None else out[: len(meta.decode_rows), :, 0, :])
+        if kernels is not None and meta.decode_tables is not None:
+            out = kernels.paged_decode(qd, kc, vc, meta.block_size, meta.decode_tables, meta.decode_ctx_lens,
+                                       meta.decode_slots.shape[1], scale, sliding_window, softcap)
+        else:
+            keys = kc[meta.decode_slots].transpose(0, 2, 1, 3)  # [Bd, Hkv, L, D]
+            vals = vc[meta.decode_slots].transpose(0, 2, 1, 3)
+            out = _attend(qd[:, :, None, :], keys, vals, meta.decode_mask(sliding_window), scale, softcap)[:, :, 0]
+        parts.append(out if meta.decode_rows is None else out[: len(meta.decode_rows)])
     for i, p in enumerate(meta.prefills):
         qp = q[p.rows[0]: p.rows[1]].transpose(1, 0, 2)[None]
         keys = kc[p.kv_slots].transpose(1, 0, 2)[None]

@@ -11,6 +11,7 @@ from backends.mlx import fast_blas, weights
 from backends.mlx.attention import AttentionMeta
 from backends.mlx.decode_step import CompiledDecode
 from backends.mlx.lower import GraphRunner, StepContext
+from backends.mlx.metal_ops import KernelOps
 from backends.mlx.runtime import metal_available, mx
 from ir.batch import Batch
 from ir.loader import LoadedModel
@@ -22,7 +23,7 @@ class MLXBackend(Backend):
     name = "mlx"
 
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
-                 compile: bool = True, progress: bool = True):
+                 compile: bool = True, kernels: str | None = None, progress: bool = True):
         self.model = model
         self.metal = metal_available()
         # MLX's CPU quantized_matmul and its half-precision GEMMs are several times slower than fp32
@@ -33,13 +34,19 @@ class MLXBackend(Backend):
         for reason, count in fallbacks.items():
             log.warning("%d tensor(s) kept dense instead of MLX-quantized: %s", count, reason)
         self.fallbacks = dict(fallbacks)
-        self.runner = GraphRunner(model.graph, self.params, weights.DTYPES[self.dtype])
+        # The DSL's kernels run as Metal kernels on Apple GPUs; "simt-cpu" runs the same lowered programs
+        # through the DSL's CPU oracle (slow: for checking the wiring without a Mac).
+        kernels = kernels or ("metal" if self.metal else None)
+        self.kernels = KernelOps(kernels) if kernels else None
+        self.runner = GraphRunner(model.graph, self.params, weights.DTYPES[self.dtype], self.kernels)
+        # The CPU oracle reads its inputs on the host, which a traced (compiled) step cannot give it.
+        compile = compile and kernels != "simt-cpu"
         self.decode = CompiledDecode(self.runner, weights.DTYPES[self.dtype]) if compile else None
         self.kv: list[list[mx.array]] = []
         self.block_size = 0
         self.num_blocks = 0
-        log.info("mlx backend on %s, %s, %s weights, GEMMs through %s", "metal" if self.metal else "cpu",
-                 self.dtype, "quantized" if self.quantized else "dense", fast_blas.status)
+        log.info("mlx backend: %s; norms, gated activations and decode attention through %s", self.describe(),
+                 f"the DSL's {kernels} kernels" if kernels else "mlx ops (no Metal device)")
 
     def describe(self) -> str:
         where = "metal" if self.metal else f"cpu, GEMMs via {fast_blas.status}"

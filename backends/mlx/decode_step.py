@@ -43,18 +43,20 @@ class CompiledDecode:
     def applies(batch: Batch) -> bool:
         return batch.num_tokens > 0 and bool(np.all(np.diff(batch.query_start) == 1))
 
-    def _step(self, tokens, slots, read_slots, rows, *rest):
+    def _step(self, tokens, slots, read_slots, rows, tables, ctx_lens, *rest):
         n_rope = 2 * len(self.specs)
         rope = {s: (rest[2 * i], rest[2 * i + 1]) for i, s in enumerate(self.specs)}
         masks = rest[n_rope: n_rope + len(self.windows)]
         flat_kv = rest[n_rope + len(self.windows):]
-        meta = AttentionMeta(slots, None, read_slots, None, [], None, tokens.shape[0])
+        meta = AttentionMeta(slots, None, read_slots, None, [], None, tokens.shape[0], self.block_size, tables,
+                             ctx_lens)
         meta._masks = {("decode", w): m for w, m in zip(self.windows, masks, strict=True)}
         kv = [[flat_kv[i], flat_kv[i + 1]] for i in range(0, len(flat_kv), 2)]
         out = self.runner.run({"token_ids": tokens, "logits_indices": rows}, PreparedContext(meta, rope), kv)
         return [out["logits"].astype(mx.float32)] + [a for layer in kv for a in layer]
 
     def __call__(self, batch: Batch, kv: list[list[mx.array]], block_size: int, scratch: int):
+        self.block_size = block_size
         b = batch.num_tokens
         bp = _bucket(b, 1)
         ctx = batch.context_lens.astype(np.int64)
@@ -66,6 +68,8 @@ class CompiledDecode:
         read[:b] = np.where(j[None] < ctx[:, None], blocks * block_size + j % block_size, scratch)
         last = np.full(bp, -1, np.int64)
         last[:b] = ctx - 1
+        btables = np.zeros((bp, width // block_size), np.int32)
+        btables[:b, : tables.shape[1]] = np.maximum(tables[:, : width // block_size], 0)
         masks = []
         for w in self.windows:
             ok = j[None] <= last[:, None]
@@ -82,7 +86,8 @@ class CompiledDecode:
         flat = [a for layer in kv for a in layer]
         kv.clear()  # our references must go, or MLX copies each cache instead of updating it in place
         outs = self._fn(mx.array(pad(batch.token_ids, 0)), mx.array(pad(slots, scratch).astype(np.int32)),
-                        mx.array(read.astype(np.int32)), mx.arange(bp, dtype=mx.int32), *rope, *masks, *flat)
+                        mx.array(read.astype(np.int32)), mx.arange(bp, dtype=mx.int32), mx.array(btables),
+                        mx.array((last + 1).astype(np.int32)), *rope, *masks, *flat)
         del flat
         kv.extend([outs[i], outs[i + 1]] for i in range(1, len(outs), 2))
         return outs[0][mx.array(batch.logits_indices)]
