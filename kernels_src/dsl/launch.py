@@ -56,6 +56,7 @@ class Kernel:
         self.fn, self.target, self.constexprs, self.num_warps = fn, target, constexprs, num_warps
         self.runtime_params = split_params(fn)[0]
         self._traces: dict[tuple, KernelIR] = {}
+        self._launchers: dict[tuple, Callable] = {}  # signature -> launch: a launch must not re-render
 
     def trace(self, *args, signature: dict | None = None) -> KernelIR:
         """The IR for these launch arguments (or an explicit {name: "*fp32" | "i32" ...} signature)."""
@@ -82,6 +83,14 @@ class Kernel:
 
     def compiled(self, *args, signature: dict | None = None) -> Callable:
         """`launch(grid, *args)` for these arguments' signature, from the cache when it was built before."""
+        if signature is None and len(args) == len(self.runtime_params):
+            sig = tuple(arg_type(a) for a in args)
+            if sig not in self._launchers:
+                self._launchers[sig] = self._build(*args)
+            return self._launchers[sig]
+        return self._build(*args, signature=signature)
+
+    def _build(self, *args, signature: dict | None = None) -> Callable:
         k = self.trace(*args, signature=signature)
         src = self.source(*args, signature=signature)
         key = (self.target, src, _freeze(self.constexprs), self.num_warps)

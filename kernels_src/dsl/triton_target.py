@@ -180,11 +180,21 @@ def _interpreted_stdlib():
                 scope.restore()
 
     twins = {id(v): Twin(v.fn) for _, _, v in swapped}
+    import triton.runtime.interpreter as interp
+
+    patch_tensor = interp._patch_lang_tensor
+
+    def patch_index(tensor, scope):  # Triton 3.6 calls int() on a one-element array, which numpy 2 refuses
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
     try:
+        interp._patch_lang_tensor = patch_index
         for module, name, value in swapped:
             setattr(module, name, twins[id(value)])
         yield
     finally:
+        interp._patch_lang_tensor = patch_tensor
         for module, name, value in swapped:
             setattr(module, name, value)
 

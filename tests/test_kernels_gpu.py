@@ -1,0 +1,88 @@
+"""Every registry kernel on a real CUDA GPU: the Triton target (JIT) and the CUDA C target (CuPy, where present)
+against the numpy references, at moderate realistic sizes, in fp32 / fp16 / bf16, with poisoned outputs and NaN in
+every cache slot outside the contexts (tools/kernel_cases.py builds and checks them). Skipped without a CUDA GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import zlib
+
+import pytest
+
+from kernels_src.registry import REGISTRY
+from tools.bench_kernels import stream_ctx, target_unavailable
+from tools.kernel_cases import build_case, has_case
+
+
+def _has_cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+pytestmark = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+DTYPES = ("float32", "float16", "bfloat16")
+# kernel -> [(id, overrides of its registry bench problem)]; the first runs in every dtype, the others in bf16
+SIZES = {
+    "rms_norm": [("4096", dict(rows=37, hidden=4096)), ("odd", dict(rows=5, hidden=1000))],
+    "add_rms_norm": [("4096", dict(rows=37, hidden=4096)), ("odd", dict(rows=5, hidden=1000))],
+    "rope": [("llama", dict(tokens=50)), ("odd", dict(tokens=7, q_heads=12, kv_heads=4, head_dim=64))],
+    "silu_mul": [("llama", dict(tokens=9)), ("odd", dict(tokens=3, inner=1000))],
+    "kv_write": [("padding", dict(tokens=100, padding=True)),
+                 ("odd", dict(tokens=7, kv_heads=2, head_dim=64, block_size=8, padding=True))],
+    "paged_decode": [("split", dict(batch=6, context=1500, ragged=True)),
+                     ("single", dict(batch=3, context=300, ragged=True)),  # one partition: no scratch, no reduce
+                     ("gqa8", dict(batch=2, context=700, q_heads=16, kv_heads=2, ragged=True))],
+    "paged_decode_reduce": [("split", dict(batch=4, context=1500, ragged=True))],
+    "paged_prefill": [("chunked", dict(seqs=4, query_len=100, context=700, ragged=True)),
+                      ("gqa8", dict(seqs=2, query_len=40, context=90, q_heads=16, kv_heads=2))],
+}
+# CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
+# CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
+CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim")}
+GEMV = [("m1", dict(m=1, n=300, k=4096), ("bfloat16",)),
+        ("m3_padded", dict(m=3, n=77, k=2048, padded=True), ("float16",))]
+
+
+def _cases() -> list:
+    out = []
+    for name, entry in REGISTRY.items():
+        if name.startswith("dequant_gemv_"):
+            extra = ("float32",) if entry.bench["qtype"] == "Q4_K" else ()
+            variants = [(vid, p, dts + (extra if vid == "m1" else ())) for vid, p, dts in GEMV]
+        else:
+            variants = [(vid, p, DTYPES if i == 0 else ("bfloat16",)) for i, (vid, p) in enumerate(SIZES.get(name, []))]
+        out += [pytest.param(name, entry.bench | p | {"dtype": dt}, id=f"{name}-{vid}-{dt}")
+                for vid, p, dts in variants for dt in dts]
+    return out
+
+
+def test_every_registry_kernel_has_a_gpu_case():
+    missing = [n for n in REGISTRY if not has_case(n) or not (n in SIZES or n.startswith("dequant_gemv_"))]
+    assert not missing, f"add GPU cases (tools/kernel_cases.py) and sizes here for: {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("target", ["triton", "cuda"])
+@pytest.mark.parametrize("name,params", _cases())
+def test_kernel_on_gpu(target, name, params, request):
+    reason = target_unavailable(target)
+    if reason:
+        pytest.skip(reason)
+    keys = CUDA_C_SLOW.get(name, ()) if target == "cuda" else ()
+    if any(params[k] != REGISTRY[name].bench[k] for k in keys):
+        pytest.skip(f"the CUDA C {name} takes NVRTC about a minute a configuration: only the bench's one is tested")
+    import torch
+
+    case = build_case(name, params, seed=zlib.crc32(request.node.name.encode()))
+    with stream_ctx(torch, target):
+        case.prepare(target)
+        try:
+            case.launch(target)
+        except NotImplementedError as e:  # the SIMT lowering says what it cannot take yet
+            pytest.skip(f"{target} cannot lower {name}: {e}")
+    torch.cuda.synchronize()
+    err, problem = case.check()
+    assert problem is None, f"{problem} (worst rel err {err:.2e})"

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The one command to run on a GPU machine: carried wheels, versions, the kernel tests (CPU-side ones too: they
+# exercise the machine's Triton) and GPU ones, then the kernel benchmark; a summary table (step, status, seconds)
+# last. A failing step does not stop the next. Logs go to $OUT (else /tmp/gpu_check): gpu_check.log, summary.txt,
+# and the benchmark's kernels_bench.md / .json. Only 8 files come back from $OUT: keep to one log.
+#
+#   bash tools/gpu_check.sh            (PYTHON=... to pick the interpreter; GPU_CHECK_BUDGET=seconds, default 570)
+#
+# To add a step, add one line at the bottom: `step NAME any|gpu TIMEOUT_S COMMAND...` ("gpu": skipped without one).
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+export OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
+STEPLOG=$(mktemp)
+BUDGET=${GPU_CHECK_BUDGET:-570}
+: > "$LOG"
+SUMMARY=()
+
+if compgen -G ".whl/*.whl" > /dev/null; then  # wheels carried for packages the image lacks (gguf)
+    echo "installing carried wheels:" .whl/*.whl | tee -a "$LOG"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        2>&1 | tee -a "$LOG" && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+HAVE_GPU=0
+"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null && HAVE_GPU=1
+
+env_info() {
+    nvidia-smi -L 2>&1 || echo "(nvidia-smi not available)"
+    "$PY" - << 'EOF'
+import importlib
+import importlib.metadata
+import platform
+import sys
+
+print("python", platform.python_version(), sys.executable)
+for name in ("torch", "triton", "cupy", "numpy", "gguf", "pytest"):
+    try:
+        importlib.import_module(name)
+        dist = "cupy-cuda13x" if name == "cupy" else name
+        print(f"{name:8s}", importlib.metadata.version(dist), importlib.import_module(name).__file__)
+    except Exception as e:  # noqa: BLE001
+        print(f"{name:8s} MISSING or unreadable ({type(e).__name__}: {e})")
+try:
+    import torch
+
+    ok = torch.cuda.is_available()
+    print("cuda", torch.version.cuda, "available:", ok, torch.cuda.get_device_name(0) if ok else "")
+except Exception as e:  # noqa: BLE001
+    print("torch.cuda:", type(e).__name__, e)
+EOF
+}
+
+step() {  # step NAME any|gpu TIMEOUT_S COMMAND...
+    local name=$1 needs=$2 limit=$3 t0=$SECONDS rc status detail
+    shift 3
+    if [[ $needs == gpu && $HAVE_GPU != 1 ]]; then
+        SUMMARY+=("$name|SKIP (no CUDA GPU)|0|")
+        return
+    fi
+    local left=$((BUDGET - SECONDS - 10))
+    ((left < limit)) && limit=$left
+    if ((limit < 10)); then
+        SUMMARY+=("$name|SKIP (out of time)|0|")
+        return
+    fi
+    echo "=== $name ($needs, limit ${limit}s): $*" | tee -a "$LOG"
+    if declare -F "$1" > /dev/null; then
+        "$@" 2>&1 | tee -a "$LOG" "$STEPLOG"
+    else
+        timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" "$STEPLOG"
+    fi
+    rc=${PIPESTATUS[0]}
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="TIMEOUT (${limit}s)" ;;
+        *) status="FAIL (rc $rc)" ;;
+    esac
+    detail=$(grep -aE '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$STEPLOG" | tail -1 | tr -d '=' | cut -c1-70)
+    SUMMARY+=("$name|$status|$((SECONDS - t0))|${detail# }")
+    : > "$STEPLOG"
+}
+
+KERNEL_TESTS_CPU=(tests/test_kernels_dsl.py tests/test_kernels_basic.py tests/test_kernels_attention.py
+    tests/test_kernels_gemv.py)
+
+step env any 60 env_info
+step tests_gpu gpu 270 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels_gpu.py
+step tests_cpu any 120 "$PY" -m pytest -q -p no:cacheprovider --tb=line "${KERNEL_TESTS_CPU[@]}"
+step bench gpu 300 "$PY" -m tools.bench_kernels  # last before the summary: its table stays in the output's tail
+
+rm -f "$STEPLOG"
+{
+    echo
+    echo "=== gpu_check summary: ${SECONDS}s, GPU: $([[ $HAVE_GPU == 1 ]] && echo yes || echo no), logs: $OUT"
+    printf '%-10s %-20s %5s  %s\n' step status s detail
+    for row in "${SUMMARY[@]}"; do
+        IFS='|' read -r name status secs detail <<< "$row"
+        printf '%-10s %-20s %5s  %s\n' "$name" "$status" "$secs" "$detail"
+    done
+} | tee "$OUT/summary.txt" | tee -a "$LOG"
+! grep -qE '^[a-z_]+ +(FAIL|TIMEOUT)' "$OUT/summary.txt"
