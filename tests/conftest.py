@@ -59,6 +59,7 @@ def mlx_smollm(smollm):
     re-allocates the KV cache it needs."""
     from backends.mlx.backend import MLXBackend
 
+    # The compiled decode step is the Metal default; the CPU suite runs it too, so that it stays correct.
     return MLXBackend(smollm, progress=False, compile=os.environ.get("ENGINE_MLX_COMPILE", "1") == "1")
 
 

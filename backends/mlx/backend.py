@@ -23,7 +23,7 @@ class MLXBackend(Backend):
     name = "mlx"
 
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
-                 compile: bool = True, kernels: str | None = None, progress: bool = True):
+                 compile: bool | None = None, kernels: str | None = None, progress: bool = True):
         self.model = model
         self.metal = metal_available()
         # MLX's CPU quantized_matmul and its half-precision GEMMs are several times slower than fp32
@@ -39,8 +39,10 @@ class MLXBackend(Backend):
         kernels = kernels or ("metal" if self.metal else None)
         self.kernels = KernelOps(kernels) if kernels else None
         self.runner = GraphRunner(model.graph, self.params, weights.DTYPES[self.dtype], self.kernels)
-        # The CPU oracle reads its inputs on the host, which a traced (compiled) step cannot give it.
-        compile = compile and kernels != "simt-cpu"
+        # On MLX's CPU build the compiled step measured slower at batch 16 and no faster at batch 1
+        # (docs/BENCHMARKS.md), so it is the Metal default only. The CPU oracle reads its inputs on
+        # the host, which a traced (compiled) step cannot give it.
+        compile = (self.metal if compile is None else compile) and kernels != "simt-cpu"
         self.decode = CompiledDecode(self.runner, weights.DTYPES[self.dtype]) if compile else None
         self.kv: list[list[mx.array]] = []
         self.block_size = 0

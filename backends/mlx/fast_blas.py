@@ -4,13 +4,15 @@ The `mlx[cpu]` wheel bundles netlib's reference BLAS, whose sgemm runs at 3-6 GF
 of machine. libmlx.so resolves `cblas_sgemm` (and d/c gemm) by name, so a tiny shim exporting those
 names and forwarding to OpenBLAS (the `scipy-openblas32` wheel, whose symbols carry a `scipy_`
 prefix), loaded with RTLD_GLOBAL before mlx, takes its place: 30-70x faster GEMMs, same results up
-to summation order. The shim is built once with the system C compiler (`make setup` does it; the
-first import does it too when a compiler is there) and cached beside this file.
+to summation order. One-row products go to sgemv, which OpenBLAS runs faster than a 1-row sgemm. The
+shim is built once with the system C compiler (`make setup` does it; the first import does it too when
+a compiler is there) and cached beside this file; a changed source rebuilds it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import platform
@@ -23,18 +25,37 @@ log = logging.getLogger(__name__)
 
 SHIM_SOURCE = r"""
 typedef int blasint;
+enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
+void scipy_cblas_sgemv(int, int, blasint, blasint, float, const float *, blasint, const float *, blasint, float,
+                       float *, blasint);
+#define DECLARE(T, name) \
+  void scipy_cblas_##name(int, int, int, blasint, blasint, blasint, T, const void *, blasint, const void *, \
+                          blasint, T, void *, blasint);
+DECLARE(float, sgemm)
+DECLARE(double, dgemm)
+DECLARE(const void *, cgemm)
+
+/* A one-row product (every decode step at batch 1) is a GEMV: OpenBLAS runs its sgemv much faster
+   than a 1-row sgemm (docs/BENCHMARKS.md). Row-major c[1,n] = a[1,k] op(B). */
+void cblas_sgemm(int o, int ta, int tb, blasint m, blasint n, blasint k, float alpha, const float *a,
+                 blasint lda, const float *b, blasint ldb, float beta, float *c, blasint ldc) {
+  if (o == RowMajor && m == 1) {
+    blasint inca = ta == NoTrans ? 1 : lda;
+    if (tb == Trans) scipy_cblas_sgemv(RowMajor, NoTrans, n, k, alpha, b, ldb, a, inca, beta, c, 1);
+    else scipy_cblas_sgemv(RowMajor, Trans, k, n, alpha, b, ldb, a, inca, beta, c, 1);
+    return;
+  }
+  scipy_cblas_sgemm(o, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
 #define FORWARD(T, name) \
-  void scipy_cblas_##name(int, int, int, blasint, blasint, blasint, T, const void *, blasint, \
-                          const void *, blasint, T, void *, blasint); \
   void cblas_##name(int o, int ta, int tb, blasint m, blasint n, blasint k, T alpha, const void *a, \
                     blasint lda, const void *b, blasint ldb, T beta, void *c, blasint ldc) { \
     scipy_cblas_##name(o, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); }
-FORWARD(float, sgemm)
 FORWARD(double, dgemm)
 FORWARD(const void *, cgemm)
 """
 
-SHIM_PATH = Path(__file__).with_name("_openblas_shim.so")
+SHIM_PATH = Path(__file__).with_name(f"_openblas_shim_{hashlib.sha1(SHIM_SOURCE.encode()).hexdigest()[:8]}.so")
 status = "not loaded"  # what load() did, for logs and the benchmark table
 
 
