@@ -74,16 +74,28 @@ def _softmax(x, axis=-1):
 
 def paged_attention(q, k, v, slots, tables, ctx, qstart, *, cache: KVCache, layer: int, scale: float,
                     sliding_window: int | None = None, softcap: float | None = None):
-    """The contract of `ir.batch`, written as plainly as possible."""
+    """The contract of `ir.batch`, written as plainly as possible: write this step's k/v, then attend."""
     kc, vc = cache.k[layer], cache.v[layer]
-    bs = cache.block_size
     flat_k = kc.reshape(-1, *kc.shape[2:])
     flat_v = vc.reshape(-1, *vc.shape[2:])
     keep = slots >= 0
     flat_k[slots[keep]] = k[keep]
     flat_v[slots[keep]] = v[keep]
-    hq, hkv = q.shape[1], k.shape[1]
-    out = np.zeros((q.shape[0], hq, v.shape[2]), np.float32)
+    return attend_cached(q, kc, vc, tables, ctx, qstart, scale=scale, sliding_window=sliding_window,
+                         softcap=softcap)
+
+
+def attend_cached(q, k_cache, v_cache, tables, ctx, qstart, *, scale: float, sliding_window: int | None = None,
+                  softcap: float | None = None) -> np.ndarray:
+    """Attention of flat varlen q [T, Hq, D] over caches [blocks, block_size, Hkv, D] already holding every
+    token's k/v; the kernels' references call this too."""
+    bs = k_cache.shape[1]
+    flat_k = np.asarray(k_cache, np.float32).reshape(-1, *k_cache.shape[2:])
+    flat_v = np.asarray(v_cache, np.float32).reshape(-1, *v_cache.shape[2:])
+    q = np.asarray(q, np.float32)
+    tables, ctx, qstart = (np.asarray(a) for a in (tables, ctx, qstart))
+    hq, hkv = q.shape[1], flat_k.shape[1]
+    out = np.zeros((q.shape[0], hq, flat_v.shape[2]), np.float32)
     for b in range(len(ctx)):
         s, e, n_ctx = int(qstart[b]), int(qstart[b + 1]), int(ctx[b])
         if e == s:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ir.interpreter import attend_cached
 from kernels_src.dsl import compile, elem_stride, tl
 
 LOG2E = 1.4426950408889634
@@ -179,29 +180,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start, scale: float,
                         sliding_window: int | None = None, softcap: float | None = None) -> np.ndarray:
-    """The `ir.batch` contract over flat varlen q [T, Hq, D], in fp32 (decode: query_start = arange(B + 1))."""
-    q, kc, vc = (np.asarray(a, np.float32) for a in (q, k_cache, v_cache))
-    bs, hq, hkv = kc.shape[1], q.shape[1], kc.shape[2]
-    out = np.zeros(q.shape, np.float32)
-    for b, n_ctx in enumerate(np.asarray(context_lens)):
-        s, e = int(query_start[b]), int(query_start[b + 1])
-        if e == s:
-            continue
-        j = np.arange(n_ctx)
-        blocks = np.asarray(block_tables)[b, j // bs]
-        keys = np.repeat(kc[blocks, j % bs], hq // hkv, axis=1)  # [L, Hq, D]
-        vals = np.repeat(vc[blocks, j % bs], hq // hkv, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q[s:e], keys) * np.float32(scale)
-        if softcap:
-            scores = softcap * np.tanh(scores / softcap)
-        qi = n_ctx - (e - s) + np.arange(e - s)
-        mask = j[None, :] <= qi[:, None]
-        if sliding_window:
-            mask &= j[None, :] > qi[:, None] - sliding_window
-        scores = np.where(mask[None], scores, -np.inf)
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        out[s:e] = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), vals)
-    return out
+    """The `ir.batch` contract over flat varlen q [T, Hq, D], in fp32 (decode: query_start = arange(B + 1)):
+    the IR interpreter's own definition."""
+    return attend_cached(q, k_cache, v_cache, block_tables, context_lens, query_start, scale=scale,
+                         sliding_window=sliding_window, softcap=softcap)
 
 
 def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale: float, **kw) -> np.ndarray:
