@@ -1,10 +1,20 @@
 """Dequantizing GEMV y[M, N] = x[M, K] @ W.T (M <= 8) straight from GGUF blocks: DSL kernel, launcher, reference.
 
-W is the raw bytes [N, row_bytes] (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; layouts in ir/formats/gguf_quants.py). A row is cut
-into chunks (a block, or a quarter super-block for the k-quants) of a few contiguous runs of 16 or 32 quant bytes.
-One program takes BLOCK_R rows and walks K BLOCK_C chunks at a time: every byte is read once, in contiguous runs
-along the row; scales are gathered once per chunk and broadcast along its lanes. Each lane keeps an fp32 partial
-sum per batch row (the weights are decoded once and reused for every x row); the lanes are summed at the end.
+W is the raw bytes [N, row_bytes] (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; layouts in ir/formats/gguf_quants.py). The GEMV
+streams W once and is bound by memory, so the kernel spends few instructions per quant and keeps loads in flight:
+- A program (one warp) takes ROWS rows, unrolled, and walks K STEP blocks at a time; each step's loads (W for
+  every row, x once) come before its arithmetic, so they are in flight together. A lane owns PARTS vectors of 4
+  consecutive words of one block (32-bit for Q4_K, whose 144-byte super-blocks keep 16-byte alignment; 16-bit
+  for the others, whose blocks are only 2-byte aligned) and the x elements that meet them. x is converted once
+  per step and reused by every row.
+- A quant field is masked in place, never shifted down, and read as a float (`_Decode`): its bits as an fp32
+  subnormal where the target has IEEE subnormals (Triton), so a quant costs one LOP3 and one FMA; or OR-ed into
+  2**23 and the 2**23 subtracted (SIMT targets: CuPy compiles with -ftz=true, Metal flushes subnormals). x is
+  pre-scaled once per step to meet each field position.
+- Offsets and minimums (Q4_0's -8, Q4_1's m, Q8_0's sign, Q4_K's mins, Q6_K's -32) are applied once per block
+  through sums of x; scales multiply once per lane and block, after the lane's quants are summed.
+- Only scale fields are masked (to 0); quant words and x are read through clamped addresses (past the end: the last
+  block again), since a block whose scales read as 0 adds nothing. That saves zeroing registers before each load.
 """
 
 from __future__ import annotations
@@ -15,123 +25,301 @@ from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.paged_attention import empty
 
-# qtype -> (elements per chunk, lanes per chunk, chunks per block, block bytes)
-FORMATS = {"Q4_0": (32, 16, 1, 18), "Q4_1": (32, 16, 1, 20), "Q8_0": (32, 32, 1, 34), "Q4_K": (64, 32, 4, 144),
-           "Q6_K": (64, 16, 4, 210)}
-QTYPES = tuple(FORMATS)
+FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+QTYPES = tuple(FORMATS)  # qtype -> (elements, bytes) per block
+ALIGN = {"Q4_K": 16}  # row alignment in bytes that the kernel's loads need (2 for the others)
+SUBNORMAL_TARGETS = ("numpy", "triton", "triton-interpret")  # targets with IEEE subnormals at full speed
 
 
-def _half(w16, byte_off, mask):
-    """The fp16 field at even byte offsets, as fp32."""
-    return tl.load(w16 + byte_off // 2, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+class _Decode:
+    """Quant fields as floats, and x scaled to meet them: products come out at field * x * 2**-xs."""
+
+    def __init__(self, subnormal: bool):
+        self.subnormal = subnormal
+        self.xs = 64 if subnormal else 0  # keeps subnormal products normal; needs |x| < 2**(64 - 21)
+        self.unit = 2.0 ** self.xs  # what a block scale is multiplied by
+
+    def q(self, word, shift: int, width: int):
+        """word[shift : shift + width] as field * 2**shift (times 2**-149 as a subnormal); shift + width <= 23."""
+        f = word & (((1 << width) - 1) << shift)
+        if self.subnormal:
+            return f.to(tl.float32, bitcast=True)
+        return (f | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    def x(self, v, shift: int):
+        return v * 2.0 ** ((149 if self.subnormal else 0) - shift - self.xs)
 
 
-def _nibbles(qs):
-    return (qs & 15).to(tl.float32), (qs >> 4).to(tl.float32)
+# --- shared helpers ----------------------------------------------------------------------------------------------
+
+def _f16(u):
+    """fp16 bits in the low half of an integer tile, as fp32."""
+    return (u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-def _legacy(w, w16, blk, ln, mask, ch, QTYPE):
-    """Q4_0 / Q4_1 / Q8_0: one block per chunk; element e of the block is lane e (Q8_0) or nibble e // 16."""
-    d = _half(w16, blk, mask)
-    if QTYPE == "Q8_0":
-        q = tl.load(w + blk + 2 + ln, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        return [(d * q, ch * 32 + ln)]
+def _x_vals(xm, idx, n: int):
+    """x[n * idx + k] for k < n as fp32 tiles; 16-bit x is read as one 32- (n = 2) or 64-bit (n = 4) word."""
+    el = xm.dtype.elem
+    if el.bits != 16:
+        return [tl.load(xm + n * idx + k).to(tl.float32) for k in range(n)]
+    word = tl.load(xm.to(tl.pointer_type(tl.uint32 if n == 2 else tl.uint64)) + idx)
+    halves = [word] if n == 2 else [word.to(tl.uint32), (word >> 32).to(tl.uint32)]
+    if el == tl.bfloat16:
+        return [v.to(tl.float32, bitcast=True) for h in halves for v in (h << 16, h & 0xFFFF0000)]
+    return [_f16(h >> s) for h in halves for s in (0, 16)]
+
+
+def _add(tiles):
+    out = tiles[0]
+    for t in tiles[1:]:
+        out = out + t
+    return out
+
+
+def _dot(qs, xs):
+    """sum_k qs[k] * xs[k], summed over the lane's words (the last axis)."""
+    return tl.sum(_add([q * v for q, v in zip(qs, xs, strict=True)]), axis=-1, keep_dims=True)
+
+
+def _rsum(xs):
+    return tl.sum(_add(xs), axis=-1, keep_dims=True)
+
+
+def _u16(p, mask=None):
+    """16-bit words as uint32; masked ones (scale fields) read 0."""
+    return (tl.load(p) if mask is None else tl.load(p, mask=mask, other=0)).to(tl.uint32)
+
+
+def _words(n: int, parts: int, rank: int = 3):
+    """Word indices of a block, one [1, .., n / (4 parts), 4] tile per part: lane g owns the 4-word vectors g,
+    G + g, .. (G = n / (4 parts)), so a lane's loads are 16 bytes wide and neighbouring lanes' are contiguous."""
+    g = n // (4 * parts)
+    idx = tl.arange(0, g)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    for _ in range(rank - 2):
+        idx = idx[None]
+    return [4 * g * p + idx for p in range(parts)]
+
+
+# Each format has three steps: x_prep (x for one step, once), w_load (one row's raw tiles for the step) and w_dot
+# (those tiles and the prepared x to a partial sum), so that the kernel can issue every load of a step first.
+
+# --- Q4_0, Q4_1: 8 words of quants; word i holds elements 2i, 2i + 1 (low nibbles) and 16 + 2i, 17 + 2i ------------
+
+def _q4_x(xm, b, dec, PARTS: int):
+    xs, sums = [], []
+    for i in _words(8, PARTS):
+        lo, hi = _x_vals(xm, 16 * b + i, 2), _x_vals(xm, 16 * b + 8 + i, 2)
+        xs.append([dec.x(lo[0], 0), dec.x(lo[1], 8), dec.x(hi[0], 4), dec.x(hi[1], 12)])
+        sums.append(_rsum(lo + hi))
+    return xs, _add(sums)
+
+
+def _q4_load(blk, mask, QTYPE: str, PARTS: int):
+    w16 = blk.to(tl.pointer_type(tl.uint16))
+    head = 2 if QTYPE == "Q4_1" else 1  # d (and m) come first
+    return [_u16(w16 + head + i) for i in _words(8, PARTS)] + [_u16(w16 + k, mask) for k in range(head)]
+
+
+def _q4_dot(raw, xp, dec, QTYPE: str):
+    xs, xsum = xp
+    fields = lambda w: [dec.q(w, 0, 4), dec.q(w, 8, 4), dec.q(w, 4, 4), dec.q(w, 12, 4)]
+    s = _add([_dot(fields(w), x) for w, x in zip(raw[:len(xs)], xs, strict=True)])
+    d = _f16(raw[len(xs)])
     if QTYPE == "Q4_0":
-        lo, hi = _nibbles(tl.load(w + blk + 2 + ln, mask=mask, other=0))
-        return [(d * (lo - 8.0), ch * 32 + ln), (d * (hi - 8.0), ch * 32 + 16 + ln)]
-    m = _half(w16, blk + 2, mask)
-    lo, hi = _nibbles(tl.load(w + blk + 4 + ln, mask=mask, other=0))
-    return [(d * lo + m, ch * 32 + ln), (d * hi + m, ch * 32 + 16 + ln)]
+        return (d * dec.unit) * s - (8.0 * d) * xsum
+    return (d * dec.unit) * s + _f16(raw[-1]) * xsum
 
 
-def _scale_min_k4(w, blk, j, mask):
-    """Six-bit scale and min j (0..7) of a Q4_K super-block at byte blk (ggml's get_scale_min_k4)."""
-    a = tl.load(w + blk + 4 + (j & 3), mask=mask, other=0)
-    mb = tl.load(w + blk + 8 + (j & 3), mask=mask, other=0)
-    c = tl.load(w + blk + 12 + (j & 3), mask=mask, other=0)
-    low = j < 4
-    sc = tl.where(low, a & 63, (c & 15) | ((a >> 6) << 4))
-    mn = tl.where(low, mb & 63, (c >> 4) | ((mb >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
+# --- Q8_0: 16 words of quants; word i holds elements 2i, 2i + 1 -----------------------------------------------------
+
+def _q8_x(xm, b, dec, PARTS: int):
+    vals = [_x_vals(xm, 16 * b + i, 2) for i in _words(16, PARTS)]
+    return [[dec.x(v[0], 0), dec.x(v[1], 8)] for v in vals], _add([_rsum(v) for v in vals])
 
 
-def _q4_k(w, w16, row, ch, ln, mask):
-    """Chunk c of a super-block: qs bytes 32c.. hold sub-block 2c in low nibbles and 2c + 1 in high nibbles."""
-    sb, c = ch // 4, ch % 4
-    blk = row + sb * 144
-    d, dmin = _half(w16, blk, mask), _half(w16, blk + 2, mask)
-    lo, hi = _nibbles(tl.load(w + blk + 16 + c * 32 + ln, mask=mask, other=0))
+def _q8_load(blk, mask, PARTS: int):
+    w16 = blk.to(tl.pointer_type(tl.uint16))
+    return [_u16(w16 + 1 + i) for i in _words(16, PARTS)] + [_u16(w16, mask)]
+
+
+def _q8_dot(raw, xp, dec):
+    xs, xsum = xp
+    signed = [w ^ 0x80808080 for w in raw[:-1]]  # int8 q -> unsigned q + 128 (32-bit: no 16-bit packing)
+    s = _add([_dot([dec.q(w, 0, 8), dec.q(w, 8, 8)], x) for w, x in zip(signed, xs, strict=True)])
+    d = _f16(raw[-1])
+    return (d * dec.unit) * s - (128.0 * d) * xsum
+
+
+# --- Q4_K: super-blocks of d, dmin, 12 bytes of 6-bit scales and mins, 32 words of quants -------------------------
+# Word j of chunk c (c < 4, j < 8) holds elements 64c + 4j + k in its low nibbles (sub-block 2c) and 64c + 32 + 4j + k
+# in its high nibbles (sub-block 2c + 1), k < 4. Tiles are [STEP, 4 chunks, lanes per chunk, 4 words].
+# Fields (word, shift) of elements k = 0..3, with up = word >> 12 bringing bytes 2 and 3 down:
+_Q4K_LO = ((0, 0), (0, 8), (0, 16), (1, 12))
+_Q4K_HI = ((0, 4), (0, 12), (1, 8), (1, 16))
+
+
+def _chunks():
+    return tl.arange(0, 4)[None, :, None, None]
+
+
+def _q4k_x(xm, sb, dec, PARTS: int):
+    lo, hi = [], []
+    for j in _words(8, PARTS, 4):
+        quad = 64 * sb + 16 * _chunks() + j
+        lo.append(_x_vals(xm, quad, 4))
+        hi.append(_x_vals(xm, quad + 8, 4))
+    return ([[dec.x(v, s) for v, (_, s) in zip(x, _Q4K_LO, strict=True)] for x in lo],
+            [[dec.x(v, s) for v, (_, s) in zip(x, _Q4K_HI, strict=True)] for x in hi], _add([_rsum(x) for x in lo]),
+            _add([_rsum(x) for x in hi]))
+
+
+def _q4k_load(blk, mask, PARTS: int):
+    qs = blk.to(tl.pointer_type(tl.uint32)) + 4 + 8 * _chunks()
+    head = blk.to(tl.pointer_type(tl.uint64))
+    return [tl.load(qs + j) for j in _words(8, PARTS, 4)] + [tl.load(head + k, mask=mask, other=0) for k in range(2)]
+
+
+def _q4k_scales(h0, h1):
+    """(d, dmin, 6-bit scale and min words): bytes 0 and 1 of the words belong to sub-blocks 2c and 2c + 1."""
+    c = _chunks()
+    dd, s0, s1, s2 = h0.to(tl.uint32), (h0 >> 32).to(tl.uint32), h1.to(tl.uint32), (h1 >> 32).to(tl.uint32)
+    low, sh = c < 2, (c & 1) * 16  # sub-blocks 0-3 keep 6 bits in place; 4-7 take 4 + 2 from two bytes
+    sc = tl.where(low, s0 & 0x3F3F3F3F, (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)) >> sh
+    mn = tl.where(low, s1 & 0x3F3F3F3F, ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)) >> sh
+    return _f16(dd), _f16(dd >> 16), sc, mn
+
+
+def _q4k_dot(raw, xp, dec):
+    xlo, xhi, sum_lo, sum_hi = xp
+    s_lo, s_hi = [], []
+    for w, xl, xh in zip(raw[:-2], xlo, xhi, strict=True):
+        words = (w, w >> 12)
+        s_lo.append(_dot([dec.q(words[i], s, 4) for i, s in _Q4K_LO], xl))
+        s_hi.append(_dot([dec.q(words[i], s, 4) for i, s in _Q4K_HI], xh))
+    d, dmin, sc, mn = _q4k_scales(raw[-2], raw[-1])
+    byte = lambda t, k: ((t >> 8 * k) & 0xFF).to(tl.float32)
+    return ((d * dec.unit) * (byte(sc, 0) * _add(s_lo) + byte(sc, 1) * _add(s_hi))
+            - dmin * (byte(mn, 0) * sum_lo + byte(mn, 1) * sum_hi))
+
+
+# --- Q6_K: super-blocks of ql[128], qh[64], int8 scales[16], d -------------------------------------------------------
+# In half h, element 128h + 32k + l (l < 32) is nibble k // 2 of ql[64h + 32(k % 2) + l] plus bits 2k, 2k + 1 of
+# qh[32h + l] on top, minus 32, times scale 8h + 2k + l // 16. Word i of a half's 16 holds l = 2i, 2i + 1 of the
+# three arrays. Tiles are [STEP, 2 halves, lanes per half, 4 words].
+
+def _halves():
+    return tl.arange(0, 2)[None, :, None, None]
+
+
+def _q6k_x(xm, sb, dec, PARTS: int):
     out = []
-    for k, q in ((0, lo), (1, hi)):
-        sc, mn = _scale_min_k4(w, blk, 2 * c + k, mask)
-        out.append(((d * sc) * q - dmin * mn, sb * 256 + c * 64 + k * 32 + ln))
+    for i in _words(16, PARTS, 4):
+        for k in range(4):
+            v = _x_vals(xm, 128 * sb + 64 * _halves() + 16 * k + i, 2)
+            out.append(([dec.x(v[0], 0), dec.x(v[1], 8)], _rsum(v)))
     return out
 
 
-def _q6_k(w, w16, row, ch, ln, mask):
-    """Chunk (h, f) of a super-block: elements 128h + 32k + 16f + lane, k = 0..3, each with its own scale."""
-    sb, h, f = ch // 4, (ch // 2) % 2, ch % 2
-    blk = row + sb * 210
-    lane = 16 * f + ln
-    a = tl.load(w + blk + 64 * h + lane, mask=mask, other=0)
-    b = tl.load(w + blk + 64 * h + 32 + lane, mask=mask, other=0)
-    qh = tl.load(w + blk + 128 + 32 * h + lane, mask=mask, other=0)
-    d = _half(w16, blk + 208, mask)
-    out = []
-    for k, low in enumerate((a & 15, b & 15, a >> 4, b >> 4)):
-        q = (low | (((qh >> (2 * k)) & 3) << 4)).to(tl.float32) - 32.0
-        sc = tl.load(w + blk + 192 + 8 * h + 2 * k + f, mask=mask, other=0).to(tl.int8, bitcast=True)
-        out.append(((d * sc.to(tl.float32)) * q, sb * 256 + 128 * h + 32 * k + 16 * f + ln))
-    return out
+def _q6k_load(blk, mask, PARTS: int):
+    h, w16 = _halves(), blk.to(tl.pointer_type(tl.uint16))
+    raw = []
+    for i in _words(16, PARTS, 4):
+        raw += [_u16(w16 + o + i) for o in (32 * h, 32 * h + 16, 64 + 16 * h)]  # ql, ql + 32, qh
+        raw += [_u16(w16 + 96 + 4 * h + k, mask) for k in range(4)]  # scales 8h + 2k + (0, 1)
+    return raw + [_u16(w16 + 104, mask)]
+
+
+def _q6k_dot(raw, xp, dec, PARTS: int):
+    sel = lambda lo, hi: (lo & 0x0F0F) | (hi & 0xF0F0)  # 4 low bits from lo, bits 4-5 (of each byte) from hi
+    acc = 0.0
+    for p, i in enumerate(_words(16, PARTS, 4)):
+        a, b, qh, *scw = raw[7 * p:7 * p + 7]
+        six = (sel(a, qh << 4), sel(b, qh << 2), sel(a >> 4, qh), sel(b >> 4, qh >> 2))
+        shift = tl.min(i, axis=-1, keep_dims=True) // 8 * 8  # the lane's scales are those of l // 16 = i // 8
+        for k in range(4):
+            xs, xsum = xp[4 * p + k]
+            sc = (scw[k] >> shift).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float32)
+            acc = acc + sc * (dec.unit * _dot([dec.q(six[k], 0, 6), dec.q(six[k], 8, 6)], xs) - 32.0 * xsum)
+    return _f16(raw[-1]) * acc
+
+
+# --- the kernel --------------------------------------------------------------------------------------------------
+
+def _family(QTYPE: str, PARTS: int):
+    """(tile rank, accumulator shape after STEP, x_prep, w_load, w_dot) of a format."""
+    if QTYPE == "Q4_K":
+        return 4, (4, 2 // PARTS, 1), _q4k_x, _q4k_load, _q4k_dot
+    if QTYPE == "Q6_K":
+        return 4, (2, 4 // PARTS, 1), _q6k_x, _q6k_load, lambda raw, xp, dec: _q6k_dot(raw, xp, dec, PARTS)
+    if QTYPE == "Q8_0":
+        return 3, (4 // PARTS, 1), _q8_x, _q8_load, _q8_dot
+    return (3, (2 // PARTS, 1), _q4_x, lambda blk, mask, PARTS: _q4_load(blk, mask, QTYPE, PARTS),
+            lambda raw, xp, dec: _q4_dot(raw, xp, dec, QTYPE))
 
 
 def dequant_gemv_kernel(w, x, y, n_rows, n_cols, w_stride, x_stride, y_stride, QTYPE: tl.constexpr, M: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    elems, lanes, per_block, type_size = FORMATS[QTYPE]
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    row = (rows.to(tl.int64) * w_stride)[:, None, None]
-    ln = tl.arange(0, lanes)[None, None, :]
-    w16 = w.to(tl.pointer_type(tl.uint16))
-    n_chunks = n_cols // elems
+                        ROWS: tl.constexpr, STEP: tl.constexpr, PARTS: tl.constexpr, SUBNORMAL: tl.constexpr):
+    elems, size = FORMATS[QTYPE]
+    rank, acc_shape, x_prep, w_load, w_dot = _family(QTYPE, PARTS)
+    dec = _Decode(SUBNORMAL)
+    n_blk = n_cols // elems
+    rows = [tl.program_id(0) * ROWS + r for r in range(ROWS)]
+    blocks = tl.arange(0, STEP)
+    for _ in range(rank - 1):
+        blocks = blocks[:, None]
 
     def body(it, *accs):
-        ch = (it * BLOCK_C + tl.arange(0, BLOCK_C))[None, :, None]
-        cmask = ch < n_chunks
-        mask = rmask[:, None, None] & cmask
-        if per_block == 1:
-            parts = _legacy(w, w16, row + ch * type_size, ln, mask, ch, QTYPE)
-        else:
-            parts = (_q4_k if QTYPE == "Q4_K" else _q6_k)(w, w16, row, ch, ln, mask)
-        out = []
-        for m in tl.static_range(M):
-            acc = accs[m]
-            for vals, cols in parts:
-                acc = acc + vals * tl.load(x + m * x_stride + cols, mask=cmask, other=0.0).to(tl.float32)
-            out.append(acc)
+        b = it * STEP + blocks
+        bmask = b < n_blk
+        b = tl.minimum(b, n_blk - 1)  # past the end: re-read the last block, with its scales masked to 0
+        raw = [w_load(w + tl.minimum(row, n_rows - 1).to(tl.int64) * w_stride + b * size, bmask & (row < n_rows),
+                      PARTS) for row in rows]
+        out = list(accs)
+        for m in range(M):
+            xp = x_prep(x + m * x_stride, b, dec, PARTS)
+            for r in range(ROWS):
+                out[r * M + m] = out[r * M + m] + w_dot(raw[r], xp, dec)
         return tuple(out)
 
-    init = tuple(tl.zeros([BLOCK_R, BLOCK_C, lanes], tl.float32) for _ in range(M))
-    accs = tl.fori_loop(0, (n_chunks + BLOCK_C - 1) // BLOCK_C, body, init)
-    for m in tl.static_range(M):
-        tl.store(y + m * y_stride + rows, tl.sum(tl.sum(accs[m], axis=2), axis=1), mask=rmask)
+    init = tuple(tl.zeros((STEP,) + acc_shape, tl.float32) for _ in range(ROWS * M))
+    accs = tl.fori_loop(0, (n_blk + STEP - 1) // STEP, body, init)
+    for r, row in enumerate(rows):
+        for m in range(M):
+            tl.store(y + m * y_stride + row, tl.sum(accs[r * M + m]), mask=row < n_rows)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
 
-def default_tiles(qtype: str, m: int, n: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_C): 8 rows a program on tall matrices (4 on short ones, for enough programs), chunks for
-    ~2 KiB of weights a step, and every accumulator within ~32 fp32 registers a thread at 4 warps."""
-    lanes = FORMATS[qtype][1]
-    block_r = 8 if n >= 8192 else 4
-    block_c = max(1, 2048 // (block_r * lanes))
-    while m * block_r * block_c * lanes > 4096 and block_c > 1:
-        block_c //= 2
-    return block_r, block_c
+# One-warp programs: more of them fit an SM, and one's loads fly while another computes (measured on an H200).
+LANES = {"Q4_K": 8, "Q6_K": 8, "Q8_0": 4, "Q4_0": 2, "Q4_1": 2}  # lanes on a block at PARTS = 1
+BEST_PARTS = {"Q4_K": 2, "Q6_K": 1, "Q8_0": 2, "Q4_0": 2, "Q4_1": 2}
 
 
-def dequant_gemv(x, w, qtype: str, *, out=None, block_r: int | None = None, block_c: int | None = None,
-                 num_warps: int = 4, target: str = "numpy"):
+def default_tiles(qtype: str, m: int, n: int) -> dict:
+    """ROWS, STEP, PARTS and num_warps: a warp's lanes cover STEP blocks, and a lane's words and x for every batch
+    row stay in registers (fewer rows and parts as M grows)."""
+    qtype = qtype.upper()
+    parts = BEST_PARTS[qtype] if m <= 2 else 1
+    rows = max(1, 4 // m) if n >= 1024 else 1
+    return dict(ROWS=rows, STEP=max(1, 32 * parts // LANES[qtype]), PARTS=parts, num_warps=1)
+
+
+def _addr(a) -> int:
+    return a.data_ptr() if hasattr(a, "data_ptr") else a.__array_interface__["data"][0]
+
+
+def _aligned_rows(w, rb: int, align: int):
+    """w, or a copy whose rows start `align`-byte aligned where w's do not (the kernel's wide loads need it)."""
+    if _addr(w) % align == 0 and (elem_stride(w, 0) % align == 0 or w.shape[0] == 1):
+        return w
+    shape = (w.shape[0], -(-rb // align) * align)
+    out = w.new_zeros(shape) if hasattr(w, "new_zeros") else np.zeros(shape, np.uint8)
+    out[:, :rb] = w[:, :rb]
+    return out
+
+
+def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: int | None = None,
+                 parts: int | None = None, num_warps: int | None = None, target: str = "numpy"):
     """y [M, N] = x [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, row_bytes]); M <= 8; x may be 1-d."""
     qtype = qtype.upper()
     if qtype not in FORMATS:
@@ -140,14 +328,21 @@ def dequant_gemv(x, w, qtype: str, *, out=None, block_r: int | None = None, bloc
     x2 = x[None] if vec else x
     m, k = x2.shape
     n = w.shape[0]
-    if m > 8 or k % FORMATS[qtype][0] or w.shape[1] < row_bytes(qtype, k) or elem_stride(w, 1) != 1:
+    rb = row_bytes(qtype, k) if k % FORMATS[qtype][0] == 0 else -1
+    if m > 8 or rb <= 0 or w.shape[1] < rb or elem_stride(w, 1) != 1:
         raise ValueError(f"x [{m}, {k}] and {qtype} weights {tuple(w.shape)} do not make a GEMV of M <= 8")
+    w = _aligned_rows(w, rb, ALIGN.get(qtype, 2))
+    if elem_stride(x2, 1) != 1 or _addr(x2) % 8 or (m > 1 and elem_stride(x2, 0) % 4):  # x is read in 8-byte words
+        x2 = x2.contiguous().clone() if hasattr(x2, "clone") else np.array(x2, order="C", copy=True)
     out = empty(x2, (m, n)) if out is None else out
     out2 = out[None] if len(out.shape) == 1 else out
-    br, bc = default_tiles(qtype, m, n)
-    kern = compile(dequant_gemv_kernel, target, num_warps=num_warps, QTYPE=qtype, M=m, BLOCK_R=block_r or br,
-                   BLOCK_C=block_c or bc)
-    kern[tl.cdiv(n, block_r or br)](w, x2, out2, n, k, elem_stride(w, 0), elem_stride(x2, 0), elem_stride(out2, 0))
+    cfg = default_tiles(qtype, m, n)
+    cfg.update({key: v for key, v in (("ROWS", rows), ("STEP", step), ("PARTS", parts), ("num_warps", num_warps))
+                if v is not None})
+    nw = cfg.pop("num_warps")
+    kern = compile(dequant_gemv_kernel, target, num_warps=nw, QTYPE=qtype, M=m, SUBNORMAL=target in SUBNORMAL_TARGETS,
+                   **cfg)
+    kern[tl.cdiv(n, cfg["ROWS"])](w, x2, out2, n, k, elem_stride(w, 0), elem_stride(x2, 0), elem_stride(out2, 0))
     return out[0] if vec and len(out.shape) == 2 else out
 
 

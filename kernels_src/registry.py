@@ -154,8 +154,9 @@ def gemv_bytes(m, n, k, qtype, dtype) -> int:
 
 
 for _q in dequant_gemv.QTYPES:
-    _r, _c = dequant_gemv.default_tiles(_q, 1, 14336)
+    _tiles = dequant_gemv.default_tiles(_q, 1, 14336)
+    _tiles.pop("num_warps")
     register(KernelEntry(
-        f"dequant_gemv_{_q.lower()}", dequant_gemv.dequant_gemv_kernel, dict(QTYPE=_q, M=1, BLOCK_R=_r, BLOCK_C=_c),
+        f"dequant_gemv_{_q.lower()}", dequant_gemv.dequant_gemv_kernel, dict(QTYPE=_q, M=1, SUBNORMAL=True, **_tiles),
         _ptrs(BF16, "x", "y", w="*u8"), dict(m=1, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes,
         flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dequant_gemv.dequant_gemv))

@@ -1,10 +1,13 @@
 """Dequantizing GEMV over raw GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) on random valid blocks: the DSL
-interpreter and Triton's interpreter against x @ dequantize(W).T, Triton AOT builds for sm_90; then the kernel
-registry and tools/dump_kernel over every registered kernel."""
+interpreter and Triton's interpreter against x @ dequantize(W).T (both quant decodings, bf16 activations, rows and
+blocks off the tiles, unaligned rows), Triton AOT builds for sm_90 without spills; then the kernel registry and
+tools/dump_kernel over every registered kernel."""
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import zlib
 
 import numpy as np
@@ -27,11 +30,12 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))  # stable across runs
 
 
-def padded_weights(rng, qtype: str, n: int, k: int) -> np.ndarray:
-    """Random valid blocks [n, row_bytes], as a view into a buffer whose padding bytes (past each row, and two
-    rows past the last) are 0xFF: read, they decode to NaN scales or wrong values."""
+def padded_weights(rng, qtype: str, n: int, k: int, pad: int = 16) -> np.ndarray:
+    """Random valid blocks [n, row_bytes], as a view into a buffer whose padding bytes (past each row, up to a
+    16-byte boundary and `pad` more, and two rows past the last) are 0xFF: read, they decode to NaN scales or wrong
+    values. A `pad` that is not a multiple of 16 leaves rows unaligned."""
     rb = row_bytes(qtype, k)
-    big = np.full((n + 2, rb + 6), 0xFF, np.uint8)
+    big = np.full((n + 2, -(-rb // 16) * 16 + pad), 0xFF, np.uint8)
     big[:n, :rb] = random_raw(qtype, (n, k), rng, 0.05).reshape(n, rb)
     return big[:n, :rb]
 
@@ -59,40 +63,94 @@ def test_dequant_gemv(target, dtype, qtype, m, n, blocks, rng):
     close(got, dg.dequant_gemv_ref(x, w, qtype), dtype)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0"])
-def test_dequant_gemv_vector_and_small_tiles(qtype, rng):
-    """A 1-d x, a batch of 8, and tiles of 2 rows x 1 chunk (a loop step per chunk)."""
-    k = k_for(qtype, 2 if qtype == "Q4_K" else 7)
-    w = padded_weights(rng, qtype, 3, k)
+@pytest.mark.parametrize("qtype", dg.QTYPES)
+def test_dequant_gemv_vector_and_tiles(qtype, rng):
+    """A 1-d x; a batch of 8; a loop step per block with one part a lane; 3 rows a program (not a power of two)."""
+    k = k_for(qtype, 2 if qtype.endswith("K") else 7)
+    w = padded_weights(rng, qtype, 5, k)
     x = rng.standard_normal((8, k)).astype(np.float32)
     y = dg.dequant_gemv(x[0], w, qtype)
-    assert y.shape == (3,)
+    assert y.shape == (5,)
     close(y, dg.dequant_gemv_ref(x[:1], w, qtype)[0])
-    y = dg.dequant_gemv(x, w, qtype, block_r=2, block_c=1)
-    close(y, dg.dequant_gemv_ref(x, w, qtype))
+    close(dg.dequant_gemv(x, w, qtype), dg.dequant_gemv_ref(x, w, qtype))
+    close(dg.dequant_gemv(x[:2], w, qtype, rows=3, step=1, parts=1), dg.dequant_gemv_ref(x[:2], w, qtype))
     with pytest.raises(ValueError, match="M <= 8"):
         dg.dequant_gemv(np.zeros((9, k), np.float32), w, qtype)
 
 
-def test_default_tiles_bound_registers():
+@pytest.mark.parametrize("qtype", dg.QTYPES)
+def test_dequant_gemv_unaligned(qtype, rng, monkeypatch):
+    """Rows 2 bytes off a 4-byte boundary (Q4_K's are copied to aligned rows), x rows at an odd stride; and the
+    decoding the SIMT targets use (no subnormals) through the DSL interpreter."""
+    k = k_for(qtype, 3 if qtype.endswith("K") else 9)
+    w = padded_weights(rng, qtype, 7, k, pad=6)
+    x = rng.standard_normal((3, k + 1)).astype(np.float32)[:, :k]
+    want = dg.dequant_gemv_ref(x, w, qtype)
+    close(dg.dequant_gemv(x, w, qtype), want)
+    monkeypatch.setattr(dg, "SUBNORMAL_TARGETS", ())
+    close(dg.dequant_gemv(x, w, qtype), want)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="bf16 activations need torch")
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("qtype", dg.QTYPES)
+def test_dequant_gemv_bf16(target, qtype, rng):
+    """bf16 x and y: x is read as 32- and 64-bit words of bf16 pairs and quads."""
+    import torch
+
+    k = k_for(qtype, 2 if qtype.endswith("K") else 6)
+    w = padded_weights(rng, qtype, 6, k)
+    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)).bfloat16()
+    out = torch.full((2, 6), float("nan"), dtype=torch.bfloat16)
+    dg.dequant_gemv(x, dev(w, target), qtype, out=out, target=target)  # both interpreters take CPU torch tensors
+    want = dg.dequant_gemv_ref(x.float().numpy(), w, qtype)
+    np.testing.assert_allclose(out.float().numpy(), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_default_tiles_fill_a_warp():
     for qtype in dg.QTYPES:
         for m in range(1, 9):
-            r, c = dg.default_tiles(qtype, m, 14336)
-            assert m * r * c * dg.FORMATS[qtype][1] <= 4096 and c >= 1
+            t = dg.default_tiles(qtype, m, 14336)
+            assert t["STEP"] * dg.LANES[qtype] // t["PARTS"] == 32 * t["num_warps"]
+            assert m * t["ROWS"] <= 4 or t["ROWS"] == 1
+
+
+def _stack_bytes(cubin: bytes, tmp_path) -> int:
+    """Local memory (spills) per thread of a cubin, read with the cuobjdump that ships with triton."""
+    import triton
+
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True, text=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 @needs_aot
 @pytest.mark.parametrize("qtype", dg.QTYPES)
 @pytest.mark.parametrize("m", [1, 8])
 def test_aot_sm90(qtype, m, tmp_path, monkeypatch):
-    from kernels_src.dsl.triton_target import aot_compile
+    """The default tiles build for sm_90, also with the 16-byte alignment the JIT specializes on, and spill nothing."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from kernels_src.dsl.triton_target import TritonRenderer, aot_compile, load_function
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     entry = REGISTRY[f"dequant_gemv_{qtype.lower()}"]
-    r, c = dg.default_tiles(qtype, m, 4096)
+    tiles = dg.default_tiles(qtype, m, 14336)
+    nw = tiles.pop("num_warps")
     x_type = "*fp16" if m > 1 else "*bf16"
-    compiled = aot_compile(entry.trace(signature=dict(x=x_type, y=x_type), M=m, BLOCK_R=r, BLOCK_C=c), arch=90)
-    assert ".target sm_90a" in compiled.asm["ptx"]
+    k = entry.trace(signature=dict(x=x_type, y=x_type), M=m, **tiles)
+    assert ".target sm_90a" in aot_compile(k, arch=90, num_warps=nw).asm["ptx"]
+    fn = JITFunction(load_function(TritonRenderer().render(k), k.name))
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(k.params))}
+    compiled = triton.compile(ASTSource(fn, signature=k.signature, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": nw})
+    assert "ld.global.v4" in compiled.asm["ptx"]  # 16-byte loads of x (and of Q4_K's quants)
+    assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
 
 
 # --- the registry and tools/dump_kernel --------------------------------------------------------------------------
