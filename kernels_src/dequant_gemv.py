@@ -180,12 +180,14 @@ def _q4k_load(blk, mask, PARTS: int):
 
 
 def _q4k_scales(h0, h1):
-    """(d, dmin, 6-bit scale and min words): bytes 0 and 1 of the words belong to sub-blocks 2c and 2c + 1."""
+    """(d, dmin, 6-bit scales, 6-bit mins): 16-bit pairs whose bytes 0 and 1 belong to sub-blocks 2c and 2c + 1."""
     c = _chunks()
     dd, s0, s1, s2 = h0.to(tl.uint32), (h0 >> 32).to(tl.uint32), h1.to(tl.uint32), (h1 >> 32).to(tl.uint32)
     low, sh = c < 2, (c & 1) * 16  # sub-blocks 0-3 keep 6 bits in place; 4-7 take 4 + 2 from two bytes
-    sc = tl.where(low, s0 & 0x3F3F3F3F, (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)) >> sh
-    mn = tl.where(low, s1 & 0x3F3F3F3F, ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)) >> sh
+    m = tl.where(low, 0x3F3F, 0x0F0F).to(tl.uint32)
+    top = tl.where(low, 0, 0x3030).to(tl.uint32)  # bits 6, 7 of s0 (s1) moved to 4, 5 for sub-blocks 4-7
+    sc = ((tl.where(low, s0, s2) >> sh) & m) | ((s0 >> (sh + 2)) & top)
+    mn = (tl.where(low, s1 >> sh, s2 >> (sh + 4)) & m) | ((s1 >> (sh + 2)) & top)
     return _f16(dd), _f16(dd >> 16), sc, mn
 
 
@@ -197,9 +199,9 @@ def _q4k_dot(raw, xp, dec):
         s_lo.append(_dot([dec.q(words[i], s, 4) for i, s in _Q4K_LO], xl))
         s_hi.append(_dot([dec.q(words[i], s, 4) for i, s in _Q4K_HI], xh))
     d, dmin, sc, mn = _q4k_scales(raw[-2], raw[-1])
-    byte = lambda t, k: ((t >> 8 * k) & 0xFF).to(tl.float32)
-    return ((d * dec.unit) * (byte(sc, 0) * _add(s_lo) + byte(sc, 1) * _add(s_hi))
-            - dmin * (byte(mn, 0) * sum_lo + byte(mn, 1) * sum_hi))
+    lo, hi = lambda t: (t & 0xFF).to(tl.float32), lambda t: (t >> 8).to(tl.float32)
+    return ((d * dec.unit) * (lo(sc) * _add(s_lo) + hi(sc) * _add(s_hi))
+            - dmin * (lo(mn) * sum_lo + hi(mn) * sum_hi))
 
 
 # --- Q6_K: super-blocks of ql[128], qh[64], int8 scales[16], d -------------------------------------------------------
