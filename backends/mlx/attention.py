@@ -24,6 +24,30 @@ def _bucket(n: int, minimum: int) -> int:
     return b
 
 
+def decode_layout(tables: np.ndarray, ctx: np.ndarray, block_size: int, scratch: int, rows: int, width: int):
+    """For sequences adding one token: the cache slot of each key index (scratch past the context), the
+    block tables cut to `width` keys, and the context lengths; all padded to `rows` rows (context 0)."""
+    n, j = len(ctx), np.arange(width)
+    blocks = tables[:, np.minimum(j // block_size, tables.shape[1] - 1)]
+    read = np.full((rows, width), scratch, np.int64)
+    read[:n] = np.where(j[None] < ctx[:, None], blocks * block_size + j % block_size, scratch)
+    bt = np.zeros((rows, width // block_size), np.int32)
+    bt[:n, : tables.shape[1]] = np.maximum(tables[:, : width // block_size], 0)
+    lens = np.zeros(rows, np.int32)
+    lens[:n] = ctx
+    return read.astype(np.int32), bt, lens
+
+
+def decode_visible(ctx_lens: np.ndarray, width: int, window: int | None) -> np.ndarray:
+    """Boolean mask [rows, 1, 1, width]: key j is visible to the query at cache index ctx-1."""
+    j = np.arange(width)[None, :]
+    last = ctx_lens[:, None].astype(np.int64) - 1
+    ok = j <= last
+    if window:
+        ok &= j > last - window
+    return ok[:, None, None, :]
+
+
 @dataclass
 class PrefillChunk:
     rows: tuple[int, int]  # flat token rows [start, end)
@@ -62,17 +86,10 @@ class AttentionMeta:
 
         decode_slots, dctx, dtables = None, np.zeros(0, np.int32), None
         if len(dec):
-            bd = _bucket(len(dec), 1)
             width = _bucket(int(ctx[dec].max()), block_size)
-            table = np.full((bd, width), scratch_slot, np.int64)
-            dctx = np.zeros(bd, np.int32)
-            for r, b in enumerate(dec):
-                table[r, : ctx[b]] = cache_slots(b, int(ctx[b]))
-                dctx[r] = ctx[b]
-            decode_slots = mx.array(table.astype(np.int32))
-            bt = np.zeros((bd, width // block_size), np.int32)
-            bt[: len(dec), : tables.shape[1]] = np.maximum(tables[dec, : width // block_size], 0)
-            dtables = mx.array(bt)
+            read, bt, dctx = decode_layout(tables[dec], ctx[dec].astype(np.int64), block_size, scratch_slot,
+                                           _bucket(len(dec), 1), width)
+            decode_slots, dtables = mx.array(read), mx.array(bt)
         prefills = []
         for b in pre:
             n, q = int(ctx[b]), int(q_lens[b])
@@ -88,16 +105,10 @@ class AttentionMeta:
                    order, batch.num_tokens, block_size, dtables, mx.array(dctx) if len(dec) else None)
 
     def decode_mask(self, window: int | None) -> mx.array:
-        """Boolean mask [Bd_pad, 1, 1, L]: key j is visible to the query at cache index ctx-1."""
+        """Boolean mask [Bd_pad, 1, 1, L] (see decode_visible)."""
         key = ("decode", window)
         if key not in self._masks:
-            width = self.decode_slots.shape[1]
-            j = np.arange(width)[None, :]
-            last = self.decode_ctx[:, None] - 1
-            ok = j <= last
-            if window:
-                ok &= j > last - window
-            self._masks[key] = mx.array(ok[:, None, None, :])
+            self._masks[key] = mx.array(decode_visible(self.decode_ctx, self.decode_slots.shape[1], window))
         return self._masks[key]
 
     def prefill_mask(self, i: int, window: int | None) -> mx.array:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.mlx.attention import AttentionMeta, _bucket
+from backends.mlx.attention import AttentionMeta, _bucket, decode_layout, decode_visible
 from backends.mlx.lower import GraphRunner, StepContext
 from backends.mlx.runtime import mx
 from ir.batch import Batch
@@ -61,21 +61,8 @@ class CompiledDecode:
         bp = _bucket(b, 1)
         ctx = batch.context_lens.astype(np.int64)
         width = _bucket(int(ctx.max()), max(block_size, MIN_WIDTH))
-        j = np.arange(width)
-        tables = batch.block_tables.astype(np.int64)
-        blocks = np.take_along_axis(tables, np.minimum(j // block_size, tables.shape[1] - 1)[None].repeat(b, 0), 1)
-        read = np.full((bp, width), scratch, np.int64)
-        read[:b] = np.where(j[None] < ctx[:, None], blocks * block_size + j % block_size, scratch)
-        last = np.full(bp, -1, np.int64)
-        last[:b] = ctx - 1
-        btables = np.zeros((bp, width // block_size), np.int32)
-        btables[:b, : tables.shape[1]] = np.maximum(tables[:, : width // block_size], 0)
-        masks = []
-        for w in self.windows:
-            ok = j[None] <= last[:, None]
-            if w:
-                ok &= j[None] > last[:, None] - w
-            masks.append(mx.array(ok[:, None, None, :]))
+        read, btables, lens = decode_layout(batch.block_tables.astype(np.int64), ctx, block_size, scratch, bp, width)
+        masks = [mx.array(decode_visible(lens, width, w)) for w in self.windows]
         pad = lambda a, fill: np.concatenate([a, np.full(bp - b, fill, a.dtype)])  # noqa: E731
         positions = pad(batch.positions, 0)
         slots = np.where(batch.slot_mapping < 0, scratch, batch.slot_mapping)
@@ -86,8 +73,8 @@ class CompiledDecode:
         flat = [a for layer in kv for a in layer]
         kv.clear()  # our references must go, or MLX copies each cache instead of updating it in place
         outs = self._fn(mx.array(pad(batch.token_ids, 0)), mx.array(pad(slots, scratch).astype(np.int32)),
-                        mx.array(read.astype(np.int32)), mx.arange(bp, dtype=mx.int32), mx.array(btables),
-                        mx.array((last + 1).astype(np.int32)), *rope, *masks, *flat)
+                        mx.array(read), mx.arange(bp, dtype=mx.int32), mx.array(btables), mx.array(lens),
+                        *rope, *masks, *flat)
         del flat
         kv.extend([outs[i], outs[i + 1]] for i in range(1, len(outs), 2))
         return outs[0][mx.array(batch.logits_indices)]
