@@ -33,8 +33,6 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.prefix_hits = 0
-        self.prefix_queries = 0
 
     @property
     def num_blocks(self) -> int:
@@ -43,9 +41,6 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
-
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -95,8 +90,6 @@ class BlockManager:
         # The last token is always recomputed: its logits are needed.
         cached = min(len(hits) * self.block_size, seq.num_tokens - 1)
         seq.num_computed_tokens = seq.num_cached_tokens = cached
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += cached
 
     def _take(self) -> Block:
         bid, _ = self.free.popitem(last=False)

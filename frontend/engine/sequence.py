@@ -60,10 +60,6 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def token(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
-
     def tokens(self, start: int, end: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
