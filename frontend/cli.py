@@ -1,55 +1,160 @@
-"""The command line. Until the HTTP server lands, it answers one chat prompt through the engine
-(streaming the text as it is generated), so that `make serve` exercises the whole path: GGUF
-loading, tokenizer, chat template, scheduler, backend, sampler and detokenizer."""
+"""`python -m frontend`: load a model and serve it over the OpenAI API (or, with --prompt, answer once)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
-from ir.default_model import default_model_path
+from frontend.model_source import ModelNotFound, resolve
 from ir.formats.errors import ModelFormatError
+
+log = logging.getLogger("frontend")
+
+# Flags of docs/FEATURES.md whose feature is not built yet: refused, never silently ignored.
+NOT_YET = {
+    "isq": "in-situ quantization (--isq) is not built yet",
+    "kv_fraction": "--kv-fraction is not built yet; give the KV budget in MiB with --mem",
+    "d": "GPU selection and tensor parallel (--d) arrive with the CUDA backend",
+    "disable_cuda_graph": "--disable-cuda-graph applies to the CUDA backend, which is not built yet",
+}
+
+
+def _positive(kind=int):
+    def check(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return check
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m frontend", description="Serve a model over an OpenAI-compatible "
+                                 "HTTP API. With no model flag it serves SmolLM2-135M-Instruct.")
+    src = ap.add_argument_group("model")
+    src.add_argument("--w", metavar="DIR", help="a local safetensors model folder (HF layout)")
+    src.add_argument("--f", metavar="FILE", help="a local GGUF file; with --m, a file name in that hub repo")
+    src.add_argument("--m", metavar="ID", help="a Hugging Face model id (the local cache is used when offline) "
+                     "or a local path")
+    src.add_argument("--backend", choices=["auto", "mlx", "cuda"], default="auto",
+                     help="auto: cuda when an NVIDIA GPU is usable, else mlx")
+    src.add_argument("--dtype", choices=["bf16", "f16", "f32"], help="activations and unquantized weights "
+                     "(default: the backend's choice)")
+    src.add_argument("--isq", metavar="TYPE", help="(not built yet) in-situ quantization")
+    net = ap.add_argument_group("server")
+    net.add_argument("--h", metavar="HOST", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    net.add_argument("--p", metavar="PORT", type=int, default=2000, help="port (default 2000)")
+    net.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 and tokenize")
+    net.add_argument("--max-waiting", metavar="N", type=int, default=1024,
+                     help="answer 429 when more than N requests wait (default 1024)")
+    net.add_argument("--log", metavar="FILE", help="also write the log to FILE")
+    eng = ap.add_argument_group("engine")
+    eng.add_argument("--mem", metavar="MiB", type=_positive(), help="KV cache budget in MiB (default 512)")
+    eng.add_argument("--kv-fraction", metavar="F", type=float, help="(not built yet) KV budget as a share of free "
+                     "memory")
+    eng.add_argument("--block-size", metavar="N", type=_positive(), default=16, help="KV block size in tokens")
+    eng.add_argument("--max-num-seqs", metavar="N", type=_positive(), default=64, help="sequences decoded together")
+    eng.add_argument("--max-num-batched-tokens", metavar="N", type=_positive(), default=2048,
+                     help="tokens in one engine step")
+    eng.add_argument("--max-model-len", metavar="N", type=_positive(), help="context limit (default: the model's)")
+    eng.add_argument("--max-gen-tokens", metavar="N", type=_positive(),
+                     help="default cap on generated tokens when a request gives no max_tokens")
+    eng.add_argument("--prefill-chunk-size", metavar="N", type=_positive(), default=512, help="chunked prefill")
+    eng.add_argument("--disable-prefix-cache", action="store_true", help="no automatic prefix caching")
+    eng.add_argument("--disable-cuda-graph", action="store_true", help="(CUDA backend, not built yet)")
+    eng.add_argument("--d", metavar="IDS", help="(CUDA backend, not built yet) GPU ids")
+    smp = ap.add_argument_group("sampling defaults (a request's own values win)")
+    smp.add_argument("--temperature", type=float, default=1.0)
+    smp.add_argument("--top-p", type=float, default=1.0)
+    smp.add_argument("--top-k", type=int, default=0)
+    smp.add_argument("--min-p", type=float, default=0.0)
+    smp.add_argument("--frequency-penalty", type=float, default=0.0)
+    smp.add_argument("--presence-penalty", type=float, default=0.0)
+    one = ap.add_argument_group("one-shot")
+    one.add_argument("--prompt", help="answer this chat message, print it and exit instead of serving")
+    one.add_argument("--system", help="a system prompt for --prompt")
+    one.add_argument("--max-tokens", type=_positive(), default=256, help="tokens to generate for --prompt")
+    one.add_argument("--seed", type=int)
+    return ap
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m frontend", description="LLM inference engine")
-    src = ap.add_mutually_exclusive_group()
-    src.add_argument("--f", metavar="FILE.gguf", help="a local GGUF file")
-    src.add_argument("--w", metavar="DIR", help="a local safetensors model folder (HF layout)")
-    ap.add_argument("--backend", choices=["auto", "mlx", "cuda"], default="auto")
-    ap.add_argument("--prompt", default="What is the capital of France?", help="the user message")
-    ap.add_argument("--system", help="a system prompt (default: the chat template's own)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int)
-    return ap.parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    for name, why in NOT_YET.items():
+        if getattr(args, name) not in (None, False):
+            ap.error(why)
+    if args.w and (args.f or args.m):
+        ap.error("--w names a local folder; it cannot be combined with --f or --m")
+    from frontend.protocol import SamplingFields, ServerDefaults, sampling_params
+    try:
+        args.defaults = ServerDefaults(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                       min_p=args.min_p, presence_penalty=args.presence_penalty,
+                                       frequency_penalty=args.frequency_penalty, max_gen_tokens=args.max_gen_tokens)
+        sampling_params(SamplingFields(), args.defaults, 1, None)  # the engine's own range checks, at start-up
+    except ValueError as e:
+        ap.error(f"sampling default: {e}")
+    if args.max_waiting < 0:
+        ap.error("--max-waiting must be >= 0")
+    return args
+
+
+def setup_logging(log_file: str | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=handlers, force=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging(args.log)
     from backends.base import create_backend
-    from frontend.engine.engine import LLMEngine
-    from frontend.engine.sampling_params import SamplingParams
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
     from ir.loader import load_model
 
     try:
-        model = load_model(args.f or args.w or default_model_path())
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        backend = create_backend(args.backend, model)
-    except (ModelFormatError, FileNotFoundError, ValueError, NotImplementedError) as e:
+        source = resolve(args.w, args.f, args.m)
+        log.info("loading %s from %s", source.id, source.path)
+        model = load_model(source.path, progress=True)
+        backend = create_backend(args.backend, model, **({"dtype": args.dtype} if args.dtype else {}))
+        config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.mem * 2**20 if args.mem else None,
+                              max_model_len=args.max_model_len, prefix_caching=not args.disable_prefix_cache,
+                              scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
+                                                        args.prefill_chunk_size))
+        engine = LLMEngine(backend, config)
+    except (ModelNotFound, ModelFormatError, FileNotFoundError, ValueError, NotImplementedError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tok = model.tokenizer
+    log.info("%s model on %s (%s); %s", model.arch.name, backend.name, backend.describe(), backend.memory().line())
+    if args.prompt is not None:
+        return answer_once(engine, args)
+    from frontend.run_server import serve
+    return serve(engine, source.id, args)
+
+
+def answer_once(engine, args: argparse.Namespace) -> int:
+    """--prompt: one chat answer through the engine, streamed to stdout."""
+    from frontend.engine.sampling_params import SamplingParams
+
+    tok = engine.tokenizer
     if tok is None:
-        print(f"error: {model.path} has no tokenizer", file=sys.stderr)
+        print("error: this model has no tokenizer", file=sys.stderr)
         return 2
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(messages) if tok.chat_template else tok.encode(args.prompt)
-    engine = LLMEngine(backend)
-    print(f"{model.arch.name} model {model.path.name} on {backend.name} ({backend.describe()}): "
-          f"{len(ids)} prompt tokens (the HTTP server is not built yet)", file=sys.stderr)
+    d = args.defaults
+    params = SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p,
+                            presence_penalty=d.presence_penalty, frequency_penalty=d.frequency_penalty,
+                            max_tokens=args.max_tokens, seed=args.seed)
     start = time.perf_counter()
     engine.add_request(ids, params)
     final = None
@@ -58,6 +163,6 @@ def main(argv: list[str] | None = None) -> int:
             print(out.outputs[0].delta_text, end="", flush=True)
             final = out
     print()
-    n = len(final.outputs[0].token_ids)
-    print(f"{n} tokens in {time.perf_counter() - start:.1f} s ({final.outputs[0].finish_reason})", file=sys.stderr)
+    log.info("%d tokens in %.1f s (%s)", len(final.outputs[0].token_ids), time.perf_counter() - start,
+             final.outputs[0].finish_reason)
     return 0

@@ -107,7 +107,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
-        self._check_prompt(prompt, params)
+        self.check_request(prompt, params)
         seqs: list[Sequence] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -119,7 +119,7 @@ class LLMEngine:
         self.requests[request_id] = Request(request_id, prompt, seqs)
         return request_id
 
-    def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.backend.model.config.vocab_size

@@ -1,0 +1,153 @@
+"""The engine's one owner: a thread that runs the step loop, fed by a queue, and hands each request's
+outputs to the asyncio handler that waits for them. Sanic handlers never touch the engine itself."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from frontend.engine.engine import LLMEngine, RequestOutput
+from frontend.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; the request cannot complete."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: _Stream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class _Stream:
+    """Outputs of one request, crossing from the engine thread into the handler's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._pending = 0  # requests handed over but not yet in the engine: they wait too
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.on_step = None  # called in the engine thread after each step (metrics)
+        self._thread.start()
+
+    # -- called from handlers -----------------------------------------------------------------------
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting() + self._pending
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for a request the engine would refuse (context, KV capacity, token ids)."""
+        self.engine.check_request(prompt, params)
+
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as they come; leaving early (or being cancelled) aborts it."""
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            self._pending += 1
+        self._inbox.put(_Add(request_id, prompt, params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._inbox.put(_Stop())
+        self._thread.join(timeout=10)
+
+    # -- the engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            try:
+                msgs = [self._inbox.get(block=not busy, timeout=None)]
+            except queue.Empty:
+                msgs = []
+            while True:
+                try:
+                    msgs.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for msg in msgs:
+                if isinstance(msg, _Stop):
+                    self._fail_all(EngineDeadError("the server is shutting down"))
+                    return
+                self._handle(msg)
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a backend failure must not leave handlers waiting forever
+                log.exception("engine step failed; aborting the %d running request(s)", len(self._streams))
+                self._fail_all(EngineDeadError(f"the engine step failed: {e}"))
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+            if self.on_step is not None:
+                self.on_step()
+
+    def _handle(self, msg: _Add | _Abort) -> None:
+        if isinstance(msg, _Abort):
+            self._streams.pop(msg.request_id, None)
+            self.engine.abort_request(msg.request_id)
+            return
+        with self._lock:
+            self._pending -= 1
+        try:
+            self.engine.add_request(msg.prompt, msg.params, msg.request_id)
+        except ValueError as e:
+            msg.stream.put(e)
+            return
+        self._streams[msg.request_id] = msg.stream
+
+    def _fail_all(self, err: BaseException) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort_request(rid)
+            stream.put(err)
+        self._streams.clear()

@@ -1,0 +1,131 @@
+"""The OpenAI request schemas (pydantic, strict types) and their mapping onto SamplingParams.
+
+Strict: a string where a number belongs is a 400, as with OpenAI, not a silent conversion. Unknown
+fields are ignored (clients send `store`, `metadata`, ...), and logged once per request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from frontend.engine.sampling_params import SamplingParams
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class _Model(BaseModel):
+    model_config = _STRICT
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class SamplingFields(_Model):
+    """The fields chat and completion requests share."""
+
+    model: str | None = Field(None, description="the served model's id (default: that model)")
+    max_tokens: int | None = Field(None, ge=1, description="default: the server's --max-gen-tokens, "
+                                   "or what the context leaves")
+    temperature: float | None = Field(None, ge=0, description="0 is greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    n: int = Field(1, ge=1, le=128)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="takes precedence over max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"} for now")
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported yet")
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] | \
+        Annotated[TokenIds, Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, description="must equal n when given")
+    suffix: str | None = Field(None, description="not supported")
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class ServerDefaults(_Model):
+    """Server-wide sampling defaults (the CLI's --temperature etc.); a request's own value wins."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_gen_tokens: int | None = None
+
+
+def sampling_params(req: SamplingFields, defaults: ServerDefaults, max_tokens: int, logprobs: int | None) -> \
+        SamplingParams:
+    """The engine's parameters for a validated request; max_tokens is already resolved by the caller."""
+    def pick(name: str):
+        value = getattr(req, name)
+        return getattr(defaults, name) if value is None else value
+
+    return SamplingParams(
+        n=req.n, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
+        presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        seed=None if req.seed is None else req.seed % 2**63, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)

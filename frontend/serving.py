@@ -1,0 +1,275 @@
+"""Chat and text completions: request -> prompt ids and SamplingParams -> engine -> OpenAI body or SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from frontend.async_engine import AsyncEngine
+from frontend.engine.engine import CompletionOutput, RequestOutput
+from frontend.engine.sampling_params import SamplingParams, SamplingParamsError
+from frontend.errors import APIError, bad_request
+from frontend.metrics import Metrics
+from frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    ServerDefaults,
+    TokenizeRequest,
+    sampling_params,
+)
+from frontend.responses import LogprobFormatter, Reply, chat_choice, chat_delta, sse, text_choice
+
+log = logging.getLogger(__name__)
+Send = Callable[[str], Awaitable[None]]
+
+
+@dataclass
+class ServedModel:
+    id: str
+    max_model_len: int
+    vocab_size: int
+    created: int
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, tokenizer, model: ServedModel,
+                 defaults: ServerDefaults, max_waiting: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.model = model
+        self.defaults = defaults
+        self.max_waiting = max_waiting
+        self.logprobs = LogprobFormatter(tokenizer)
+
+    # -- shared checks ------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model.id:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model.id!r}",
+                           "model", "model_not_found")
+
+    def _max_tokens(self, asked: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
+        limit = self.model.max_model_len
+        if asked is None:
+            room = limit - prompt_len
+            if room < 1:
+                raise bad_request(f"this model's maximum context length is {limit} tokens and the prompt has "
+                                  f"{prompt_len}: no room is left to generate", prompt_param, "context_length_exceeded")
+            return min(room, self.defaults.max_gen_tokens or room)
+        if prompt_len + asked > limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
+                              f"tokens and {param} asks for {asked} more ({prompt_len + asked} in all)", param,
+                              "context_length_exceeded")
+        return asked
+
+    def _params(self, req: SamplingFields, prompts: list[list[int]], asked: int | None, param: str,
+                logprobs: int | None) -> SamplingParams:
+        if req.logit_bias:
+            for key in req.logit_bias:
+                if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.model.vocab_size:
+                    raise bad_request(f"logit_bias keys must be token ids below {self.model.vocab_size}, got {key!r}",
+                                      "logit_bias")
+        bad = [t for t in req.stop_token_ids or () if t >= self.model.vocab_size]
+        if bad:
+            raise bad_request(f"stop_token_ids: {bad[0]} is not below the vocabulary size {self.model.vocab_size}",
+                              "stop_token_ids")
+        # several prompts share one SamplingParams: without max_tokens, each gets what the longest one leaves
+        prompt_param = "prompt" if isinstance(req, CompletionRequest) else "messages"
+        max_tokens = min(self._max_tokens(asked, len(p), param, prompt_param) for p in prompts)
+        try:
+            params = sampling_params(req, self.defaults, max_tokens, logprobs)
+        except SamplingParamsError as e:
+            raise bad_request(str(e), e.param) from None
+        for p in prompts:
+            try:
+                self.engine.check(p, params)
+            except ValueError as e:
+                raise bad_request(str(e), prompt_param) from None
+        waiting = self.engine.num_waiting()
+        if waiting + len(prompts) > self.max_waiting:
+            raise APIError(429, f"the server is busy: {waiting} requests are waiting (limit {self.max_waiting}); "
+                           "retry later", None, "too_many_requests")
+        return params
+
+    # -- chat ---------------------------------------------------------------------------------------
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        if getattr(req, "tools", None) and req.tool_choice != "none":
+            raise bad_request("tools are not supported yet", "tools")
+        fmt = getattr(req, "response_format", None)
+        if fmt and fmt.get("type") != "text":
+            raise bad_request("response_format: only {\"type\": \"text\"} is supported yet", "response_format")
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    | ({"name": m.name} if m.name else {}) for m in req.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, req.add_generation_prompt,
+                                                      **(getattr(req, "chat_template_kwargs", None) or {}))
+        except Exception as e:  # a template's raise_exception() (roles must alternate, ...) is the client's problem
+            raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
+
+    async def chat(self, req: ChatCompletionRequest, stream: Callable[[], Awaitable[Send]]) -> dict | None:
+        self.check_model(req.model)
+        prompt = self.chat_prompt(req)
+        asked, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens else \
+            (req.max_tokens, "max_tokens")
+        top = req.top_logprobs or 0
+        params = self._params(req, [prompt], asked, param, top if req.logprobs else None)
+        reply = Reply("chat", self.model.id, prompt_tokens=len(prompt))
+        if req.stream:
+            await self._stream(reply, [prompt], params, await stream(), self._chat_chunks(reply, params, top),
+                               req.stream_options and req.stream_options.include_usage)
+            return None
+        outs = await self._collect([prompt], params, reply)
+        choices = [chat_choice(c.index, c, self.logprobs.chat(c.logprobs, top) if req.logprobs else None)
+                   for c in outs[0].outputs]
+        return reply.body(choices)
+
+    def _chat_chunks(self, reply: Reply, params: SamplingParams, top: int):
+        def chunks(_: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
+            lp = None
+            if params.logprobs is not None and c.delta_token_ids:
+                start = len(c.token_ids) - len(c.delta_token_ids)
+                lp = self.logprobs.chat(c.logprobs[start:len(c.token_ids)], top)
+            out = [chat_delta(c.index, "", None, None, role=True)] if first else []
+            if c.delta_text or lp or last:
+                out.append(chat_delta(c.index, c.delta_text, lp, c.finish_reason if last else None,
+                                      c.stop_reason))
+            return out
+        return chunks
+
+    # -- text completions ---------------------------------------------------------------------------
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n when given", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (it needs prompt logprobs)", "echo")
+        p = req.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], str)):
+            if self.tokenizer is None:
+                raise bad_request("this model has no tokenizer: send token ids", "prompt")
+            return [self.tokenizer.encode(s) for s in ([p] if isinstance(p, str) else p)]
+        return [list(p)] if isinstance(p[0], int) else [list(x) for x in p]
+
+    async def completion(self, req: CompletionRequest, stream: Callable[[], Awaitable[Send]]) -> dict | None:
+        self.check_model(req.model)
+        prompts = self.completion_prompts(req)
+        if any(not p for p in prompts):
+            raise bad_request("prompt: each prompt must have at least one token", "prompt")
+        params = self._params(req, prompts, req.max_tokens, "max_tokens", req.logprobs)
+        reply = Reply("text", self.model.id, prompt_tokens=sum(len(p) for p in prompts))
+        echo = [self._echo(p) if req.echo else "" for p in prompts]
+        if req.stream:
+            await self._stream(reply, prompts, params, await stream(), self._text_chunks(params, echo),
+                               req.stream_options and req.stream_options.include_usage)
+            return None
+        outs = await self._collect(prompts, params, reply)
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                lp = self.logprobs.text(c.logprobs, len(echo[i])) if params.logprobs is not None else None
+                choices.append(text_choice(i * params.n + c.index, echo[i] + c.text, lp, c.finish_reason,
+                                           c.stop_reason))
+        return reply.body(choices)
+
+    def _echo(self, prompt: list[int]) -> str:
+        return self.tokenizer.decode(prompt) if self.tokenizer else ""
+
+    def _text_chunks(self, params: SamplingParams, echo: list[str]):
+        def chunks(i: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
+            lp = None
+            if params.logprobs is not None and c.delta_token_ids:
+                start = len(c.token_ids) - len(c.delta_token_ids)
+                offset = len(c.text) - len(c.delta_text)
+                lp = self.logprobs.text(c.logprobs[start:len(c.token_ids)], offset)
+            text = (echo[i] if first else "") + c.delta_text
+            if not (text or lp or last):
+                return []
+            return [text_choice(i * params.n + c.index, text, lp, c.finish_reason if last else None, c.stop_reason)]
+        return chunks
+
+    # -- running requests ---------------------------------------------------------------------------
+    async def _collect(self, prompts: list[list[int]], params: SamplingParams, reply: Reply) -> list[RequestOutput]:
+        final: dict[int, RequestOutput] = {}
+        async for i, out in self._generate(prompts, params, reply):
+            if out.finished:
+                final[i] = out
+        return [final[i] for i in range(len(prompts))]
+
+    async def _stream(self, reply: Reply, prompts: list[list[int]], params: SamplingParams, send: Send,
+                      chunks, include_usage: bool | None) -> None:
+        usage_field = False if include_usage else None
+        seen: set[tuple[int, int]] = set()
+        done: set[tuple[int, int]] = set()
+        try:
+            async for i, out in self._generate(prompts, params, reply):
+                choices = []
+                for c in out.outputs:
+                    key = (i, c.index)
+                    if key in done:
+                        continue  # an n > 1 request reports every sibling; one that ended has said so
+                    last = c.finish_reason is not None
+                    choices += chunks(i, c, key not in seen, last)
+                    seen.add(key)
+                    if last:
+                        done.add(key)
+                for choice in choices:  # one choice an event, as vLLM does
+                    await send(reply.chunk([choice], usage_field))
+            if include_usage:
+                await send(reply.chunk([], True))
+        except (APIError, RuntimeError, ValueError) as e:
+            status = e.status if isinstance(e, APIError) else 500
+            body = APIError(status, str(e)).body()
+            log.warning("stream %s ended with an error: %s", reply.id, e)
+            await send(sse(body))
+        await send(sse("[DONE]"))
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                        reply: Reply) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Runs every prompt as its own engine request and merges their outputs; leaving early aborts them all."""
+        queue: asyncio.Queue = asyncio.Queue()
+        arrival = time.monotonic()
+
+        async def pump(i: int, prompt: list[int]) -> None:
+            try:
+                async for out in self.engine.generate(prompt, params):
+                    queue.put_nowait((i, out))
+            except Exception as e:  # handed to the consumer, which raises it in the handler
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        first_token = None
+        remaining = len(prompts)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise bad_request(str(item)) if isinstance(item, ValueError) else item
+                if first_token is None and any(c.delta_token_ids for c in item.outputs):
+                    first_token = time.monotonic()
+                    self.metrics.ttft.observe(first_token - arrival)
+                if item.finished:
+                    remaining -= 1
+                    self._finished(item, reply, arrival, first_token)
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _finished(self, out: RequestOutput, reply: Reply, arrival: float, first_token: float | None) -> None:
+        now = time.monotonic()
+        reply.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        reply.cached_tokens += out.num_cached_tokens
+        self.metrics.e2e.observe(now - arrival)
+        n = max(len(c.token_ids) for c in out.outputs)
+        if first_token is not None and n > 1:
+            self.metrics.tpot.observe((now - first_token) / (n - 1))
+        for c in out.outputs:
+            self.metrics.finished(c.finish_reason)

@@ -1,0 +1,77 @@
+"""A real server process on a free loopback port, for tests that drive it over HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m frontend ARGS` on 127.0.0.1; `url` ends in /v1. Stops (and reports its log) on exit."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = self.base + "/v1"
+        self.args = ["--h", "127.0.0.1", "--p", str(self.port), *args]
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.startup_s = startup_s
+        self.log_path = None
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServerProcess:
+        import tempfile
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="server-", suffix=".log", delete=False)
+        self.log_path = self.log_file.name
+        self.proc = subprocess.Popen([sys.executable, "-m", "frontend", *self.args], cwd=ROOT, env=self.env,
+                                     stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"the server did not answer /health in {self.startup_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace") if self.log_path else ""
+
+    def metrics(self) -> dict[str, float]:
+        """The /metrics samples by name, labels dropped and their values summed (one model is served)."""
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                key = name.split("{")[0]
+                out[key] = out.get(key, 0.0) + float(value)
+        return out
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()

@@ -1,0 +1,70 @@
+"""--m/--f/--w resolution: hub ids through huggingface_hub's cache (offline here), and clear refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from frontend.model_source import DEFAULT_ID, ModelNotFound, resolve
+from tests.serving import ROOT
+from tests.tiny_chat_model import GGUF_REPO, REPO, SNAPSHOT, hub_cache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, smollm_path):
+    return hub_cache(tmp_path_factory.mktemp("hf-cache"), smollm_path)
+
+
+@pytest.fixture
+def offline_cache(cache, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_hub_ids_resolve_from_the_cache(offline_cache, smollm_path):
+    src = resolve(model=REPO)
+    assert src.id == REPO and src.path.name == SNAPSHOT and (src.path / "config.json").exists()
+    gguf = resolve(model=GGUF_REPO, file=smollm_path.name)
+    assert gguf.path.name == smollm_path.name and gguf.path.resolve() == smollm_path.resolve()
+
+
+def test_missing_models_are_named(offline_cache, tmp_path):
+    with pytest.raises(ModelNotFound, match="not in the local Hugging Face cache.*HF_HUB_OFFLINE"):
+        resolve(model="nobody/nothing")
+    with pytest.raises(ModelNotFound, match="no config.json.*--f"):
+        resolve(model=GGUF_REPO)
+    with pytest.raises(ModelNotFound, match="no such file"):
+        resolve(file=str(tmp_path / "missing.gguf"))
+
+
+def test_local_paths_and_default(smollm_path, tmp_path):
+    assert resolve().id == DEFAULT_ID and resolve().path == smollm_path
+    assert resolve(file=str(smollm_path)).id == smollm_path.stem
+    assert resolve(model=str(smollm_path.parent), file=smollm_path.name).path == smollm_path
+    assert resolve(weights=str(tmp_path)).id == tmp_path.name
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+    return subprocess.run([sys.executable, "-m", "frontend", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--m", "nobody/nothing"], "not in the local Hugging Face cache"),
+    (["--f", "/no/such/model.gguf"], "no such file"),
+    (["--isq", "q4k"], "not built yet"),
+    (["--d", "0,1"], "CUDA"),
+    (["--kv-fraction", "0.5"], "--mem"),
+    (["--block-size", "0"], "must be positive"),
+    (["--top-p", "3"], "top_p"),
+    (["--w", "x", "--f", "y.gguf"], "cannot be combined"),
+])
+def test_cli_refuses_clearly(args, words, cache):
+    r = run_cli(*args, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2
+    assert words in r.stderr and "Traceback" not in r.stderr

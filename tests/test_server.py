@@ -1,0 +1,320 @@
+"""The OpenAI-compatible server, as a client meets it: a real `python -m frontend` process serving the
+default SmolLM2 GGUF on a loopback port, driven with the official openai client (sync and async)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.serving import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--max-num-seqs", "48", "--max-gen-tokens", "64") as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def post(server, path: str, body: bytes | str | dict, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
+    req = urllib.request.Request(server.base + path, data=data, headers={"Content-Type": "application/json",
+                                                                         **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def assert_error_body(body: dict, param: str | None = None) -> str:
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, body
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, body
+    return err["message"]
+
+
+def test_models_and_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    card = models.data[0]
+    assert card.object == "model" and card.owned_by == "llm-engine"
+    assert card.model_extra["max_model_len"] == 8192
+    with urllib.request.urlopen(server.base + "/health") as r:
+        assert r.status == 200
+
+
+def test_greedy_chat_answers_paris(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == 37  # the same ids transformers' chat template gives (test_smollm_reference)
+    assert r.usage.completion_tokens >= 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_stream_equals_non_stream_and_usage_chunk(aclient):
+    async def run():
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], temperature=0,
+                  max_tokens=20)
+        whole = await aclient.chat.completions.create(**kw)
+        stream = await aclient.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        return whole, [c async for c in stream]
+
+    whole, chunks = asyncio.run(run())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_with_a_list_of_prompts(client):
+    prompts = ["The capital of France is", "One, two, three,"]
+    both = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=8)
+    assert sorted(c.index for c in both.choices) == [0, 1]
+    for i, p in enumerate(prompts):
+        alone = client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8)
+        assert both.choices[i].text == alone.choices[0].text
+    assert both.usage.completion_tokens == 16
+    ids = client.completions.create(model=MODEL, prompt=[[504, 3575, 282, 4649, 314]], temperature=0, max_tokens=4)
+    assert ids.usage.prompt_tokens == 5 and ids.choices[0].text
+
+
+def test_streamed_completions_with_echo(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="One, two, three,", temperature=0, max_tokens=6,
+                                            stream=True, echo=True))
+    whole = client.completions.create(model=MODEL, prompt="One, two, three,", temperature=0, max_tokens=6)
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == "One, two, three," + whole.choices[0].text
+
+
+def test_stop_strings(client):
+    full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    content = full.choices[0].message.content
+    cut = content.index("Paris")
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24,
+                                       stop=["Paris", "Lyon"])
+    assert r.choices[0].message.content == content[:cut]
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == "Paris"
+    chunks = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24,
+                                            stop="Paris", stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == content[:cut]
+
+
+def test_n_2(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say a word."}], n=2,
+                                       temperature=1.0, seed=7, max_tokens=12)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.message.content for c in r.choices)
+    assert r.usage.completion_tokens >= 2
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say a word."}],
+                                                 n=2, temperature=1.0, seed=7, max_tokens=12, stream=True))
+    for i in (0, 1):
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+        assert streamed == r.choices[i].message.content  # same seed, same choices, streamed or not
+        assert sum(c.choices[0].finish_reason is not None for c in chunks if c.choices[0].index == i) == 1
+
+
+def test_logprobs(client):
+    import math
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=8, logprobs=True,
+                                       top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    for e in entries:
+        assert len(e.top_logprobs) == 3
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)  # greedy picks the most likely token
+        assert e.token == e.top_logprobs[0].token
+        assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1.0 + 1e-6
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+    assert "".join(e.token for e in entries[:-1]) in r.choices[0].message.content
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4,
+                                  logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_seeded_request_is_the_same_with_others_in_flight(aclient):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write a short poem about rain."}],
+              temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)
+
+    async def run():
+        alone = await aclient.chat.completions.create(**kw)
+        others = [aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Count to {i}"}],
+                                                  temperature=0.5 + 0.1 * i, seed=i, max_tokens=30,
+                                                  extra_body={"top_k": 5 + i})
+                  for i in range(6)]
+        together = await asyncio.gather(aclient.chat.completions.create(**kw), *others)
+        return alone, together[0]
+
+    alone, together = asyncio.run(run())
+    assert together.choices[0].message.content == alone.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ('{"messages": [', None, "JSON"),
+    ({"messages": FRANCE, "temperature": "hot"}, "temperature", "number"),
+    ({"messages": FRANCE, "top_p": 2}, "top_p", "1"),
+    ({"messages": FRANCE, "n": 0}, "n", "1"),
+    ({"messages": []}, "messages", "at least 1"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "user"),
+    ({"messages": FRANCE, "max_tokens": 9000}, "max_tokens", "8192"),
+    ({"messages": FRANCE, "logit_bias": {"999999": 5}}, "logit_bias", "token ids"),
+    ({"messages": FRANCE, "stop": 5}, "stop", "string"),
+    ([1, 2], None, "object"),
+])
+def test_bad_chat_requests_get_400(server, body, param, words):
+    status, got = post(server, "/v1/chat/completions", body)
+    assert status == 400
+    assert words in assert_error_body(got, param)
+
+
+def test_bad_completion_requests_get_400(server):
+    for body, param in [({"prompt": ""}, "prompt"), ({"prompt": [[]]}, "prompt"), ({"prompt": [70000]}, "prompt"),
+                        ({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "logprobs": 50}, "logprobs"),
+                        ({"prompt": "x " * 9000}, "prompt")]:
+        status, got = post(server, "/v1/completions", body)
+        assert status == 400, (body, got)
+        message = assert_error_body(got, param)
+        if body.get("prompt") == "x " * 9000:
+            assert "8192" in message
+
+
+def test_unknown_model_is_404_and_unknown_route_too(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-17", messages=FRANCE)
+    assert e.value.body["code"] == "model_not_found" and "gpt-17" in e.value.body["message"]
+    status, body = post(server, "/v1/nothing", {})
+    assert status == 404 and assert_error_body(body)
+
+
+def test_tokenize_detokenize(server):
+    status, tok = post(server, "/tokenize", {"prompt": "Hello world"})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) == 2
+    status, text = post(server, "/detokenize", {"tokens": tok["tokens"]})
+    assert status == 200 and text["prompt"] == "Hello world"
+    status, chat = post(server, "/tokenize", {"messages": FRANCE})
+    assert chat["count"] == 37
+    status, body = post(server, "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and assert_error_body(body, "tokens")
+
+
+def test_openapi_document(server):
+    with urllib.request.urlopen(server.base + "/openapi.json") as r:
+        doc = json.loads(r.read())
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(doc["paths"])
+    schema = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert "messages" in schema["required"]
+    top_p = schema["properties"]["top_p"]["anyOf"]
+    assert {"type": "number", "exclusiveMinimum": 0, "maximum": 1} in top_p and {"type": "null"} in top_p
+
+
+def test_abandoned_requests_free_their_blocks(server, client):
+    """40 clients give up (streaming and not); the engine aborts them all and frees every KV block."""
+    async def abandon():
+        quick = openai.AsyncOpenAI(base_url=server.url, api_key="unused", timeout=1.5, max_retries=0)
+
+        async def one(i: int) -> str:
+            kw = dict(model=MODEL, messages=[{"role": "user", "content": f"Tell me a long story, number {i}."}],
+                      max_tokens=500, temperature=1.0, seed=i, extra_body={"ignore_eos": True})
+            try:
+                if i % 2:
+                    await quick.chat.completions.create(**kw)
+                else:
+                    async for _ in await quick.chat.completions.create(**kw, stream=True):
+                        pass
+            except openai.APITimeoutError:
+                return "timeout"
+            return "finished"
+        return await asyncio.gather(*(one(i) for i in range(40)))
+
+    assert asyncio.run(abandon()) == ["timeout"] * 40
+    start = time.monotonic()
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content
+    assert time.monotonic() - start < 60, "a fresh request waited behind abandoned ones"
+    m = server.metrics()
+    assert m["llm_engine:num_requests_running"] == 0 and m["llm_engine:num_requests_waiting"] == 0
+    assert m["llm_engine:num_kv_blocks_free"] == m["llm_engine:num_kv_blocks_total"]
+    assert m["llm_engine:kv_cache_usage_perc"] == 0
+    assert m["llm_engine:generation_tokens_total"] > 0 and m["llm_engine:time_to_first_token_seconds_count"] > 0
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A second server: an API key, one sequence at a time and at most one waiting request."""
+    with ServerProcess("--api-key", "sesame", "--max-num-seqs", "1", "--max-waiting", "1") as s:
+        yield s
+
+
+def test_api_key(guarded):
+    wrong = openai.OpenAI(base_url=guarded.url, api_key="open-up", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    status, body = post(guarded, "/v1/chat/completions", {"messages": FRANCE})  # no header at all
+    assert status == 401 and assert_error_body(body)
+    right = openai.OpenAI(base_url=guarded.url, api_key="sesame", max_retries=0)
+    assert right.models.list().data[0].id == MODEL
+    with urllib.request.urlopen(guarded.base + "/health") as r:  # probes need no key
+        assert r.status == 200
+
+
+def test_429_when_too_many_wait(guarded):
+    client = openai.AsyncOpenAI(base_url=guarded.url, api_key="sesame", max_retries=0, timeout=120)
+    long = dict(model=MODEL, messages=FRANCE, max_tokens=400, extra_body={"ignore_eos": True})
+
+    async def wait_for(name: str, value: float) -> None:
+        for _ in range(600):
+            if guarded.metrics()[name] == value:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{name} never reached {value}")
+
+    async def run():
+        running = asyncio.create_task(client.chat.completions.create(**long))
+        await wait_for("llm_engine:num_requests_running", 1)
+        waiting = asyncio.create_task(client.chat.completions.create(**long))
+        await wait_for("llm_engine:num_requests_waiting", 1)
+        with pytest.raises(openai.RateLimitError) as e:
+            await client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=4)
+        running.cancel()
+        waiting.cancel()
+        await asyncio.gather(running, waiting, return_exceptions=True)
+        return e.value
+
+    err = asyncio.run(run())
+    assert err.status_code == 429 and "waiting" in err.body["message"]
+    for _ in range(200):  # the cancelled clients' requests are aborted: the server is idle again
+        m = guarded.metrics()
+        if m["llm_engine:num_requests_running"] == m["llm_engine:num_requests_waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["llm_engine:num_kv_blocks_free"] == m["llm_engine:num_kv_blocks_total"]
