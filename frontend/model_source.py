@@ -68,8 +68,11 @@ def hub_path(repo_id: str, filename: str | None = None) -> Path:
             path = fetch(local_only=False)
         except RepositoryNotFoundError:
             raise ModelNotFound(f"{repo_id}: no such model on the hub (or it is private: set HF_TOKEN)") from None
-        except EntryNotFoundError:
-            raise ModelNotFound(f"{repo_id} has no file {filename!r}") from None
+        except EntryNotFoundError as e:
+            if filename and not isinstance(e, LocalEntryNotFoundError):  # the local kind means: no connection
+                raise ModelNotFound(f"{repo_id} has no file {filename!r}") from None
+            raise ModelNotFound(f"{what} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                                f"the hub could not be reached ({_first_line(e)})") from None
         except Exception as e:  # connection refused, DNS, proxy, ...: the hub is unreachable
             raise ModelNotFound(f"{what} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and the "
                                 f"hub could not be reached ({e.__class__.__name__}: {_first_line(e)})") from None

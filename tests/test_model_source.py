@@ -68,3 +68,15 @@ def test_cli_refuses_clearly(args, words, cache):
     r = run_cli(*args, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2
     assert words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unreachable_hub_is_said_plainly(offline_cache, monkeypatch):
+    """Online mode with nothing listening where the hub should be: the error names the cache and the cause."""
+    from huggingface_hub import constants
+
+    from tests.serving import free_port
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ModelNotFound, match="not in the local Hugging Face cache.*could not be reached"):
+        resolve(model="nobody/nothing")
+    assert resolve(model=REPO).path.name == SNAPSHOT  # a cached model still loads without asking the hub

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -12,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.serving import ServerProcess
+from tests.serving import ROOT, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -318,3 +320,22 @@ def test_429_when_too_many_wait(guarded):
             break
         time.sleep(0.05)
     assert m["llm_engine:num_kv_blocks_free"] == m["llm_engine:num_kv_blocks_total"]
+
+
+def readme_blocks(lang: str, needle: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    blocks = text.split(f"```{lang}\n")[1:]
+    return next(b.split("```")[0] for b in blocks if needle in b)
+
+
+def test_readme_examples_work_verbatim(server):
+    """The README's curl and openai examples, with only the port changed to this test server's."""
+    here = f"127.0.0.1:{server.port}"
+    curl = readme_blocks("sh", "curl").replace("127.0.0.1:2000", here)
+    r = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in json.loads(r.stdout)["choices"][0]["message"]["content"]
+    code = readme_blocks("python", "from openai import OpenAI").replace("127.0.0.1:2000", here)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.strip()) > 10
