@@ -134,7 +134,8 @@ class AsyncEngine:
 
     def _handle(self, msg: _Add | _Abort) -> None:
         if isinstance(msg, _Abort):
-            self._streams.pop(msg.request_id, None)
+            if self._streams.pop(msg.request_id, None) is not None:
+                log.info("request %s aborted: its client went away", msg.request_id)
             self.engine.abort_request(msg.request_id)
             return
         with self._lock:

@@ -262,6 +262,8 @@ class OpenAIServing:
         finally:
             for t in tasks:
                 t.cancel()
+            for _ in range(remaining * params.n):  # the client went away (or the engine failed) first
+                self.metrics.finished("abort")
 
     def _finished(self, out: RequestOutput, reply: Reply, arrival: float, first_token: float | None) -> None:
         now = time.monotonic()
