@@ -225,6 +225,8 @@ def read_line(console: Console, plain: bool) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(highlight=False)
+    # rich's live view needs a terminal: written to a pipe or a file it pads lines and runs the stats into them
+    args.plain = args.plain or not console.is_terminal
     # no retries: a dead server should say so at once, not after a back-off; the timeout is generous because a
     # long answer on a CPU can take minutes
     client = openai.OpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
