@@ -110,6 +110,15 @@ def setup_logging(log_file: str | None) -> None:
         handlers.append(logging.FileHandler(log_file))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=handlers, force=True)
+    # Sanic's access records carry their fields as extras (host, request, status, byte), not in the message.
+    access = logging.getLogger("sanic.access")
+    access.propagate = False
+    fmt = logging.Formatter("%(asctime)s access %(host)s %(request)s %(status)s %(byte)s")
+    for h in handlers:
+        twin = logging.FileHandler(h.baseFilename) if isinstance(h, logging.FileHandler) else \
+            logging.StreamHandler(sys.stderr)
+        twin.setFormatter(fmt)
+        access.addHandler(twin)
 
 
 def main(argv: list[str] | None = None) -> int:

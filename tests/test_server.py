@@ -270,9 +270,11 @@ def test_abandoned_requests_free_their_blocks(server, client):
 
 
 @pytest.fixture(scope="module")
-def guarded():
-    """A second server: an API key, one sequence at a time and at most one waiting request."""
-    with ServerProcess("--api-key", "sesame", "--max-num-seqs", "1", "--max-waiting", "1") as s:
+def guarded(tmp_path_factory):
+    """A second server: an API key, one sequence at a time, at most one waiting request, a log file."""
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with ServerProcess("--api-key", "sesame", "--max-num-seqs", "1", "--max-waiting", "1", "--log", str(log)) as s:
+        s.log_file_path = log
         yield s
 
 
@@ -320,6 +322,9 @@ def test_429_when_too_many_wait(guarded):
             break
         time.sleep(0.05)
     assert m["llm_engine:num_kv_blocks_free"] == m["llm_engine:num_kv_blocks_total"]
+    assert m["llm_engine:request_success_total"] >= 2  # the two cancelled requests count, as aborts
+    logged = guarded.log_file_path.read_text()
+    assert "aborted: its client went away" in logged and "/v1/chat/completions 429" in logged
 
 
 def readme_blocks(lang: str, needle: str) -> str:
