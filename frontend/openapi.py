@@ -150,6 +150,7 @@ class Health(BaseModel):
 
 
 _MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ErrorResponse, ModelList,
+           ModelCard,
            ChatCompletion, Completion, ChatCompletionChunk, CompletionChunk, TokenizeResponse, DetokenizeResponse,
            Health]
 
@@ -203,6 +204,11 @@ def openapi_document(model_id: str) -> dict[str, Any]:
                                           ChatCompletionChunk),
             "/v1/completions": _post("Text completion", CompletionRequest, Completion, CompletionChunk),
             "/v1/models": _get("The served model", ModelList),
+            "/v1/models/{model}": {"get": {"summary": "One model", "parameters": [
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
+                 "example": model_id}],
+                "responses": {"200": {"description": "OK", "content": {"application/json": {
+                    "schema": _ref(ModelCard)}}}} | _errors(404)}},
             "/tokenize": _post("Tokenize a prompt or a conversation", TokenizeRequest, TokenizeResponse, None),
             "/detokenize": _post("Token ids to text", DetokenizeRequest, DetokenizeResponse, None),
             "/health": _get("Liveness", Health),

@@ -75,12 +75,19 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, name: str = "l
     async def openapi(request: Request) -> HTTPResponse:
         return json(openapi_document(serving.model.id))
 
+    def card() -> dict:
+        m = serving.model
+        return {"id": m.id, "object": "model", "created": m.created, "owned_by": "llm-engine", "root": m.id,
+                "max_model_len": m.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request) -> HTTPResponse:
-        m = serving.model
-        return json({"object": "list", "data": [{"id": m.id, "object": "model", "created": m.created,
-                                                 "owned_by": "llm-engine", "root": m.id,
-                                                 "max_model_len": m.max_model_len}]})
+        return json({"object": "list", "data": [card()]})
+
+    @app.get("/v1/models/<model_id:path>")
+    async def model(request: Request, model_id: str) -> HTTPResponse:
+        serving.check_model(model_id)
+        return json(card())
 
     def streamer(request: Request):
         async def open_stream():

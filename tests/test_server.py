@@ -63,6 +63,9 @@ def test_models_and_health(server, client):
     card = models.data[0]
     assert card.object == "model" and card.owned_by == "llm-engine"
     assert card.model_extra["max_model_len"] == 8192
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
     with urllib.request.urlopen(server.base + "/health") as r:
         assert r.status == 200
 

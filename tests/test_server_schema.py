@@ -39,7 +39,9 @@ def test_schemathesis_finds_no_server_error(tiny_server, tmp_path):
     checks = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
     r = subprocess.run([exe, "run", tiny_server.base + "/openapi.json", "--checks", checks,
                         "--max-examples", "25", "--workers", "1", "--phases", "examples,coverage,fuzzing",
-                        "--seed", "1", "--request-timeout", "60", "--no-color"],
+                        "--seed", "1",
+                        # path parameters (/v1/models/{model}) filter out many drawn strings, which is no bug
+                        "--suppress-health-check", "filter_too_much", "--request-timeout", "60", "--no-color"],
                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
     report = r.stdout[-6000:] + r.stderr[-3000:]
     assert r.returncode == 0, report + "\n--- server log ---\n" + tiny_server.log()[-4000:]
