@@ -15,6 +15,8 @@ streams W once and is bound by memory, so the kernel spends few instructions per
   through sums of x; scales multiply once per lane and block, after the lane's quants are summed.
 - Only scale fields are masked (to 0); quant words and x are read through clamped addresses (past the end: the last
   block again), since a block whose scales read as 0 adds nothing. That saves zeroing registers before each load.
+
+Q4_K on Triton takes int8 activations by default (dp4a, llama.cpp's way): kernels_src/dequant_gemv_i8.py.
 """
 
 from __future__ import annotations
@@ -259,11 +261,8 @@ def _family(QTYPE: str, PARTS: int):
             lambda raw, xp, dec: _q4_dot(raw, xp, dec, QTYPE))
 
 
-def dequant_gemv_kernel(w, x, y, n_rows, n_cols, w_stride, x_stride, y_stride, QTYPE: tl.constexpr, M: tl.constexpr,
-                        ROWS: tl.constexpr, STEP: tl.constexpr, PARTS: tl.constexpr, SUBNORMAL: tl.constexpr):
-    elems, size = FORMATS[QTYPE]
-    rank, acc_shape, x_prep, w_load, w_dot = _family(QTYPE, PARTS)
-    dec = _Decode(SUBNORMAL)
+def _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape,
+               x_prep, w_load, w_dot):
     n_blk = n_cols // elems
     rows = [tl.program_id(0) * ROWS + r for r in range(ROWS)]
     blocks = tl.arange(0, STEP)
@@ -278,9 +277,9 @@ def dequant_gemv_kernel(w, x, y, n_rows, n_cols, w_stride, x_stride, y_stride, Q
                       PARTS) for row in rows]
         out = list(accs)
         for m in range(M):
-            xp = x_prep(x + m * x_stride, b, dec, PARTS)
+            xp = x_prep(m, b)
             for r in range(ROWS):
-                out[r * M + m] = out[r * M + m] + w_dot(raw[r], xp, dec)
+                out[r * M + m] = out[r * M + m] + w_dot(raw[r], xp)
         return tuple(out)
 
     init = tuple(tl.zeros((STEP,) + acc_shape, tl.float32) for _ in range(ROWS * M))
@@ -288,6 +287,15 @@ def dequant_gemv_kernel(w, x, y, n_rows, n_cols, w_stride, x_stride, y_stride, Q
     for r, row in enumerate(rows):
         for m in range(M):
             tl.store(y + m * y_stride + row, tl.sum(accs[r * M + m]), mask=row < n_rows)
+
+
+def dequant_gemv_kernel(w, x, y, n_rows, n_cols, w_stride, x_stride, y_stride, QTYPE: tl.constexpr, M: tl.constexpr,
+                        ROWS: tl.constexpr, STEP: tl.constexpr, PARTS: tl.constexpr, SUBNORMAL: tl.constexpr):
+    elems, size = FORMATS[QTYPE]
+    rank, acc_shape, x_prep, w_load, w_dot = _family(QTYPE, PARTS)
+    dec = _Decode(SUBNORMAL)
+    _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape,
+               lambda m, b: x_prep(x + m * x_stride, b, dec, PARTS), w_load, lambda raw, xp: w_dot(raw, xp, dec))
 
 
 # --- host side -------------------------------------------------------------------------------------------------
@@ -323,11 +331,17 @@ def _aligned_rows(w, rb: int, align: int):
 
 
 def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: int | None = None,
-                 parts: int | None = None, num_warps: int | None = None, target: str = "numpy"):
-    """y [M, N] = x [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, row_bytes]); M <= 8; x may be 1-d."""
+                 parts: int | None = None, num_warps: int | None = None, target: str = "numpy",
+                 int8_x: bool | None = None):
+    """y [M, N] = x [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, row_bytes]); M <= 8; x may be 1-d.
+
+    int8_x (default: dequant_gemv_i8.uses_int8): x quantized to int8 per 32 elements first, then integer dot
+    products (kernels_src/dequant_gemv_i8.py); y then differs from the fp32 path by that quantization."""
     qtype = qtype.upper()
     if qtype not in FORMATS:
         raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(QTYPES)})")
+    from kernels_src.dequant_gemv_i8 import uses_int8  # the int8 path builds on this module's helpers
+    int8_x = uses_int8(qtype, target, int8_x)
     vec = len(x.shape) == 1
     x2 = x[None] if vec else x
     m, k = x2.shape
@@ -344,9 +358,14 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     cfg.update({key: v for key, v in (("ROWS", rows), ("STEP", step), ("PARTS", parts), ("num_warps", num_warps))
                 if v is not None})
     nw = cfg.pop("num_warps")
+    grid = tl.cdiv(n, cfg["ROWS"])
+    if int8_x:
+        from kernels_src.dequant_gemv_i8 import gemv_i8
+        gemv_i8(x2, w, out2, qtype, cfg["ROWS"], cfg["STEP"], nw, target)
+        return out[0] if vec and len(out.shape) == 2 else out
     kern = compile(dequant_gemv_kernel, target, num_warps=nw, QTYPE=qtype, M=m, SUBNORMAL=target in SUBNORMAL_TARGETS,
                    **cfg)
-    kern[tl.cdiv(n, cfg["ROWS"])](w, x2, out2, n, k, elem_stride(w, 0), elem_stride(x2, 0), elem_stride(out2, 0))
+    kern[grid](w, x2, out2, n, k, elem_stride(w, 0), elem_stride(x2, 0), elem_stride(out2, 0))
     return out[0] if vec and len(out.shape) == 2 else out
 
 

@@ -11,7 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ir.formats.gguf_quants import row_bytes
-from kernels_src import activations, dequant_gemv, kv_write, paged_attention, paged_prefill, rms_norm, rope
+from kernels_src import (
+    activations,
+    dequant_gemv,
+    dequant_gemv_i8,
+    kv_write,
+    paged_attention,
+    paged_prefill,
+    rms_norm,
+    rope,
+)
 from kernels_src.dsl import KernelIR, compile
 from kernels_src.dsl.tracer import split_params
 
@@ -31,6 +40,7 @@ class KernelEntry:
     flops: Callable[..., int] | None = None
     launcher: Callable | None = None
     notes: str = ""
+    variants: tuple[Callable, ...] = ()  # other DSL kernels the launcher runs instead on some targets (see notes)
 
     @property
     def signature(self) -> dict[str, str]:
@@ -153,10 +163,15 @@ def gemv_bytes(m, n, k, qtype, dtype) -> int:
     return n * row_bytes(qtype, k) + (m * k + m * n) * ITEMSIZE[dtype]
 
 
+_I8_NOTE = ("on targets in dequant_gemv_i8.I8_TARGETS (triton) the launcher runs quantize_x_kernel (x to int8 per 32) "
+            "and dequant_gemv_i8_kernel (dp4a, a programmatic dependent launch) instead: the bench times both")
+
 for _q in dequant_gemv.QTYPES:
     _tiles = dequant_gemv.default_tiles(_q, 1, 14336)
     _tiles.pop("num_warps")
+    _i8 = _q in dequant_gemv_i8.I8_QTYPES
     register(KernelEntry(
         f"dequant_gemv_{_q.lower()}", dequant_gemv.dequant_gemv_kernel, dict(QTYPE=_q, M=1, SUBNORMAL=True, **_tiles),
         _ptrs(BF16, "x", "y", w="*u8"), dict(m=1, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes,
-        flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dequant_gemv.dequant_gemv))
+        flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dequant_gemv.dequant_gemv, notes=_I8_NOTE if _i8 else "",
+        variants=(dequant_gemv_i8.quantize_x_kernel, dequant_gemv_i8.dequant_gemv_i8_kernel) if _i8 else ()))

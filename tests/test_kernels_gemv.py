@@ -18,6 +18,8 @@ from test_kernels_basic import HAS_TRITON, TARGETS, dev, host
 from ir.formats.gguf_quants import QTYPES as GGUF_TYPES
 from ir.formats.gguf_quants import row_bytes
 from kernels_src import dequant_gemv as dg
+from kernels_src import dequant_gemv_i8 as dgi
+from kernels_src.dsl import compile, tl
 from kernels_src.registry import REGISTRY
 
 TOL = {np.float32: 1e-5, np.float16: 2e-3}  # of the largest output: sums of thousands of terms ~50 in size
@@ -107,6 +109,135 @@ def test_dequant_gemv_bf16(target, qtype, rng):
     np.testing.assert_allclose(out.float().numpy(), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
 
 
+# --- int8 activations (Q4_K): tl.dot4, quantize_x, the int8 GEMV -------------------------------------------------
+# The int8 GEMV computes W @ xq with xq = q * d, x quantized per 32 elements. It is checked (1) against the fp32
+# reference on the xq it was given (quantize_x's own output), at the fp path's tolerance: only its arithmetic is
+# tested there; (2) quantize_x against quantize_x_ref, q within 1 (a tie may round either way after the target's
+# fp32 rounding of 127 / max|x|); (3) y against the exact x @ W.T within int8_error_bound, the worst case of rounding
+# each x to the nearest step d / 2 away, plus the output's own rounding.
+
+I8_TARGETS = TARGETS + ["simt-cpu"]
+
+
+def dot4_kernel(a, b, c, out, N: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr):
+    tl.launch_dependents()
+    i = tl.arange(0, N)
+    tl.wait_prior_grid()
+    tl.store(out + i, tl.dot4(tl.load(a + i), tl.load(b + i), tl.load(c + i), signed_a=SA, signed_b=SB))
+
+
+@pytest.mark.parametrize("target", I8_TARGETS)
+def test_dot4_op(target, rng):
+    a, b = (rng.integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    a[:4], b[:4] = 0xFFFFFFFF, 0x80808080  # the byte extremes
+    c = rng.integers(-2**30, 2**30, 64).astype(np.int32)
+    for sa in (False, True):
+        for sb in (False, True):
+            ab, bb = (v.view(np.int8 if s else np.uint8).reshape(-1, 4).astype(np.int64) for v, s in ((a, sa), (b, sb)))
+            want = (c + (ab * bb).sum(1)).astype(np.uint32).view(np.int32)  # wraps in 32 bits
+            out = dev(np.zeros(64, np.int32), target)
+            compile(dot4_kernel, target, N=64, SA=sa, SB=sb)[1](dev(a, target), dev(b, target), dev(c, target), out)
+            np.testing.assert_array_equal(host(out), want)
+
+
+def test_dot4_triton_source():
+    from kernels_src.dsl.triton_target import TritonRenderer
+
+    k = compile(dot4_kernel, "numpy", N=64, SA=False, SB=True).trace(
+        signature=dict(a="*u32", b="*u32", c="*i32", out="*i32"))
+    src = TritonRenderer().render(k)
+    assert "dp4a.u32.s32" in src and "tlc.gdc_wait()" in src and "tlc.gdc_launch_dependents()" in src
+    src = TritonRenderer(interpret=True).render(k)  # Triton's interpreter runs no inline assembly
+    assert "dp4a" not in src and "gdc" not in src
+    with pytest.raises(Exception, match="32-bit integer words"):
+        compile(lambda a, N: tl.dot4(tl.load(a), 1, 0), "numpy").trace(signature=dict(a="*u16", N="i32"))
+
+
+def _x_for(target, x):
+    if x.dtype == np.float16 and target != "numpy" and HAS_TRITON:  # bf16 through torch where a target takes it
+        import torch
+
+        return torch.from_numpy(x.astype(np.float32)).bfloat16() if target.startswith("triton") else dev(x, target)
+    return dev(x, target)
+
+
+def _xh(x):
+    return x.float().numpy() if hasattr(x, "float") else np.asarray(x, np.float32)
+
+
+@pytest.mark.parametrize("target", I8_TARGETS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_quantize_x(target, dtype, rng):
+    x = (rng.standard_normal((3, 512)) * rng.uniform(0.1, 30, (3, 16)).repeat(32, 1)).astype(dtype)
+    x[1, :32] = 0  # an all-zero block: d = 0, q = 0
+    xt = _x_for(target, x)
+    q, d = (host(a) for a in dgi.quantize_x(xt, target=target))
+    q_ref, d_ref = dgi.quantize_x_ref(_xh(xt))
+    np.testing.assert_allclose(d, d_ref, rtol=1e-6)
+    assert np.abs(q.astype(np.int32) - q_ref).max() <= 1 and np.abs(q).max() <= 127
+    assert (q[1, :32] == 0).all() and d[1, 0] == 0
+
+
+@pytest.mark.parametrize("target", I8_TARGETS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("m,n,blocks", [(1, 5, 3), (3, 9, 2)])
+def test_dequant_gemv_int8(target, dtype, m, n, blocks, rng):
+    k = k_for("Q4_K", blocks)
+    w = padded_weights(rng, "Q4_K", n, k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, k // 32)).repeat(32, 1)).astype(dtype)
+    xt = _x_for(target, x)
+    out = dev(np.full((m, n), np.nan, dtype), target) if not hasattr(xt, "bfloat16") else \
+        __import__("torch").full((m, n), float("nan"), dtype=xt.dtype)
+    dg.dequant_gemv(xt, dev(w, target), "Q4_K", out=out, target=target, int8_x=True)
+    got = host(out.float() if hasattr(out, "float") else out).astype(np.float32)
+    assert np.isfinite(got).all()
+    xh = _xh(xt)
+    q, d = (host(a) for a in dgi.quantize_x(xt, target=target))
+    close(got, dg.dequant_gemv_ref(dgi.dequantize_x(q, d), w, "Q4_K"), np.float32 if dtype == np.float32 else
+          np.float16)
+    want = dg.dequant_gemv_ref(xh, w, "Q4_K")
+    eps = 2.0 ** -23 if dtype == np.float32 else 2.0 ** -7  # the output's rounding (bf16 or fp16 y)
+    bound = dgi.int8_error_bound(xh, w, "Q4_K") + eps * np.abs(want) + TOL[np.float32] * np.abs(want).max()
+    assert (np.abs(got - want) <= bound).all()
+    assert np.abs(got - want).max() > 1e-4 * np.abs(want).max()  # int8 x really was used
+
+
+def test_dequant_gemv_int8_defaults(rng):
+    assert dgi.uses_int8("q4_k", "triton") and not dgi.uses_int8("Q4_K", "numpy")
+    assert not dgi.uses_int8("Q6_K", "triton")
+    with pytest.raises(ValueError, match="int8-activation"):
+        dg.dequant_gemv(np.zeros((1, 256), np.float32), padded_weights(rng, "Q6_K", 2, 256), "Q6_K", int8_x=True)
+
+
+@needs_aot
+def test_aot_sm90_int8(tmp_path, monkeypatch):
+    """The int8 GEMV builds for sm_90 with dp4a and a grid-dependency wait, spilling nothing."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from kernels_src.dsl.triton_target import TritonRenderer, load_function
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    tiles = dg.default_tiles("Q4_K", 1, 14336)
+    gemv_sig = dict(w="*u8", xq="*i8", xd="*fp32", y="*bf16", n_rows="i32", n_cols="i32", w_stride="i32",
+                    xq_stride="i32", xd_stride="i32", y_stride="i32")
+    for fn, cx, sig in [(dgi.dequant_gemv_i8_kernel, dict(QTYPE="Q4_K", M=1, ROWS=tiles["ROWS"], STEP=tiles["STEP"],
+                                                         PDL=True), gemv_sig),
+                        (dgi.quantize_x_kernel, dict(BLOCKS=8), dict(x="*bf16", xq="*i8", xd="*fp32", n_cols="i32",
+                                                                    x_stride="i32", xq_stride="i32", xd_stride="i32"))]:
+        k = compile(fn, "numpy", **cx).trace(signature=sig)
+        jit = JITFunction(load_function(TritonRenderer().render(k), k.name))
+        aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(k.params))}
+        c = triton.compile(ASTSource(jit, signature=k.signature, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 1})
+        ptx = c.asm["ptx"]
+        assert ("dp4a.u32.s32" in ptx and "griddepcontrol.wait" in ptx) if fn is not dgi.quantize_x_kernel else \
+            "griddepcontrol.launch_dependents" in ptx
+        assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
+
+
 def test_default_tiles_fill_a_warp():
     for qtype in dg.QTYPES:
         for m in range(1, 9):
@@ -158,9 +289,9 @@ def test_aot_sm90(qtype, m, tmp_path, monkeypatch):
 def test_registry_covers_every_kernel():
     from kernels_src import activations, kv_write, paged_attention, paged_prefill, rms_norm, rope
 
-    modules = (activations, kv_write, paged_attention, paged_prefill, rms_norm, rope, dg)
+    modules = (activations, kv_write, paged_attention, paged_prefill, rms_norm, rope, dg, dgi)
     kernels = {f for mod in modules for name, f in vars(mod).items() if name.endswith("_kernel") and callable(f)}
-    assert kernels == {e.fn for e in REGISTRY.values()}
+    assert kernels == {e.fn for e in REGISTRY.values()} | {v for e in REGISTRY.values() for v in e.variants}
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))

@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 
+from kernels_src import dequant_gemv_i8 as dgi
 from kernels_src.registry import REGISTRY
 from tools.bench_kernels import stream_ctx, target_unavailable
 from tools.kernel_cases import build_case, has_case
@@ -45,6 +46,8 @@ SIZES = {
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim")}
 GEMV = [("m1", dict(m=1, n=300, k=4096), ("bfloat16",)),
         ("m3_padded", dict(m=3, n=77, k=2048, padded=True), ("float16",))]
+GEMV_I8 = [("m1_fp32_x", dict(m=1, n=300, k=4096, int8_x=False), ("bfloat16",)),  # the path int8 x replaces
+           ("m8_int8_x", dict(m=8, n=130, k=1024, int8_x=True), ("bfloat16",))]
 
 
 def _cases() -> list:
@@ -53,6 +56,7 @@ def _cases() -> list:
         if name.startswith("dequant_gemv_"):
             extra = ("float32",) if entry.bench["qtype"] == "Q4_K" else ()
             variants = [(vid, p, dts + (extra if vid == "m1" else ())) for vid, p, dts in GEMV]
+            variants += GEMV_I8 if entry.bench["qtype"] in dgi.I8_QTYPES else []
         else:
             variants = [(vid, p, DTYPES if i == 0 else ("bfloat16",)) for i, (vid, p) in enumerate(SIZES.get(name, []))]
         out += [pytest.param(name, entry.bench | p | {"dtype": dt}, id=f"{name}-{vid}-{dt}")

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ir.formats.gguf_quants import QTYPES as GGUF
-from kernels_src import activations, dequant_gemv, kv_write, rms_norm, rope
+from kernels_src import activations, dequant_gemv, dequant_gemv_i8, kv_write, rms_norm, rope
 from kernels_src import paged_attention as pa
 from kernels_src import paged_prefill as pp
 from kernels_src.dsl import compile as dsl_compile
 from kernels_src.dsl import elem_stride, tl
 
 # (relative L2 error, largest error over the largest |ref|) an output may show, by its dtype
+OUT_EPS = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}  # an output's rounding, relative
 TOL = {"float32": (1e-4, 1e-3), "float16": (3e-3, 1e-2), "bfloat16": (1.5e-2, 5e-2)}
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets in a block
 SAMPLE = 256  # rows checked on the CPU out of a large output
@@ -332,16 +333,32 @@ def gguf_weights(d: Dev, qtype: str, n: int, k: int, scale: float = 0.01, padded
 
 
 def _gemv(d: Dev, p: dict, name: str) -> Case:
+    """`int8_x` in p picks the path (default: the launcher's for the target). The int8-activation path is checked
+    twice: against x's int8 quantization (quantize_x_ref) at the fp path's tolerance, and against x itself within
+    the bound that quantization allows (int8_error_bound) plus the output dtype's rounding."""
     m, n, k, qtype, dt = p["m"], p["n"], p["k"], p["qtype"], d.dtype(p["dtype"])
     w, x, y = gguf_weights(d, qtype, n, k, padded=p.get("padded", False)), d.randn((m, k), dt), d.nan((m, n), dt)
+    ran = {}
+
+    def launch(target):
+        ran["int8"] = dequant_gemv_i8.uses_int8(qtype, target, p.get("int8_x"))
+        return dequant_gemv.dequant_gemv(x, w, qtype, out=y, target=target, int8_x=p.get("int8_x"))
 
     def check():
         i = d.sample(n)
-        want = dequant_gemv.dequant_gemv_ref(host(x), host(w[i]), qtype)
-        return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
+        xh, wh, got = host(x), host(w[i]), host(y[:, i])
+        want = dequant_gemv.dequant_gemv_ref(xh, wh, qtype)
+        if not ran.get("int8"):
+            return combine(written("y", y), compare("y", got, want, p["dtype"]))
+        xq = dequant_gemv_i8.dequantize_x(*dequant_gemv_i8.quantize_x_ref(xh))
+        want_q = dequant_gemv.dequant_gemv_ref(xq, wh, qtype)
+        bound = dequant_gemv_i8.int8_error_bound(xh, wh, qtype) + OUT_EPS[p["dtype"]] * np.abs(want) \
+            + 1e-5 * np.abs(want).max()
+        excess = float((np.abs(np.asarray(got, np.float64) - want) / bound).max())
+        beyond = (np.inf, f"y: {excess:.2f} x the int8 quantization bound") if excess > 1 else (0.0, None)
+        return combine(written("y", y), compare("y", got, want_q, p["dtype"]), beyond)
 
-    return Case(name, p, lambda target: dequant_gemv.dequant_gemv(x, w, qtype, out=y, target=target), check,
-                lambda target: y.fill_(float("nan")))
+    return Case(name, p, launch, check, lambda target: y.fill_(float("nan")))
 
 
 BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {

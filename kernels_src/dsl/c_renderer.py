@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from .ir import DType, Op, PtrType, Value
+from .ir import DTYPES, DType, Op, PtrType, Value
 from .renderer import Renderer
 from .simt import SimtKernel
 
@@ -53,6 +53,17 @@ def _bitmap(r: CRenderer, op: Op, x: str) -> str:
     if len(terms) == 1:
         return terms[0]
     return "(" + " | ".join(terms) + ")" if terms else "0"
+
+
+def _dot4(r: CRenderer, op: Op, a: str, b: str, acc: str) -> str:
+    """A portable spelling of dp4a: 4 byte products in int32 (targets without the instruction)."""
+    i32, u8, i8 = (r.dtype(DTYPES[n]) for n in ("i32", "u8", "i8"))
+
+    def byte(w: str, k: int, signed: bool) -> str:
+        v = f"static_cast<{u8}>({w} >> {8 * k})" if k else f"static_cast<{u8}>({w})"
+        return f"static_cast<{i32}>(static_cast<{i8}>({v}))" if signed else f"static_cast<{i32}>({v})"
+    sa, sb = op.attrs["signed_a"], op.attrs["signed_b"]
+    return "(" + " + ".join([acc] + [f"{byte(a, k, sa)} * {byte(b, k, sb)}" for k in range(4)]) + ")"
 
 
 def _gload(r: CRenderer, op: Op, p: str, off: str, mask: str | None = None, other: str | None = None) -> str:
@@ -99,6 +110,7 @@ class CRenderer(Renderer):
         "abs": lambda r, op, x: f"dsl_abs({x})",
         "not": lambda r, op, x: f"(!{x})" if op.result.dtype.kind == "b" else f"(~{x})",
         "bitmap": _bitmap,
+        "dot4": _dot4,
         "tid": lambda r, op: f"(int){r.tid_expr}",
         "program_id": lambda r, op: "(int)" + r.pid_fmt.format(axis="xyz"[op.attrs["axis"]], i=op.attrs["axis"]),
         "num_programs": lambda r, op: "(int)" + r.npid_fmt.format(axis="xyz"[op.attrs["axis"]], i=op.attrs["axis"]),

@@ -161,6 +161,8 @@ class _Program:
             return _convert(a[0], op.args[0].dtype, at.get("to", op.result.dtype), code == "bitcast")
         if code == "where":
             return np.where(a[0], a[1], a[2])
+        if code == "dot4":
+            return _dot4(*a, at["signed_a"], at["signed_b"])
         if code == "broadcast":
             if isinstance(a[0], Ptr):
                 return Ptr(a[0].buf, np.broadcast_to(a[0].off, at["shape"]), a[0].bf16)
@@ -183,7 +185,18 @@ class _Program:
             return _load(*a, dtype=op.result.dtype)
         if code == "store":
             return _store(*a)
+        if code in ("grid_dep_wait", "grid_dep_launch"):  # programs of one launch run after the last launch's
+            return None
         raise NotImplementedError(f"interpreter: no rule for {code}")
+
+
+def _dot4(a, b, acc, signed_a: bool, signed_b: bool):
+    """acc + the dot product of the 4 bytes of a and b (uint8 or int8 each), wrapped to int32."""
+    def byte(w, k, signed):
+        v = (np.asarray(w).astype(np.uint32) >> np.uint32(8 * k)) & np.uint32(0xFF)
+        return v.astype(np.uint8).view(np.int8).astype(np.int64) if signed else v.astype(np.int64)
+    s = np.asarray(acc).astype(np.int64) + sum(byte(a, k, signed_a) * byte(b, k, signed_b) for k in range(4))
+    return np.asarray(s & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
 
 
 def _convert(x, src: DType, dst: DType, bitcast: bool):

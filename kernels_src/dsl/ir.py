@@ -100,7 +100,13 @@ UNARY = MATH | {"neg", "not", "abs"}  # "not" is bitwise on ints, logical on i1
 # of the dividend). shr: arithmetic on signed, logical on unsigned.
 BINARY = frozenset({"add", "sub", "mul", "div", "idiv", "mod", "max", "min", "and", "or", "xor", "shl", "shr"})
 COMPARE = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})  # result i1
-ELEMENTWISE = UNARY | BINARY | COMPARE | {"where", "cast", "bitcast"}
+# dot4: acc (i32) + the 4-way dot product of the bytes of two 32-bit words (attrs signed_a, signed_b: each word's
+# bytes as int8 or uint8), wrapping in 32 bits; PTX's dp4a.
+ELEMENTWISE = UNARY | BINARY | COMPARE | {"where", "cast", "bitcast", "dot4"}
+# grid_dep_wait / grid_dep_launch: programmatic dependent launch (a kernel launched with launch_pdl may start
+# while the kernel before it runs; `grid_dep_wait` blocks until that one finished and its writes are visible,
+# `grid_dep_launch` lets the next kernel start early). No results; no-ops wherever kernels run one after another.
+GRID_DEP = frozenset({"grid_dep_wait", "grid_dep_launch"})
 # Others: const, param, program_id, num_programs, arange, broadcast, expand_dims, trans, reduce, dot,
 # ptr_add, ptr_cast, load, store, for.
 REDUCE_KINDS = ("sum", "max", "min")

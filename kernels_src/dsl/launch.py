@@ -50,10 +50,11 @@ def _freeze(d: dict) -> tuple:
 class Kernel:
     """A kernel function bound to a target and constexprs; `k[grid](*args)` launches it."""
 
-    def __init__(self, fn, target: str, constexprs: dict, num_warps: int = 4):
+    def __init__(self, fn, target: str, constexprs: dict, num_warps: int = 4, launch_pdl: bool = False):
         if target not in TARGETS and target not in TARGET_HOOKS:
             raise ValueError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
         self.fn, self.target, self.constexprs, self.num_warps = fn, target, constexprs, num_warps
+        self.launch_pdl = launch_pdl  # Triton on CUDA: programmatic dependent launch (see tl.wait_prior_grid)
         self.runtime_params = split_params(fn)[0]
         self._traces: dict[tuple, KernelIR] = {}
         self._launchers: dict[tuple, Callable] = {}  # signature -> launch: a launch must not re-render
@@ -79,7 +80,7 @@ class Kernel:
             return TARGET_HOOKS[self.target][0](k, self.num_warps)
         from .triton_target import TritonRenderer
 
-        return TritonRenderer().render(k)
+        return TritonRenderer(interpret=self.target == "triton-interpret").render(k)
 
     def compiled(self, *args, signature: dict | None = None) -> Callable:
         """`launch(grid, *args)` for these arguments' signature, from the cache when it was built before."""
@@ -93,7 +94,7 @@ class Kernel:
     def _build(self, *args, signature: dict | None = None) -> Callable:
         k = self.trace(*args, signature=signature)
         src = self.source(*args, signature=signature)
-        key = (self.target, src, _freeze(self.constexprs), self.num_warps)
+        key = (self.target, src, _freeze(self.constexprs), self.num_warps, self.launch_pdl)
         if key not in _compiled:
             if self.target == "numpy":
                 _compiled[key] = lambda grid, *a: run(k, grid, *a)
@@ -103,7 +104,8 @@ class Kernel:
                 from .triton_target import build
 
                 fn = build(src, k.name, interpret=self.target == "triton-interpret")
-                _compiled[key] = lambda grid, *a: fn[grid](*a, num_warps=self.num_warps)
+                opts = {"launch_pdl": True} if self.launch_pdl else {}
+                _compiled[key] = lambda grid, *a: fn[grid](*a, num_warps=self.num_warps, **opts)
         return _compiled[key]
 
     def __getitem__(self, grid) -> Callable:
@@ -111,11 +113,13 @@ class Kernel:
         return lambda *args: self.compiled(*args)(grid, *args)
 
 
-def compile(fn, target: str = "numpy", *, num_warps: int = 4, **constexprs) -> Kernel:  # noqa: A001
-    """The kernel `fn` for `target` ("numpy", "triton", "triton-interpret") with its constexpr values."""
-    key = (fn, target, num_warps, _freeze(constexprs))
+def compile(fn, target: str = "numpy", *, num_warps: int = 4, launch_pdl: bool = False,  # noqa: A001
+            **constexprs) -> Kernel:
+    """The kernel `fn` for `target` ("numpy", "triton", "triton-interpret") with its constexpr values; `launch_pdl`
+    (target "triton"): launched as a programmatic dependent launch (it may start before the previous kernel ends)."""
+    key = (fn, target, num_warps, launch_pdl, _freeze(constexprs))
     if key not in _kernels:
-        _kernels[key] = Kernel(fn, target, constexprs, num_warps)
+        _kernels[key] = Kernel(fn, target, constexprs, num_warps, launch_pdl)
     return _kernels[key]
 
 

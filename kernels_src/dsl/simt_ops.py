@@ -152,6 +152,11 @@ class OpLowering(LoopLowering):
         self.for_slots(layout, body)
         return Regs(out, layout, ident(layout))
 
+    def op_grid_dep_wait(self, op: Op, args):  # launches from these targets run one after another
+        return None
+
+    op_grid_dep_launch = op_grid_dep_wait
+
     def op_store(self, op: Op, args):
         p, val, mask = (args + [None])[:3]
         shape = op.args[0].shape

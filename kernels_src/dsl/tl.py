@@ -137,6 +137,17 @@ def store(ptr: Tile, value, mask=None) -> None:
     current().emit("store", [a.v for a in args], {}, [])
 
 
+def wait_prior_grid() -> None:
+    """Block until the kernel launched before this one has finished and its writes are visible (for kernels
+    launched with `launch_pdl`, which may start early: loads that need no such writes can be issued before)."""
+    current().emit("grid_dep_wait", [], {}, [])
+
+
+def launch_dependents() -> None:
+    """Let a kernel launched after this one with `launch_pdl` start now (it waits with wait_prior_grid)."""
+    current().emit("grid_dep_launch", [], {}, [])
+
+
 # --- elementwise math ------------------------------------------------------------------------------------------
 
 
@@ -170,6 +181,17 @@ def _math(name: str):
 
 exp, exp2, log, log2, sqrt, rsqrt = (_math(n) for n in ("exp", "exp2", "log", "log2", "sqrt", "rsqrt"))
 sin, cos, tanh, erf, floor, ceil = (_math(n) for n in ("sin", "cos", "tanh", "erf", "floor", "ceil"))
+
+
+def dot4(a, b, acc, signed_a: bool = False, signed_b: bool = True) -> Tile:
+    """acc + sum_k byte_k(a) * byte_k(b) over the 4 bytes of 32-bit integer words a and b, bytes read as uint8 or
+    int8 (`signed_a`, `signed_b`); i32, wrapping. One dp4a instruction on NVIDIA GPUs, 4 multiply-adds elsewhere."""
+    a, b = _lift(a, uint32), _lift(b, uint32)
+    if not (a.dtype.is_int and a.dtype.bits == 32 and b.dtype.is_int and b.dtype.bits == 32):
+        raise TraceError(f"dot4 takes 32-bit integer words, got {a.dtype} and {b.dtype}")
+    acc = _cast(_lift(acc, int32), int32)
+    return _elementwise("dot4", [a.to(uint32, bitcast=True), b.to(uint32, bitcast=True), acc], int32,
+                        signed_a=bool(signed_a), signed_b=bool(signed_b))
 
 
 def sigmoid(x) -> Tile:

@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .ir import KernelIR, Op
+from .ir import GRID_DEP, KernelIR, Op
 from .renderer import Renderer
 
 
@@ -42,6 +42,20 @@ def _load(r: Renderer, op: Op, p: str, mask: str | None = None, other: str | Non
     return f"tl.load({p}" + (f", mask={mask}" if mask else "") + (f", other={other}" if other else "") + ")"
 
 
+def _dot4(r: TritonRenderer, op: Op, a: str, b: str, acc: str) -> str:
+    """PTX dp4a through inline assembly; under Triton's interpreter (which runs no assembly) 4 byte products."""
+    sa, sb = op.attrs["signed_a"], op.attrs["signed_b"]
+    if r.interpret:
+        def byte(w: str, k: int, signed: bool) -> str:
+            if signed:
+                return f"(tl.cast({w} << {24 - 8 * k}, tl.int32, bitcast=True) >> 24)"
+            return f"tl.cast(({w} >> {8 * k}) & 255, tl.int32)"
+        return "(" + " + ".join([acc] + [f"{byte(a, k, sa)} * {byte(b, k, sb)}" for k in range(4)]) + ")"
+    kind = f"{'s' if sa else 'u'}32.{'s' if sb else 'u'}32"
+    return (f'tl.inline_asm_elementwise("dp4a.{kind} $0, $1, $2, $3;", "=r,r,r,r", [{a}, {b}, {acc}], '
+            "dtype=tl.int32, is_pure=True, pack=1)")
+
+
 def _call(fn: str):
     return lambda r, op, x: f"{fn}({x})"
 
@@ -52,6 +66,9 @@ class TritonRenderer(Renderer):
                    "u8": "tl.uint8", "u16": "tl.uint16", "u32": "tl.uint32", "u64": "tl.uint64",
                    "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
     infix = Renderer.infix | {"idiv": "//", "mod": "%", "ptr_add": "+"}
+
+    def __init__(self, interpret: bool = False):
+        self.interpret = interpret  # source for Triton's interpreter: no inline assembly
     code_for_op = {
         "const": lambda r, op: _const(r, op),
         "program_id": lambda r, op: f"tl.program_id({op.attrs['axis']})",
@@ -72,6 +89,7 @@ class TritonRenderer(Renderer):
         "abs": lambda r, op, x: f"tl.abs({x})",
         "tanh": lambda r, op, x: f"(2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",  # no tl.tanh in Triton 3.x
         "load": _load,
+        "dot4": _dot4,
         **{m: _call(f"tl.{m}") for m in ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "erf",
                                           "floor", "ceil")},
     }
@@ -79,8 +97,16 @@ class TritonRenderer(Renderer):
     def prologue(self, k: KernelIR) -> list[str]:
         params = ", ".join(p.name for p in k.params)
         consts = ", ".join(f"{n}={v!r}" for n, v in k.constexprs.items())
-        return ["import triton  # noqa: F401", "import triton.language as tl", "", "",
+        gdc = not self.interpret and any(op.opcode in GRID_DEP for op in k.walk())
+        return ["import triton  # noqa: F401", "import triton.language as tl"]  + (
+            ["import triton.language.extra.cuda as tlc"] if gdc else []) + ["", "",
                 f"def {k.name}({params}):", f'    """Generated from the kernel DSL; constexprs: {consts or "none"}."""']
+
+    def render_grid_dep_wait(self, op: Op, depth: int) -> list[str]:
+        return [] if self.interpret else [self.indent * depth + "tlc.gdc_wait()"]
+
+    def render_grid_dep_launch(self, op: Op, depth: int) -> list[str]:
+        return [] if self.interpret else [self.indent * depth + "tlc.gdc_launch_dependents()"]
 
     def render_store(self, op: Op, depth: int) -> list[str]:
         p, v, *m = (self.name(a) for a in op.args)
@@ -152,7 +178,7 @@ class _Interpreted:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages", "launch_pdl")}
             with _interpreted_stdlib():
                 return self.fn[grid](*args, **kwargs)
 
