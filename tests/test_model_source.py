@@ -80,3 +80,9 @@ def test_unreachable_hub_is_said_plainly(offline_cache, monkeypatch):
     with pytest.raises(ModelNotFound, match="not in the local Hugging Face cache.*could not be reached"):
         resolve(model="nobody/nothing")
     assert resolve(model=REPO).path.name == SNAPSHOT  # a cached model still loads without asking the hub
+
+
+def test_one_shot_prompt_answers_on_stdout():
+    r = run_cli("--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "24")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "Traceback" not in r.stderr
