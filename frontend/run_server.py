@@ -23,7 +23,8 @@ def serve(engine: LLMEngine, model_id: str, args: argparse.Namespace) -> int:
     metrics = Metrics(engine, model_id)
     async_engine = AsyncEngine(engine)
     async_engine.on_step = metrics.after_step
-    model = ServedModel(model_id, engine.max_model_len, engine.backend.model.config.vocab_size, int(time.time()))
+    model = ServedModel(model_id, engine.max_model_len, engine.backend.model.config.vocab_size, int(time.time()),
+                        engine.blocks.num_blocks * engine.blocks.block_size)
     serving = OpenAIServing(async_engine, metrics, engine.tokenizer, model, args.defaults, args.max_waiting)
     app = build_app(serving, args.api_key)
     url = f"http://{args.h}:{args.p}/v1"

@@ -34,6 +34,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     created: int
+    kv_tokens: int | None = None  # what the KV cache holds: one sequence can never grow past it
 
 
 class OpenAIServing:
@@ -55,8 +56,8 @@ class OpenAIServing:
 
     def _max_tokens(self, asked: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
         limit = self.model.max_model_len
-        if asked is None:
-            room = limit - prompt_len
+        if asked is None:  # the default: what the context (and the KV cache) leaves
+            room = min(limit, self.model.kv_tokens or limit) - prompt_len
             if room < 1:
                 raise bad_request(f"this model's maximum context length is {limit} tokens and the prompt has "
                                   f"{prompt_len}: no room is left to generate", prompt_param, "context_length_exceeded")

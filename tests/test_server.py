@@ -274,9 +274,11 @@ def test_abandoned_requests_free_their_blocks(server, client):
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
-    """A second server: an API key, one sequence at a time, at most one waiting request, a log file."""
+    """A second server: an API key, one sequence at a time, at most one waiting request, a log file, and a KV
+    cache (16 MiB: 352 tokens) far smaller than the context."""
     log = tmp_path_factory.mktemp("log") / "server.log"
-    with ServerProcess("--api-key", "sesame", "--max-num-seqs", "1", "--max-waiting", "1", "--log", str(log)) as s:
+    with ServerProcess("--api-key", "sesame", "--max-num-seqs", "1", "--max-waiting", "1", "--log", str(log),
+                       "--mem", "16") as s:
         s.log_file_path = log
         yield s
 
@@ -294,9 +296,18 @@ def test_api_key(guarded):
         assert r.status == 200
 
 
+def test_small_kv_cache_bounds_the_default_max_tokens(guarded):
+    client = openai.OpenAI(base_url=guarded.url, api_key="sesame", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0)  # no max_tokens
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:  # within the context, beyond what the cache can ever hold
+        client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1000)
+    assert "KV cache holds 352 tokens" in e.value.body["message"]
+
+
 def test_429_when_too_many_wait(guarded):
     client = openai.AsyncOpenAI(base_url=guarded.url, api_key="sesame", max_retries=0, timeout=120)
-    long = dict(model=MODEL, messages=FRANCE, max_tokens=400, extra_body={"ignore_eos": True})
+    long = dict(model=MODEL, messages=FRANCE, max_tokens=300, extra_body={"ignore_eos": True})
 
     async def wait_for(name: str, value: float) -> None:
         for _ in range(600):
