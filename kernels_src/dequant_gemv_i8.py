@@ -130,6 +130,20 @@ def quantize_x(x, xq=None, xd=None, target: str = "numpy"):
     return xq, xd
 
 
+def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True) -> list:
+    """The pre-pass and the Q4_K GEMV traced at dequant_gemv's default tiles (for AOT and parse checks)."""
+    from kernels_src.dequant_gemv import default_tiles
+
+    tiles = default_tiles("Q4_K", m, 14336)
+    gemv = dict(w="*u8", xq="*i8", xd="*fp32", y=f"*{x_dtype}", n_rows="i32", n_cols="i32", w_stride="i32",
+                xq_stride="i32", xd_stride="i32", y_stride="i32")
+    prep = dict(x=f"*{x_dtype}", xq="*i8", xd="*fp32", n_cols="i32", x_stride="i32", xq_stride="i32",
+                xd_stride="i32")
+    return [compile(quantize_x_kernel, "numpy", BLOCKS=8).trace(signature=prep),
+            compile(dequant_gemv_i8_kernel, "numpy", QTYPE="Q4_K", M=m, ROWS=tiles["ROWS"], STEP=tiles["STEP"],
+                    PDL=pdl).trace(signature=gemv)]
+
+
 def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, target: str) -> None:
     """dequant_gemv's int8 path: quantize_x, then the integer GEMV (one lane part whatever PARTS says)."""
     m, k = x2.shape

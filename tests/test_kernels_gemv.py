@@ -220,20 +220,13 @@ def test_aot_sm90_int8(tmp_path, monkeypatch):
     from kernels_src.dsl.triton_target import TritonRenderer, load_function
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    tiles = dg.default_tiles("Q4_K", 1, 14336)
-    gemv_sig = dict(w="*u8", xq="*i8", xd="*fp32", y="*bf16", n_rows="i32", n_cols="i32", w_stride="i32",
-                    xq_stride="i32", xd_stride="i32", y_stride="i32")
-    for fn, cx, sig in [(dgi.dequant_gemv_i8_kernel, dict(QTYPE="Q4_K", M=1, ROWS=tiles["ROWS"], STEP=tiles["STEP"],
-                                                         PDL=True), gemv_sig),
-                        (dgi.quantize_x_kernel, dict(BLOCKS=8), dict(x="*bf16", xq="*i8", xd="*fp32", n_cols="i32",
-                                                                    x_stride="i32", xq_stride="i32", xd_stride="i32"))]:
-        k = compile(fn, "numpy", **cx).trace(signature=sig)
+    for k in dgi.traces():
         jit = JITFunction(load_function(TritonRenderer().render(k), k.name))
         aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(k.params))}
         c = triton.compile(ASTSource(jit, signature=k.signature, attrs=aligned), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 1})
         ptx = c.asm["ptx"]
-        assert ("dp4a.u32.s32" in ptx and "griddepcontrol.wait" in ptx) if fn is not dgi.quantize_x_kernel else \
+        assert ("dp4a.u32.s32" in ptx and "griddepcontrol.wait" in ptx) if k.name != "quantize_x_kernel" else \
             "griddepcontrol.launch_dependents" in ptx
         assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
 

@@ -292,7 +292,8 @@ class _Arr:
         self.shape, self.dtype = shape, dtype
 
 
-_NP = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "i32": "int32", "i64": "int64", "u8": "uint8"}
+_NP = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "i32": "int32", "i64": "int64", "u8": "uint8",
+       "i8": "int8"}
 
 
 def _metal_wrapped(k, n: int) -> str:
@@ -315,6 +316,18 @@ def test_parse_metal_and_cuda(name):
         assert not problems, "\n".join(map(str, problems))
     problems = check_cuda(CudaRenderer().render(simt.lower(k)))
     assert not problems, "\n".join(map(str, problems))
+
+
+@needs_clang
+def test_parse_metal_and_cuda_int8_gemv():
+    """The int8-activation Q4_K path (a registry variant, not an entry of its own): its MSL and CUDA C parse too."""
+    from kernels_src.dequant_gemv_i8 import traces
+    from kernels_src.dsl.cuda_target import CudaRenderer
+    from kernels_src.dsl.parse_check import check_cuda, check_metal
+
+    for k in traces("fp16"):
+        problems = check_metal(_metal_wrapped(k, 4096)) + check_cuda(CudaRenderer().render(simt.lower(k)))
+        assert not problems, "\n".join(map(str, problems))
 
 
 @needs_clang
