@@ -99,6 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sampling_params(SamplingFields(), args.defaults, 1, None)  # the engine's own range checks, at start-up
     except ValueError as e:
         ap.error(f"sampling default: {e}")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        ap.error("--seed must be in [0, 2**63)")
     if args.max_waiting < 0:
         ap.error("--max-waiting must be >= 0")
     return args
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def answer_once(engine, args: argparse.Namespace) -> int:
     """--prompt: one chat answer through the engine, streamed to stdout."""
-    from frontend.engine.sampling_params import SamplingParams
+    from frontend.protocol import SamplingFields, sampling_params
 
     tok = engine.tokenizer
     if tok is None:
@@ -160,10 +162,7 @@ def answer_once(engine, args: argparse.Namespace) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(messages) if tok.chat_template else tok.encode(args.prompt)
-    d = args.defaults
-    params = SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p,
-                            presence_penalty=d.presence_penalty, frequency_penalty=d.frequency_penalty,
-                            max_tokens=args.max_tokens, seed=args.seed)
+    params = sampling_params(SamplingFields(seed=args.seed), args.defaults, args.max_tokens, None)
     start = time.perf_counter()
     engine.add_request(ids, params)
     final = None

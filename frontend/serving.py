@@ -123,7 +123,7 @@ class OpenAIServing:
         params = self._params(req, [prompt], asked, param, top if req.logprobs else None)
         reply = Reply("chat", self.model.id, prompt_tokens=len(prompt))
         if req.stream:
-            await self._stream(reply, [prompt], params, await stream(), self._chat_chunks(reply, params, top),
+            await self._stream(reply, [prompt], params, await stream(), self._chat_chunks(params, top),
                                req.stream_options and req.stream_options.include_usage)
             return None
         outs = await self._collect([prompt], params, reply)
@@ -131,12 +131,10 @@ class OpenAIServing:
                    for c in outs[0].outputs]
         return reply.body(choices)
 
-    def _chat_chunks(self, reply: Reply, params: SamplingParams, top: int):
+    def _chat_chunks(self, params: SamplingParams, top: int):
         def chunks(_: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
-            lp = None
-            if params.logprobs is not None and c.delta_token_ids:
-                start = len(c.token_ids) - len(c.delta_token_ids)
-                lp = self.logprobs.chat(c.logprobs[start:len(c.token_ids)], top)
+            new = _new_logprobs(c, params)
+            lp = self.logprobs.chat(new, top) if new else None
             out = [chat_delta(c.index, "", None, None, role=True)] if first else []
             if c.delta_text or lp or last:
                 out.append(chat_delta(c.index, c.delta_text, lp, c.finish_reason if last else None,
@@ -161,9 +159,7 @@ class OpenAIServing:
 
     async def completion(self, req: CompletionRequest, stream: Callable[[], Awaitable[Send]]) -> dict | None:
         self.check_model(req.model)
-        prompts = self.completion_prompts(req)
-        if any(not p for p in prompts):
-            raise bad_request("prompt: each prompt must have at least one token", "prompt")
+        prompts = self.completion_prompts(req)  # an empty one is refused by the engine's check in _params
         params = self._params(req, prompts, req.max_tokens, "max_tokens", req.logprobs)
         reply = Reply("text", self.model.id, prompt_tokens=sum(len(p) for p in prompts))
         echo = [self._echo(p) if req.echo else "" for p in prompts]
@@ -185,11 +181,8 @@ class OpenAIServing:
 
     def _text_chunks(self, params: SamplingParams, echo: list[str]):
         def chunks(i: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
-            lp = None
-            if params.logprobs is not None and c.delta_token_ids:
-                start = len(c.token_ids) - len(c.delta_token_ids)
-                offset = len(c.text) - len(c.delta_text)
-                lp = self.logprobs.text(c.logprobs[start:len(c.token_ids)], offset)
+            new = _new_logprobs(c, params)
+            lp = self.logprobs.text(new, len(c.text) - len(c.delta_text)) if new else None
             text = (echo[i] if first else "") + c.delta_text
             if not (text or lp or last):
                 return []
@@ -276,3 +269,10 @@ class OpenAIServing:
             self.metrics.tpot.observe((now - first_token) / (n - 1))
         for c in out.outputs:
             self.metrics.finished(c.finish_reason)
+
+
+def _new_logprobs(c: CompletionOutput, params: SamplingParams) -> list:
+    """The logprobs of the tokens new in this report (the engine's list is the whole sequence's, still growing)."""
+    if params.logprobs is None or not c.delta_token_ids:
+        return []
+    return c.logprobs[len(c.token_ids) - len(c.delta_token_ids):len(c.token_ids)]
