@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -48,25 +49,39 @@ class Backend(ABC):
         """KV budget when the user gives none."""
         return 512 * 2**20
 
+    def kv_budget(self, fraction: float, max_step_tokens: int = 2048, block_size: int = 16) -> int:
+        """KV budget as `fraction` of the memory free once the model is loaded (here: the host's available RAM)."""
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(free * fraction)
+
+    def sample(self, logits, inputs) -> list:
+        """One token per logits row (see frontend.engine.sampler); a backend may sample where its logits live."""
+        from frontend.engine.sampler import Sampler
+
+        return Sampler()(np.asarray(logits), inputs)
+
+
+CUDA_ONLY = ("device", "cuda_graph")  # options only the CUDA backend takes
+
 
 def create_backend(name: str, model: LoadedModel, **options) -> Backend:
     """`name` is "mlx", "cuda" or "auto" (cuda when a usable NVIDIA GPU is present, else mlx)."""
     if name == "auto":
         name = "cuda" if _cuda_usable() else "mlx"
-        if name == "cuda" and not _cuda_built():
-            log.warning("an NVIDIA GPU is usable but the CUDA backend is not built yet; using mlx")
-            name = "mlx"
     if name == "mlx":
         from backends.mlx.backend import MLXBackend
+        ignored = [k for k in CUDA_ONLY if options.pop(k, None) not in (None, True)]
+        if ignored:
+            log.warning("the mlx backend ignores %s", ", ".join(ignored))
         return MLXBackend(model, **options)
     if name == "cuda":
-        raise NotImplementedError("the CUDA backend is not built yet; use --backend mlx")
+        try:
+            from backends.cuda.backend import CUDABackend
+        except ImportError as e:
+            raise NotImplementedError(f"the CUDA backend needs torch and triton ({e}); "
+                                      f"install them or use --backend mlx") from e
+        return CUDABackend(model, **options)
     raise ValueError(f"unknown backend {name!r} (choose auto, mlx or cuda)")
-
-
-def _cuda_built() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("backends.cuda.backend") is not None
 
 
 def _cuda_usable() -> bool:

@@ -15,9 +15,6 @@ log = logging.getLogger("frontend")
 # Flags of docs/FEATURES.md whose feature is not built yet: refused, never silently ignored.
 NOT_YET = {
     "isq": "in-situ quantization (--isq) is not built yet",
-    "kv_fraction": "--kv-fraction is not built yet; give the KV budget in MiB with --mem",
-    "d": "GPU selection and tensor parallel (--d) arrive with the CUDA backend",
-    "disable_cuda_graph": "--disable-cuda-graph applies to the CUDA backend, which is not built yet",
 }
 
 
@@ -54,9 +51,10 @@ def parser() -> argparse.ArgumentParser:
                      help="answer 429 when more than N requests wait (default 1024)")
     net.add_argument("--log", metavar="FILE", help="also write the log to FILE")
     eng = ap.add_argument_group("engine")
-    eng.add_argument("--mem", metavar="MiB", type=_positive(), help="KV cache budget in MiB (default 512)")
-    eng.add_argument("--kv-fraction", metavar="F", type=float, help="(not built yet) KV budget as a share of free "
-                     "memory")
+    eng.add_argument("--mem", metavar="MiB", type=_positive(), help="KV cache budget in MiB (default: cuda 0.9 of "
+                     "the free GPU memory, mlx 512)")
+    eng.add_argument("--kv-fraction", metavar="F", type=float, help="KV budget as a share of the memory free "
+                     "after loading and a warm-up step (0 < F <= 1)")
     eng.add_argument("--block-size", metavar="N", type=_positive(), default=16, help="KV block size in tokens")
     eng.add_argument("--max-num-seqs", metavar="N", type=_positive(), default=64, help="sequences decoded together")
     eng.add_argument("--max-num-batched-tokens", metavar="N", type=_positive(), default=2048,
@@ -66,8 +64,9 @@ def parser() -> argparse.ArgumentParser:
                      help="default cap on generated tokens when a request gives no max_tokens")
     eng.add_argument("--prefill-chunk-size", metavar="N", type=_positive(), default=512, help="chunked prefill")
     eng.add_argument("--disable-prefix-cache", action="store_true", help="no automatic prefix caching")
-    eng.add_argument("--disable-cuda-graph", action="store_true", help="(CUDA backend, not built yet)")
-    eng.add_argument("--d", metavar="IDS", help="(CUDA backend, not built yet) GPU ids")
+    eng.add_argument("--disable-cuda-graph", action="store_true", help="CUDA backend: run decode steps eagerly")
+    eng.add_argument("--d", metavar="ID", help="CUDA backend: the GPU to use (default 0; tensor parallel over "
+                     "several ids is not built yet)")
     smp = ap.add_argument_group("sampling defaults (a request's own values win)")
     smp.add_argument("--temperature", type=float, default=1.0)
     smp.add_argument("--top-p", type=float, default=1.0)
@@ -89,6 +88,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, why in NOT_YET.items():
         if getattr(args, name) not in (None, False):
             ap.error(why)
+    if args.kv_fraction is not None and not 0 < args.kv_fraction <= 1:
+        ap.error(f"--kv-fraction must be in (0, 1], got {args.kv_fraction}")
+    if args.mem and args.kv_fraction:
+        ap.error("give the KV budget with --mem or --kv-fraction, not both")
+    if args.d is not None:
+        ids = [x.strip() for x in args.d.split(",") if x.strip()]
+        if len(ids) != 1 or not ids[0].isdigit():
+            ap.error(f"--d takes one GPU id (tensor parallel over several is not built yet), got {args.d!r}")
+        args.d = int(ids[0])
     if args.w and (args.f or args.m):
         ap.error("--w names a local folder; it cannot be combined with --f or --m")
     from frontend.protocol import SamplingFields, ServerDefaults, sampling_params
@@ -135,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve(args.w, args.f, args.m)
         log.info("loading %s from %s", source.id, source.path)
         model = load_model(source.path, progress=True)
-        backend = create_backend(args.backend, model, **({"dtype": args.dtype} if args.dtype else {}))
+        backend = create_backend(args.backend, model, **backend_options(args))
         config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.mem * 2**20 if args.mem else None,
+                              kv_fraction=args.kv_fraction,
                               max_model_len=args.max_model_len, prefix_caching=not args.disable_prefix_cache,
                               scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                         args.prefill_chunk_size))
@@ -149,6 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         return answer_once(engine, args)
     from frontend.run_server import serve
     return serve(engine, source.id, args)
+
+
+def backend_options(args: argparse.Namespace) -> dict:
+    out = {"dtype": args.dtype} if args.dtype else {}
+    if args.disable_cuda_graph:
+        out["cuda_graph"] = False
+    if args.d is not None:
+        out["device"] = f"cuda:{args.d}"
+    return out
 
 
 def answer_once(engine, args: argparse.Namespace) -> int:

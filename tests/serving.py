@@ -26,7 +26,10 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"
-        self.args = ["--h", "127.0.0.1", "--p", str(self.port), *args]
+        # TEST_SERVER_BACKEND=cuda runs the same server tests on the CUDA backend (tools/gpu_check.sh).
+        backend = os.environ.get("TEST_SERVER_BACKEND")
+        extra = ["--backend", backend] if backend and "--backend" not in args else []
+        self.args = ["--h", "127.0.0.1", "--p", str(self.port), *extra, *args]
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.startup_s = startup_s
         self.log_path = None

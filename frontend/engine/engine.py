@@ -12,7 +12,7 @@ import numpy as np
 from backends.base import Backend
 from frontend.engine.block_manager import BlockManager
 from frontend.engine.detokenizer import IncrementalDetokenizer
-from frontend.engine.sampler import Sampler, make_generator
+from frontend.engine.sampler import make_generator
 from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from frontend.engine.sequence import Sequence, TokenLogprob
@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from kv_cache_bytes
-    kv_cache_bytes: int | None = None  # None: the backend's default budget
+    kv_cache_bytes: int | None = None  # None: kv_fraction, else the backend's default budget
+    kv_fraction: float | None = None  # share of the memory free after loading
     max_model_len: int | None = None  # None: the model's context length
     prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -88,12 +89,17 @@ class LLMEngine:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            budget = config.kv_cache_bytes or backend.default_kv_bytes()
+            if config.kv_cache_bytes:
+                budget = config.kv_cache_bytes
+            elif config.kv_fraction:
+                budget = backend.kv_budget(config.kv_fraction, config.scheduler.max_num_batched_tokens,
+                                           config.block_size)
+            else:
+                budget = backend.default_kv_bytes()
             num_blocks = max(1, budget // backend.kv_bytes_per_block(config.block_size))
         backend.allocate_kv(num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
-        self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.eos_ids = set(getattr(self.tokenizer, "eos_ids", ())) | set(model.config.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -173,7 +179,7 @@ class LLMEngine:
             if len(seq.output_token_ids) < seq.params.min_tokens:
                 stops = (set() if seq.params.ignore_eos else self.eos_ids) | set(seq.params.stop_token_ids)
                 logits[row, list(stops)] = -np.inf
-        results = self.sampler(logits, seqs)
+        results = self.backend.sample(logits, seqs)
         now = time.monotonic()
         for seq, res in zip(seqs, results, strict=True):
             if seq.first_token_time is None:

@@ -1,0 +1,164 @@
+"""The CUDA backend: torch tensors own device memory, cuBLAS runs the GEMMs, the DSL's Triton kernels the rest.
+
+On a machine without a GPU the same code runs on CPU tensors with the kernels under Triton's interpreter: slow,
+but it lets CI run a tiny model end to end through every kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from backends.base import Backend, MemoryReport
+from backends.cuda import weights
+from backends.cuda.graphs import DecodeGraphs
+from backends.cuda.plan import Plan
+from backends.cuda.runner import Runner, StepMeta
+from backends.cuda.runtime import torch
+from ir.batch import Batch
+from ir.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_FRACTION = 0.9  # of the memory free after loading and a warm-up step
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+class CUDABackend(Backend):
+    name = "cuda"
+
+    def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
+                 device: str | torch.device | None = None, cuda_graph: bool = True, params: dict | None = None,
+                 progress: bool = True):
+        self.model = model
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # fp32 on CPU tensors: Triton's interpreter mishandles bf16.
+        self.dtype = dtype or ("bf16" if self.device.type == "cuda" else "f32")
+        self.quantized = True if quantized is None else quantized
+        self.plan = Plan.build(model.graph)
+        if params is None:
+            params, fallbacks = weights.to_device(model.graph, model.weights, self.dtype, self.device,
+                                                  self.quantized, progress)
+            for reason, count in fallbacks.items():
+                log.warning("%d tensor(s) dequantized to %s at load: %s", count, self.dtype, reason)
+        self.params = weights.fuse(params, self.plan)
+        self.runner = Runner(model.graph, self.plan, self.params, weights.DTYPES[self.dtype], self.device)
+        self.use_graphs = cuda_graph and self.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+        self._sampler = None
+        log.info("cuda backend: %s", self.describe())
+
+    def describe(self) -> str:
+        where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu tensors"
+        quant = sorted({p.qtype for p in self.params.values() if isinstance(p, weights.QuantWeight)})
+        return (f"{where}, {self.dtype}, {'weights ' + '/'.join(quant) if quant else 'dense'}, "
+                f"CUDA graphs {'on' if self.use_graphs else 'off'}")
+
+    # -- KV cache -----------------------------------------------------------------------------------
+    def _kv_shapes(self) -> list[tuple[int, int, int]]:
+        out = []
+        for node in self.model.graph.nodes:
+            if node.op == "attention":
+                _, hkv, dk = node.inputs[1].shape
+                out.append((hkv, dk, node.inputs[2].shape[2]))
+        return out
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        item = weights.DTYPES[self.dtype].itemsize
+        return sum(block_size * hkv * (dk + dv) * item for hkv, dk, dv in self._kv_shapes())
+
+    def default_kv_bytes(self) -> int:
+        return self.kv_budget(DEFAULT_KV_FRACTION) if self.device.type == "cuda" else super().default_kv_bytes()
+
+    def kv_budget(self, fraction: float, max_step_tokens: int = 2048, block_size: int = 16) -> int:
+        """`fraction` of the device memory free after the weights and one warm-up step of `max_step_tokens`."""
+        if self.device.type != "cuda":
+            return super().kv_budget(fraction, max_step_tokens, block_size)
+        self._warm_up(max_step_tokens, block_size)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(free * fraction)
+        log.info("KV budget %s: %.2f of %s free (of %s) after weights %s and a %d-token warm-up step",
+                 _mib(budget), fraction, _mib(free), _mib(total), _mib(self.memory().weights_bytes), max_step_tokens)
+        if budget < self.kv_bytes_per_block(block_size):
+            raise MemoryError(f"no GPU memory left for the KV cache: {_mib(free)} free of {_mib(total)} after "
+                              f"loading {_mib(self.memory().weights_bytes)} of weights; use a smaller model, "
+                              f"a quantized one, or a smaller --max-num-batched-tokens")
+        return budget
+
+    def _warm_up(self, tokens: int, block_size: int) -> None:
+        """One prefill step of `tokens` tokens into a scratch cache: the activations' peak is then held by torch's
+        allocator, so what the device reports free afterwards is what the KV cache may take."""
+        blocks = -(-tokens // block_size)
+        saved = self.kv, self.block_size
+        self.allocate_kv(blocks, block_size, _graphs=False)
+        n = min(tokens, self.model.config.vocab_size)
+        ids = np.arange(tokens, dtype=np.int32) % n
+        self.forward(Batch(ids, np.arange(tokens, dtype=np.int32), np.arange(tokens, dtype=np.int32),
+                           np.arange(blocks, dtype=np.int32)[None], np.array([tokens], np.int32),
+                           np.array([0, tokens], np.int32), np.array([tokens - 1], np.int32)))
+        torch.cuda.synchronize(self.device)
+        self.kv, self.block_size = saved
+        self.runner.kv = self.kv
+
+    def allocate_kv(self, num_blocks: int, block_size: int, _graphs: bool = True) -> None:
+        self.kv, self.graphs = [], None
+        dt = weights.DTYPES[self.dtype]
+        want = num_blocks * self.kv_bytes_per_block(block_size)
+        try:
+            self.kv = [(torch.zeros((num_blocks, block_size, hkv, dk), dtype=dt, device=self.device),
+                        torch.zeros((num_blocks, block_size, hkv, dv), dtype=dt, device=self.device))
+                       for hkv, dk, dv in self._kv_shapes()]
+        except torch.OutOfMemoryError as e:
+            self.kv = []
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+            raise MemoryError(f"the KV cache ({num_blocks} blocks, {_mib(want)}) does not fit: {_mib(free)} free "
+                              f"after {_mib(self.memory().weights_bytes)} of weights; lower --mem or "
+                              f"--kv-fraction") from e
+        self.block_size = block_size
+        capacity = num_blocks * block_size
+        self.runner.set_cache(self.kv, capacity)
+        if self.use_graphs and _graphs:
+            longest = min(capacity, self.model.config.max_position_embeddings)
+            self.graphs = DecodeGraphs(self.runner, -(-longest // block_size), longest)
+            self.graphs.capture_all()
+
+    # -- a step -------------------------------------------------------------------------------------
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """fp32 logits [len(batch.logits_indices), vocab] on the device (the sampler reads them there)."""
+        if not self.kv:
+            raise RuntimeError("allocate_kv must be called before forward")
+        if self.graphs is not None and self.graphs.applies(batch):
+            return self.graphs(batch)
+        dev = self.device
+
+        def up(a: np.ndarray, dtype=torch.int32) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype, non_blocking=True)
+
+        q_lens = np.diff(batch.query_start)
+        decode = bool(len(q_lens)) and bool(np.all(q_lens == 1))
+        meta = StepMeta(up(batch.positions), up(batch.slot_mapping, torch.int64), up(np.maximum(batch.block_tables, 0)),
+                        up(batch.context_lens), up(batch.query_start), decode, int(q_lens.max(initial=0)),
+                        int(batch.context_lens.max(initial=1)))
+        return self.runner.run(up(batch.token_ids), up(batch.logits_indices), meta)
+
+    def sample(self, logits, inputs):
+        if self._sampler is None:
+            from backends.cuda.sampling import TorchSampler
+
+            self._sampler = TorchSampler()
+        return self._sampler(logits, inputs)
+
+    def memory(self) -> MemoryReport:
+        wbytes = sum(weights.nbytes(p) for p in self.params.values())
+        kbytes = sum(t.numel() * t.element_size() for layer in self.kv for t in layer)
+        return MemoryReport(wbytes, kbytes, str(self.device))

@@ -1,0 +1,214 @@
+"""Runs an IR graph on torch tensors: GEMMs through torch (cuBLAS), the rest through the DSL's kernels.
+
+Every op reads its inputs and the step's metadata (`StepMeta`) from device tensors only, never from the host, so
+one decode step can be captured as a CUDA graph and replayed (see `backends.cuda.graphs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from backends.cuda.plan import Plan
+from backends.cuda.runtime import kernel_target, torch
+from backends.cuda.weights import Param, QuantWeight
+from ir.graph import Graph, Node, Value
+from ir.rope import RopeSpec, cos_sin
+from kernels_src import activations, kv_write, paged_attention, paged_prefill, rms_norm, rope
+from kernels_src.dequant_gemv import dequant_gemv
+
+F = torch.nn.functional
+GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it weights are dequantized in chunks for a GEMM
+DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
+DECODE_PARTITION = 512  # keys per split-K partition of the decode kernel
+
+
+@dataclass
+class StepMeta:
+    """One step's batch on the device (the `ir.batch` contract) and what the kernels' grids need from the host."""
+
+    positions: torch.Tensor  # [T] int32
+    slots: torch.Tensor  # [T] int64, negative: padding, nothing written
+    block_tables: torch.Tensor  # [B, M] int32
+    context_lens: torch.Tensor  # [B] int32
+    query_start: torch.Tensor  # [B + 1] int32
+    decode: bool  # every sequence adds one token: the split-K decode kernel
+    max_query_len: int
+    max_context: int  # bounds context_lens; fixes the decode kernel's grid
+
+
+def partitions_for(max_context: int) -> int:
+    return paged_attention.num_partitions(max_context, DECODE_PARTITION)
+
+
+def _act(op: str, x):
+    if op == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if op == "gelu_tanh" else "none")
+
+
+class Runner:
+    def __init__(self, graph: Graph, plan: Plan, params: dict[str, Param], dtype, device: torch.device):
+        self.graph, self.plan, self.params, self.dtype, self.device = graph, plan, params, dtype, device
+        self.target = kernel_target(device)
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def set_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], max_positions: int) -> None:
+        """Caches per layer [num_blocks, block_size, Hkv, D]; rope tables for positions below max_positions."""
+        self.kv = kv
+        pos = np.arange(max_positions)
+        self._rope = {}
+        for node in self.graph.nodes:
+            if node.op == "rope" and node.attrs["spec"] not in self._rope:
+                cos, sin = cos_sin(node.attrs["spec"], pos)
+                self._rope[node.attrs["spec"]] = (torch.from_numpy(cos).to(self.device),
+                                                  torch.from_numpy(sin).to(self.device))
+
+    # -- the graph ----------------------------------------------------------------------------------
+    def run(self, token_ids: torch.Tensor, logits_indices: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        """fp32 logits [len(logits_indices), vocab]."""
+        plan, env = self.plan, {}
+        for name, v in self.graph.inputs.items():
+            env[v.id] = {"token_ids": token_ids, "logits_indices": logits_indices, "positions": meta.positions}.get(
+                name)
+
+        def get(v: Value | None):
+            if v is None:
+                return None
+            return self.params[v.name] if v.kind == "param" else env[v.id]
+
+        for node in self.graph.nodes:
+            oid = node.out.id
+            if oid in env or oid in plan.folded:
+                continue
+            if oid in plan.group_of:
+                self._group(plan.group_of[oid][0], env, get)
+            elif oid in plan.gated:
+                act, gate = plan.gated[oid]
+                env[oid] = activations.gated_act(env[gate], get(node.inputs[1]), act, target=self.target)
+            elif oid in plan.add_norm:
+                norm = plan.add_norm[oid]
+                x, r = get(node.inputs[0]), get(node.inputs[1])
+                env[oid], env[norm.out.id] = rms_norm.add_rms_norm(
+                    x, r, self.params[norm.inputs[1].name], norm.attrs["eps"],
+                    offset=norm.attrs.get("offset", 0.0) == 1.0, target=self.target)
+            elif node.op == "rope":
+                self._rope_op(node, env, get, meta)
+            elif node.op == "attention":
+                env[oid] = self._attention(node, get, meta)
+            else:
+                env[oid] = self._eval(node, [get(i) for i in node.inputs])
+        return env[self.graph.outputs["logits"].id].float()
+
+    def _group(self, group, env, get) -> None:
+        x = get(group.nodes[0].inputs[0])
+        y = self.linear(x, self.params[group.name], self.params.get(group.name + ".bias"))
+        start = 0
+        for node, size in zip(group.nodes, group.sizes, strict=True):
+            env[node.out.id] = y[..., start:start + size]
+            start += size
+
+    def _rope_op(self, node: Node, env, get, meta: StepMeta) -> None:
+        spec = node.attrs["spec"]
+        cos, sin = self._rope[spec]
+        pair = self.plan.rope_pair.get(node.out.id)
+        xs = [node] + ([pair] if pair is not None and pair.inputs[0].id in env else [])
+        ts = []
+        for n in xs:
+            x = get(n.inputs[0])
+            ts.append(x if self.plan.in_place_ok(n.inputs[0].id) else x.clone())
+        rope.rope(ts[0], ts[1] if len(ts) > 1 else None, meta.positions, cos, sin,
+                  interleaved=spec.style != "neox", target=self.target)
+        for n, t in zip(xs, ts, strict=True):
+            env[n.out.id] = t
+
+    def _attention(self, node: Node, get, meta: StepMeta):
+        q, k, v = (get(i) for i in node.inputs[:3])
+        a = node.attrs
+        kc, vc = self.kv[a["layer"]]
+        kv_write.kv_write(k, v, kc, vc, meta.slots, target=self.target)
+        out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+        kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target)
+        if meta.decode:
+            return paged_attention.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, a["scale"],
+                                                max_context=meta.max_context, partition=DECODE_PARTITION, **kw)
+        return paged_prefill.paged_prefill(q, kc, vc, meta.block_tables, meta.context_lens, meta.query_start,
+                                           a["scale"], max_query_len=meta.max_query_len, **kw)
+
+    # -- single ops ---------------------------------------------------------------------------------
+    def linear(self, x, w: Param, b=None):
+        if isinstance(w, QuantWeight):
+            y = self._quant_linear(x, w)
+        else:
+            y = F.linear(x, w)
+        return y if b is None else y + b
+
+    def _quant_linear(self, x, w: QuantWeight):
+        n, k = w.shape
+        x2 = x.reshape(-1, k)
+        if x2.shape[0] <= GEMV_MAX_ROWS:
+            y = dequant_gemv(x2, w.data, w.qtype, target=self.target)
+            return y.reshape(*x.shape[:-1], n)
+        from kernels_src.dequantize import dequantize_rows
+
+        step = max(1, DEQUANT_CHUNK_BYTES // (k * x.element_size()))
+        if step >= n:
+            y = x2 @ dequantize_rows(w.data, self._row_ids(0, n), w.qtype, k, dtype=x.dtype, target=self.target).T
+        else:
+            y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+            for r0 in range(0, n, step):
+                rows = self._row_ids(r0, min(n, r0 + step))
+                wd = dequantize_rows(w.data, rows, w.qtype, k, dtype=x.dtype, target=self.target)
+                y[:, r0:r0 + len(rows)] = x2 @ wd.T
+        return y.reshape(*x.shape[:-1], n)
+
+    def _row_ids(self, r0: int, r1: int) -> torch.Tensor:
+        if (r0, r1) not in self._rows:
+            self._rows[(r0, r1)] = torch.arange(r0, r1, dtype=torch.int32, device=self.device)
+        return self._rows[(r0, r1)]
+
+    def embedding(self, table: Param, ids):
+        if isinstance(table, QuantWeight):
+            from kernels_src.dequantize import dequantize_rows
+
+            return dequantize_rows(table.data, ids, table.qtype, table.shape[1], dtype=self.dtype, target=self.target)
+        return table.index_select(0, ids)
+
+    def _eval(self, node: Node, args: list):
+        a, op = node.attrs, node.op
+        if op == "embedding":
+            return self.embedding(args[0], args[1])
+        if op == "linear":
+            return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
+        if op == "rms_norm":
+            x = args[0]
+            x2 = x.reshape(-1, x.shape[-1])
+            return rms_norm.rms_norm(x2, args[1], a["eps"], offset=a.get("offset", 0.0) == 1.0,
+                                     target=self.target).reshape(x.shape) if a.get("offset", 0.0) in (0.0, 1.0) \
+                else _rms_norm_torch(x, args[1], a["eps"], a["offset"])
+        if op == "layer_norm":
+            return F.layer_norm(x := args[0], (x.shape[-1],), args[1], args[2] if len(args) > 2 else None, a["eps"])
+        if op in ("silu", "gelu", "gelu_tanh"):
+            return _act(op, args[0])
+        if op == "softcap":
+            return a["cap"] * torch.tanh(args[0] / a["cap"])
+        if op == "scale":
+            return args[0] * a["factor"]
+        if op == "add":
+            return args[0] + args[1]
+        if op == "mul":
+            return args[0] * args[1]
+        if op == "reshape":
+            shape = [-1 if isinstance(d, str) else d for d in a["shape"]]
+            return args[0].reshape(shape)
+        if op == "gather_rows":
+            return args[0].index_select(0, args[1])
+        raise NotImplementedError(f"the CUDA backend has no lowering for IR op {op!r}")
+
+
+def _rms_norm_torch(x, w, eps: float, offset: float):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (w.float() + offset)).to(x.dtype)

@@ -1,0 +1,106 @@
+"""IR parameters as torch tensors on the device: dense in the compute dtype, GGUF blocks kept as raw bytes.
+
+Linear layers that read the same input (q/k/v, gate/up) are concatenated into one weight here (see
+`backends.cuda.plan`), so one GEMM or GEMV streams them together.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from backends.cuda.plan import Plan
+from backends.cuda.runtime import torch
+from ir.graph import Graph
+from ir.weights import StoredTensor
+from kernels_src.dequant_gemv import QTYPES as KERNEL_QTYPES
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class QuantWeight:
+    """A GGUF matrix [rows, cols] kept as its blocks: uint8 [rows, row_bytes] on the device."""
+
+    data: torch.Tensor
+    qtype: str
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+Param = torch.Tensor | QuantWeight
+
+
+def nbytes(p: Param) -> int:
+    return p.nbytes if isinstance(p, QuantWeight) else p.numel() * p.element_size()
+
+
+def _host(arr: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over `arr` without a copy; the arrays of a memory-mapped file are read-only, and nothing
+    writes to them (the tensor is only copied to the device)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def _dense(t: StoredTensor, shape: tuple[int, ...], dtype, device) -> torch.Tensor:
+    if t.data.dtype in (np.float32, np.float16):
+        arr = t.data
+    else:  # GGUF blocks or raw bf16 bits
+        arr = t.dequantize()
+    return _host(arr.reshape(shape)).to(device=device, dtype=dtype)
+
+
+def to_device(graph: Graph, weights, dtype: str, device, quantized: bool = True,
+              progress: bool = True) -> tuple[dict[str, Param], Counter]:
+    """({param: tensor | QuantWeight}, {why a quantized tensor became dense: count}); GGUF matrices stay
+    quantized when `quantized` and the kernels support their format."""
+    tdtype = DTYPES[dtype]
+    matrices = Plan.matrix_params(graph)
+    params: dict[str, Param] = {}
+    fallbacks: Counter = Counter()
+    for name, p in tqdm(graph.params.items(), desc="to device", unit="tensor", disable=not progress, leave=False):
+        t = weights[name]
+        if quantized and t.quantized and name in matrices:
+            if t.kind in KERNEL_QTYPES:
+                blocks = np.ascontiguousarray(t.data).reshape(p.shape[0], -1)
+                params[name] = QuantWeight(_host(blocks).to(device), t.kind, p.shape)
+                continue
+            fallbacks[f"{t.kind}: no CUDA kernel for this format"] += 1
+        params[name] = _dense(t, p.shape, tdtype, device)
+    return params, fallbacks
+
+
+def fuse(params: dict[str, Param], plan: Plan) -> dict[str, Param]:
+    """Adds each fused group's concatenated weight (and bias) under the group's name; drops the parts no other
+    node reads. Groups whose parts differ in format (a Q4_K_M model's Q6_K attn_v) stay unfused."""
+    out = dict(params)
+    for group in plan.linear_groups:
+        parts = [params[n] for n in group.weights]
+        if isinstance(parts[0], QuantWeight):
+            if any(not isinstance(p, QuantWeight) or p.qtype != parts[0].qtype for p in parts):
+                plan.unfuse(group)
+                continue
+            data = torch.cat([p.data for p in parts], dim=0)
+            out[group.name] = QuantWeight(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
+        elif any(isinstance(p, QuantWeight) for p in parts):
+            plan.unfuse(group)
+            continue
+        else:
+            out[group.name] = torch.cat(parts, dim=0)
+        if group.biases:
+            out[group.name + ".bias"] = torch.cat([params[b] for b in group.biases], dim=0)
+        for n in group.weights + group.biases:
+            if n not in plan.other_uses:
+                out.pop(n, None)
+    return out

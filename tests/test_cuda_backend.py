@@ -1,0 +1,191 @@
+"""The CUDA backend against the IR reference interpreter.
+
+Without a GPU it runs on CPU tensors with the DSL's kernels under Triton's interpreter (fp32): the tiny random
+models of every architecture, a tiny GGUF with Q8_0 matrices kept quantized, and the engine end to end with
+seeded sampling. On a GPU (tools/gpu_check.sh) the same cases run on CUDA in fp32 (tokens identical) and bf16
+(logits within bf16 tolerance), plus SmolLM2's Q4_1 GGUF, CUDA graphs against eager steps, and split-K decode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from test_tiny_gguf import files  # noqa: F401  (a fixture)
+from test_tiny_gguf import prompt as gguf_prompt
+from test_tiny_models import MAIN, prompt, saved  # noqa: F401  (saved is a fixture)
+
+from ir.batch import make_batch
+from ir.loader import load_model
+from ir.reference import ReferenceRunner
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+torch = pytest.importorskip("torch")
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+# bf16 keeps 8 bits of mantissa: logits of these models (|x| up to ~4) move by a few hundredths after a few
+# layers of rounding; a wrong kernel moves them by whole units.
+BF16_TOL = 0.06
+
+
+def backend_greedy(backend, ref: ReferenceRunner, prompts, n: int, block_size: int):
+    """Greedy decoding straight through backend.forward with the reference's (reversed) block tables."""
+    tables = [ref._table(i) for i in range(len(prompts))]
+    backend.allocate_kv(len(prompts) * ref.blocks_per_seq, block_size)
+    chunks, cached, outs, first = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts], None
+    for _ in range(n):
+        logits = backend.forward(make_batch(chunks, cached, tables, block_size)).float().cpu().numpy()
+        first = logits.copy() if first is None else first
+        for i, t in enumerate(logits.argmax(-1)):
+            outs[i].append(int(t))
+            cached[i] += len(chunks[i])
+            chunks[i] = [int(t)]
+    return outs, first
+
+
+def make_backend(model, device: str, **kw):
+    from backends.cuda.backend import CUDABackend
+
+    return CUDABackend(model, device=device, progress=False, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", MAIN + ["qwen2_swa"])
+def test_tiny_models_match_reference(case, device, saved):  # noqa: F811
+    _, folder = saved(case)
+    model = load_model(folder, progress=False)
+    prompts = [prompt(1), prompt(2, 9), prompt(3, 17)]
+    ref = ReferenceRunner(model, max_tokens=256, block_size=4)
+    ref_tokens, ref_first = ref.greedy(prompts, 6)
+    tokens, first = backend_greedy(make_backend(model, device, dtype="f32"), ref, prompts, 6, 4)
+    assert float(np.abs(first - ref_first).max()) <= 1e-4 * float(np.abs(ref_first).max())
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("case", ["llama3_rope", "qwen3"])
+@needs_cuda
+def test_tiny_models_bf16_on_gpu(case, saved):  # noqa: F811
+    _, folder = saved(case)
+    model = load_model(folder, progress=False)
+    prompts = [prompt(1), prompt(2, 9)]
+    ref = ReferenceRunner(model, max_tokens=256, block_size=4)
+    _, ref_first = ref.greedy(prompts, 1)
+    _, first = backend_greedy(make_backend(model, "cuda", dtype="bf16"), ref, prompts, 1, 4)
+    assert float(np.abs(first - ref_first).max()) < BF16_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gguf_q8_0_stays_quantized(device, files):  # noqa: F811
+    """qwen3's tiny GGUF has Q8_0 matrices, its embedding among them: GEMVs and the quantized embedding lookup."""
+    from backends.cuda.weights import QuantWeight
+
+    path, _, _ = files("qwen3")
+    model = load_model(path, progress=False)
+    backend = make_backend(model, device, dtype="f32")
+    assert isinstance(backend.params["embed"], QuantWeight)
+    assert sum(isinstance(p, QuantWeight) for p in backend.params.values()) >= 3
+    prompts = [gguf_prompt(1), gguf_prompt(2, 9)]
+    ref = ReferenceRunner(model, max_tokens=64, block_size=8)
+    ref_tokens, ref_first = ref.greedy(prompts, 5)
+    tokens, first = backend_greedy(backend, ref, prompts, 5, 8)
+    assert float(np.abs(first - ref_first).max()) <= 1e-4 * float(np.abs(ref_first).max())
+    assert tokens == ref_tokens
+
+
+def test_plan_fuses_projections_and_norms(saved):  # noqa: F811
+    from backends.cuda.plan import Plan
+
+    model = load_model(saved("qwen2")[1], progress=False)
+    plan = Plan.build(model.graph)
+    names = sorted(g.name for g in plan.linear_groups)
+    assert names == ["layers.0.w_gate+w_up", "layers.0.wq+wk+wv", "layers.1.w_gate+w_up", "layers.1.wq+wk+wv"]
+    assert all(len(g.biases) == 3 for g in plan.linear_groups if "wq" in g.name)  # qwen2's qkv biases
+    assert len(plan.gated) == 2 and len(plan.rope_pair) == 2
+    assert len(plan.add_norm) == 4  # ffn norms, layer 1's attention norm and the final norm follow an add
+
+
+def test_engine_end_to_end_with_seeded_sampling(saved):  # noqa: F811
+    """The engine on the CUDA backend (CPU tensors) and on MLX give the same tokens: greedy, and seeded sampling
+    with top-k/top-p through the backend's torch sampler."""
+    from backends.mlx.backend import MLXBackend
+    from frontend.engine.engine import EngineConfig
+    from frontend.engine.llm import LLM
+    from frontend.engine.sampling_params import SamplingParams
+
+    model = load_model(saved("llama3_rope")[1], progress=False)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.2, min_p=0.02, seed=3, max_tokens=6, ignore_eos=True, logprobs=2)]
+    prompts = [prompt(5), prompt(6, 11), prompt(7, 3)]
+    runs = []
+    for backend in (make_backend(model, "cpu"), MLXBackend(model, progress=False)):
+        llm = LLM.from_backend(backend, EngineConfig(num_kv_blocks=64, block_size=8))
+        runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.engine.all_blocks_free()
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    ours, theirs = runs[0][2].logprobs, runs[1][2].logprobs
+    assert [lp.token for lp in ours] == [lp.token for lp in theirs]
+    assert np.allclose([lp.logprob for lp in ours], [lp.logprob for lp in theirs], atol=1e-4)
+
+
+def test_create_backend_picks_cuda_by_name(saved):  # noqa: F811
+    from backends.base import create_backend
+
+    backend = create_backend("cuda", load_model(saved("qwen2")[1], progress=False), device="cpu", progress=False)
+    assert backend.name == "cuda" and backend.device.type == "cpu" and backend.dtype == "f32"
+
+
+# --- GPU only --------------------------------------------------------------------------------------------------
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_smollm_gguf_matches_reference(smollm, dtype):
+    ids = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ref = ReferenceRunner(smollm, max_tokens=256)
+    ref_tokens, ref_first = ref.greedy([ids], 16)
+    tokens, first = backend_greedy(make_backend(smollm, "cuda", dtype=dtype), ref, [ids], 16, 16)
+    err = float(np.abs(first - ref_first).max())
+    if dtype == "f32":
+        assert err < 1e-3, f"step-0 logits differ by {err}"
+        assert tokens == ref_tokens
+    else:
+        assert err < 0.25 + 0.02 * float(np.abs(ref_first).max()), f"step-0 logits differ by {err}"
+        assert tokens[0][:4] == ref_tokens[0][:4]
+    assert "Paris" in smollm.tokenizer.decode(tokens[0])
+
+
+@needs_cuda
+def test_cuda_graphs_match_eager_steps_and_split_decode(saved):  # noqa: F811
+    """Decode steps replayed from graphs give the eager steps' logits, at batch sizes between buckets and at
+    contexts long enough for the split-K decode kernel (> 512 tokens: another graph key)."""
+    model = load_model(saved("llama3_rope")[1], progress=False)
+    cfg = model.config
+    graphs = make_backend(model, "cuda", dtype="f32")
+    eager = make_backend(model, "cuda", dtype="f32", cuda_graph=False)
+    rng = np.random.default_rng(0)
+    lens = [3, 40, 600, 90, 1100]
+    for b in (graphs, eager):
+        b.allocate_kv(5 * 80, 16)
+    tables = [list(range(i * 80, (i + 1) * 80))[::-1] for i in range(len(lens))]
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
+    outs = []
+    for b in (graphs, eager):
+        b.forward(make_batch(prompts, [0] * 5, tables, 16))
+        step = make_batch([[1], [2], [3], [4], [5]], lens, tables, 16)
+        outs.append(b.forward(step).cpu().numpy())
+    assert graphs.graphs is not None and any(k[1] > 1 for k in graphs.graphs.graphs)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@needs_cuda
+def test_kv_fraction_and_out_of_memory_message(saved):  # noqa: F811
+    model = load_model(saved("qwen2")[1], progress=False)
+    backend = make_backend(model, "cuda", dtype="f32", cuda_graph=False)
+    free = torch.cuda.mem_get_info()[0]
+    budget = backend.kv_budget(0.5, 256, 16)
+    assert 0.3 * free < budget <= 0.5 * free
+    with pytest.raises(MemoryError, match="does not fit"):
+        backend.allocate_kv(4 * free // backend.kv_bytes_per_block(16), 16)

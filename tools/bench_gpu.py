@@ -1,0 +1,300 @@
+"""The CUDA backend on a synthetic Llama-3-8B (random weights made on the GPU: nothing to download), through the
+engine: decode tok/s at several batch sizes (128-token prompts, 128 new tokens, EOS ignored), prefill tok/s at 2048
+tokens, and the same decode with GGUF Q4_K/Q6_K blocks laid out as Q4_K_M. The ceilings (copy bandwidth, bf16 GEMM
+rate) and the transformers peer are measured in the same run; every figure is printed with its ratios.
+
+    python -m tools.bench_gpu [--batches 1,16,64] [--layers 32] [--no-peer] [--no-quant] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ir.config import ModelConfig
+from ir.rope import RopeSpec
+
+GB = 1e9
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+                 head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=8192)
+
+
+def say(*a) -> None:
+    print(*a, flush=True)
+
+
+# --- ceilings --------------------------------------------------------------------------------------------------
+
+def _time_cuda(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a device-to-device copy of 2 GiB (bytes read + written)."""
+    a = torch.empty(2**30, dtype=torch.int16, device="cuda")
+    b = torch.empty_like(a)
+    t = _time_cuda(lambda: b.copy_(a), 10)
+    return 2 * a.numel() * a.element_size() / t / GB
+
+
+def gemm_rate() -> float:
+    """TFLOP/s of a bf16 8192^3 matmul."""
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    t = _time_cuda(lambda: a @ b, 10)
+    return 2 * n**3 / t / 1e12
+
+
+# --- the synthetic model ---------------------------------------------------------------------------------------
+
+def model_config(layers: int) -> ModelConfig:
+    return ModelConfig(arch="llama", num_layers=layers, rope=RopeSpec(theta=500000.0, rotary_dim=128), **LLAMA3_8B)
+
+
+def loaded_model(cfg: ModelConfig):
+    from ir.loader import LoadedModel
+    from ir.models import llama
+    from ir.weights import WeightStore
+
+    return LoadedModel(Path("synthetic-llama3-8b"), llama.ARCH, cfg, llama.build(cfg, "bf16"), WeightStore(), None, {})
+
+
+def dense_params(graph) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for name, p in graph.params.items():
+        if len(p.shape) == 1:
+            out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device="cuda")
+        else:
+            out[name] = torch.randn(p.shape, dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
+    return out
+
+
+def _q6_layer(i: int, n: int) -> bool:
+    """llama.cpp's Q4_K_M gives attn_v and ffn_down Q6_K in these layers ("use_more_bits")."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def random_blocks(rows: int, cols: int, qtype: str, gen) -> torch.Tensor:
+    """Random but valid GGUF blocks [rows, row_bytes]: random quants, small finite fp16 scales."""
+    from ir.formats.gguf_quants import row_bytes
+
+    per, size, scale_at = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}[qtype]
+    blocks = torch.randint(0, 256, (rows, cols // per, size), dtype=torch.uint8, device="cuda", generator=gen)
+    for off in scale_at:
+        d = (torch.rand((rows, cols // per), device="cuda", generator=gen) * 1e-3 + 1e-4).half()
+        blocks[:, :, off:off + 2] = d.view(torch.uint8).reshape(rows, cols // per, 2)
+    assert blocks.shape[1] * size == row_bytes(qtype, cols)
+    return blocks.reshape(rows, -1)
+
+
+def q4_k_m_params(graph, layers: int) -> dict:
+    from backends.cuda.weights import QuantWeight
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for name, p in graph.params.items():
+        if len(p.shape) == 1:
+            out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device="cuda")
+            continue
+        parts = name.split(".")
+        six = name == "lm_head" or (parts[-1] in ("wv", "w_down") and _q6_layer(int(parts[1]), layers))
+        q = "Q6_K" if six else "Q4_K"
+        out[name] = QuantWeight(random_blocks(p.shape[0], p.shape[1], q, gen), q, p.shape)
+    return out
+
+
+# --- our engine ------------------------------------------------------------------------------------------------
+
+def engine_for(params, cfg: ModelConfig, max_batch: int, ctx: int, graphs: bool = True):
+    from backends.cuda.backend import CUDABackend
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    backend = CUDABackend(loaded_model(cfg), dtype="bf16", params=params, cuda_graph=graphs, progress=False)
+    blocks = max_batch * (-(-ctx // 16) + 1) + 64
+    config = EngineConfig(num_kv_blocks=blocks, prefix_caching=False,
+                          scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
+                                                    prefill_chunk_size=4096))
+    return LLMEngine(backend, config)
+
+
+def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int = 0) -> float:
+    """Generated tokens per second once every sequence has its first token (prefill untimed)."""
+    from frontend.engine.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()
+    torch.cuda.synchronize()
+    before, t = engine.stats["generation_tokens"], time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    return (engine.stats["generation_tokens"] - before) / (time.perf_counter() - t)
+
+
+def prefill_rate(engine, tokens: int, vocab: int, reps: int = 3) -> float:
+    from frontend.engine.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(1)
+    best = float("inf")
+    for _ in range(reps):
+        engine.add_request(rng.integers(0, vocab, tokens).tolist(), SamplingParams(temperature=0, max_tokens=1))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return tokens / best
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
+    """2 flops per weight per token for every matrix but the embedding (the head runs for one row), plus the
+    causal attention's two products."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * f
+    attn = 4 * cfg.num_heads * d * tokens * (tokens + 1) / 2
+    return cfg.num_layers * (2 * per_layer * tokens + attn) + 2 * cfg.vocab_size * h
+
+
+def weight_bytes(params) -> int:
+    from backends.cuda.weights import nbytes
+
+    return sum(nbytes(p) for p in params.values())
+
+
+# --- the transformers peer -------------------------------------------------------------------------------------
+
+def _generate_s(model, ids, n: int) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def peer_rates(cfg: ModelConfig, batches: list[int], prompt: int, gen: int) -> dict[int, float]:
+    """transformers (eager, its default attention) on the same shape: decode tok/s from generate(gen) minus
+    generate(1), so that prefill is not counted."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                     num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
+                     rms_norm_eps=cfg.rms_norm_eps, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf).to(torch.bfloat16).eval()
+    say(f"peer: transformers {transformers.__version__}, {type(model).__name__} bf16, eager generate")
+    out = {}
+    for b in batches:
+        ids = torch.randint(0, cfg.vocab_size, (b, prompt), device="cuda")
+        _generate_s(model, ids, 2)
+        out[b] = b * (gen - 1) / (_generate_s(model, ids, gen) - _generate_s(model, ids, 1))
+        say(f"  peer decode batch {b}: {out[b]:,.0f} tok/s")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# --- report ----------------------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers (32: Llama-3-8B)")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--no-quant", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
+    ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_gpu.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu needs a CUDA GPU")
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg = model_config(args.layers)
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers}
+    res["copy_gbs"] = copy_bandwidth()
+    res["gemm_tflops"] = gemm_rate()
+    say(f"{res['gpu']}: copy {res['copy_gbs']:,.0f} GB/s, bf16 GEMM {res['gemm_tflops']:,.0f} TFLOP/s")
+    res["peer"] = {} if args.no_peer else peer_rates(cfg, batches, args.prompt, args.gen)
+
+    t0 = time.perf_counter()
+    params = dense_params(loaded_model(cfg).graph)
+    res["bf16_bytes"] = weight_bytes(params)
+    engine = engine_for(params, cfg, max(batches), max(args.prompt + args.gen, args.prefill), not args.no_graphs)
+    del params
+    say(f"ours: bf16 model {res['bf16_bytes'] / GB:.2f} GB ready in {time.perf_counter() - t0:.1f} s")
+    res["decode"] = {}
+    for b in batches:
+        res["decode"][b] = decode_rate(engine, b, args.prompt, args.gen, cfg.vocab_size)
+        say(f"  decode batch {b}: {res['decode'][b]:,.0f} tok/s")
+    res["prefill_tps"] = prefill_rate(engine, args.prefill, cfg.vocab_size)
+    res["prefill_tflops"] = prefill_flops(cfg, args.prefill) * res["prefill_tps"] / args.prefill / 1e12
+    say(f"  prefill {args.prefill}: {res['prefill_tps']:,.0f} tok/s, {res['prefill_tflops']:.0f} TFLOP/s")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    if not args.no_quant:
+        qparams = q4_k_m_params(loaded_model(cfg).graph, args.layers)
+        res["q4km_bytes"] = weight_bytes(qparams)
+        engine = engine_for(qparams, cfg, 1, args.prompt + args.gen, not args.no_graphs)
+        del qparams
+        res["q4km_decode_1"] = decode_rate(engine, 1, args.prompt, args.gen, cfg.vocab_size)
+        say(f"  Q4_K_M ({res['q4km_bytes'] / GB:.2f} GB) decode batch 1: {res['q4km_decode_1']:,.0f} tok/s")
+        del engine
+    report(res, args)
+
+
+def report(res: dict, args) -> None:
+    roof = res["copy_gbs"] * GB / res["bf16_bytes"]
+    rows = [(f"decode b{b} tok/s", v, v / roof if b == 1 else None, res["peer"].get(b))
+            for b, v in res["decode"].items()]
+    rows.append((f"prefill {args.prefill} tok/s", res["prefill_tps"], res["prefill_tflops"] / res["gemm_tflops"],
+                 None))
+    if "q4km_decode_1" in res:
+        rows.append(("Q4_K_M decode b1 tok/s", res["q4km_decode_1"], res["q4km_decode_1"] / (
+            res["copy_gbs"] * GB / res["q4km_bytes"]), None))
+    res["json_rows"] = rows
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=1, default=str))
+    say(f"\nsynthetic Llama-3-8B ({res['layers']} layers) on {res['gpu']}, torch {res['torch']}: copy "
+        f"{res['copy_gbs']:,.0f} GB/s -> bf16 batch-1 roofline {roof:.0f} tok/s; bf16 GEMM {res['gemm_tflops']:.0f} "
+        "TFLOP/s")
+    say(f"{'figure':<26}{'ours':>10}{'of ceiling':>12}{'peer':>10}{'vs peer':>9}")
+    for name, v, ceil, peer in rows:
+        say(f"{name:<26}{v:>10,.0f}{f'{ceil:.1%}' if ceil else '':>12}{f'{peer:,.0f}' if peer else '':>10}"
+            f"{f'{v / peer:.2f}x' if peer else '':>9}")
+    say("(ceiling: batch 1 = copy bandwidth / weight bytes; prefill = model TFLOP/s / bf16 GEMM rate)")
+
+
+if __name__ == "__main__":
+    main()
