@@ -15,6 +15,7 @@ from kernels_src import (
     activations,
     dequant_gemv,
     dequant_gemv_i8,
+    dequantize,
     kv_write,
     paged_attention,
     paged_prefill,
@@ -175,3 +176,18 @@ for _q in dequant_gemv.QTYPES:
         _ptrs(BF16, "x", "y", w="*u8"), dict(m=1, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes,
         flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dequant_gemv.dequant_gemv, notes=_I8_NOTE if _i8 else "",
         variants=(dequant_gemv_i8.quantize_x_kernel, dequant_gemv_i8.dequant_gemv_i8_kernel) if _i8 else ()))
+
+# --- dequantizing rows: a whole 14336 x 4096 GGUF matrix to bf16, as before a GEMM in prefill ----------------------
+
+
+def dequantize_bytes(r, n, k, qtype, dtype) -> int:
+    """r rows of blocks read, r x k written, r row ids."""
+    return r * (row_bytes(qtype, k) + k * ITEMSIZE[dtype] + 4)
+
+
+for _q in dequantize.QTYPES:
+    register(KernelEntry(
+        f"dequantize_{_q.lower()}", dequantize.dequantize_rows_kernel,
+        dict(QTYPE=_q, BLOCKS=dequantize.default_blocks(_q, 4096), WIDE=True), dict(w="*u8", rows="*i32", out="*bf16"),
+        dict(r=14336, n=14336, k=4096, qtype=_q, dtype=BF16), dequantize_bytes, launcher=dequantize.dequantize_rows,
+        notes="rows = arange(n); an embedding lookup is the same kernel on token ids; WIDE=False on SIMT targets"))

@@ -41,6 +41,9 @@ SIZES = {
     "paged_prefill": [("chunked", dict(seqs=4, query_len=100, context=700, ragged=True)),
                       ("gqa8", dict(seqs=2, query_len=40, context=90, q_heads=16, kv_heads=2))],
 }
+# all rows of a matrix (r = n, K off the program's tile), and an embedding lookup: random ids into padded rows
+SIZES |= {n: [("rows", dict(r=300, n=300, k=4608)), ("lookup", dict(r=77, n=1000, k=2048, padded=True))]
+          for n in REGISTRY if n.startswith("dequantize_")}
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim")}

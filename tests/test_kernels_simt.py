@@ -17,6 +17,7 @@ from test_kernels_gemv import k_for, padded_weights
 
 from kernels_src import activations, kv_write, rms_norm, rope
 from kernels_src import dequant_gemv as dg
+from kernels_src import dequantize as dq
 from kernels_src import paged_attention as pa
 from kernels_src import paged_prefill as pp
 from kernels_src.dsl import compile as dsl_compile
@@ -190,9 +191,21 @@ def test_dequant_gemv(target, qtype, dtype, rng):
     np.testing.assert_allclose(host(out).astype(np.float32), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("qtype", dq.QTYPES)
+def test_dequantize_rows(target, qtype, rng):
+    """Repeated row ids into padded rows, one partial tile a row; exact in fp32 (no subnormals are involved)."""
+    k = k_for(qtype, 3 if qtype.endswith("K") else 20)
+    w = padded_weights(rng, qtype, 6, k, pad=6)
+    rows = np.array([5, 0, 5, 2], np.int32)
+    out = poisoned((4, k), np.float32, target)
+    dq.dequantize_rows(dev(w, target), dev(rows, target), qtype, k, out=out, blocks=2, num_warps=1, target=target)
+    np.testing.assert_array_equal(host(out), dq.dequantize_rows_ref(w, rows, qtype, k))
+
+
 COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_kernel, activations.gated_act_kernel,
            kv_write.kv_write_kernel, pa.paged_decode_kernel, pa.paged_decode_reduce_kernel, pp.paged_prefill_kernel,
-           dg.dequant_gemv_kernel}
+           dg.dequant_gemv_kernel, dq.dequantize_rows_kernel}
 
 
 def test_every_registered_kernel_has_a_simt_case():

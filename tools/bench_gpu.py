@@ -201,14 +201,14 @@ def peer_rates(cfg: ModelConfig, batches: list[int], prompt: int, gen: int) -> d
     """transformers (eager, its default attention) on the same shape: decode tok/s from generate(gen) minus
     generate(1), so that prefill is not counted."""
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     hf = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                      num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
                      rms_norm_eps=cfg.rms_norm_eps, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(hf).to(torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16).eval()
     say(f"peer: transformers {transformers.__version__}, {type(model).__name__} bf16, eager generate")
     out = {}
     for b in batches:

@@ -4,7 +4,8 @@
 # last. A failing step does not stop the next. Logs go to $OUT (else /tmp/gpu_check): gpu_check.log, summary.txt,
 # and the benchmark's kernels_bench.md / .json. Only 8 files come back from $OUT: keep to one log.
 #
-#   bash tools/gpu_check.sh            (PYTHON=... to pick the interpreter; GPU_CHECK_BUDGET=seconds, default 570)
+#   bash tools/gpu_check.sh            (PYTHON=... to pick the interpreter; GPU_CHECK_BUDGET=seconds, default 570;
+#                                       GPU_CHECK_STEPS="tests_gpu bench_gpu" to run only those steps)
 #
 # To add a step, add one line at the bottom: `step NAME any|gpu TIMEOUT_S COMMAND...` ("gpu": skipped without one).
 set -u
@@ -57,6 +58,9 @@ EOF
 step() {  # step NAME any|gpu TIMEOUT_S COMMAND...
     local name=$1 needs=$2 limit=$3 t0=$SECONDS rc status detail
     shift 3
+    if [[ -n ${GPU_CHECK_STEPS:-} && " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+        return
+    fi
     if [[ $needs == gpu && $HAVE_GPU != 1 ]]; then
         SUMMARY+=("$name|SKIP (no CUDA GPU)|0|")
         return
@@ -87,10 +91,17 @@ step() {  # step NAME any|gpu TIMEOUT_S COMMAND...
 KERNEL_TESTS_CPU=(tests/test_kernels_dsl.py tests/test_kernels_basic.py tests/test_kernels_attention.py
     tests/test_kernels_gemv.py)
 
+CUDA_TESTS=(tests/test_kernels_gpu.py tests/test_cuda_backend.py tests/test_cuda_sampling.py
+    tests/test_kernels_dequantize.py)
+SERVER_TESTS=(tests/test_server.py tests/test_chat_client.py)
+
 step env any 60 env_info
-step tests_gpu gpu 270 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels_gpu.py
+step tests_gpu gpu 240 "$PY" -m pytest -q -p no:cacheprovider --tb=short "${CUDA_TESTS[@]}"
+step server_cuda gpu 200 env TEST_SERVER_BACKEND=cuda "$PY" -m pytest -q -p no:cacheprovider --tb=short \
+    "${SERVER_TESTS[@]}"
+step bench_gpu gpu 300 "$PY" -m tools.bench_gpu
 step tests_cpu any 120 "$PY" -m pytest -q -p no:cacheprovider --tb=line "${KERNEL_TESTS_CPU[@]}"
-step bench gpu 300 "$PY" -m tools.bench_kernels  # last before the summary: its table stays in the output's tail
+step bench gpu 300 "$PY" -m tools.bench_kernels
 
 rm -f "$STEPLOG"
 {

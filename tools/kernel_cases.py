@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ir.formats.gguf_quants import QTYPES as GGUF
-from kernels_src import activations, dequant_gemv, dequant_gemv_i8, kv_write, rms_norm, rope
+from kernels_src import activations, dequant_gemv, dequant_gemv_i8, dequantize, kv_write, rms_norm, rope
 from kernels_src import paged_attention as pa
 from kernels_src import paged_prefill as pp
 from kernels_src.dsl import compile as dsl_compile
@@ -27,7 +27,7 @@ QUICK = {  # small problems of the same shapes, for a smoke test
     "rms_norm": dict(rows=64), "add_rms_norm": dict(rows=64), "rope": dict(tokens=64), "silu_mul": dict(tokens=16),
     "kv_write": dict(tokens=64), "paged_decode": dict(batch=4, context=1100, ragged=True),
     "paged_decode_reduce": dict(batch=4, context=1100), "paged_prefill": dict(seqs=2, query_len=64, context=300),
-    "gemv": dict(n=512),
+    "gemv": dict(n=512), "dequantize": dict(r=512, n=512),
 }
 Verdict = tuple[float, str | None]  # (worst relative error, what is wrong or None)
 
@@ -42,7 +42,7 @@ class Case:
 
 
 def quick_params(name: str, bench: dict) -> dict:
-    return bench | QUICK["gemv" if name.startswith("dequant_gemv") else name]
+    return bench | QUICK[name.split("_")[0] if name.startswith(("dequant_gemv", "dequantize_")) else name]
 
 
 class Dev:
@@ -361,6 +361,26 @@ def _gemv(d: Dev, p: dict, name: str) -> Case:
     return Case(name, p, launch, check, lambda target: y.fill_(float("nan")))
 
 
+def _dequantize(d: Dev, p: dict) -> Case:
+    """r rows of an n-row GGUF matrix: all of them in order (r = n), else random ids with repeats (`lookup`), as an
+    embedding lookup takes them; `padded` rows are views whose trailing bytes decode to NaN if read."""
+    r, n, k, qtype, dt = p["r"], p["n"], p["k"], p["qtype"], d.dtype(p["dtype"])
+    w, out, torch = gguf_weights(d, qtype, n, k, padded=p.get("padded", False)), d.nan((r, k), dt), d.torch
+    if p.get("lookup") or r != n:
+        rows = torch.randint(0, n, (r,), device=d.dev, generator=d.gen, dtype=torch.int64)
+    else:
+        rows = torch.arange(n, device=d.dev, dtype=torch.int32)
+
+    def check():
+        i = d.sample(r)
+        want = dequantize.dequantize_rows_ref(host(w), host(rows)[i], qtype, k)
+        return combine(written("out", out), compare("out", host(out[i]), want, p["dtype"]))
+
+    return Case(f"dequantize_{qtype.lower()}", p,
+                lambda target: dequantize.dequantize_rows(w, rows, qtype, k, out=out, target=target), check,
+                lambda target: out.fill_(float("nan")))
+
+
 BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rms_norm": lambda d, p: _rms_norm(d, p, False), "add_rms_norm": lambda d, p: _rms_norm(d, p, True),
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "paged_decode": _paged_decode,
@@ -369,7 +389,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
 
 
 def has_case(name: str) -> bool:
-    return name in BUILDERS or name.startswith("dequant_gemv_")
+    return name in BUILDERS or name.startswith(("dequant_gemv_", "dequantize_"))
 
 
 def build_case(name: str, params: dict, seed: int = 0, device: str = "cuda") -> Case:
@@ -377,6 +397,8 @@ def build_case(name: str, params: dict, seed: int = 0, device: str = "cuda") -> 
     d = Dev(seed, device)
     if name.startswith("dequant_gemv_"):
         return _gemv(d, params, name)
+    if name.startswith("dequantize_"):
+        return _dequantize(d, params)
     if name not in BUILDERS:
         raise KeyError(f"no GPU case for kernel {name!r}")
     return BUILDERS[name](d, params)

@@ -85,7 +85,7 @@ def fuse(params: dict[str, Param], plan: Plan) -> dict[str, Param]:
     """Adds each fused group's concatenated weight (and bias) under the group's name; drops the parts no other
     node reads. Groups whose parts differ in format (a Q4_K_M model's Q6_K attn_v) stay unfused."""
     out = dict(params)
-    for group in plan.linear_groups:
+    for group in list(plan.linear_groups):  # unfuse() edits the list
         parts = [params[n] for n in group.weights]
         if isinstance(parts[0], QuantWeight):
             if any(not isinstance(p, QuantWeight) or p.qtype != parts[0].qtype for p in parts):

@@ -1,0 +1,192 @@
+"""The engine's sampler as batched torch ops on the logits' device, token for token the same.
+
+frontend.engine.sampler is the specification: same order of adjustments, same float32/float64 steps,
+and each non-greedy row takes one `generator.random()`, in row order, so a seeded request draws the
+same tokens on either sampler. Host inputs reach the device in one copy; results come back in one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from frontend.engine.sampler import _TOP_P_SLACK, SampleResult, SamplerInput, _adjusts
+
+__all__ = ["TorchSampler"]
+
+# Host arrays by the dtype they take on the device; each group is converted in one op.
+_LONG = ("b_row", "b_id", "r_row", "r_id", "f_row", "f_id", "s_row", "top_k", "p_row", "l_row")
+_FLOAT = ("b_val", "rep", "temp", "min_p")  # float32: numpy applies these in float32
+_DOUBLE = ("fp", "pp", "u", "top_p")
+_BLOCK = 256  # torch scans a row with one thread block; blocks of this size scan in parallel
+
+
+def _token_ids(rows: list[int], lists: list[list[int]], per_row: int, vocab: int) -> tuple[np.ndarray, ...]:
+    """(row, id) for every in-vocabulary id of `lists`, which holds `per_row` lists for each row."""
+    lens = [len(ids) for ids in lists]
+    ids = np.fromiter(itertools.chain.from_iterable(lists), np.int64, sum(lens))
+    row = np.repeat(np.repeat(np.asarray(rows, dtype=np.int64), per_row), lens)
+    ok = (ids >= 0) & (ids < vocab)  # out-of-vocabulary ids are the server's to reject
+    return row[ok], ids[ok]
+
+
+def _host_arrays(inputs: Sequence[SamplerInput], vocab: int) -> dict[str, np.ndarray]:
+    """Everything the device needs from the requests, as flat arrays."""
+    params = [s.params for s in inputs]
+    h: dict[str, np.ndarray | list] = {}
+    # Later duplicates win, as with numpy's `x[ids] += bias`.
+    bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+            for t, b in {int(t): float(b) for t, b in p.logit_bias.items()}.items() if 0 <= t < vocab]
+    h["b_row"], h["b_id"], h["b_val"] = zip(*bias, strict=True) if bias else ([], [], [])
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
+    # Duplicate ids are harmless: each writes the same penalised value.
+    h["r_row"], h["r_id"] = _token_ids(
+        rep, [ids for i in rep for ids in (inputs[i].prompt_token_ids, inputs[i].output_token_ids)], 2, vocab)
+    h["rep"] = [p.repetition_penalty for p in params]
+    freq = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+    h["f_row"], h["f_id"] = _token_ids(freq, [inputs[i].output_token_ids for i in freq], 1, vocab)
+    h["fp"] = [p.frequency_penalty for p in params]
+    h["pp"] = [p.presence_penalty for p in params]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    h["s_row"] = sampled
+    h["u"] = [inputs[i].generator.random() for i in sampled]  # row order, as the CPU sampler draws
+    h["temp"] = [params[i].temperature for i in sampled]
+    h["top_k"] = [params[i].top_k if 0 < params[i].top_k < vocab else 0 for i in sampled]
+    h["top_p"] = [params[i].top_p for i in sampled]
+    h["min_p"] = [params[i].min_p for i in sampled]
+    h["p_row"] = [j for j, i in enumerate(sampled) if params[i].top_p < 1]  # among the sampled rows
+    h["l_row"] = [i for i, p in enumerate(params) if p.logprobs is not None]
+    return {k: np.asarray(h[k], dtype=np.float64) for k in _LONG + _FLOAT + _DOUBLE}
+
+
+def _to_device(h: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """One float64 buffer (ids are exact in it), one host-to-device copy, one conversion per dtype.
+
+    From pinned memory the copy doesn't wait for the stream (the caching host allocator keeps it alive)."""
+    buf = torch.from_numpy(np.concatenate(list(h.values())))
+    buf = buf.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else buf.to(device)
+    groups = ((_LONG, torch.long), (_FLOAT, torch.float32), (_DOUBLE, torch.float64))
+    d = {}
+    for part, (keys, dtype) in zip(buf.split([sum(len(h[k]) for k in g) for g, _ in groups]), groups, strict=True):
+        d.update(zip(keys, part.to(dtype).split([len(h[k]) for k in keys]), strict=True))
+    return d
+
+
+def _adjust(logits: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A copy with logit_bias, then the repetition, frequency and presence penalties, in CPU arithmetic."""
+    x = logits.clone()
+    if len(d["b_row"]):
+        x[d["b_row"], d["b_id"]] += d["b_val"]
+    if len(d["r_row"]):
+        # The penalty as a float32 tensor, not a Python scalar: numpy divides by float32(penalty), and
+        # CUDA would turn division by a scalar into multiplication by its reciprocal.
+        r, t = d["r_row"], d["r_id"]
+        v, pen = x[r, t], d["rep"][r]
+        x[r, t] = torch.where(v > 0, v / pen, v * pen)
+    if len(d["f_row"]):
+        # Counted on the device (no np.unique on the host); duplicate ids then write the same value.
+        r, t = d["f_row"], d["f_id"]
+        counts = torch.zeros_like(x, dtype=torch.int32).index_put_((r, t), torch.ones_like(t, dtype=torch.int32),
+                                                                    accumulate=True)
+        sub = d["fp"][r] * counts[r, t].double() + d["pp"][r]  # float64, as numpy's fp * counts + pp
+        x[r, t] = (x[r, t].double() - sub).float()  # numpy subtracts in float64, stores float32
+    return x
+
+
+def _cumsum(w: torch.Tensor) -> torch.Tensor:
+    """float64 cumulative sums along rows, blockwise (the same sums up to rounding, many times faster).
+
+    Rows come back padded to whole blocks, the padding holding the row's total."""
+    n, vocab = w.shape
+    x = F.pad(w.double(), (0, -vocab % _BLOCK)).view(n, -1, _BLOCK).cumsum(2)
+    before = F.pad(x[:, :-1, -1].cumsum(1), (1, 0))
+    return (x + before[:, :, None]).view(n, -1)
+
+
+def _top_p(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero all but the smallest best-first prefix (ties: lower id first) whose mass reaches top_p."""
+    sw, order = w.sort(dim=1, descending=True, stable=True)
+    cum = _cumsum(sw)
+    target = top_p[:, None] * cum[:, -1:] * (1 - _TOP_P_SLACK)
+    short = (cum < target).sum(1, keepdim=True)  # the prefix: these and the one that reaches target
+    pos = torch.arange(w.shape[1], device=w.device)
+    return torch.zeros_like(w).scatter_(1, order, torch.where(pos <= short, sw, 0))
+
+
+def _draw(x: torch.Tensor, argmax: torch.Tensor, d: dict[str, torch.Tensor], kmax: int, top_p: bool) -> torch.Tensor:
+    """One token per row of adjusted logits: temperature, top_k, top_p, min_p, inverse CDF in id order."""
+    vocab = x.shape[1]
+    best = x.amax(1, keepdim=True)
+    finite = best.isfinite()  # else all masked, or an infinite logit: nothing to weigh, take the argmax
+    x, best = torch.where(finite, x, 0), torch.where(finite, best, 0)
+    w = torch.exp((x - best) / d["temp"][:, None])  # float32 tensor: a true division, as numpy's
+    if kmax:
+        k = d["top_k"][:, None]
+        kth = x.topk(kmax, dim=1).values.gather(1, (k - 1).clamp(min=0))
+        w = torch.where((x >= kth) | (k == 0), w, 0)  # every tie with the k-th largest stays
+    if top_p:
+        rows = d["p_row"]
+        w[rows] = _top_p(w[rows], d["top_p"][rows])
+    w = torch.where(w >= d["min_p"][:, None], w, 0)  # numpy compares in float32 too
+    cdf = _cumsum(w)
+    j = torch.searchsorted(cdf, d["u"][:, None] * cdf[:, -1:], right=True)[:, 0]
+    # Rounding can put the target past the end: take the last token that has any weight.
+    last = torch.where(w > 0, torch.arange(vocab, device=x.device), -1).amax(1)
+    return torch.where(finite[:, 0], torch.where(j < vocab, j, last), argmax)
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Log-softmax of the raw logits at `tokens`, and the top k (id, logprob), best first."""
+    best = raw.amax(1, keepdim=True)
+    lse = best.double() + (raw - best).exp().double().sum(1, keepdim=True).log()
+    chosen = raw.gather(1, tokens[:, None]).double() - lse
+    if not k:
+        return chosen[:, 0], chosen[:, :0], chosen[:, :0]
+    # An int64 key, float32 order in the high half and reversed id in the low: topk then ranks ties
+    # by lower id, as the CPU's stable sort does.
+    bits = raw.view(torch.int32).long()
+    ordered = torch.where(bits >= 0, bits, -(2**31) - bits)  # sign-magnitude to two's complement
+    key = ordered * 2**32 + (2**32 - 1 - torch.arange(raw.shape[1], device=raw.device))
+    ids = key.topk(k, dim=1).indices
+    return chosen[:, 0], ids, raw.gather(1, ids).double() - lse
+
+
+class TorchSampler:
+    """Samples one token per row on the logits' device; row i belongs to inputs[i]. Never writes to the logits."""
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplerInput]) -> list[SampleResult]:
+        if logits.ndim != 2 or logits.shape[0] != len(inputs):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(inputs)} inputs")
+        logits = logits.float()
+        params = [s.params for s in inputs]
+        adjusts = any(_adjusts(p) for p in params)
+        if not adjusts and all(p.greedy and p.logprobs is None for p in params):
+            return [SampleResult(t) for t in logits.argmax(1).tolist()]
+        n, vocab = logits.shape
+        h = _host_arrays(inputs, vocab)
+        d = _to_device(h, logits.device)
+        x = _adjust(logits, d) if adjusts else logits
+        tokens = x.argmax(1)  # greedy rows; sampled rows are overwritten below
+        if len(h["s_row"]):
+            rows = d["s_row"]
+            xs = x if len(rows) == n else x[rows]
+            tokens[rows] = _draw(xs, tokens[rows], d, int(h["top_k"].max()), len(h["p_row"]) > 0)
+        out = [tokens.double()]
+        lrows = h["l_row"].astype(np.int64).tolist()
+        ks = [params[i].logprobs for i in lrows]
+        k = min(max(ks, default=0), vocab)
+        if lrows:
+            out += [t.flatten() for t in _logprobs(logits[d["l_row"]], tokens[d["l_row"]], k)]
+        flat = torch.cat(out).tolist()  # the one device-to-host sync
+        results = [SampleResult(int(t)) for t in flat[:n]]
+        nl = len(lrows)
+        chosen, top_ids, top_vals = flat[n:n + nl], flat[n + nl:n + nl + nl * k], flat[n + nl + nl * k:]
+        for j, (i, ki) in enumerate(zip(lrows, ks, strict=True)):
+            top = [(int(top_ids[j * k + c]), top_vals[j * k + c]) for c in range(min(ki, k))]
+            results[i] = SampleResult(results[i].token, chosen[j], top)
+        return results
