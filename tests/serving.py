@@ -30,7 +30,8 @@ class ServerProcess:
         backend = os.environ.get("TEST_SERVER_BACKEND")
         extra = ["--backend", backend] if backend and "--backend" not in args else []
         self.args = ["--h", "127.0.0.1", "--p", str(self.port), *extra, *args]
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.env = {**os.environ, "PYTHONPATH": path, **(env or {})}
         self.startup_s = startup_s
         self.log_path = None
         self.proc: subprocess.Popen | None = None

@@ -155,6 +155,32 @@ def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int
     return (engine.stats["generation_tokens"] - before) / (time.perf_counter() - t)
 
 
+def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, top: int = 12) -> list[tuple]:
+    """The GPU time of `steps` decode steps at `batch` by kernel (CUDA graph replays included): where the time goes.
+    Returns [(kernel, share of GPU time, us per step)], largest first, plus ("(all kernels)", 1, us) first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from frontend.engine.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(2)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    rows = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(t for _, t in rows) or 1
+    rows.sort(key=lambda r: -r[1])
+    return [("(all kernels)", 1.0, total / steps)] + [(k[:60], t / total, t / steps) for k, t in rows[:top]]
+
+
 def prefill_rate(engine, tokens: int, vocab: int, reps: int = 3) -> float:
     from frontend.engine.sampling_params import SamplingParams
 
@@ -234,6 +260,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-quant", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
+    ap.add_argument("--profile", default="1,64", help="batch sizes whose decode steps are profiled by kernel ('' for "
+                    "none)")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_gpu.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -256,6 +284,16 @@ def main() -> None:
     for b in batches:
         res["decode"][b] = decode_rate(engine, b, args.prompt, args.gen, cfg.vocab_size)
         say(f"  decode batch {b}: {res['decode'][b]:,.0f} tok/s")
+    res["profile"] = {}
+    for b in [int(x) for x in args.profile.split(",") if x]:
+        try:
+            res["profile"][b] = kernel_profile(engine, b, args.prompt, cfg.vocab_size)
+        except Exception as e:  # noqa: BLE001  (the profiler is a diagnostic: the figures matter more)
+            say(f"  (profile of batch {b} failed: {type(e).__name__}: {e})")
+            continue
+        say(f"  decode batch {b}, GPU time by kernel (us per step):")
+        for name, share, us in res["profile"][b]:
+            say(f"    {us:9.1f} {share:6.1%}  {name}")
     res["prefill_tps"] = prefill_rate(engine, args.prefill, cfg.vocab_size)
     res["prefill_tflops"] = prefill_flops(cfg, args.prefill) * res["prefill_tps"] / args.prefill / 1e12
     say(f"  prefill {args.prefill}: {res['prefill_tps']:,.0f} tok/s, {res['prefill_tflops']:.0f} TFLOP/s")

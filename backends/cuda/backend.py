@@ -40,8 +40,7 @@ class CUDABackend(Backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # fp32 on CPU tensors: Triton's interpreter mishandles bf16.
-        self.dtype = dtype or ("bf16" if self.device.type == "cuda" else "f32")
+        self.dtype = dtype or self.default_dtype(model, self.device)
         self.quantized = True if quantized is None else quantized
         self.plan = Plan.build(model.graph)
         if params is None:
@@ -57,6 +56,16 @@ class CUDABackend(Backend):
         self.block_size = 0
         self._sampler = None
         log.info("cuda backend: %s", self.describe())
+
+    @staticmethod
+    def default_dtype(model: LoadedModel, device: torch.device) -> str:
+        """fp32 on CPU tensors (Triton's interpreter mishandles bf16). On a GPU, bf16 for a model stored in bf16 or
+        fp32; fp16 for GGUF and fp16 models, as llama.cpp computes them: bf16's 8-bit mantissa flips SmolLM2's
+        first answer token, whose two best logits lie 0.08 apart."""
+        if device.type != "cuda":
+            return "f32"
+        kinds = {t.kind for t in model.weights.values()}
+        return "bf16" if kinds and kinds <= {"BF16", "F32"} else "f16"
 
     def describe(self) -> str:
         where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu tensors"
