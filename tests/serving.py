@@ -13,6 +13,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process that imports this repo: ROOT first on PYTHONPATH, the rest kept (a GPU
+    machine finds its carried packages there)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -26,12 +33,15 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"
-        # TEST_SERVER_BACKEND=cuda runs the same server tests on the CUDA backend (tools/gpu_check.sh).
+        # TEST_SERVER_BACKEND=cuda runs the same server tests on the CUDA backend (tools/gpu_check.sh), in fp32:
+        # these tests hold seeded and greedy answers to be the same whatever else is in the batch, which only fp32
+        # keeps on a GPU (fp16 rounding differs between batch shapes; its accuracy is tests/test_cuda_backend.py's).
         backend = os.environ.get("TEST_SERVER_BACKEND")
         extra = ["--backend", backend] if backend and "--backend" not in args else []
+        if backend == "cuda" and "--dtype" not in args:
+            extra += ["--dtype", "f32"]
         self.args = ["--h", "127.0.0.1", "--p", str(self.port), *extra, *args]
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        self.env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+        self.env = child_env(**(env or {}))
         self.startup_s = startup_s
         self.log_path = None
         self.proc: subprocess.Popen | None = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 from frontend import chat
-from tests.serving import ROOT, ServerProcess, free_port
+from tests.serving import ROOT, ServerProcess, child_env, free_port
 
 QUESTION = "What is the capital of France?"
 GREEDY = ["--plain", "--temperature", "0", "--max-tokens", "40"]
@@ -30,7 +29,7 @@ def server():
 
 def run_chat(url: str, *args: str, stdin: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "frontend.chat", "--url", url, *args], input=stdin, text=True,
-                          capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=timeout)
+                          capture_output=True, cwd=ROOT, env=child_env(), timeout=timeout)
 
 
 def test_conversation_messages():
@@ -111,7 +110,7 @@ def test_unreachable_server_exits_2():
 def test_ctrl_c_stops_the_answer_only(server):
     proc = subprocess.Popen([sys.executable, "-m", "frontend.chat", "--url", server.url, "--plain", "--temperature",
                              "0", "--max-tokens", "400"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
     chunks: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [chunks.put(c) for c in iter(lambda: proc.stdout.read(1), "")],
                      daemon=True).start()
