@@ -48,6 +48,12 @@ def test_local_paths_and_default(smollm_path, tmp_path):
     assert resolve(weights=str(tmp_path)).id == tmp_path.name
 
 
+def _cuda_usable() -> bool:
+    from backends.base import _cuda_usable as usable
+
+    return usable()
+
+
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
     return subprocess.run([sys.executable, "-m", "frontend", *args], cwd=ROOT, capture_output=True, text=True,
@@ -58,8 +64,12 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     (["--m", "nobody/nothing"], "not in the local Hugging Face cache"),
     (["--f", "/no/such/model.gguf"], "no such file"),
     (["--isq", "q4k"], "not built yet"),
-    (["--d", "0,1"], "CUDA"),
-    (["--kv-fraction", "0.5"], "--mem"),
+    (["--d", "0,1"], "tensor parallel"),
+    (["--kv-fraction", "1.5"], "(0, 1]"),
+    (["--mem", "64", "--kv-fraction", "0.5"], "not both"),
+    (["--backend", "cuda", "--f", "/no/such/model.gguf"], "no such file"),
+    pytest.param(["--backend", "cuda", "--prompt", "hi"], "NVIDIA GPU", marks=pytest.mark.skipif(
+        _cuda_usable(), reason="a GPU is usable here: the CUDA backend would start")),
     (["--block-size", "0"], "must be positive"),
     (["--top-p", "3"], "top_p"),
     (["--w", "x", "--f", "y.gguf"], "cannot be combined"),

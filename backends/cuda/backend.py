@@ -1,11 +1,12 @@
 """The CUDA backend: torch tensors own device memory, cuBLAS runs the GEMMs, the DSL's Triton kernels the rest.
 
-On a machine without a GPU the same code runs on CPU tensors with the kernels under Triton's interpreter: slow,
-but it lets CI run a tiny model end to end through every kernel.
+Given device="cpu" the same code runs on CPU tensors with the kernels under Triton's interpreter: far too slow to
+serve, but it lets CI run tiny models end to end through every kernel.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import numpy as np
@@ -35,7 +36,12 @@ class CUDABackend(Backend):
                  device: str | torch.device | None = None, cuda_graph: bool = True, params: dict | None = None,
                  progress: bool = True):
         self.model = model
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device is None and not torch.cuda.is_available():
+            raise NotImplementedError("the CUDA backend needs an NVIDIA GPU that torch can use (torch.cuda."
+                                      "is_available() is False); use --backend mlx")
+        if importlib.util.find_spec("triton") is None:
+            raise NotImplementedError("the CUDA backend needs triton (pip install triton); use --backend mlx")
+        self.device = torch.device(device or "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda":
