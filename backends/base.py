@@ -30,6 +30,15 @@ class Backend(ABC):
     name: str
     model: LoadedModel
 
+    def kv_shapes(self) -> list[tuple[int, int, int]]:
+        """(kv heads, key dim, value dim) of each attention layer's cache, from the graph."""
+        out = []
+        for node in self.model.graph.nodes:
+            if node.op == "attention":
+                _, hkv, dk = node.inputs[1].shape
+                out.append((hkv, dk, node.inputs[2].shape[2]))
+        return out
+
     @abstractmethod
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V, all layers, for one block of `block_size` tokens."""

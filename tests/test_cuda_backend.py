@@ -12,6 +12,7 @@ import importlib.util
 
 import numpy as np
 import pytest
+from backend_greedy import backend_greedy
 from test_tiny_gguf import files  # noqa: F401  (a fixture)
 from test_tiny_gguf import prompt as gguf_prompt
 from test_tiny_models import MAIN, prompt, saved  # noqa: F401  (saved is a fixture)
@@ -29,21 +30,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 # bf16 keeps 8 bits of mantissa: the tiny models' logits (|x| up to ~4) moved by up to 0.15 on an H200 after two
 # layers of rounding; a wrong kernel moves them by whole units.
 BF16_TOL = 0.1  # of max |logit|
-
-
-def backend_greedy(backend, ref: ReferenceRunner, prompts, n: int, block_size: int):
-    """Greedy decoding straight through backend.forward with the reference's (reversed) block tables."""
-    tables = [ref._table(i) for i in range(len(prompts))]
-    backend.allocate_kv(len(prompts) * ref.blocks_per_seq, block_size)
-    chunks, cached, outs, first = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts], None
-    for _ in range(n):
-        logits = backend.forward(make_batch(chunks, cached, tables, block_size)).float().cpu().numpy()
-        first = logits.copy() if first is None else first
-        for i, t in enumerate(logits.argmax(-1)):
-            outs[i].append(int(t))
-            cached[i] += len(chunks[i])
-            chunks[i] = [int(t)]
-    return outs, first
 
 
 def make_backend(model, device: str, **kw):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from backend_greedy import backend_greedy as greedy
 from test_tiny_models import MAIN, prompt, saved  # noqa: F401  (saved is a fixture)
 
 from backends.mlx.backend import MLXBackend
@@ -17,18 +18,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 def backend_greedy(backend: MLXBackend, prompts: list[list[int]], n: int, block_size: int = 16):
     """Greedy decoding of all prompts together straight through backend.forward."""
-    ref_tables = ReferenceRunner(backend.model, max_tokens=256, block_size=block_size)
-    tables = [ref_tables._table(i) for i in range(len(prompts))]
-    backend.allocate_kv(len(prompts) * ref_tables.blocks_per_seq, block_size)
-    chunks, cached, outs, first = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts], None
-    for _ in range(n):
-        logits = backend.forward(make_batch(chunks, cached, tables, block_size))
-        first = logits.copy() if first is None else first
-        for i, t in enumerate(logits.argmax(-1)):
-            outs[i].append(int(t))
-            cached[i] += len(chunks[i])
-            chunks[i] = [int(t)]
-    return outs, first
+    return greedy(backend, ReferenceRunner(backend.model, max_tokens=256, block_size=block_size), prompts, n,
+                  block_size)
 
 
 @pytest.fixture(scope="module")

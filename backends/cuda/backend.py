@@ -80,17 +80,9 @@ class CUDABackend(Backend):
                 f"CUDA graphs {'on' if self.use_graphs else 'off'}")
 
     # -- KV cache -----------------------------------------------------------------------------------
-    def _kv_shapes(self) -> list[tuple[int, int, int]]:
-        out = []
-        for node in self.model.graph.nodes:
-            if node.op == "attention":
-                _, hkv, dk = node.inputs[1].shape
-                out.append((hkv, dk, node.inputs[2].shape[2]))
-        return out
-
     def kv_bytes_per_block(self, block_size: int) -> int:
         item = weights.DTYPES[self.dtype].itemsize
-        return sum(block_size * hkv * (dk + dv) * item for hkv, dk, dv in self._kv_shapes())
+        return sum(block_size * hkv * (dk + dv) * item for hkv, dk, dv in self.kv_shapes())
 
     def default_kv_bytes(self) -> int:
         return self.kv_budget(DEFAULT_KV_FRACTION) if self.device.type == "cuda" else super().default_kv_bytes()
@@ -132,7 +124,7 @@ class CUDABackend(Backend):
         try:
             self.kv = [(torch.zeros((num_blocks, block_size, hkv, dk), dtype=dt, device=self.device),
                         torch.zeros((num_blocks, block_size, hkv, dv), dtype=dt, device=self.device))
-                       for hkv, dk, dv in self._kv_shapes()]
+                       for hkv, dk, dv in self.kv_shapes()]
         except torch.OutOfMemoryError as e:
             self.kv = []
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0

@@ -54,23 +54,15 @@ class MLXBackend(Backend):
         where = "metal" if self.metal else f"cpu, GEMMs via {fast_blas.status}"
         return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}"
 
-    def _kv_shapes(self) -> list[tuple[int, int, int]]:
-        out = []
-        for node in self.model.graph.nodes:
-            if node.op == "attention":
-                _, hkv, dk = node.inputs[1].shape
-                out.append((hkv, dk, node.inputs[2].shape[2]))
-        return out
-
     def kv_bytes_per_block(self, block_size: int) -> int:
         item = mx.zeros((1,), weights.DTYPES[self.dtype]).itemsize
-        return sum(block_size * hkv * (dk + dv) * item for hkv, dk, dv in self._kv_shapes())
+        return sum(block_size * hkv * (dk + dv) * item for hkv, dk, dv in self.kv_shapes())
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         dt = weights.DTYPES[self.dtype]
         slots = (num_blocks + 1) * block_size  # the extra block is scratch for padding writes
         self.kv = [[mx.zeros((slots, hkv, dk), dt), mx.zeros((slots, hkv, dv), dt)]
-                   for hkv, dk, dv in self._kv_shapes()]
+                   for hkv, dk, dv in self.kv_shapes()]
         mx.eval(self.kv)
         self.block_size, self.num_blocks = block_size, num_blocks
 
