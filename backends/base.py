@@ -30,6 +30,10 @@ class Backend(ABC):
     name: str
     model: LoadedModel
 
+    def set_limits(self, max_num_seqs: int, max_model_len: int) -> None:
+        """The engine's limits, given before the KV cache is sized: a backend may size per-step buffers by them."""
+        return None  # the MLX backend sizes everything per step
+
     def kv_shapes(self) -> list[tuple[int, int, int]]:
         """(kv heads, key dim, value dim) of each attention layer's cache, from the graph."""
         out = []

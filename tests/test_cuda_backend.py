@@ -117,6 +117,16 @@ def test_engine_end_to_end_with_seeded_sampling(saved):  # noqa: F811
     assert np.allclose([lp.logprob for lp in ours], [lp.logprob for lp in theirs], atol=1e-4)
 
 
+def test_rope_tables_cover_the_longest_context_only(saved):  # noqa: F811
+    """A cache sized by free GPU memory may hold millions of tokens; rope tables stop at the engine's context."""
+    backend = make_backend(load_model(saved("qwen2")[1], progress=False), "cpu")
+    backend.set_limits(4, 100)
+    backend.allocate_kv(1000, 16)
+    assert [t.shape[0] for t in next(iter(backend.runner._rope.values()))] == [100, 100]
+    backend.allocate_kv(4, 16)
+    assert next(iter(backend.runner._rope.values()))[0].shape[0] == 64
+
+
 def test_create_backend_picks_cuda_by_name(saved):  # noqa: F811
     from backends.base import create_backend
 
@@ -156,6 +166,7 @@ def test_cuda_graphs_match_eager_steps_and_split_decode(saved):  # noqa: F811
     rng = np.random.default_rng(0)
     lens = [3, 40, 600, 90, 1100]
     for b in (graphs, eager):
+        b.set_limits(6, 2048)  # buckets 1, 2, 4 and 6: the 5 sequences below pad to 6
         b.allocate_kv(5 * 80, 16)
     tables = [list(range(i * 80, (i + 1) * 80))[::-1] for i in range(len(lens))]
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
@@ -164,7 +175,8 @@ def test_cuda_graphs_match_eager_steps_and_split_decode(saved):  # noqa: F811
         b.forward(make_batch(prompts, [0] * 5, tables, 16))
         step = make_batch([[1], [2], [3], [4], [5]], lens, tables, 16)
         outs.append(b.forward(step).cpu().numpy())
-    assert graphs.graphs is not None and any(k[1] > 1 for k in graphs.graphs.graphs)
+    assert graphs.graphs is not None and graphs.graphs.buckets == [1, 2, 4, 6]
+    assert any(k == (6, 4) for k in graphs.graphs.graphs)  # 1,104 tokens: 3 partitions of 512, rounded up to 4
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 

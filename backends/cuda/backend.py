@@ -60,6 +60,7 @@ class CUDABackend(Backend):
         self.graphs: DecodeGraphs | None = None
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        self.max_num_seqs, self.max_model_len = 256, model.config.max_position_embeddings
         self._sampler = None
         log.info("cuda backend: %s", self.describe())
 
@@ -80,6 +81,10 @@ class CUDABackend(Backend):
                 f"CUDA graphs {'on' if self.use_graphs else 'off'}")
 
     # -- KV cache -----------------------------------------------------------------------------------
+    def set_limits(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Graphs are captured for decode batches up to max_num_seqs; rope tables cover max_model_len positions."""
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         item = weights.DTYPES[self.dtype].itemsize
         return sum(block_size * hkv * (dk + dv) * item for hkv, dk, dv in self.kv_shapes())
@@ -110,7 +115,8 @@ class CUDABackend(Backend):
         self.allocate_kv(blocks, block_size, _graphs=False)
         n = min(tokens, self.model.config.vocab_size)
         ids = np.arange(tokens, dtype=np.int32) % n
-        self.forward(Batch(ids, np.arange(tokens, dtype=np.int32), np.arange(tokens, dtype=np.int32),
+        positions = (np.arange(tokens) % min(tokens, self.max_model_len)).astype(np.int32)  # within the rope table
+        self.forward(Batch(ids, positions, np.arange(tokens, dtype=np.int32),
                            np.arange(blocks, dtype=np.int32)[None], np.array([tokens], np.int32),
                            np.array([0, tokens], np.int32), np.array([tokens - 1], np.int32)))
         torch.cuda.synchronize(self.device)
@@ -132,11 +138,12 @@ class CUDABackend(Backend):
                               f"after {_mib(self.memory().weights_bytes)} of weights; lower --mem or "
                               f"--kv-fraction") from e
         self.block_size = block_size
-        capacity = num_blocks * block_size
-        self.runner.set_cache(self.kv, capacity)
+        # No position reaches past the longest context: a 0.9-of-the-GPU cache for a small model holds millions
+        # of tokens, and rope tables that long would waste a GiB.
+        longest = min(num_blocks * block_size, self.max_model_len)
+        self.runner.set_cache(self.kv, longest)
         if self.use_graphs and _graphs:
-            longest = min(capacity, self.model.config.max_position_embeddings)
-            self.graphs = DecodeGraphs(self.runner, -(-longest // block_size), longest)
+            self.graphs = DecodeGraphs(self.runner, -(-longest // block_size), longest, self.max_num_seqs)
             self.graphs.capture_all()
 
     # -- a step -------------------------------------------------------------------------------------

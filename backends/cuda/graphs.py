@@ -20,7 +20,8 @@ from ir.batch import Batch
 
 log = logging.getLogger(__name__)
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly: launch costs matter little there
 
 
 def _pow2(n: int) -> int:
@@ -30,7 +31,8 @@ def _pow2(n: int) -> int:
 class DecodeGraphs:
     def __init__(self, runner: Runner, max_blocks_per_seq: int, max_context: int, max_batch: int = 256):
         self.runner = runner
-        self.buckets = [b for b in BATCH_BUCKETS if b <= max_batch]
+        max_batch = min(max_batch, MAX_GRAPH_BATCH)
+        self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.max_parts = _pow2(partitions_for(max_context))
         dev = runner.device
         b, m = self.buckets[-1], max(1, max_blocks_per_seq)

@@ -86,6 +86,7 @@ class LLMEngine:
         model = backend.model
         self.tokenizer = model.tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        backend.set_limits(config.scheduler.max_num_seqs, self.max_model_len)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
