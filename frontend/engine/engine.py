@@ -15,7 +15,7 @@ from frontend.engine.detokenizer import IncrementalDetokenizer
 from frontend.engine.sampler import make_generator
 from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from frontend.engine.sequence import Sequence, TokenLogprob
+from frontend.engine.sequence import Sequence, Status, TokenLogprob
 from ir.batch import make_batch
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -44,7 +44,7 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -76,7 +76,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        return all(s.status is Status.FINISHED for s in self.seqs)
 
 
 class LLMEngine:
@@ -220,20 +220,23 @@ class LLMEngine:
         return None
 
     def _report(self, req: Request) -> RequestOutput:
+        # Runs for every running request every step: kept to plain attribute reads (see docs/BENCHMARKS.md, the
+        # engine's Python per step bounds batch-64 decode on a GPU).
         outs = []
         for i, seq in enumerate(req.seqs):
-            det = seq.detokenizer
-            delta = det.text[seq.text_offset:]
-            seq.text_offset = len(det.text)
-            new_ids = seq.output_token_ids[req.reported_tokens[i]:]
-            req.reported_tokens[i] = len(seq.output_token_ids)
-            outs.append(CompletionOutput(seq.index, det.text, list(seq.output_token_ids), seq.finish_reason,
-                                         seq.stop_reason, seq.logprobs if seq.params.logprobs is not None else None,
-                                         delta, new_ids))
-        if req.finished:
+            text = seq.detokenizer.text
+            delta = text[seq.text_offset:]
+            seq.text_offset = len(text)
+            ids = seq.output_token_ids
+            new_ids = ids[req.reported_tokens[i]:]
+            req.reported_tokens[i] = len(ids)
+            outs.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason,
+                                         seq.logprobs if seq.params.logprobs is not None else None, delta, new_ids))
+        finished = req.finished
+        if finished:
             self.requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished,
-                             max(s.num_cached_tokens for s in req.seqs))
+        cached = req.seqs[0].num_cached_tokens if len(req.seqs) == 1 else max(s.num_cached_tokens for s in req.seqs)
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished, cached)
 
     # -- introspection ------------------------------------------------------------------------------
     def num_running(self) -> int:
