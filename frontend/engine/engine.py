@@ -155,12 +155,12 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        sampling = [s for s in scheduled if s.samples]
+        keep = [i for i, s in enumerate(scheduled) if s.samples]
+        sampling = [scheduled[i] for i in keep]
         batch = make_batch([s.seq.tokens(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new)
                             for s in scheduled],
                            [s.seq.num_computed_tokens for s in scheduled],
                            [s.seq.block_table for s in scheduled], self.config.block_size)
-        keep = [i for i, s in enumerate(scheduled) if s.samples]
         batch.logits_indices = batch.logits_indices[keep]
         logits = self.backend.forward(batch)  # also for chunks that sample nothing: their K/V must be written
         self.stats["steps"] += 1

@@ -61,6 +61,11 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     def tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if start >= p:  # a decode step: no copy of the whole history
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
     @property
