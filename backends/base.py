@@ -43,6 +43,10 @@ class Backend(ABC):
                 out.append((hkv, dk, node.inputs[2].shape[2]))
         return out
 
+    def kv_bytes(self, block_size: int, itemsize: int) -> int:
+        """Bytes of K and V, all layers, for one block of `block_size` tokens of `itemsize`-byte elements."""
+        return block_size * itemsize * sum(hkv * (dk + dv) for hkv, dk, dv in self.kv_shapes())
+
     @abstractmethod
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V, all layers, for one block of `block_size` tokens."""

@@ -36,6 +36,11 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token (the shape decode-only kernels and compiled steps take)."""
+        return self.num_tokens > 0 and bool(np.all(np.diff(self.query_start) == 1))
+
 
 def make_batch(
     chunks: Sequence[Sequence[int]],

@@ -91,6 +91,15 @@ class Graph:
         self._param_values[name] = v
         return v
 
+    def matrix_params(self) -> set[str]:
+        """Parameters used as a linear's weight or an embedding table: the ones a backend may keep quantized."""
+        out = set()
+        for node in self.nodes:
+            w = node.inputs[1] if node.op == "linear" else node.inputs[0] if node.op == "embedding" else None
+            if w is not None and w.kind == "param":
+                out.add(w.name)
+        return out
+
     def output(self, name: str, value: Value) -> None:
         self.outputs[name] = value
 

@@ -30,6 +30,10 @@ class StoredTensor:
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
+    def values(self) -> np.ndarray:
+        """The tensor as floats: f32/f16 data as stored (no copy), bf16 bits and GGUF blocks decoded to f32."""
+        return self.data if self.data.dtype in (np.float32, np.float16) else self.dequantize()
+
     def dequantize(self) -> np.ndarray:
         return dequantize(np.ascontiguousarray(self.data), self.kind, self.shape)
 

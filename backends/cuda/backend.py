@@ -86,14 +86,14 @@ class CUDABackend(Backend):
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        item = weights.DTYPES[self.dtype].itemsize
-        return sum(block_size * hkv * (dk + dv) * item for hkv, dk, dv in self.kv_shapes())
+        return self.kv_bytes(block_size, weights.DTYPES[self.dtype].itemsize)
 
     def default_kv_bytes(self) -> int:
         return self.kv_budget(DEFAULT_KV_FRACTION) if self.device.type == "cuda" else super().default_kv_bytes()
 
     def kv_budget(self, fraction: float, max_step_tokens: int = 2048, block_size: int = 16) -> int:
-        """`fraction` of the device memory free after the weights and one warm-up step of `max_step_tokens`."""
+        """`fraction` of the device memory free after the weights and one warm-up step of `max_step_tokens`. Called
+        before allocate_kv (the engine sizes the cache with it): the warm-up's scratch cache is dropped."""
         if self.device.type != "cuda":
             return super().kv_budget(fraction, max_step_tokens, block_size)
         self._warm_up(max_step_tokens, block_size)
@@ -111,7 +111,6 @@ class CUDABackend(Backend):
         """One prefill step of `tokens` tokens into a scratch cache: the activations' peak is then held by torch's
         allocator, so what the device reports free afterwards is what the KV cache may take."""
         blocks = -(-tokens // block_size)
-        saved = self.kv, self.block_size
         self.allocate_kv(blocks, block_size, _graphs=False)
         n = min(tokens, self.model.config.vocab_size)
         ids = np.arange(tokens, dtype=np.int32) % n
@@ -120,8 +119,7 @@ class CUDABackend(Backend):
                            np.arange(blocks, dtype=np.int32)[None], np.array([tokens], np.int32),
                            np.array([0, tokens], np.int32), np.array([tokens - 1], np.int32)))
         torch.cuda.synchronize(self.device)
-        self.kv, self.block_size = saved
-        self.runner.kv = self.kv
+        self.kv = self.runner.kv = []
 
     def allocate_kv(self, num_blocks: int, block_size: int, _graphs: bool = True) -> None:
         self.kv, self.graphs = [], None
@@ -158,11 +156,9 @@ class CUDABackend(Backend):
         def up(a: np.ndarray, dtype=torch.int32) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype, non_blocking=True)
 
-        q_lens = np.diff(batch.query_start)
-        decode = bool(len(q_lens)) and bool(np.all(q_lens == 1))
         meta = StepMeta(up(batch.positions), up(batch.slot_mapping, torch.int64), up(np.maximum(batch.block_tables, 0)),
-                        up(batch.context_lens), up(batch.query_start), decode, int(q_lens.max(initial=0)),
-                        int(batch.context_lens.max(initial=1)))
+                        up(batch.context_lens), up(batch.query_start), batch.is_decode,
+                        int(np.diff(batch.query_start).max(initial=0)), int(batch.context_lens.max(initial=1)))
         return self.runner.run(up(batch.token_ids), up(batch.logits_indices), meta)
 
     def sample(self, logits, inputs):

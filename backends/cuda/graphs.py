@@ -51,7 +51,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
 
     def applies(self, batch: Batch) -> bool:
-        return (0 < batch.num_tokens <= self.buckets[-1] and bool(np.all(np.diff(batch.query_start) == 1))
+        return (batch.is_decode and batch.num_tokens <= self.buckets[-1]
                 and batch.block_tables.shape[1] <= self._host["tables"][1].shape[1])
 
     def _key(self, n: int, max_context: int) -> tuple[int, int]:

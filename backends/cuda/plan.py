@@ -36,50 +36,33 @@ class Plan:
     folded: set[int] = field(default_factory=set)  # out ids of nodes computed inside another node's kernel
     add_norm: dict[int, Node] = field(default_factory=dict)  # add's out id -> the rms_norm it feeds
     rope_pair: dict[int, Node] = field(default_factory=dict)  # first rope's out id -> the second rope
-
-    @staticmethod
-    def matrix_params(graph: Graph) -> set[str]:
-        """Parameters used as a linear's weight or an embedding table: the ones that may stay quantized."""
-        out = set()
-        for node in graph.nodes:
-            w = node.inputs[1] if node.op == "linear" else node.inputs[0] if node.op == "embedding" else None
-            if w is not None and w.kind == "param":
-                out.add(w.name)
-        return out
+    uses: dict[int, list[Node]] = field(default_factory=lambda: defaultdict(list))  # value id -> nodes reading it
 
     @classmethod
-    def build(cls, graph: Graph, fuse_linears: bool = True) -> Plan:
+    def build(cls, graph: Graph) -> Plan:
         plan = cls(graph)
-        uses: dict[int, list[Node]] = defaultdict(list)
+        uses = plan.uses
         for node in graph.nodes:
             for v in node.inputs:
                 if v is not None:
                     uses[v.id].append(node)
-        if fuse_linears:
-            plan._group_linears(graph)
+        plan._group_linears(graph)
         fused = {n.out.id for g in plan.linear_groups for n in g.nodes}
         for node in graph.nodes:
             if node.out.id not in fused:
                 plan.other_uses.update(v.name for v in node.inputs if v is not None and v.kind == "param")
         for node in graph.nodes:
-            if node.op == "mul" and node.inputs[0].id in plan._acts(graph, uses):
-                act = plan._acts(graph, uses)[node.inputs[0].id]
-                plan.gated[node.out.id] = (act.op, act.inputs[0].id)
-                plan.folded.add(act.out.id)
+            if node.op in GATED and [(u.op, u.inputs[0].id) for u in uses[node.out.id]] == [("mul", node.out.id)]:
+                plan.gated[uses[node.out.id][0].out.id] = (node.op, node.inputs[0].id)
+                plan.folded.add(node.out.id)
             if node.op == "add":
                 norms = [u for u in uses[node.out.id] if u.op == "rms_norm" and u.inputs[0].id == node.out.id
                          and u.attrs.get("offset", 0.0) in (0.0, 1.0)]
                 if norms:
                     plan.add_norm[node.out.id] = norms[0]
                     plan.folded.add(norms[0].out.id)
-        plan._pair_ropes(graph, uses)
+        plan._pair_ropes(graph)
         return plan
-
-    def _acts(self, graph: Graph, uses) -> dict[int, Node]:
-        if not hasattr(self, "_act_cache"):
-            self._act_cache = {n.out.id: n for n in graph.nodes if n.op in GATED and len(uses[n.out.id]) == 1
-                               and uses[n.out.id][0].op == "mul" and uses[n.out.id][0].inputs[0].id == n.out.id}
-        return self._act_cache
 
     def _group_linears(self, graph: Graph) -> None:
         by_input: dict[int, list[Node]] = defaultdict(list)
@@ -109,7 +92,7 @@ class Plan:
             self.group_of.pop(n.out.id, None)
         self.other_uses.update(group.weights + group.biases)
 
-    def _pair_ropes(self, graph: Graph, uses) -> None:
+    def _pair_ropes(self, graph: Graph) -> None:
         ropes = [n for n in graph.nodes if n.op == "rope"]
         taken: set[int] = set()
         for i, a in enumerate(ropes):
@@ -124,10 +107,4 @@ class Plan:
 
     def in_place_ok(self, value_id: int) -> bool:
         """Whether a rope may rotate its input in place: nothing but that rope reads it."""
-        if not hasattr(self, "_uses"):
-            self._uses: dict[int, int] = defaultdict(int)
-            for node in self.graph.nodes:
-                for v in node.inputs:
-                    if v is not None:
-                        self._uses[v.id] += 1
-        return self._uses[value_id] == 1
+        return len(self.uses.get(value_id, ())) == 1

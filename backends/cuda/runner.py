@@ -184,11 +184,11 @@ class Runner:
         if op == "linear":
             return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
         if op == "rms_norm":
-            x = args[0]
-            x2 = x.reshape(-1, x.shape[-1])
-            return rms_norm.rms_norm(x2, args[1], a["eps"], offset=a.get("offset", 0.0) == 1.0,
-                                     target=self.target).reshape(x.shape) if a.get("offset", 0.0) in (0.0, 1.0) \
-                else _rms_norm_torch(x, args[1], a["eps"], a["offset"])
+            x, offset = args[0], a.get("offset", 0.0)
+            if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
+                return _rms_norm_torch(x, args[1], a["eps"], offset)
+            return rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), args[1], a["eps"], offset=offset == 1.0,
+                                     target=self.target).reshape(x.shape)
         if op == "layer_norm":
             return F.layer_norm(x := args[0], (x.shape[-1],), args[1], args[2] if len(args) > 2 else None, a["eps"])
         if op in ("silu", "gelu", "gelu_tanh"):

@@ -54,11 +54,7 @@ def _host(arr: np.ndarray) -> torch.Tensor:
 
 
 def _dense(t: StoredTensor, shape: tuple[int, ...], dtype, device) -> torch.Tensor:
-    if t.data.dtype in (np.float32, np.float16):
-        arr = t.data
-    else:  # GGUF blocks or raw bf16 bits
-        arr = t.dequantize()
-    return _host(arr.reshape(shape)).to(device=device, dtype=dtype)
+    return _host(t.values().reshape(shape)).to(device=device, dtype=dtype)
 
 
 def to_device(graph: Graph, weights, dtype: str, device, quantized: bool = True,
@@ -66,7 +62,7 @@ def to_device(graph: Graph, weights, dtype: str, device, quantized: bool = True,
     """({param: tensor | QuantWeight}, {why a quantized tensor became dense: count}); GGUF matrices stay
     quantized when `quantized` and the kernels support their format."""
     tdtype = DTYPES[dtype]
-    matrices = Plan.matrix_params(graph)
+    matrices = graph.matrix_params()
     params: dict[str, Param] = {}
     fallbacks: Counter = Counter()
     for name, p in tqdm(graph.params.items(), desc="to device", unit="tensor", disable=not progress, leave=False):

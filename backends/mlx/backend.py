@@ -55,8 +55,7 @@ class MLXBackend(Backend):
         return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}"
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        item = mx.zeros((1,), weights.DTYPES[self.dtype]).itemsize
-        return sum(block_size * hkv * (dk + dv) * item for hkv, dk, dv in self.kv_shapes())
+        return self.kv_bytes(block_size, mx.zeros((1,), weights.DTYPES[self.dtype]).itemsize)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         dt = weights.DTYPES[self.dtype]

@@ -41,7 +41,7 @@ class CompiledDecode:
 
     @staticmethod
     def applies(batch: Batch) -> bool:
-        return batch.num_tokens > 0 and bool(np.all(np.diff(batch.query_start) == 1))
+        return batch.is_decode
 
     def _step(self, tokens, slots, read_slots, rows, tables, ctx_lens, *rest):
         n_rope = 2 * len(self.specs)

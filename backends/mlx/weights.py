@@ -42,22 +42,7 @@ class QuantLinear:
 
 
 def dense_array(t: StoredTensor, shape: tuple[int, ...], dtype) -> mx.array:
-    if t.data.dtype in (np.float32, np.float16):
-        arr = t.data
-    else:  # GGUF blocks or raw bf16 bits
-        arr = t.dequantize()
-    return mx.array(np.ascontiguousarray(arr).reshape(shape)).astype(dtype)
-
-
-def matrix_params(graph: Graph) -> set[str]:
-    """Parameters used as the weight of a linear or as an embedding table: candidates for quantization."""
-    out = set()
-    for node in graph.nodes:
-        if node.op in ("linear", "embedding"):
-            w = node.inputs[1] if node.op == "linear" else node.inputs[0]
-            if w.kind == "param":
-                out.add(w.name)
-    return out
+    return mx.array(np.ascontiguousarray(t.values()).reshape(shape)).astype(dtype)
 
 
 def convert(graph: Graph, weights, dtype: str, quantized: bool, progress: bool = True):
@@ -65,7 +50,7 @@ def convert(graph: Graph, weights, dtype: str, quantized: bool, progress: bool =
     from backends.mlx.gguf_affine import to_affine
 
     mdtype = DTYPES[dtype]
-    matrices = matrix_params(graph)
+    matrices = graph.matrix_params()
     params, fallbacks = {}, Counter()
     for name, p in tqdm(graph.params.items(), desc="to mlx", unit="tensor", disable=not progress, leave=False):
         t = weights[name]
