@@ -124,12 +124,12 @@ def q4_k_m_params(graph, layers: int) -> dict:
 
 # --- our engine ------------------------------------------------------------------------------------------------
 
-def engine_for(params, cfg: ModelConfig, max_batch: int, ctx: int, graphs: bool = True):
+def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True):
     from backends.cuda.backend import CUDABackend
     from frontend.engine.engine import EngineConfig, LLMEngine
     from frontend.engine.scheduler import SchedulerConfig
 
-    backend = CUDABackend(loaded_model(cfg), dtype="bf16", params=params, cuda_graph=graphs, progress=False)
+    backend = CUDABackend(model, dtype="bf16", params=params, cuda_graph=graphs, progress=False)
     blocks = max_batch * (-(-ctx // 16) + 1) + 64
     config = EngineConfig(num_kv_blocks=blocks, prefix_caching=False,
                           scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
@@ -275,9 +275,10 @@ def main() -> None:
     res["peer"] = {} if args.no_peer else peer_rates(cfg, batches, args.prompt, args.gen)
 
     t0 = time.perf_counter()
-    params = dense_params(loaded_model(cfg).graph)
+    model = loaded_model(cfg)
+    params = dense_params(model.graph)
     res["bf16_bytes"] = weight_bytes(params)
-    engine = engine_for(params, cfg, max(batches), max(args.prompt + args.gen, args.prefill), not args.no_graphs)
+    engine = engine_for(model, params, max(batches), max(args.prompt + args.gen, args.prefill), not args.no_graphs)
     del params
     say(f"ours: bf16 model {res['bf16_bytes'] / GB:.2f} GB ready in {time.perf_counter() - t0:.1f} s")
     res["decode"] = {}
@@ -302,9 +303,9 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     if not args.no_quant:
-        qparams = q4_k_m_params(loaded_model(cfg).graph, args.layers)
+        qparams = q4_k_m_params(model.graph, args.layers)
         res["q4km_bytes"] = weight_bytes(qparams)
-        engine = engine_for(qparams, cfg, 1, args.prompt + args.gen, not args.no_graphs)
+        engine = engine_for(model, qparams, 1, args.prompt + args.gen, not args.no_graphs)
         del qparams
         res["q4km_decode_1"] = decode_rate(engine, 1, args.prompt, args.gen, cfg.vocab_size)
         say(f"  Q4_K_M ({res['q4km_bytes'] / GB:.2f} GB) decode batch 1: {res['q4km_decode_1']:,.0f} tok/s")
