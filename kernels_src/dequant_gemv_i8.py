@@ -18,7 +18,7 @@ import numpy as np
 
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src.dequant_gemv import FORMATS, _chunks, _gemv_body, _q4k_load, _q4k_scales, _words, _x_vals
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.paged_attention import empty
 
 # --- Q4_K with int8 activations (llama.cpp's mmvq): dp4a on nibble words against int8 x words ------------------
@@ -107,7 +107,6 @@ def dequant_gemv_i8_kernel(w, xq, xd, y, n_rows, n_cols, w_stride, xq_stride, xd
 
 I8_QTYPES = ("Q4_K",)  # formats with an int8-activation path
 I8_TARGETS = ("triton",)  # targets whose I8_QTYPES take it by default (dp4a; the SIMT targets keep fp32 x)
-PDL_TARGETS = ("triton",)  # targets whose int8 GEMV overlaps the pre-pass (programmatic dependent launch)
 
 
 def uses_int8(qtype: str, target: str, int8_x: bool | None = None) -> bool:
@@ -149,7 +148,7 @@ def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, targe
     m, k = x2.shape
     n = w.shape[0]
     xq, xd = quantize_x(x2, target=target)
-    pdl = target in PDL_TARGETS
+    pdl = use_pdl(target)
     kern = compile(dequant_gemv_i8_kernel, target, num_warps=num_warps, launch_pdl=pdl, QTYPE=qtype, M=m, ROWS=rows,
                    STEP=step, PDL=pdl)
     kern[tl.cdiv(n, rows)](w, xq, xd, out2, n, k, elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xd, 0),

@@ -3,9 +3,9 @@
 
 from . import simt_targets, tl  # noqa: F401  (simt_targets registers the simt-cpu, cuda and metal targets)
 from .ir import KernelIR
-from .launch import TARGETS, Kernel, cache_info, compile, elem_stride
+from .launch import PDL_TARGETS, TARGETS, Kernel, cache_info, compile, elem_stride, use_pdl
 from .printer import format_kernel
 from .tracer import TraceError, trace
 
-__all__ = ["TARGETS", "Kernel", "KernelIR", "TraceError", "cache_info", "compile", "elem_stride", "format_kernel",
-           "tl", "trace"]
+__all__ = ["PDL_TARGETS", "TARGETS", "Kernel", "KernelIR", "TraceError", "cache_info", "compile", "elem_stride",
+           "format_kernel", "tl", "trace", "use_pdl"]

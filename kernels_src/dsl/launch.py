@@ -113,6 +113,19 @@ class Kernel:
         return lambda *args: self.compiled(*args)(grid, *args)
 
 
+PDL_TARGETS = ("triton",)  # targets that launch kernels as programmatic dependent launches (Hopper and later)
+
+
+def use_pdl(target: str, pdl: bool | None = None) -> bool:
+    """Whether a launcher's kernel is launched with `launch_pdl` on `target` (pdl None: wherever it can be).
+
+    The convention every such kernel follows: a `PDL: tl.constexpr` parameter; when set, every program calls
+    `tl.wait_prior_grid()` before its first store and before loading anything an earlier kernel writes (weights and
+    tables may be loaded before), then `tl.launch_dependents()`. Waiting in every program keeps the order
+    transitive: a kernel two launches later still sees the writes of this one's predecessor."""
+    return target in PDL_TARGETS and pdl is not False
+
+
 def compile(fn, target: str = "numpy", *, num_warps: int = 4, launch_pdl: bool = False,  # noqa: A001
             **constexprs) -> Kernel:
     """The kernel `fn` for `target` ("numpy", "triton", "triton-interpret") with its constexpr values; `launch_pdl`
