@@ -26,9 +26,24 @@ class MemoryReport:
                 f"KV cache {self.kv_bytes / 2**20:.0f} MiB")
 
 
+class Sampled:
+    """Tokens already on the host: what `sample_async` gives where sampling is not overlapped."""
+
+    __slots__ = ("results",)
+
+    def __init__(self, results: list):
+        self.results = results
+
+    def result(self) -> list:
+        return self.results
+
+
 class Backend(ABC):
     name: str
     model: LoadedModel
+    # Whether forward takes Batch.prev_rows: input tokens that the previous sample_async left on the device, so
+    # the engine can launch a step before reading the last one's tokens back.
+    chains_steps: bool = False
 
     def set_limits(self, max_num_seqs: int, max_model_len: int) -> None:
         """The engine's limits, given before the KV cache is sized: a backend may size per-step buffers by them."""
@@ -76,6 +91,11 @@ class Backend(ABC):
         from frontend.engine.sampler import Sampler
 
         return Sampler()(np.asarray(logits), inputs)
+
+    def sample_async(self, logits, inputs):
+        """Start sampling; `.result()` gives sample's list. A backend with `chains_steps` keeps the tokens on the
+        device for the next step's `prev_rows` and reads them back only when asked."""
+        return Sampled(self.sample(logits, inputs))
 
 
 CUDA_ONLY = ("device", "cuda_graph")  # options only the CUDA backend takes

@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--prefill-chunk-size", metavar="N", type=_positive(), default=512, help="chunked prefill")
     eng.add_argument("--disable-prefix-cache", action="store_true", help="no automatic prefix caching")
     eng.add_argument("--disable-cuda-graph", action="store_true", help="CUDA backend: run decode steps eagerly")
+    eng.add_argument("--disable-async-scheduling", action="store_true", help="CUDA backend: read each step's "
+                     "tokens back before launching the next (by default steps overlap the host's work)")
     eng.add_argument("--d", metavar="ID", help="CUDA backend: the GPU to use (default 0; tensor parallel over "
                      "several ids is not built yet)")
     smp = ap.add_argument_group("sampling defaults (a request's own values win)")
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.mem * 2**20 if args.mem else None,
                               kv_fraction=args.kv_fraction,
                               max_model_len=args.max_model_len, prefix_caching=not args.disable_prefix_cache,
+                              async_scheduling=not args.disable_async_scheduling,
                               scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                         args.prefill_chunk_size))
         engine = LLMEngine(backend, config)

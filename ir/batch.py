@@ -27,6 +27,9 @@ class Batch:
     context_lens: np.ndarray  # [B] int32
     query_start: np.ndarray  # [B + 1] int32
     logits_indices: np.ndarray  # [N] int32 rows of the batch that need logits
+    # Overlapped steps (backends with `chains_steps`): token t is the one the previous step sampled for its row
+    # prev_rows[t], still on the device (token_ids holds a placeholder there); -1: token_ids holds it.
+    prev_rows: np.ndarray | None = None
 
     def inputs(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in (

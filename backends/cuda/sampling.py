@@ -2,7 +2,8 @@
 
 frontend.engine.sampler is the specification: same order of adjustments, same float32/float64 steps,
 and each non-greedy row takes one `generator.random()`, in row order, so a seeded request draws the
-same tokens on either sampler. Host inputs reach the device in one copy; results come back in one.
+same tokens on either sampler. Host inputs reach the device in one copy; results come back in one, which the
+engine reads only after launching the next step (`launch` returns before the device is done).
 """
 
 from __future__ import annotations
@@ -155,19 +156,52 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Te
     return chosen[:, 0], ids, raw.gather(1, ids).double() - lse
 
 
+class PendingSample:
+    """Tokens (and logprobs) sampled on the device, on their way to pinned host memory; `result()` waits."""
+
+    __slots__ = ("host", "event", "n", "lrows", "ks", "k")
+
+    def __init__(self, flat: torch.Tensor, n: int, lrows: list[int], ks: list[int], k: int):
+        if flat.is_cuda:
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = flat, None
+        self.n, self.lrows, self.ks, self.k = n, lrows, ks, k
+
+    def result(self) -> list[SampleResult]:
+        if self.event is not None:
+            self.event.synchronize()
+        flat, n, k = self.host.tolist(), self.n, self.k
+        results = [SampleResult(int(t)) for t in flat[:n]]
+        nl = len(self.lrows)
+        chosen, top_ids, top_vals = flat[n:n + nl], flat[n + nl:n + nl + nl * k], flat[n + nl + nl * k:]
+        for j, (i, ki) in enumerate(zip(self.lrows, self.ks, strict=True)):
+            top = [(int(top_ids[j * k + c]), top_vals[j * k + c]) for c in range(min(ki, k))]
+            results[i] = SampleResult(results[i].token, chosen[j], top)
+        return results
+
+
 class TorchSampler:
     """Samples one token per row on the logits' device; row i belongs to inputs[i]. Never writes to the logits."""
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplerInput]) -> list[SampleResult]:
+        return self.launch(logits, inputs)[1].result()
+
+    @torch.no_grad()
+    def launch(self, logits: torch.Tensor, inputs: Sequence[SamplerInput]) -> tuple[torch.Tensor, PendingSample]:
+        """(the tokens [n] on the device, their read-back): nothing here waits for the device."""
         if logits.ndim != 2 or logits.shape[0] != len(inputs):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(inputs)} inputs")
         logits = logits.float()
         params = [s.params for s in inputs]
         adjusts = any(_adjusts(p) for p in params)
-        if not adjusts and all(p.greedy and p.logprobs is None for p in params):
-            return [SampleResult(t) for t in logits.argmax(1).tolist()]
         n, vocab = logits.shape
+        if not adjusts and all(p.greedy and p.logprobs is None for p in params):
+            tokens = logits.argmax(1)
+            return tokens, PendingSample(tokens, n, [], [], 0)
         h = _host_arrays(inputs, vocab)
         d = _to_device(h, logits.device)
         x = _adjust(logits, d) if adjusts else logits
@@ -182,11 +216,4 @@ class TorchSampler:
         k = min(max(ks, default=0), vocab)
         if lrows:
             out += [t.flatten() for t in _logprobs(logits[d["l_row"]], tokens[d["l_row"]], k)]
-        flat = torch.cat(out).tolist()  # the one device-to-host sync
-        results = [SampleResult(int(t)) for t in flat[:n]]
-        nl = len(lrows)
-        chosen, top_ids, top_vals = flat[n:n + nl], flat[n + nl:n + nl + nl * k], flat[n + nl + nl * k:]
-        for j, (i, ki) in enumerate(zip(lrows, ks, strict=True)):
-            top = [(int(top_ids[j * k + c]), top_vals[j * k + c]) for c in range(min(ki, k))]
-            results[i] = SampleResult(results[i].token, chosen[j], top)
-        return results
+        return tokens, PendingSample(torch.cat(out), n, lrows, ks, k)  # one device-to-host copy

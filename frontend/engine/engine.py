@@ -12,7 +12,7 @@ import numpy as np
 from backends.base import Backend
 from frontend.engine.block_manager import BlockManager
 from frontend.engine.detokenizer import IncrementalDetokenizer
-from frontend.engine.sampler import make_generator
+from frontend.engine.sampler import make_generator, needs_history
 from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from frontend.engine.sequence import Sequence, Status, TokenLogprob
@@ -29,6 +29,7 @@ class EngineConfig:
     kv_fraction: float | None = None  # share of the memory free after loading
     max_model_len: int | None = None  # None: the model's context length
     prefix_caching: bool = True
+    async_scheduling: bool = True  # overlap steps where the backend can (see LLMEngine.step)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
@@ -51,6 +52,15 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step whose tokens were sampled on the device and are not read back yet."""
+
+    seqs: list[Sequence]  # the sampling sequences, in row order
+    slots: list[int]  # where each one's token goes in its output_token_ids
+    pending: object  # .result() -> list[SampleResult]
 
 
 class NoText:
@@ -103,7 +113,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}
         self.eos_ids = set(getattr(self.tokenizer, "eos_ids", ())) | set(model.config.eos_token_ids)
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
+        self.overlap = config.async_scheduling and backend.chains_steps
+        self._inflight: _Launched | None = None
         log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size,
                  num_blocks * config.block_size)
 
@@ -118,7 +130,8 @@ class LLMEngine:
         seqs: list[Sequence] = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            seq = Sequence(request_id, i, prompt, params, make_generator(seed), parent=seqs[0] if seqs else None)
+            seq = Sequence(request_id, i, prompt, params, make_generator(seed), parent=seqs[0] if seqs else None,
+                           needs_history=needs_history(params))
             seq.detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt, params) if self.tokenizer
                                else NoText())
             seqs.append(seq)
@@ -152,70 +165,125 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; report what the sampled tokens changed.
+
+        With a backend that `chains_steps` the steps overlap: a step's sampled tokens stay on the device (the
+        sequences hold placeholders) and are read back during the next step, after it is launched, so the GPU
+        never waits for the host's bookkeeping. The next step takes its input tokens from the device. A step that
+        cannot be launched blind (admissions, preemption, penalties that need the tokens) first reads back."""
+        prev, self._inflight = self._inflight, None
+        touched: set[str] = set()
+        if prev is not None and not self._can_chain():
+            self._resolve(prev, touched)
+            prev = None
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
+        self.stats["overlapped_steps"] += prev is not None and bool(scheduled)
+        launched = self._launch(scheduled, touched) if scheduled else None
+        if prev is not None:
+            self._resolve(prev, touched)
+        for s in scheduled:  # after the read-back: block hashes need the tokens
+            self.blocks.commit(s.seq)
+        if launched is not None:
+            if self.overlap:
+                self._inflight = launched
+            else:
+                self._resolve(launched, touched)
+        return [self._report(self.requests[r]) for r in touched if r in self.requests]
+
+    def _can_chain(self) -> bool:
+        """Whether the next step can be scheduled before the last one's tokens are known: every running sequence
+        decodes from a pending token, nothing waits for admission, no sequence can be preempted for a block, none
+        needs its tokens on the host, and some sequence will not stop by length anyway."""
+        sched = self.scheduler
+        running = sched.running
+        if sched.waiting or self.blocks.num_free_blocks < len(running):
+            return False
+        live = False
+        for seq in running:
+            if not seq.pending or seq.needs_history:
+                return False
+            live = live or not ((seq.params.max_tokens is not None
+                                 and len(seq.output_token_ids) >= seq.params.max_tokens)
+                                or seq.num_tokens >= self.max_model_len)
+        return live
+
+    def _launch(self, scheduled: list[ScheduledSeq], touched: set[str]) -> _Launched | None:
         keep = [i for i, s in enumerate(scheduled) if s.samples]
-        sampling = [scheduled[i] for i in keep]
         batch = make_batch([s.seq.tokens(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new)
                             for s in scheduled],
                            [s.seq.num_computed_tokens for s in scheduled],
                            [s.seq.block_table for s in scheduled], self.config.block_size)
         batch.logits_indices = batch.logits_indices[keep]
+        if self.overlap and any(s.seq.pending for s in scheduled):
+            batch.prev_rows = np.array([s.seq.chain_row if s.seq.pending else -1 for s in scheduled], np.int32)
         logits = self.backend.forward(batch)  # also for chunks that sample nothing: their K/V must be written
         self.stats["steps"] += 1
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new
-            self.blocks.commit(s.seq)
             if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
                 self.stats["prompt_tokens"] += s.num_new
-        touched = {s.seq.request_id for s in scheduled}
-        if sampling:
-            self._sample(sampling, logits)
-        return [self._report(self.requests[r]) for r in touched if r in self.requests]
-
-    def _sample(self, sampling: list[ScheduledSeq], logits: np.ndarray) -> None:
-        seqs = [s.seq for s in sampling]
+        seqs = [scheduled[i].seq for i in keep]
+        touched.update(s.seq.request_id for s in scheduled if not s.samples)  # chunk progress
+        if not seqs:
+            return None
         for row, seq in enumerate(seqs):
             if len(seq.output_token_ids) < seq.params.min_tokens:
                 stops = (set() if seq.params.ignore_eos else self.eos_ids) | set(seq.params.stop_token_ids)
                 logits[row, list(stops)] = -np.inf
-        results = self.backend.sample(logits, seqs)
+        pending = self.backend.sample_async(logits, seqs)
+        slots = []
+        for row, seq in enumerate(seqs):
+            slots.append(len(seq.output_token_ids))
+            seq.output_token_ids.append(-1)
+            seq.pending += 1
+            seq.chain_row = row
+        return _Launched(seqs, slots, pending)
+
+    def _resolve(self, launched: _Launched, touched: set[str]) -> None:
+        """Read a launched step's tokens back: fill the placeholders, detokenize, stop."""
+        results = launched.pending.result()
         now = time.monotonic()
-        for seq, res in zip(seqs, results, strict=True):
+        for seq, slot, res in zip(launched.seqs, launched.slots, results, strict=True):
+            if seq.finished:  # aborted, or stopped by the step before: this token was never wanted
+                continue
+            touched.add(seq.request_id)
+            seq.output_token_ids[slot] = res.token
+            seq.pending -= 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            seq.output_token_ids.append(res.token)
             self.stats["generation_tokens"] += 1
             if res.logprob is not None:
                 seq.logprobs.append(TokenLogprob(res.token, res.logprob, res.top_logprobs))
-            stop_token = self._is_stop_token(seq, res.token)
+            n_out = slot + 1
+            stop_token = self._is_stop_token(seq, res.token, n_out)
             if not stop_token or seq.params.include_stop_str_in_output:
                 seq.detokenizer.add(res.token)  # like vLLM, the EOS/stop token adds no text by default
-            reason = self._stop_reason(seq, stop_token)
+            reason = self._stop_reason(seq, stop_token, n_out)
             if reason is not None:
+                del seq.output_token_ids[n_out:]  # a placeholder of a step launched blind
+                seq.pending = 0
                 if not seq.detokenizer.stopped:
                     seq.detokenizer.flush()  # text held back for a stop string that never came
                 self.scheduler.finish(seq, reason)
 
-    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+    def _is_stop_token(self, seq: Sequence, token: int, n_out: int) -> bool:
         p = seq.params
-        if len(seq.output_token_ids) < p.min_tokens:
+        if n_out < p.min_tokens:
             return False
         if token in p.stop_token_ids:
             seq.stop_reason = token
             return True
         return not p.ignore_eos and token in self.eos_ids
 
-    def _stop_reason(self, seq: Sequence, stop_token: bool) -> str | None:
+    def _stop_reason(self, seq: Sequence, stop_token: bool, n_out: int) -> str | None:
         if stop_token:
             return "stop"
         if seq.detokenizer.stopped:
             seq.stop_reason = seq.detokenizer.stop_string
             return "stop"
-        if seq.params.max_tokens is not None and len(seq.output_token_ids) >= seq.params.max_tokens:
+        if seq.params.max_tokens is not None and n_out >= seq.params.max_tokens:
             return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if seq.num_prompt_tokens + n_out >= self.max_model_len:
             return "length"
         return None
 
@@ -228,6 +296,8 @@ class LLMEngine:
             delta = text[seq.text_offset:]
             seq.text_offset = len(text)
             ids = seq.output_token_ids
+            if seq.pending:
+                ids = ids[:len(ids) - seq.pending]
             new_ids = ids[req.reported_tokens[i]:]
             req.reported_tokens[i] = len(ids)
             outs.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason,

@@ -14,7 +14,8 @@ import numpy as np
 
 from frontend.engine.sampling_params import SamplingParams
 
-__all__ = ["SampleResult", "Sampler", "SamplerInput", "adjusted_logits", "make_generator", "sampling_probs"]
+__all__ = ["SampleResult", "Sampler", "SamplerInput", "adjusted_logits", "make_generator", "needs_history",
+           "sampling_probs"]
 
 _SMALL = 4096  # up to this many candidates one cumulative sum is cheapest; above, a two-level draw
 _BLOCK = 256
@@ -42,6 +43,11 @@ def make_generator(seed: int | None) -> np.random.Generator:
 
 def _adjusts(p: SamplingParams) -> bool:
     return bool(p.logit_bias) or p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Whether sampling reads the sequence's tokens so far (the penalties)."""
+    return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
 
 
 def _ids(values: Sequence[int]) -> np.ndarray:

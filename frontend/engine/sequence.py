@@ -51,10 +51,19 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     text_offset: int = 0  # how much of the detokenized text has been reported
+    # Overlapped steps: the last `pending` output tokens are placeholders (-1) for tokens sampled on the device and
+    # not read back yet; the newest was row `chain_row` of the step that sampled it.
+    pending: int = 0
+    chain_row: int = -1
+    needs_history: bool = False  # its sampling reads its tokens (penalties): never sampled blind
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_outputs(self) -> int:
+        return len(self.output_token_ids) - self.pending
 
     @property
     def num_prompt_tokens(self) -> int:

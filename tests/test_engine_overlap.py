@@ -1,0 +1,133 @@
+"""Overlapped steps (the CUDA backend's `chains_steps`): the engine launches a step before reading the last one's
+tokens back, and must produce exactly what the plain step loop produces: tokens, text, stop reasons, logprobs,
+streamed deltas, through admissions, aborts, stop strings and penalties (which fall back to the plain loop).
+
+Runs the CUDA backend on CPU tensors (kernels under Triton's interpreter) with a tiny random llama that speaks
+through SmolLM2's real tokenizer, so stop strings are real text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, smollm_path):
+    from ir.loader import load_model
+    from tests.tiny_chat_model import save_tiny_chat_model
+
+    return load_model(save_tiny_chat_model(tmp_path_factory.mktemp("chat"), smollm_path), progress=False)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA GPU"))]
+
+
+def make_engine(model, overlap: bool, max_num_seqs: int = 8, device: str = "cpu"):
+    from backends.cuda.backend import CUDABackend
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    # fp32 on the GPU too (with CUDA graphs: the chained tokens then come from the graphs' input buffer)
+    backend = CUDABackend(model, device=device, dtype="f32", progress=False)
+    return LLMEngine(backend, EngineConfig(num_kv_blocks=96, block_size=8, async_scheduling=overlap,
+                                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs)))
+
+
+def drive(engine, jobs, events=None) -> dict:
+    """Steps until done; `events` {step: fn(engine)} runs before that step. Returns the final outputs of every
+    request that finished, by id, after checking that streamed deltas add up to them and no placeholder shows."""
+    for rid, p, sp in jobs:
+        engine.add_request(p, sp, rid)
+    streamed: dict[str, list[list[int]]] = {}
+    final = {}
+    step = 0
+    while engine.has_unfinished():
+        if events and step in events:
+            events[step](engine)
+        for out in engine.step():
+            got = streamed.setdefault(out.request_id, [[] for _ in out.outputs])
+            for c in out.outputs:
+                assert -1 not in c.token_ids and -1 not in c.delta_token_ids
+                got[c.index] += c.delta_token_ids
+                assert got[c.index] == c.token_ids
+            if out.finished:
+                final[out.request_id] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                                          [(lp.token, round(lp.logprob, 4)) for lp in c.logprobs or []])
+                                         for c in out.outputs]
+        step += 1
+    assert engine.all_blocks_free()
+    return final
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlapped_steps_match_the_plain_loop(chat_model, device):
+    from frontend.engine.sampling_params import SamplingParams as P
+
+    tok = chat_model.tokenizer
+    prompts = [tok.encode(t) for t in ("The capital of France is", "Once upon a time", "1, 2, 3,",
+                                       "Hello there", "def main():", "Rain")]
+    # A stop string and a stop token the model actually produces mid-answer, found by a first plain run.
+    probe = drive(make_engine(chat_model, False, device=device),
+                  [("probe", prompts[0], P(temperature=0, max_tokens=12))])
+    ids, text = probe["probe"][0][:2]
+    stop_text, stop_id = text[len(text) // 3: len(text) // 3 + 3], ids[5]
+    assert stop_text.strip(), f"no text to stop on in {text!r}"
+    params = [P(temperature=0, max_tokens=9),
+              P(temperature=0.8, top_p=0.9, seed=5, max_tokens=10),
+              P(temperature=1.1, top_k=30, seed=9, max_tokens=6, logprobs=2),
+              P(temperature=0, max_tokens=12, stop=[stop_text]),
+              P(temperature=0, max_tokens=12, stop_token_ids=[stop_id], min_tokens=2),
+              P(temperature=0.7, seed=1, n=2, max_tokens=7),
+              P(temperature=0.9, seed=2, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=3),
+              P(temperature=0, max_tokens=1)]
+    jobs = [(f"r{i}", prompts[i % len(prompts)] if i != 3 else prompts[0], p) for i, p in enumerate(params)]
+    jobs[4] = ("r4", prompts[0], params[4])
+    plain_engine, overlap_engine = make_engine(chat_model, False, device=device), make_engine(chat_model, True,
+                                                                                              device=device)
+    plain, overlapped = drive(plain_engine, jobs), drive(overlap_engine, jobs)
+    assert overlapped == plain
+    assert plain["r3"][0][2:4] == ("stop", stop_text) and plain["r4"][0][2:4] == ("stop", stop_id)
+    assert plain_engine.stats["overlapped_steps"] == 0
+    # The penalised request keeps the loop plain while it runs; the rest of the time steps overlap.
+    assert overlap_engine.stats["overlapped_steps"] >= 4
+
+
+def test_overlapped_steps_through_admissions_and_aborts(chat_model):
+    """A request arrives mid-run and another is aborted while its step is in flight: the survivors' tokens are
+    the plain loop's, the aborted one's blocks come back, and nothing is reported for it after the abort."""
+    from frontend.engine.sampling_params import SamplingParams as P
+
+    tok = chat_model.tokenizer
+    greedy = P(temperature=0, max_tokens=10, ignore_eos=True)
+    seeded = P(temperature=0.8, seed=4, max_tokens=10, ignore_eos=True)
+    jobs = [("a", tok.encode("The weather today"), greedy), ("b", tok.encode("My favourite food"), seeded)]
+    late = ("c", tok.encode("Numbers: 4, 8,"), seeded)
+    events = {3: lambda e: e.add_request(late[1], late[2], late[0]), 5: lambda e: e.abort_request("b")}
+    runs = []
+    for overlap in (False, True):
+        engine = make_engine(chat_model, overlap)
+        runs.append(drive(engine, jobs, events))
+        assert sorted(runs[-1]) == ["a", "c"]  # "b" was aborted: never reported finished
+    assert runs[0] == runs[1]
+    assert engine.stats["overlapped_steps"] > 0
+
+
+def test_late_request_matches_alone(chat_model):
+    """A request admitted while others' steps are in flight gets the tokens it gets alone (seeded sampling)."""
+    from frontend.engine.sampling_params import SamplingParams as P
+
+    tok = chat_model.tokenizer
+    seeded = P(temperature=0.8, seed=4, max_tokens=8, ignore_eos=True)
+    late = tok.encode("Numbers: 4, 8,")
+    alone = drive(make_engine(chat_model, False), [("c", late, seeded)])["c"]
+    engine = make_engine(chat_model, True)
+    crowd = drive(engine, [("a", tok.encode("The weather today"), P(temperature=0, max_tokens=12, ignore_eos=True))],
+                  {3: lambda e: e.add_request(late, seeded, "c")})
+    assert crowd["c"] == alone
+    assert engine.stats["overlapped_steps"] > 0
