@@ -31,6 +31,7 @@ def _mib(n: float) -> str:
 
 class CUDABackend(Backend):
     name = "cuda"
+    chains_steps = True
 
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
                  device: str | torch.device | None = None, cuda_graph: bool = True, params: dict | None = None,
@@ -62,6 +63,7 @@ class CUDABackend(Backend):
         self.block_size = 0
         self.max_num_seqs, self.max_model_len = 256, model.config.max_position_embeddings
         self._sampler = None
+        self._chain: torch.Tensor | None = None  # the last sample_async's tokens, for Batch.prev_rows
         log.info("cuda backend: %s", self.describe())
 
     @staticmethod
@@ -140,9 +142,13 @@ class CUDABackend(Backend):
         # of tokens, and rope tables that long would waste a GiB.
         longest = min(num_blocks * block_size, self.max_model_len)
         self.runner.set_cache(self.kv, longest)
+        chain = max(1, self.max_num_seqs)
         if self.use_graphs and _graphs:
-            self.graphs = DecodeGraphs(self.runner, -(-longest // block_size), longest, self.max_num_seqs)
+            self.graphs = DecodeGraphs(self.runner, -(-longest // block_size), longest, self.max_num_seqs, chain)
             self.graphs.capture_all()
+            self._chain = self.graphs.chain
+        else:
+            self._chain = torch.zeros(chain, dtype=torch.int32, device=self.device)
 
     # -- a step -------------------------------------------------------------------------------------
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -159,14 +165,25 @@ class CUDABackend(Backend):
         meta = StepMeta(up(batch.positions), up(batch.slot_mapping, torch.int64), up(np.maximum(batch.block_tables, 0)),
                         up(batch.context_lens), up(batch.query_start), batch.is_decode,
                         int(np.diff(batch.query_start).max(initial=0)), int(batch.context_lens.max(initial=1)))
-        return self.runner.run(up(batch.token_ids), up(batch.logits_indices), meta)
+        ids = up(batch.token_ids)
+        if batch.prev_rows is not None:
+            prev = up(batch.prev_rows)
+            ids = torch.where(prev >= 0, self._chain[prev.clamp(min=0).long()], ids)
+        return self.runner.run(ids, up(batch.logits_indices), meta)
 
     def sample(self, logits, inputs):
+        return self.sample_async(logits, inputs).result()
+
+    def sample_async(self, logits, inputs):
+        """Tokens stay on the device for the next step (Batch.prev_rows); the read-back waits for `.result()`."""
         if self._sampler is None:
             from backends.cuda.sampling import TorchSampler
 
             self._sampler = TorchSampler()
-        return self._sampler(logits, inputs)
+        tokens, pending = self._sampler.launch(logits, inputs)
+        if self._chain is not None and len(tokens) <= len(self._chain):
+            self._chain[:len(tokens)].copy_(tokens)
+        return pending
 
     def memory(self) -> MemoryReport:
         wbytes = sum(weights.nbytes(p) for p in self.params.values())

@@ -21,7 +21,8 @@ from kernels_src.dequant_gemv import dequant_gemv
 F = torch.nn.functional
 GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it weights are dequantized in chunks for a GEMM
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
-DECODE_PARTITION = 512  # keys per split-K partition of the decode kernel
+DECODE_PARTITIONS = ((8, 64), (32, 128), (128, 256))  # (up to this many programs, keys per split-K partition)
+LONG_PARTITION = 512
 
 
 @dataclass
@@ -38,8 +39,15 @@ class StepMeta:
     max_context: int  # bounds context_lens; fixes the decode kernel's grid
 
 
-def partitions_for(max_context: int) -> int:
-    return paged_attention.num_partitions(max_context, DECODE_PARTITION)
+def decode_partition(rows: int, kv_heads: int) -> int:
+    """Keys per split-K partition of the decode kernel: a batch of few (sequence, KV head) programs cuts its
+    contexts finer, so that more of the GPU's SMs share the keys (one program walks its keys serially)."""
+    programs = rows * kv_heads
+    return next((part for limit, part in DECODE_PARTITIONS if programs <= limit), LONG_PARTITION)
+
+
+def partitions_for(max_context: int, partition: int) -> int:
+    return paged_attention.num_partitions(max_context, partition)
 
 
 def _act(op: str, x):
@@ -55,6 +63,7 @@ class Runner:
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        self.kv_heads = max((n.inputs[1].shape[1] for n in graph.nodes if n.op == "attention"), default=1)
 
     def set_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], max_positions: int) -> None:
         """Caches per layer [num_blocks, block_size, Hkv, D]; rope tables for positions below max_positions."""
@@ -133,8 +142,9 @@ class Runner:
         out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target)
         if meta.decode:
+            part = decode_partition(q.shape[0], self.kv_heads)
             return paged_attention.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, a["scale"],
-                                                max_context=meta.max_context, partition=DECODE_PARTITION, **kw)
+                                                max_context=meta.max_context, partition=part, **kw)
         return paged_prefill.paged_prefill(q, kc, vc, meta.block_tables, meta.context_lens, meta.query_start,
                                            a["scale"], max_query_len=meta.max_query_len, **kw)
 
