@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
@@ -26,31 +26,37 @@ def _act(x, ACT):
 
 
 def gated_act_kernel(gate, up, out, n_cols, gate_stride, up_stride, out_stride, BLOCK: tl.constexpr,
-                     ACT: tl.constexpr):
+                     ACT: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if PDL:  # gate and up come from the kernel before
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     g = tl.load(gate + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + row * out_stride + cols, _act(g, ACT) * u, mask=mask)
 
 
-def gated_act(gate, up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy"):
+def gated_act(gate, up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy",
+              pdl: bool | None = None):
     """act(gate) * up for gate, up [T, I]; out [T, I] (gate's dtype by default)."""
     if out is None:
         out = np.empty(gate.shape, gate.dtype) if isinstance(gate, np.ndarray) else gate.new_empty(gate.shape)
     n = gate.shape[1]
     block = min(block, tl.next_power_of_2(n))
-    k = compile(gated_act_kernel, target, BLOCK=block, ACT=act)
+    pdl = use_pdl(target, pdl)
+    k = compile(gated_act_kernel, target, launch_pdl=pdl, BLOCK=block, ACT=act, PDL=pdl)
     k[gate.shape[0], tl.cdiv(n, block)](gate, up, out, n, elem_stride(gate, 0), elem_stride(up, 0),
                                          elem_stride(out, 0))
     return out
 
 
-def gated_act_fused(gate_up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy"):
+def gated_act_fused(gate_up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy",
+                    pdl: bool | None = None):
     """act(gate) * up on a fused [T, 2I] projection (gate first)."""
     i = gate_up.shape[1] // 2
-    return gated_act(gate_up[:, :i], gate_up[:, i:], act, out=out, block=block, target=target)
+    return gated_act(gate_up[:, :i], gate_up[:, i:], act, out=out, block=block, target=target, pdl=pdl)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:

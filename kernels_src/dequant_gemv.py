@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats.gguf_quants import dequantize, row_bytes
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.paged_attention import empty
 
 FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
@@ -262,7 +262,9 @@ def _family(QTYPE: str, PARTS: int):
 
 
 def _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape,
-               x_prep, w_load, w_dot):
+               x_prep, w_load, w_dot, PDL: bool = False):
+    """The GEMV. Under PDL the caller's x_prep waits before loading x, after the step's weight loads; PDL waits once
+    more before the stores, since a program whose loop runs no step must still wait (a later wait returns at once)."""
     n_blk = n_cols // elems
     rows = [tl.program_id(0) * ROWS + r for r in range(ROWS)]
     blocks = tl.arange(0, STEP)
@@ -284,18 +286,30 @@ def _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, S
 
     init = tuple(tl.zeros((STEP,) + acc_shape, tl.float32) for _ in range(ROWS * M))
     accs = tl.fori_loop(0, (n_blk + STEP - 1) // STEP, body, init)
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     for r, row in enumerate(rows):
         for m in range(M):
             tl.store(y + m * y_stride + row, tl.sum(accs[r * M + m]), mask=row < n_rows)
 
 
 def dequant_gemv_kernel(w, x, y, n_rows, n_cols, w_stride, x_stride, y_stride, QTYPE: tl.constexpr, M: tl.constexpr,
-                        ROWS: tl.constexpr, STEP: tl.constexpr, PARTS: tl.constexpr, SUBNORMAL: tl.constexpr):
+                        ROWS: tl.constexpr, STEP: tl.constexpr, PARTS: tl.constexpr, SUBNORMAL: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """PDL: each step's weight loads are issued before waiting for x (as dequant_gemv_i8_kernel does): in the first
+    step they overlap the kernel before; later waits return at once."""
     elems, size = FORMATS[QTYPE]
     rank, acc_shape, x_prep, w_load, w_dot = _family(QTYPE, PARTS)
     dec = _Decode(SUBNORMAL)
-    _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape,
-               lambda m, b: x_prep(x + m * x_stride, b, dec, PARTS), w_load, lambda raw, xp: w_dot(raw, xp, dec))
+
+    def x_step(m, b):
+        if PDL and m == 0:
+            tl.wait_prior_grid()
+        return x_prep(x + m * x_stride, b, dec, PARTS)
+
+    _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape, x_step,
+               w_load, lambda raw, xp: w_dot(raw, xp, dec), PDL)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
@@ -332,11 +346,12 @@ def _aligned_rows(w, rb: int, align: int):
 
 def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: int | None = None,
                  parts: int | None = None, num_warps: int | None = None, target: str = "numpy",
-                 int8_x: bool | None = None):
+                 int8_x: bool | None = None, pdl: bool | None = None):
     """y [M, N] = x [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, row_bytes]); M <= 8; x may be 1-d.
 
     int8_x (default: dequant_gemv_i8.uses_int8): x quantized to int8 per 32 elements first, then integer dot
-    products (kernels_src/dequant_gemv_i8.py); y then differs from the fp32 path by that quantization."""
+    products (kernels_src/dequant_gemv_i8.py); y then differs from the fp32 path by that quantization.
+    pdl (default: dsl.use_pdl) applies to the fp32 path; the int8 path's GEMV is a PDL launch wherever use_pdl says."""
     qtype = qtype.upper()
     if qtype not in FORMATS:
         raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(QTYPES)})")
@@ -363,8 +378,9 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
         from kernels_src.dequant_gemv_i8 import gemv_i8
         gemv_i8(x2, w, out2, qtype, cfg["ROWS"], cfg["STEP"], nw, target)
         return out[0] if vec and len(out.shape) == 2 else out
-    kern = compile(dequant_gemv_kernel, target, num_warps=nw, QTYPE=qtype, M=m, SUBNORMAL=target in SUBNORMAL_TARGETS,
-                   **cfg)
+    pdl = use_pdl(target, pdl)
+    kern = compile(dequant_gemv_kernel, target, num_warps=nw, launch_pdl=pdl, QTYPE=qtype, M=m,
+                   SUBNORMAL=target in SUBNORMAL_TARGETS, PDL=pdl, **cfg)
     kern[grid](w, x2, out2, n, k, elem_stride(w, 0), elem_stride(x2, 0), elem_stride(out2, 0))
     return out[0] if vec and len(out.shape) == 2 else out
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src.dequant_gemv import FORMATS, QTYPES
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.dsl.ir import dtype_of
 from kernels_src.paged_attention import empty
 
@@ -121,13 +121,16 @@ def _family(QTYPE: str, WIDE: bool):
 
 
 def dequantize_rows_kernel(w, rows, out, n_blocks, w_stride, out_stride, QTYPE: tl.constexpr,
-                           BLOCKS: tl.constexpr, WIDE: tl.constexpr):
+                           BLOCKS: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = False):
     elems, size = FORMATS[QTYPE]
     rank, decode = _family(QTYPE, WIDE)
     i = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     for _ in range(rank - 1):
         b = b[:, None]
+    if PDL:  # the row ids may be a kernel's output (token ids); w is read through them, so after the wait too
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     row = tl.load(rows + i).to(tl.int64)
     blk = w + row * w_stride + tl.minimum(b, n_blocks - 1) * size  # past the end: the last block, not stored
     dst = out + i.to(tl.int64) * out_stride + b * elems
@@ -163,7 +166,7 @@ def _addr(a) -> int:
 
 
 def dequantize_rows(w, rows, qtype: str, k: int, *, out=None, dtype: object = None, blocks: int | None = None,
-                    num_warps: int = 4, target: str = "numpy"):
+                    num_warps: int = 4, target: str = "numpy", pdl: bool | None = None):
     """out [R, k] = dequantize(w[rows]) for raw GGUF blocks w (uint8 [N, >= row_bytes], rows strided, bytes
     contiguous) and integer rows [R] (each in [0, N): not checked on the device). out: fp32 / fp16 / bf16 rows
     (strided, elements contiguous), made next to w when not given, in `dtype` (a name, numpy or torch dtype;
@@ -186,8 +189,9 @@ def dequantize_rows(w, rows, qtype: str, k: int, *, out=None, dtype: object = No
         return out
     n_blocks = k // elems
     bl = blocks or default_blocks(qtype, k)
-    kern = compile(dequantize_rows_kernel, target, num_warps=num_warps, QTYPE=qtype, BLOCKS=bl,
-                   WIDE=target in WIDE_TARGETS)
+    pdl = use_pdl(target, pdl)
+    kern = compile(dequantize_rows_kernel, target, num_warps=num_warps, launch_pdl=pdl, QTYPE=qtype, BLOCKS=bl,
+                   WIDE=target in WIDE_TARGETS, PDL=pdl)
     kern[r, tl.cdiv(n_blocks, bl)](w, rows, out, n_blocks, elem_stride(w, 0), elem_stride(out, 0))
     return out
 

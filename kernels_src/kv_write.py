@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 
 
 def kv_write_kernel(k, v, k_cache, v_cache, slots, n_heads, head_dim, k_stride, k_head_stride, v_stride,
-                    v_head_stride, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                    v_head_stride, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
+    if PDL:  # k, v and the slot mapping may all be earlier kernels' outputs
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     slot = tl.load(slots + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -25,12 +28,14 @@ def kv_write_kernel(k, v, k_cache, v_cache, slots, n_heads, head_dim, k_stride, 
     tl.store(v_cache + dst, vv, mask=mask)
 
 
-def kv_write(k, v, k_cache, v_cache, slot_mapping, *, target: str = "numpy") -> None:
+def kv_write(k, v, k_cache, v_cache, slot_mapping, *, target: str = "numpy", pdl: bool | None = None) -> None:
     """Write k, v [T, Hkv, D] (token and head strides free, D contiguous) into contiguous paged caches."""
     t, h, d = k.shape
     if tuple(k_cache.shape[2:]) != (h, d) or tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"caches {tuple(k_cache.shape)} do not hold [*, *, {h}, {d}]")
-    kern = compile(kv_write_kernel, target, BLOCK_H=tl.next_power_of_2(h), BLOCK_D=tl.next_power_of_2(d))
+    pdl = use_pdl(target, pdl)
+    kern = compile(kv_write_kernel, target, launch_pdl=pdl, BLOCK_H=tl.next_power_of_2(h),
+                   BLOCK_D=tl.next_power_of_2(d), PDL=pdl)
     kern[t](k, v, k_cache, v_cache, slot_mapping, h, d, elem_stride(k, 0), elem_stride(k, 1), elem_stride(v, 0),
             elem_stride(v, 1))
 

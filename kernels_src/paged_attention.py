@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ir.interpreter import attend_cached
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 
 LOG2E = 1.4426950408889634
 NEG_BIG = -1.0e30  # running maxima start finite: rows with every key masked stay NaN-free
@@ -56,12 +56,15 @@ def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, pa
                         kv_block_stride, kv_tok_stride, kv_head_stride, GROUP: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
-                        SOFTCAP: tl.constexpr):
+                        SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
     b, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     gmask, dmask = g < GROUP, d < HEAD_DIM
     heads = kvh * GROUP + g
     mask = gmask[:, None] & dmask[None, :]
+    if PDL:  # q, the caches and the batch's tables may all be earlier kernels' outputs
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     qv = tl.load(q + b * q_stride + heads[:, None] * q_head_stride + d[None, :], mask=mask, other=0.0)
     ctx = tl.load(context_lens + b)
     lo, hi = 0, ctx
@@ -83,11 +86,15 @@ def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, pa
 
 
 def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_parts, out_stride, out_head_stride,
-                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr):
+                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
+                               PDL: tl.constexpr = False):
     b, h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     base = (b * tl.num_programs(1) + h) * max_parts
+    if PDL:  # the partials are paged_decode_kernel's output
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     n_parts = tl.minimum((tl.load(context_lens + b) + PARTITION - 1) // PARTITION, max_parts)
 
     def body(p, m, den, acc):
@@ -144,7 +151,7 @@ def decode_workspace(q, n_parts: int) -> tuple:
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, *, sliding_window: int | None = None,
                  softcap: float | None = None, out=None, max_context: int | None = None, partition: int = 512,
-                 block_n: int = 64, workspace=None, num_warps: int = 4, target: str = "numpy"):
+                 block_n: int = 64, workspace=None, num_warps: int = 4, target: str = "numpy", pdl: bool | None = None):
     """Attention of q [B, Hq, D] (one token per sequence, the last of its context) over the paged caches.
 
     `max_context` bounds context_lens (give it to keep the grid fixed, e.g. under CUDA graphs); contexts longer
@@ -164,14 +171,15 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     consts = dict(GROUP=group, HEAD_DIM=d, BLOCK_G=max(16, tl.next_power_of_2(group)),
                   BLOCK_D=max(16, tl.next_power_of_2(d)), BLOCK_N=block_n, BS=bs, PARTITION=partition,
                   SPLIT=split, SOFTCAP=bool(softcap))
-    kern = compile(paged_decode_kernel, target, num_warps=num_warps, **consts)
+    pdl = use_pdl(target, pdl)
+    kern = compile(paged_decode_kernel, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
     kern[n_seq, k_cache.shape[2], n_parts](
         q, k_cache, v_cache, block_tables, context_lens, out, m, den, acc, float(scale), float(softcap or 0.0),
         int(sliding_window or NO_WINDOW), n_parts, elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),
         elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache))
     if split:
-        red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, HEAD_DIM=d,
-                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition)
+        red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=d,
+                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition, PDL=pdl)
         red[n_seq, hq](m, den, acc, context_lens, out, n_parts, elem_stride(out, 0), elem_stride(out, 1))
     return out
 

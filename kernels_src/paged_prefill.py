@@ -11,7 +11,7 @@ Decode tokens (q_len 1) are valid here too; paged_decode is the faster path when
 
 from __future__ import annotations
 
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.paged_attention import NO_WINDOW, attend, cache_strides, check_cache, empty, paged_attention_ref
 
 
@@ -19,8 +19,11 @@ def paged_prefill_kernel(q, k_cache, v_cache, block_tables, context_lens, query_
                          q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride,
                          kv_tok_stride, kv_head_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-                         SOFTCAP: tl.constexpr):
+                         SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
     b, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:  # q, the caches and the batch's tables may all be earlier kernels' outputs
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     q0 = tl.load(query_start + b)
     q_len = tl.load(query_start + b + 1) - q0
     ctx = tl.load(context_lens + b)
@@ -47,7 +50,7 @@ def paged_prefill_kernel(q, k_cache, v_cache, block_tables, context_lens, query_
 def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, scale: float, *,
                   sliding_window: int | None = None, softcap: float | None = None, out=None,
                   max_query_len: int | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                  target: str = "numpy"):
+                  target: str = "numpy", pdl: bool | None = None):
     """Attention of flat varlen q [T, Hq, D] over the paged caches (see the module docstring); out [T, Hq, D].
 
     `max_query_len` bounds the per-sequence query counts (computed from query_start when not given).
@@ -63,7 +66,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, 
     n_tiles = tl.cdiv(max_query_len * group, block_m)
     if n_tiles == 0 or len(context_lens) == 0:
         return out
-    kern = compile(paged_prefill_kernel, target, num_warps=num_warps, **consts)
+    pdl = use_pdl(target, pdl)
+    kern = compile(paged_prefill_kernel, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
     kern[len(context_lens), k_cache.shape[2], n_tiles](
         q, k_cache, v_cache, block_tables, context_lens, query_start, out, float(scale), float(softcap or 0.0),
         int(sliding_window or NO_WINDOW), elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),

@@ -21,6 +21,7 @@ from kernels_src import (
     paged_prefill,
     rms_norm,
     rope,
+    rope_kv_write,
 )
 from kernels_src.dsl import KernelIR, compile
 from kernels_src.dsl.tracer import split_params
@@ -79,30 +80,41 @@ BF16 = "bfloat16"
 _ROWS = dict(rows=4096, hidden=4096, dtype=BF16)
 
 register(KernelEntry(
-    "rms_norm", rms_norm.rms_norm_kernel, dict(BLOCK=4096, OFFSET=False), _ptrs(BF16, "x", "w", "out"), _ROWS,
+    "rms_norm", rms_norm.rms_norm_kernel, dict(BLOCK=4096, OFFSET=False, PDL=True), _ptrs(BF16, "x", "w", "out"),
+    _ROWS,
     lambda rows, hidden, dtype: (2 * rows * hidden + hidden) * ITEMSIZE[dtype], floats=("eps",),
     launcher=rms_norm.rms_norm))
 register(KernelEntry(
-    "add_rms_norm", rms_norm.add_rms_norm_kernel, dict(BLOCK=4096, OFFSET=False),
+    "add_rms_norm", rms_norm.add_rms_norm_kernel, dict(BLOCK=4096, OFFSET=False, PDL=True),
     _ptrs(BF16, "x", "residual", "w", "sum_out", "out"), _ROWS,
     lambda rows, hidden, dtype: (4 * rows * hidden + hidden) * ITEMSIZE[dtype], floats=("eps",),
     launcher=rms_norm.add_rms_norm))
 register(KernelEntry(
-    "rope", rope.rope_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_R=64, INTERLEAVED=False),
+    "rope", rope.rope_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_R=64, INTERLEAVED=False, PDL=True),
     _ptrs(BF16, "q", "k", positions="*i32", cos="*fp32", sin="*fp32"),
     dict(tokens=4096, q_heads=32, kv_heads=8, head_dim=128, dtype=BF16),
     lambda tokens, q_heads, kv_heads, head_dim, dtype: (
         2 * tokens * (q_heads + kv_heads) * head_dim * ITEMSIZE[dtype] + tokens * (4 + 2 * (head_dim // 2) * 4)),
     launcher=rope.rope, notes="in place on q and k; cos/sin rows read once per token"))
 register(KernelEntry(
-    "silu_mul", activations.gated_act_kernel, dict(BLOCK=1024, ACT="silu"), _ptrs(BF16, "gate", "up", "out"),
+    "silu_mul", activations.gated_act_kernel, dict(BLOCK=1024, ACT="silu", PDL=True),
+    _ptrs(BF16, "gate", "up", "out"),
     dict(tokens=4096, inner=14336, dtype=BF16),
     lambda tokens, inner, dtype: 3 * tokens * inner * ITEMSIZE[dtype], launcher=activations.gated_act))
 register(KernelEntry(
-    "kv_write", kv_write.kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128),
+    "kv_write", kv_write.kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128, PDL=True),
     _ptrs(BF16, "k", "v", "k_cache", "v_cache", slots="*i64"), dict(tokens=4096, kv_heads=8, head_dim=128, dtype=BF16),
     lambda tokens, kv_heads, head_dim, dtype: 4 * tokens * kv_heads * head_dim * ITEMSIZE[dtype] + 8 * tokens,
     launcher=kv_write.kv_write))
+register(KernelEntry(
+    "rope_kv_write", rope_kv_write.rope_kv_write_kernel,
+    dict(HALF=64, HEAD_DIM=128, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_D=128, INTERLEAVED=False, PDL=True),
+    _ptrs(BF16, "q", "k", "v", "k_cache", "v_cache", slots="*i64", positions="*i32", cos="*fp32", sin="*fp32"),
+    dict(tokens=4096, q_heads=32, kv_heads=8, head_dim=128, dtype=BF16),
+    lambda tokens, q_heads, kv_heads, head_dim, dtype: (  # q read and written, k and v read and written to the caches
+        (2 * q_heads + 4 * kv_heads) * tokens * head_dim * ITEMSIZE[dtype] + tokens * (4 + 8 + 4 * head_dim)),
+    launcher=rope_kv_write.rope_kv_write,
+    notes="q rotated in place, k rotated into k_cache, v copied: rope + kv_write in one launch (PDL on triton only)"))
 
 # --- paged attention: decode of 64 sequences of 4096 tokens, 32 query / 8 KV heads of 128, bf16 ----------------
 
@@ -124,13 +136,14 @@ def decode_reduce_bytes(batch, context, q_heads, kv_heads, head_dim, block_size,
 register(KernelEntry(
     "paged_decode", paged_attention.paged_decode_kernel,
     dict(GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, BS=16, PARTITION=512, SPLIT=True,
-         SOFTCAP=False),
+         SOFTCAP=False, PDL=True),
     _ATT_PTRS | dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32"), _DECODE, decode_bytes,
     floats=("scale", "softcap"), flops=lambda batch, context, q_heads, head_dim, **_: 4 * batch * context * q_heads
     * head_dim, launcher=paged_attention.paged_decode,
     notes="grid (B, Hkv, partitions); the bench time is this kernel plus paged_decode_reduce"))
 register(KernelEntry(
-    "paged_decode_reduce", paged_attention.paged_decode_reduce_kernel, dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512),
+    "paged_decode_reduce", paged_attention.paged_decode_reduce_kernel,
+    dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, PDL=True),
     dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32", context_lens="*i32", out="*bf16"), _DECODE,
     decode_reduce_bytes, launcher=paged_attention.paged_decode))
 
@@ -153,7 +166,7 @@ def prefill_flops(seqs, query_len, context, q_heads, head_dim, **_) -> int:
 
 register(KernelEntry(
     "paged_prefill", paged_prefill.paged_prefill_kernel,
-    dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, BS=16, SOFTCAP=False),
+    dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, BS=16, SOFTCAP=False, PDL=True),
     _ATT_PTRS | dict(query_start="*i32"), _PREFILL, prefill_bytes, floats=("scale", "softcap"),
     flops=prefill_flops, launcher=paged_prefill.paged_prefill, notes="compute bound: report flops too"))
 
@@ -172,7 +185,8 @@ for _q in dequant_gemv.QTYPES:
     _tiles.pop("num_warps")
     _i8 = _q in dequant_gemv_i8.I8_QTYPES
     register(KernelEntry(
-        f"dequant_gemv_{_q.lower()}", dequant_gemv.dequant_gemv_kernel, dict(QTYPE=_q, M=1, SUBNORMAL=True, **_tiles),
+        f"dequant_gemv_{_q.lower()}", dequant_gemv.dequant_gemv_kernel,
+        dict(QTYPE=_q, M=1, SUBNORMAL=True, PDL=True, **_tiles),
         _ptrs(BF16, "x", "y", w="*u8"), dict(m=1, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes,
         flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dequant_gemv.dequant_gemv, notes=_I8_NOTE if _i8 else "",
         variants=(dequant_gemv_i8.quantize_x_kernel, dequant_gemv_i8.dequant_gemv_i8_kernel) if _i8 else ()))
@@ -188,6 +202,7 @@ def dequantize_bytes(r, n, k, qtype, dtype) -> int:
 for _q in dequantize.QTYPES:
     register(KernelEntry(
         f"dequantize_{_q.lower()}", dequantize.dequantize_rows_kernel,
-        dict(QTYPE=_q, BLOCKS=dequantize.default_blocks(_q, 4096), WIDE=True), dict(w="*u8", rows="*i32", out="*bf16"),
+        dict(QTYPE=_q, BLOCKS=dequantize.default_blocks(_q, 4096), WIDE=True, PDL=True),
+        dict(w="*u8", rows="*i32", out="*bf16"),
         dict(r=14336, n=14336, k=4096, qtype=_q, dtype=BF16), dequantize_bytes, launcher=dequantize.dequantize_rows,
         notes="rows = arange(n); an embedding lookup is the same kernel on token ids; WIDE=False on SIMT targets"))

@@ -2,43 +2,54 @@
 
 One program normalizes one row held whole in one tile (BLOCK >= hidden size), in fp32. `OFFSET` multiplies by
 (1 + w) instead of w (Gemma). The fused kernel writes the sum (rounded to its output dtype, which the norm then
-reads, as an unfused add would) and the normed sum.
+reads, as an unfused add would) and the normed sum. With PDL (see dsl.use_pdl) a program loads its norm weight, then
+waits for the kernel before.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 
 
-def _norm_row(xv, w, n_cols, eps, cols, mask, OFFSET):
-    ms = tl.sum(xv * xv, axis=0) / n_cols
+def _weight(w, cols, mask, OFFSET):
     wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET:
-        wv = wv + 1.0
+    return wv + 1.0 if OFFSET else wv
+
+
+def _norm_row(xv, wv, n_cols, eps):
+    ms = tl.sum(xv * xv, axis=0) / n_cols
     return xv * tl.rsqrt(ms + eps) * wv
 
 
-def rms_norm_kernel(x, w, out, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr):
+def rms_norm_kernel(x, w, out, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr,
+                    PDL: tl.constexpr = False):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    wv = _weight(w, cols, mask, OFFSET)  # a weight, no kernel's output: loaded before the wait
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     xv = tl.load(x + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + row * out_stride + cols, _norm_row(xv, w, n_cols, eps, cols, mask, OFFSET), mask=mask)
+    tl.store(out + row * out_stride + cols, _norm_row(xv, wv, n_cols, eps), mask=mask)
 
 
 def add_rms_norm_kernel(x, residual, w, sum_out, out, n_cols, x_stride, r_stride, s_stride, out_stride, eps,
-                        BLOCK: tl.constexpr, OFFSET: tl.constexpr):
+                        BLOCK: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    wv = _weight(w, cols, mask, OFFSET)
+    if PDL:  # x and residual come from earlier kernels; sum_out and out may alias them
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     xv = tl.load(x + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     rv = tl.load(residual + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
     s = (xv + rv).to(sum_out.dtype.element_ty)
     tl.store(sum_out + row * s_stride + cols, s, mask=mask)
-    normed = _norm_row(s.to(tl.float32), w, n_cols, eps, cols, mask, OFFSET)
-    tl.store(out + row * out_stride + cols, normed, mask=mask)
+    tl.store(out + row * out_stride + cols, _norm_row(s.to(tl.float32), wv, n_cols, eps), mask=mask)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
@@ -47,22 +58,25 @@ def _empty_like(x):
     return np.empty_like(x) if isinstance(x, np.ndarray) else x.new_empty(x.shape)
 
 
-def rms_norm(x, w, eps: float, *, offset: bool = False, out=None, target: str = "numpy"):
+def rms_norm(x, w, eps: float, *, offset: bool = False, out=None, target: str = "numpy", pdl: bool | None = None):
     """x [rows, n] (rows may be strided, elements contiguous) -> out [rows, n] in out's dtype (x's by default)."""
     out = _empty_like(x) if out is None else out
     n = x.shape[-1]
-    k = compile(rms_norm_kernel, target, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset))
+    pdl = use_pdl(target, pdl)
+    k = compile(rms_norm_kernel, target, launch_pdl=pdl, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset), PDL=pdl)
     k[x.shape[0]](x, w, out, n, elem_stride(x, 0), elem_stride(out, 0), float(eps))
     return out
 
 
 def add_rms_norm(x, residual, w, eps: float, *, offset: bool = False, sum_out=None, out=None,
-                 target: str = "numpy"):
+                 target: str = "numpy", pdl: bool | None = None):
     """(x + residual, rms_norm(x + residual)); the outputs may alias the inputs (each row is read, then written)."""
     sum_out = _empty_like(x) if sum_out is None else sum_out
     out = _empty_like(x) if out is None else out
     n = x.shape[-1]
-    k = compile(add_rms_norm_kernel, target, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset))
+    pdl = use_pdl(target, pdl)
+    k = compile(add_rms_norm_kernel, target, launch_pdl=pdl, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset),
+                PDL=pdl)
     k[x.shape[0]](x, residual, w, sum_out, out, n, elem_stride(x, 0), elem_stride(residual, 0),
                   elem_stride(sum_out, 0), elem_stride(out, 0), float(eps))
     return sum_out, out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 
 
 def _rotate(base, n_heads, head_stride, c, s, i, rmask, HALF, BLOCK_H, INTERLEAVED):
@@ -27,8 +27,11 @@ def _rotate(base, n_heads, head_stride, c, s, i, rmask, HALF, BLOCK_H, INTERLEAV
 
 def rope_kernel(q, k, positions, cos, sin, n_q_heads, n_k_heads, q_stride, q_head_stride, k_stride, k_head_stride,
                 table_stride, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                INTERLEAVED: tl.constexpr):
+                INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
+    if PDL:  # positions may be a kernel's output too; the cos/sin rows follow from them
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     pos = tl.load(positions + t).to(tl.int32)
     i = tl.arange(0, BLOCK_R)
     rmask = i < HALF
@@ -38,15 +41,17 @@ def rope_kernel(q, k, positions, cos, sin, n_q_heads, n_k_heads, q_stride, q_hea
     _rotate(k + t * k_stride, n_k_heads, k_head_stride, c, s, i, rmask, HALF, BLOCK_H, INTERLEAVED)
 
 
-def rope(q, k, positions, cos, sin, *, interleaved: bool = False, target: str = "numpy") -> None:
+def rope(q, k, positions, cos, sin, *, interleaved: bool = False, target: str = "numpy",
+         pdl: bool | None = None) -> None:
     """Rotate q [T, Hq, D] and k [T, Hk, D] (or None) in place; rotary_dim = 2 * cos.shape[1]."""
     half = cos.shape[1]
     if 2 * half > q.shape[2]:
         raise ValueError(f"rotary_dim {2 * half} > head_dim {q.shape[2]}")
     n_k = 0 if k is None else k.shape[1]
     k = q if k is None else k
-    kern = compile(rope_kernel, target, HALF=half, BLOCK_H=tl.next_power_of_2(max(q.shape[1], n_k)),
-                   BLOCK_R=tl.next_power_of_2(half), INTERLEAVED=bool(interleaved))
+    pdl = use_pdl(target, pdl)
+    kern = compile(rope_kernel, target, launch_pdl=pdl, HALF=half, BLOCK_H=tl.next_power_of_2(max(q.shape[1], n_k)),
+                   BLOCK_R=tl.next_power_of_2(half), INTERLEAVED=bool(interleaved), PDL=pdl)
     kern[q.shape[0]](q, k, positions, cos, sin, q.shape[1], n_k, elem_stride(q, 0), elem_stride(q, 1),
                      elem_stride(k, 0), elem_stride(k, 1), elem_stride(cos, 0))
 

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from kernels_src import activations, kv_write, rms_norm, rope
+from kernels_src import activations, kv_write, rms_norm, rope, rope_kv_write
 from kernels_src.dsl import compile as dsl_compile
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("torch") is not None
@@ -141,6 +141,8 @@ def _sig(fn, pointers: dict[str, str], floats=("eps",)) -> dict[str, str]:
 
 
 F16 = "*fp16"
+_RKV = dict(HALF=64, HEAD_DIM=128, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_D=128, INTERLEAVED=False, PDL=False)
+_RKV_PTRS = {"cos": "*fp32", "sin": "*fp32"}
 AOT_CASES = {
     "rms_norm": (rms_norm.rms_norm_kernel, dict(BLOCK=4096, OFFSET=False), {"x": F16, "w": F16, "out": F16}),
     "add_rms_norm": (rms_norm.add_rms_norm_kernel, dict(BLOCK=2048, OFFSET=True),
@@ -156,6 +158,11 @@ AOT_CASES = {
                       {"gate": "*fp32", "up": "*fp32", "out": "*fp32"}),
     "kv_write": (kv_write.kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128),
                  {"k": F16, "v": F16, "k_cache": F16, "v_cache": F16, "slots": "*i64"}),
+    "rope_kv_write": (rope_kv_write.rope_kv_write_kernel, _RKV, _RKV_PTRS | dict.fromkeys(
+        ("q", "k", "v", "k_cache", "v_cache"), F16) | {"slots": "*i64", "positions": "*i32"}),
+    "rope_kv_write_pdl": (rope_kv_write.rope_kv_write_kernel,  # partial rotary dims, interleaved pairs
+                          _RKV | dict(HALF=32, BLOCK_R=32, INTERLEAVED=True, PDL=True), _RKV_PTRS | dict.fromkeys(
+                              ("q", "k", "v", "k_cache", "v_cache"), "*bf16") | {"slots": "*i32", "positions": "*i64"}),
 }
 
 
@@ -171,3 +178,4 @@ def test_aot_sm90(case, tmp_path, monkeypatch):
     compiled = aot_compile(k, arch=90)
     assert ".target sm_90a" in compiled.asm["ptx"]
     assert len(compiled.asm["cubin"]) > 1000
+    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == bool(consts.get("PDL"))

@@ -280,9 +280,19 @@ def test_aot_sm90(qtype, m, tmp_path, monkeypatch):
 # --- the registry and tools/dump_kernel --------------------------------------------------------------------------
 
 def test_registry_covers_every_kernel():
-    from kernels_src import activations, dequantize, kv_write, paged_attention, paged_prefill, rms_norm, rope
+    from kernels_src import (
+        activations,
+        dequantize,
+        kv_write,
+        paged_attention,
+        paged_prefill,
+        rms_norm,
+        rope,
+        rope_kv_write,
+    )
 
-    modules = (activations, kv_write, paged_attention, paged_prefill, rms_norm, rope, dg, dgi, dequantize)
+    modules = (activations, kv_write, paged_attention, paged_prefill, rms_norm, rope, rope_kv_write, dg, dgi,
+               dequantize)
     kernels = {f for mod in modules for name, f in vars(mod).items() if name.endswith("_kernel") and callable(f)}
     assert kernels == {e.fn for e in REGISTRY.values()} | {v for e in REGISTRY.values() for v in e.variants}
 

@@ -31,6 +31,8 @@ SIZES = {
     "rms_norm": [("4096", dict(rows=37, hidden=4096)), ("odd", dict(rows=5, hidden=1000))],
     "add_rms_norm": [("4096", dict(rows=37, hidden=4096)), ("odd", dict(rows=5, hidden=1000))],
     "rope": [("llama", dict(tokens=50)), ("odd", dict(tokens=7, q_heads=12, kv_heads=4, head_dim=64))],
+    "rope_kv_write": [("llama", dict(tokens=50)), ("odd", dict(tokens=7, q_heads=12, kv_heads=4, head_dim=64,
+                                                                block_size=8, rotary_dim=32, interleaved=True))],
     "silu_mul": [("llama", dict(tokens=9)), ("odd", dict(tokens=3, inner=1000))],
     "kv_write": [("padding", dict(tokens=100, padding=True)),
                  ("odd", dict(tokens=7, kv_heads=2, head_dim=64, block_size=8, padding=True))],

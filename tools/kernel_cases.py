@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ir.formats.gguf_quants import QTYPES as GGUF
-from kernels_src import activations, dequant_gemv, dequant_gemv_i8, dequantize, kv_write, rms_norm, rope
+from kernels_src import activations, dequant_gemv, dequant_gemv_i8, dequantize, kv_write, rms_norm, rope, rope_kv_write
 from kernels_src import paged_attention as pa
 from kernels_src import paged_prefill as pp
 from kernels_src.dsl import compile as dsl_compile
@@ -25,8 +25,8 @@ FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K
 SAMPLE = 256  # rows checked on the CPU out of a large output
 QUICK = {  # small problems of the same shapes, for a smoke test
     "rms_norm": dict(rows=64), "add_rms_norm": dict(rows=64), "rope": dict(tokens=64), "silu_mul": dict(tokens=16),
-    "kv_write": dict(tokens=64), "paged_decode": dict(batch=4, context=1100, ragged=True),
-    "paged_decode_reduce": dict(batch=4, context=1100), "paged_prefill": dict(seqs=2, query_len=64, context=300),
+    "kv_write": dict(tokens=64), "rope_kv_write": dict(tokens=64), "paged_decode_reduce": dict(batch=4, context=1100),
+    "paged_decode": dict(batch=4, context=1100, ragged=True), "paged_prefill": dict(seqs=2, query_len=64, context=300),
     "gemv": dict(n=512), "dequantize": dict(r=512, n=512),
 }
 Verdict = tuple[float, str | None]  # (worst relative error, what is wrong or None)
@@ -135,15 +135,21 @@ def _rms_norm(d: Dev, p: dict, fused: bool) -> Case:
     return Case("add_rms_norm" if fused else "rms_norm", p, launch, check, prepare)
 
 
-def _rope(d: Dev, p: dict) -> Case:
-    t, hq, hk, dim, dt = p["tokens"], p["q_heads"], p["kv_heads"], p["head_dim"], d.dtype(p["dtype"])
-    torch, half, max_pos = d.torch, p["head_dim"] // 2, 8192
-    qkv = d.randn((t, hq + 2 * hk, dim), dt)  # q and k are views into a fused projection, as the backends hold them
-    q, k, orig = qkv[:, :hq], qkv[:, hq:hq + hk], qkv.clone()
+def _rope_inputs(d: Dev, p: dict, max_pos: int = 8192):
+    """qkv [T, Hq + 2 Hkv, D] (q, k, v are views into it, as the backends hold them), its copy, cos, sin, positions
+    (rotary_dim: head_dim unless p says)."""
+    torch, half = d.torch, p.get("rotary_dim", p["head_dim"]) // 2
+    qkv = d.randn((p["tokens"], p["q_heads"] + 2 * p["kv_heads"], p["head_dim"]), d.dtype(p["dtype"]))
     inv = 10000.0 ** (-torch.arange(half, device=d.dev, dtype=torch.float32) / half)
     angles = torch.arange(max_pos, device=d.dev, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = angles.cos(), angles.sin()
-    pos = torch.randint(0, max_pos, (t,), device=d.dev, dtype=torch.int32, generator=d.gen)
+    pos = torch.randint(0, max_pos, (p["tokens"],), device=d.dev, dtype=torch.int32, generator=d.gen)
+    return qkv, qkv.clone(), angles.cos(), angles.sin(), pos
+
+
+def _rope(d: Dev, p: dict) -> Case:
+    t, hq, hk, torch = p["tokens"], p["q_heads"], p["kv_heads"], d.torch
+    qkv, orig, cos, sin, pos = _rope_inputs(d, p)
+    q, k = qkv[:, :hq], qkv[:, hq:hq + hk]
 
     def check():
         i = d.sample(t)
@@ -193,6 +199,40 @@ def _kv_write(d: Dev, p: dict) -> Case:
         vc.fill_(float("nan"))
 
     return Case("kv_write", p, lambda target: kv_write.kv_write(k, v, kc, vc, slots, target=target), check, prepare)
+
+
+def _rope_kv_write(d: Dev, p: dict) -> Case:
+    """q and both caches bit for bit against rope then kv_write of the same target on copies (run in prepare), q also
+    against rope_ref; k and v themselves untouched. Every 7th token is padding (slot -1)."""
+    t, hq, hk, bs, torch = p["tokens"], p["q_heads"], p["kv_heads"], p.get("block_size", 16), d.torch
+    inter = p.get("interleaved", False)
+    qkv, orig, cos, sin, pos = _rope_inputs(d, p)
+    ref, n_blocks = orig.clone(), 2 * -(-t // bs) + 1
+    slots = d.perm(n_blocks * bs)[:t].to(torch.int64)
+    slots[::7] = -1
+    caches = [d.nan((n_blocks, bs, hk, p["head_dim"]), qkv.dtype) for _ in range(4)]  # fused k, v; unfused k, v
+    views = lambda x: (x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:])
+    bits = lambda x: x.view({2: torch.int16, 4: torch.int32}[x.element_size()])  # bit patterns: NaN equals NaN
+
+    def prepare(target):
+        qkv.copy_(orig)
+        ref.copy_(orig)
+        for c in caches:
+            c.fill_(float("nan"))
+        rope.rope(*views(ref)[:2], pos, cos, sin, interleaved=inter, target=target)
+        kv_write.kv_write(*views(ref)[1:], *caches[2:], slots, target=target)
+
+    def check():
+        i = d.sample(t)
+        differ = [n for n, a, b in (("q", qkv[:, :hq], ref[:, :hq]), ("k_cache", caches[0], caches[2]),
+                                    ("v_cache", caches[1], caches[3])) if not torch.equal(bits(a), bits(b))]
+        want_q = rope.rope_ref(host(orig[i, :hq]), host(pos)[i], host(cos), host(sin), inter)
+        return combine(compare("q", host(qkv[i, :hq]), want_q, p["dtype"]),
+                       (0.0, None) if torch.equal(qkv[:, hq:], orig[:, hq:]) else (np.inf, "k or v was written"),
+                       (np.inf, f"{', '.join(differ)} differ from rope + kv_write's") if differ else (0.0, None))
+
+    return Case("rope_kv_write", p, lambda target: rope_kv_write.rope_kv_write(
+        *views(qkv), *caches[:2], slots, pos, cos, sin, interleaved=inter, target=target), check, prepare)
 
 
 # --- paged attention ------------------------------------------------------------------------------------------------
@@ -383,7 +423,8 @@ def _dequantize(d: Dev, p: dict) -> Case:
 
 BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rms_norm": lambda d, p: _rms_norm(d, p, False), "add_rms_norm": lambda d, p: _rms_norm(d, p, True),
-    "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "paged_decode": _paged_decode,
+    "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
+    "paged_decode": _paged_decode,
     "paged_decode_reduce": _paged_decode_reduce, "paged_prefill": _paged_prefill,
 }
 

@@ -4,7 +4,9 @@
 - gated activations: act(gate) * up, when the activation's only use is that product, is one kernel;
 - add + rms_norm: a residual add whose sum feeds an rms_norm is one kernel writing both;
 - rope pairs: two ropes of the same spec and positions (q and k) are one in-place kernel (when the second's input
-  is ready by the first: the runner checks).
+  is ready by the first: the runner checks);
+- rope + KV write: an attention whose q and k come straight from such a pair, the rotated k read by nothing else,
+  rotates q in place and writes the rotated k and v to the cache in one kernel (the runner may decline).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Plan:
     folded: set[int] = field(default_factory=set)  # out ids of nodes computed inside another node's kernel
     add_norm: dict[int, Node] = field(default_factory=dict)  # add's out id -> the rms_norm it feeds
     rope_pair: dict[int, Node] = field(default_factory=dict)  # first rope's out id -> the second rope
+    rope_kv: dict[int, tuple[Node, Node]] = field(default_factory=dict)  # attention's out id -> (q rope, k rope)
     uses: dict[int, list[Node]] = field(default_factory=lambda: defaultdict(list))  # value id -> nodes reading it
 
     @classmethod
@@ -62,7 +65,20 @@ class Plan:
                     plan.add_norm[node.out.id] = norms[0]
                     plan.folded.add(norms[0].out.id)
         plan._pair_ropes(graph)
+        plan._rope_into_attention(graph)
         return plan
+
+    def _rope_into_attention(self, graph: Graph) -> None:
+        made = {n.out.id: n for n in graph.nodes}
+        for node in graph.nodes:
+            if node.op != "attention":
+                continue
+            rq, rk = (made.get(v.id) for v in node.inputs[:2])
+            if (rq is None or rk is None or rq.op != "rope" or rk.op != "rope" or rq is rk
+                    or rq.attrs["spec"] != rk.attrs["spec"] or rq.inputs[1].id != rk.inputs[1].id
+                    or self.uses[rk.out.id] != [node] or self.uses[rq.out.id] != [node]):
+                continue
+            self.rope_kv[node.out.id] = (rq, rk)
 
     def _group_linears(self, graph: Graph) -> None:
         by_input: dict[int, list[Node]] = defaultdict(list)

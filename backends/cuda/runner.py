@@ -15,7 +15,7 @@ from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
 from ir.rope import RopeSpec, cos_sin
-from kernels_src import activations, kv_write, paged_attention, paged_prefill, rms_norm, rope
+from kernels_src import activations, kv_write, paged_attention, paged_prefill, rms_norm, rope, rope_kv_write
 from kernels_src.dequant_gemv import dequant_gemv
 
 F = torch.nn.functional
@@ -63,6 +63,8 @@ class Runner:
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
+        self.fuse_rope_kv = True  # plan.rope_kv: rope and the KV write as one kernel
         self.kv_heads = max((n.inputs[1].shape[1] for n in graph.nodes if n.op == "attention"), default=1)
 
     def set_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], max_positions: int) -> None:
@@ -89,21 +91,23 @@ class Runner:
                 return None
             return self.params[v.name] if v.kind == "param" else env[v.id]
 
+        fused_rope = {r.out.id for pair in plan.rope_kv.values() for r in pair} if self.fuse_rope_kv else set()
         for node in self.graph.nodes:
             oid = node.out.id
-            if oid in env or oid in plan.folded:
+            if oid in env or oid in plan.folded or oid in fused_rope:
                 continue
             if oid in plan.group_of:
                 self._group(plan.group_of[oid][0], env, get)
             elif oid in plan.gated:
                 act, gate = plan.gated[oid]
-                env[oid] = activations.gated_act(env[gate], get(node.inputs[1]), act, target=self.target)
+                env[oid] = activations.gated_act(env[gate], get(node.inputs[1]), act, target=self.target,
+                                                 pdl=self.pdl)
             elif oid in plan.add_norm:
                 norm = plan.add_norm[oid]
                 x, r = get(node.inputs[0]), get(node.inputs[1])
                 env[oid], env[norm.out.id] = rms_norm.add_rms_norm(
                     x, r, self.params[norm.inputs[1].name], norm.attrs["eps"],
-                    offset=norm.attrs.get("offset", 0.0) == 1.0, target=self.target)
+                    offset=norm.attrs.get("offset", 0.0) == 1.0, target=self.target, pdl=self.pdl)
             elif node.op == "rope":
                 self._rope_op(node, env, get, meta)
             elif node.op == "attention":
@@ -130,17 +134,28 @@ class Runner:
             x = get(n.inputs[0])
             ts.append(x if self.plan.in_place_ok(n.inputs[0].id) else x.clone())
         rope.rope(ts[0], ts[1] if len(ts) > 1 else None, meta.positions, cos, sin,
-                  interleaved=spec.style != "neox", target=self.target)
+                  interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
         for n, t in zip(xs, ts, strict=True):
             env[n.out.id] = t
 
     def _attention(self, node: Node, get, meta: StepMeta):
-        q, k, v = (get(i) for i in node.inputs[:3])
         a = node.attrs
         kc, vc = self.kv[a["layer"]]
-        kv_write.kv_write(k, v, kc, vc, meta.slots, target=self.target)
+        fused = self.plan.rope_kv.get(node.out.id) if self.fuse_rope_kv else None
+        if fused is None:
+            q, k, v = (get(i) for i in node.inputs[:3])
+            kv_write.kv_write(k, v, kc, vc, meta.slots, target=self.target, pdl=self.pdl)
+        else:
+            rq, rk = fused
+            q, k, v = get(rq.inputs[0]), get(rk.inputs[0]), get(node.inputs[2])
+            q = q if self.plan.in_place_ok(rq.inputs[0].id) else q.clone()
+            spec = rq.attrs["spec"]
+            cos, sin = self._rope[spec]
+            rope_kv_write.rope_kv_write(q, k, v, kc, vc, meta.slots, get(rq.inputs[1]), cos, sin,
+                                        interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
         out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
-        kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target)
+        kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
+                  pdl=self.pdl)
         if meta.decode:
             part = decode_partition(q.shape[0], self.kv_heads)
             return paged_attention.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, a["scale"],
@@ -160,18 +175,19 @@ class Runner:
         n, k = w.shape
         x2 = x.reshape(-1, k)
         if x2.shape[0] <= GEMV_MAX_ROWS:
-            y = dequant_gemv(x2, w.data, w.qtype, target=self.target)
+            y = dequant_gemv(x2, w.data, w.qtype, target=self.target, pdl=self.pdl)
             return y.reshape(*x.shape[:-1], n)
         from kernels_src.dequantize import dequantize_rows
 
         step = max(1, DEQUANT_CHUNK_BYTES // (k * x.element_size()))
         if step >= n:
-            y = x2 @ dequantize_rows(w.data, self._row_ids(0, n), w.qtype, k, dtype=x.dtype, target=self.target).T
+            y = x2 @ dequantize_rows(w.data, self._row_ids(0, n), w.qtype, k, dtype=x.dtype, target=self.target,
+                                     pdl=self.pdl).T
         else:
             y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
             for r0 in range(0, n, step):
                 rows = self._row_ids(r0, min(n, r0 + step))
-                wd = dequantize_rows(w.data, rows, w.qtype, k, dtype=x.dtype, target=self.target)
+                wd = dequantize_rows(w.data, rows, w.qtype, k, dtype=x.dtype, target=self.target, pdl=self.pdl)
                 y[:, r0:r0 + len(rows)] = x2 @ wd.T
         return y.reshape(*x.shape[:-1], n)
 
@@ -184,7 +200,8 @@ class Runner:
         if isinstance(table, QuantWeight):
             from kernels_src.dequantize import dequantize_rows
 
-            return dequantize_rows(table.data, ids, table.qtype, table.shape[1], dtype=self.dtype, target=self.target)
+            return dequantize_rows(table.data, ids, table.qtype, table.shape[1], dtype=self.dtype, target=self.target,
+                                   pdl=self.pdl)
         return table.index_select(0, ids)
 
     def _eval(self, node: Node, args: list):
@@ -198,7 +215,7 @@ class Runner:
             if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
                 return _rms_norm_torch(x, args[1], a["eps"], offset)
             return rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), args[1], a["eps"], offset=offset == 1.0,
-                                     target=self.target).reshape(x.shape)
+                                     target=self.target, pdl=self.pdl).reshape(x.shape)
         if op == "layer_norm":
             return F.layer_norm(x := args[0], (x.shape[-1],), args[1], args[2] if len(args) > 2 else None, a["eps"])
         if op in ("silu", "gelu", "gelu_tanh"):
