@@ -124,17 +124,43 @@ def q4_k_m_params(graph, layers: int) -> dict:
 
 # --- our engine ------------------------------------------------------------------------------------------------
 
-def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True):
+def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, backend=None, overlap: bool = True):
+    """An engine over a new backend for `params`, or over `backend` (its graphs are captured again)."""
     from backends.cuda.backend import CUDABackend
     from frontend.engine.engine import EngineConfig, LLMEngine
     from frontend.engine.scheduler import SchedulerConfig
 
-    backend = CUDABackend(model, dtype="bf16", params=params, cuda_graph=graphs, progress=False)
+    backend = backend or CUDABackend(model, dtype="bf16", params=params, cuda_graph=graphs, progress=False)
     blocks = max_batch * (-(-ctx // 16) + 1) + 64
-    config = EngineConfig(num_kv_blocks=blocks, prefix_caching=False,
+    config = EngineConfig(num_kv_blocks=blocks, prefix_caching=False, async_scheduling=overlap,
                           scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
                                                     prefill_chunk_size=4096))
     return LLMEngine(backend, config)
+
+
+ABLATIONS = {  # name -> (runner attribute changes, engine overlap): each switches one thing off
+    "no async scheduling": ({}, False),
+    "no PDL": ({"pdl": False}, True),
+    "no fused rope+KV write": ({"fuse_rope_kv": False}, True),
+}
+
+
+def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int) -> dict[str, dict[int, float]]:
+    """Decode tok/s with one optimisation off at a time, on the same backend (graphs captured again each time)."""
+    backend, out = engine.backend, {}
+    sched = engine.config.scheduler
+    for name, (attrs, overlap) in ABLATIONS.items():
+        saved = {k: getattr(backend.runner, k) for k in attrs}
+        for k, v in attrs.items():
+            setattr(backend.runner, k, v)
+        eng = engine_for(None, None, sched.max_num_seqs, engine.max_model_len, backend=backend, overlap=overlap)
+        out[name] = {b: decode_rate(eng, b, prompt, gen, vocab) for b in batches}
+        say(f"  {name}: " + ", ".join(f"batch {b} {v:,.0f} tok/s" for b, v in out[name].items()))
+        for k, v in saved.items():
+            setattr(backend.runner, k, v)
+        del eng
+        gc.collect()
+    return out
 
 
 def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int = 0) -> float:
@@ -260,6 +286,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-quant", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
+    ap.add_argument("--ablate", default="1,64", help="batch sizes measured again with each optimisation switched "
+                    "off in turn ('' for none)")
     ap.add_argument("--profile", default="1,64", help="batch sizes whose decode steps are profiled by kernel ('' for "
                     "none)")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_gpu.json")
@@ -298,6 +326,8 @@ def main() -> None:
     res["prefill_tps"] = prefill_rate(engine, args.prefill, cfg.vocab_size)
     res["prefill_tflops"] = prefill_flops(cfg, args.prefill) * res["prefill_tps"] / args.prefill / 1e12
     say(f"  prefill {args.prefill}: {res['prefill_tps']:,.0f} tok/s, {res['prefill_tflops']:.0f} TFLOP/s")
+    ablate = [int(x) for x in args.ablate.split(",") if x]  # last: it recaptures the backend's graphs
+    res["ablations"] = ablations(engine, ablate, args.prompt, args.gen, cfg.vocab_size) if ablate else {}
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -333,6 +363,9 @@ def report(res: dict, args) -> None:
         say(f"{name:<26}{v:>10,.0f}{f'{ceil:.1%}' if ceil else '':>12}{f'{peer:,.0f}' if peer else '':>10}"
             f"{f'{v / peer:.2f}x' if peer else '':>9}")
     say("(ceiling: batch 1 = copy bandwidth / weight bytes; prefill = model TFLOP/s / bf16 GEMM rate)")
+    for name, rates in res["ablations"].items():
+        say(f"{name:<26}" + "".join(f"  b{b} {v:,.0f} ({v / res['decode'][b] - 1:+.1%})" for b, v in rates.items()
+                                    if b in res["decode"]))
 
 
 if __name__ == "__main__":
