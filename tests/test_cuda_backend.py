@@ -112,6 +112,7 @@ def test_rope_and_kv_write_unfused_match_fused(case, saved):  # noqa: F811
 def test_engine_end_to_end_with_seeded_sampling(saved):  # noqa: F811
     """The engine on the CUDA backend (CPU tensors) and on MLX give the same tokens: greedy, and seeded sampling
     with top-k/top-p through the backend's torch sampler."""
+    pytest.importorskip("mlx", reason="the MLX backend is the other side of the comparison")
     from backends.mlx.backend import MLXBackend
     from frontend.engine.engine import EngineConfig
     from frontend.engine.llm import LLM

@@ -148,12 +148,11 @@ ABLATIONS = {  # name -> (runner attribute changes, engine overlap): each switch
 def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int) -> dict[str, dict[int, float]]:
     """Decode tok/s with one optimisation off at a time, on the same backend (graphs captured again each time)."""
     backend, out = engine.backend, {}
-    sched = engine.config.scheduler
     for name, (attrs, overlap) in ABLATIONS.items():
         saved = {k: getattr(backend.runner, k) for k in attrs}
         for k, v in attrs.items():
             setattr(backend.runner, k, v)
-        eng = engine_for(None, None, sched.max_num_seqs, engine.max_model_len, backend=backend, overlap=overlap)
+        eng = engine_for(None, None, max(batches), prompt + gen, backend=backend, overlap=overlap)
         out[name] = {b: decode_rate(eng, b, prompt, gen, vocab) for b in batches}
         say(f"  {name}: " + ", ".join(f"batch {b} {v:,.0f} tok/s" for b, v in out[name].items()))
         for k, v in saved.items():
@@ -174,7 +173,9 @@ def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int
     while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
         engine.step()
     torch.cuda.synchronize()
-    before, t = engine.stats["generation_tokens"], time.perf_counter()
+    # Tokens of a step launched before the clock starts (overlapped steps: read back later) are not counted.
+    before = engine.stats["generation_tokens"] + sum(s.pending for s in engine.scheduler.running)
+    t = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
     torch.cuda.synchronize()

@@ -5,7 +5,8 @@
 # and the benchmark's kernels_bench.md / .json. Only 8 files come back from $OUT: keep to one log.
 #
 #   bash tools/gpu_check.sh            (PYTHON=... to pick the interpreter; GPU_CHECK_BUDGET=seconds, default 570;
-#                                       GPU_CHECK_STEPS="tests_gpu bench_gpu" to run only those steps)
+#                                       GPU_CHECK_STEPS="tests_gpu bench_gpu" to run only those steps;
+#                                       GPU_CHECK_K="rope or decode" to pick the kernel suite's cases)
 #
 # To add a step, add one line at the bottom: `step NAME any|gpu TIMEOUT_S COMMAND...` ("gpu": skipped without one).
 set -u
@@ -37,8 +38,9 @@ if [[ ! -f $SMOL && -f /tmp/smol/smol.part00 && -f /tmp/smol/smol.part01 ]]; the
     mkdir -p "$(dirname "$SMOL")" && cat /tmp/smol/smol.part0* > "$SMOL" && echo "assembled $SMOL" | tee -a "$LOG"
 fi
 "$PY" -c "from ir.default_model import default_model_path as d; d()" 2> /dev/null && HAVE_SMOL=1 || HAVE_SMOL=0
-SMOL_K=()
-((HAVE_SMOL)) || SMOL_K=(-k "not smollm")
+# The CUDA step skips the CPU-tensor variants (CI runs them) and, without the GGUF, SmolLM2's cases.
+CUDA_K="not cpu"
+((HAVE_SMOL)) || CUDA_K="$CUDA_K and not smollm"
 
 HAVE_GPU=0
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null && HAVE_GPU=1
@@ -109,17 +111,17 @@ step() {  # step NAME any|gpu TIMEOUT_S COMMAND...
 KERNEL_TESTS_CPU=(tests/test_kernels_dsl.py tests/test_kernels_basic.py tests/test_kernels_attention.py
     tests/test_kernels_gemv.py)
 
-CUDA_TESTS=(tests/test_cuda_backend.py tests/test_cuda_sampling.py)
+CUDA_TESTS=(tests/test_cuda_backend.py tests/test_cuda_sampling.py tests/test_engine_overlap.py)
 SERVER_TESTS=(tests/test_server.py tests/test_chat_client.py)
 
 # In order of what a change to the backend needs first; the kernel suite (~4 min) and its benchmark come last.
 step env any 60 env_info
-step tests_cuda gpu 180 "$PY" -m pytest -q -p no:cacheprovider --tb=short "${SMOL_K[@]}" "${CUDA_TESTS[@]}"
+step tests_cuda gpu 240 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" "${CUDA_TESTS[@]}"
 step server_cuda smol 200 env TEST_SERVER_BACKEND=cuda "$PY" -m pytest -q -p no:cacheprovider --tb=short \
     "${SERVER_TESTS[@]}"
-step bench_gpu gpu 240 "$PY" -m tools.bench_gpu
-step tests_gpu gpu 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels_gpu.py \
-    tests/test_kernels_dequantize.py
+step bench_gpu gpu 300 "$PY" -m tools.bench_gpu
+step tests_gpu gpu 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "${GPU_CHECK_K:-not nothing}" \
+    tests/test_kernels_gpu.py tests/test_kernels_dequantize.py
 step tests_cpu any 120 "$PY" -m pytest -q -p no:cacheprovider --tb=line "${KERNEL_TESTS_CPU[@]}"
 step bench gpu 300 "$PY" -m tools.bench_kernels
 

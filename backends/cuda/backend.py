@@ -124,7 +124,7 @@ class CUDABackend(Backend):
         self.kv = self.runner.kv = []
 
     def allocate_kv(self, num_blocks: int, block_size: int, _graphs: bool = True) -> None:
-        self.kv, self.graphs = [], None
+        self.kv, self.graphs, self.runner.kv = [], None, []  # the old cache goes before the new one comes
         dt = weights.DTYPES[self.dtype]
         want = num_blocks * self.kv_bytes_per_block(block_size)
         try:
@@ -133,6 +133,8 @@ class CUDABackend(Backend):
                        for hkv, dk, dv in self.kv_shapes()]
         except torch.OutOfMemoryError as e:
             self.kv = []
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # what was allocated before the failure is held for this stream only
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
             raise MemoryError(f"the KV cache ({num_blocks} blocks, {_mib(want)}) does not fit: {_mib(free)} free "
                               f"after {_mib(self.memory().weights_bytes)} of weights; lower --mem or "

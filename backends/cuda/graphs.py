@@ -54,15 +54,15 @@ class DecodeGraphs:
         self._copied = [None, None]  # per host set: an event after its copies were queued
         self._turn = 0
         self.chain_size = chain_size
-        self.pool = torch.zeros(chain_size + b, dtype=torch.int32, device=dev)  # [chain | host tokens]
-        self.chain = self.pool[:chain_size]
+        self.token_buf = torch.zeros(chain_size + b, dtype=torch.int32, device=dev)  # [chain | host tokens]
+        self.chain = self.token_buf[:chain_size]
         self._dev = {k: torch.zeros(s, dtype=d, device=dev) for k, (s, d) in shapes.items() if k != "tokens"}
-        self._dev["tokens"] = self.pool[chain_size:]
+        self._dev["tokens"] = self.token_buf[chain_size:]
         self._own = np.arange(chain_size, chain_size + b, dtype=np.int32)  # src of tokens from the host
         self._qstart = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self._rows = torch.arange(b, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool_handle = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()
 
     def applies(self, batch: Batch) -> bool:
         return (batch.is_decode and batch.num_tokens <= self.buckets[-1]
@@ -94,7 +94,7 @@ class DecodeGraphs:
                         decode=True, max_query_len=1, max_context=parts * decode_partition(b, self.runner.kv_heads))
 
     def _step(self, b: int, meta: StepMeta) -> torch.Tensor:
-        tokens = self.pool.index_select(0, self._dev["src"][:b])
+        tokens = self.token_buf.index_select(0, self._dev["src"][:b])
         return self.runner.run(tokens, self._rows[:b], meta)
 
     def _capture(self, key: tuple[int, int]) -> None:
@@ -109,7 +109,7 @@ class DecodeGraphs:
             self._step(b, meta)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool_handle):
+        with torch.cuda.graph(graph, pool=self.pool):
             logits = self._step(b, meta)
         self.graphs[key] = (graph, logits)
 
