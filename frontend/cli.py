@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log)
     from backends.base import create_backend
-    from frontend.engine.engine import EngineConfig, LLMEngine
-    from frontend.engine.scheduler import SchedulerConfig
+    from frontend.engine.engine import LLMEngine
     from ir.loader import load_model
 
     try:
@@ -146,13 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("loading %s from %s", source.id, source.path)
         model = load_model(source.path, progress=True)
         backend = create_backend(args.backend, model, **backend_options(args))
-        config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.mem * 2**20 if args.mem else None,
-                              kv_fraction=args.kv_fraction,
-                              max_model_len=args.max_model_len, prefix_caching=not args.disable_prefix_cache,
-                              async_scheduling=not args.disable_async_scheduling,
-                              scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
-                                                        args.prefill_chunk_size))
-        engine = LLMEngine(backend, config)
+        engine = LLMEngine(backend, engine_config(args))
     except (ModelNotFound, ModelFormatError, FileNotFoundError, ValueError, NotImplementedError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -161,6 +154,18 @@ def main(argv: list[str] | None = None) -> int:
         return answer_once(engine, args)
     from frontend.run_server import serve
     return serve(engine, source.id, args)
+
+
+def engine_config(args: argparse.Namespace):
+    from frontend.engine.engine import EngineConfig
+    from frontend.engine.scheduler import SchedulerConfig
+
+    return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.mem * 2**20 if args.mem else None,
+                        kv_fraction=args.kv_fraction, max_model_len=args.max_model_len,
+                        prefix_caching=not args.disable_prefix_cache,
+                        async_scheduling=not args.disable_async_scheduling,
+                        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
+                                                  args.prefill_chunk_size))
 
 
 def backend_options(args: argparse.Namespace) -> dict:

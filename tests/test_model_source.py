@@ -96,3 +96,16 @@ def test_one_shot_prompt_answers_on_stdout():
     r = run_cli("--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "24")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_engine_and_backend_flags_reach_their_configs():
+    from frontend.cli import backend_options, engine_config, parse_args
+
+    args = parse_args(["--disable-async-scheduling", "--disable-prefix-cache", "--disable-cuda-graph", "--kv-fraction",
+                       "0.5", "--max-num-seqs", "8", "--block-size", "32", "--d", "1"])
+    config = engine_config(args)
+    assert (config.async_scheduling, config.prefix_caching, config.kv_fraction, config.block_size) == (
+        False, False, 0.5, 32)
+    assert config.scheduler.max_num_seqs == 8
+    assert backend_options(args) == {"cuda_graph": False, "device": "cuda:1"}
+    assert engine_config(parse_args([])).async_scheduling  # overlapped steps by default (where a backend can)
