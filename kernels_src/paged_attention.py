@@ -87,9 +87,12 @@ def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, pa
 
 def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_parts, out_stride, out_head_stride,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
-                               PDL: tl.constexpr = False):
+                               BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """Combines a row's partials BLOCK_P partitions at a time: one round of loads covers a short context (a loop
+    of one partition per load waited on each load in turn, the slowest part of a batch-1 decode)."""
     b, h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
+    p = tl.arange(0, BLOCK_P)
     dmask = d < HEAD_DIM
     base = (b * tl.num_programs(1) + h) * max_parts
     if PDL:  # the partials are paged_decode_kernel's output
@@ -97,15 +100,19 @@ def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_
         tl.launch_dependents()
     n_parts = tl.minimum((tl.load(context_lens + b) + PARTITION - 1) // PARTITION, max_parts)
 
-    def body(p, m, den, acc):
-        mp = tl.load(part_m + base + p)
-        m_new = tl.maximum(m, mp)
+    def body(it, m, den, acc):
+        parts = it * BLOCK_P + p
+        pmask = parts < n_parts
+        mp = tl.load(part_m + base + parts, mask=pmask, other=NEG_BIG)
+        lp = tl.load(part_l + base + parts, mask=pmask, other=0.0)
+        ap = tl.load(part_acc + (base + parts)[:, None] * HEAD_DIM + d[None, :], mask=pmask[:, None] & dmask[None, :],
+                     other=0.0)
+        m_new = tl.maximum(m, tl.max(mp, axis=0))
         alpha, beta = tl.exp2(m - m_new), tl.exp2(mp - m_new)
-        ap = tl.load(part_acc + (base + p) * HEAD_DIM + d, mask=dmask, other=0.0)
-        return m_new, den * alpha + tl.load(part_l + base + p) * beta, acc * alpha + ap * beta
+        return m_new, den * alpha + tl.sum(lp * beta, axis=0), acc * alpha + tl.sum(ap * beta[:, None], axis=0)
 
     init = (tl.full((), NEG_BIG, tl.float32), tl.zeros((), tl.float32), tl.zeros([BLOCK_D], tl.float32))
-    m, den, acc = tl.fori_loop(0, n_parts, body, init)
+    m, den, acc = tl.fori_loop(0, (n_parts + BLOCK_P - 1) // BLOCK_P, body, init)
     den = tl.where(den == 0.0, 1.0, den)
     tl.store(out + b * out_stride + h * out_head_stride + d, acc / den, mask=dmask)
 
@@ -140,6 +147,11 @@ def cache_strides(k_cache) -> tuple[int, int, int]:
 
 def num_partitions(max_context: int, partition: int) -> int:
     return max(1, tl.cdiv(int(max_context), partition))
+
+
+def reduce_block(n_parts: int) -> int:
+    """Partitions the reduce combines per round of loads: all of them up to 16 ([16, D] fp32 stays in registers)."""
+    return min(16, tl.next_power_of_2(max(1, n_parts)))
 
 
 def decode_workspace(q, n_parts: int) -> tuple:
@@ -179,7 +191,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
         elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache))
     if split:
         red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=d,
-                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition, PDL=pdl)
+                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition, BLOCK_P=reduce_block(n_parts), PDL=pdl)
         red[n_seq, hq](m, den, acc, context_lens, out, n_parts, elem_stride(out, 0), elem_stride(out, 1))
     return out
 

@@ -143,7 +143,7 @@ register(KernelEntry(
     notes="grid (B, Hkv, partitions); the bench time is this kernel plus paged_decode_reduce"))
 register(KernelEntry(
     "paged_decode_reduce", paged_attention.paged_decode_reduce_kernel,
-    dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, PDL=True),
+    dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, BLOCK_P=8, PDL=True),
     dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32", context_lens="*i32", out="*bf16"), _DECODE,
     decode_reduce_bytes, launcher=paged_attention.paged_decode))
 

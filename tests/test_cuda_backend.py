@@ -192,10 +192,9 @@ def test_cuda_graphs_match_eager_steps_and_split_decode(saved):  # noqa: F811
         b.forward(make_batch(prompts, [0] * 5, tables, 16))
         step = make_batch([[1], [2], [3], [4], [5]], lens, tables, 16)
         outs.append(b.forward(step).cpu().numpy())
-    from backends.cuda.runner import decode_partition
 
     assert graphs.graphs is not None and graphs.graphs.buckets == [1, 2, 4, 6]
-    part = decode_partition(6, graphs.runner.kv_heads)
+    part = graphs.runner.decode_partition(6)
     parts = 1 << (-(-1104 // part) - 1).bit_length()  # 1,104 tokens in partitions, rounded up to a power of two
     assert parts >= 4 and (6, parts) in graphs.graphs.graphs
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)

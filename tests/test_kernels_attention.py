@@ -51,6 +51,7 @@ DECODE_CASES = {  # hq, hkv, d, block_size, context lens, partition, block_n, wi
     "gqa4_split": (8, 2, 32, 8, [1, 37, 70], 32, 16, None, None),
     "mha_d24": (2, 2, 24, 4, [5, 16, 19], 512, 16, None, None),
     "window_softcap_split": (4, 1, 16, 32, [50, 9], 16, 16, 20, 30.0),
+    "many_parts": (4, 2, 16, 8, [600, 3, 250], 16, 16, None, None),  # 38 partitions: the reduce takes 3 rounds
 }
 
 

@@ -142,6 +142,7 @@ ABLATIONS = {  # name -> (runner attribute changes, engine overlap): each switch
     "no async scheduling": ({}, False),
     "no PDL": ({"pdl": False}, True),
     "no fused rope+KV write": ({"fuse_rope_kv": False}, True),
+    "no small decode partitions": ({"decode_partitions": ()}, True),
 }
 
 

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from backends.cuda.runner import Runner, StepMeta, decode_partition, partitions_for
+from backends.cuda.runner import Runner, StepMeta, partitions_for
 from backends.cuda.runtime import torch
 from ir.batch import Batch
 
@@ -71,7 +71,7 @@ class DecodeGraphs:
     def _parts(self, bucket: int, context: int) -> int:
         """Split-K partitions of a graph for `bucket` rows: for the context, rounded up to a power of two, within
         what the longest context needs."""
-        part = decode_partition(bucket, self.runner.kv_heads)
+        part = self.runner.decode_partition(bucket)
         return min(_pow2(partitions_for(context, part)), _pow2(partitions_for(self.max_context, part)))
 
     def _key(self, n: int, max_context: int) -> tuple[int, int]:
@@ -91,7 +91,7 @@ class DecodeGraphs:
     def _meta(self, b: int, parts: int) -> StepMeta:
         d = self._dev
         return StepMeta(d["positions"][:b], d["slots"][:b], d["tables"][:b], d["ctx"][:b], self._qstart[:b + 1],
-                        decode=True, max_query_len=1, max_context=parts * decode_partition(b, self.runner.kv_heads))
+                        decode=True, max_query_len=1, max_context=parts * self.runner.decode_partition(b))
 
     def _step(self, b: int, meta: StepMeta) -> torch.Tensor:
         tokens = self.token_buf.index_select(0, self._dev["src"][:b])

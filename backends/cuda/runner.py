@@ -39,11 +39,11 @@ class StepMeta:
     max_context: int  # bounds context_lens; fixes the decode kernel's grid
 
 
-def decode_partition(rows: int, kv_heads: int) -> int:
+def decode_partition(rows: int, kv_heads: int, table=DECODE_PARTITIONS) -> int:
     """Keys per split-K partition of the decode kernel: a batch of few (sequence, KV head) programs cuts its
     contexts finer, so that more of the GPU's SMs share the keys (one program walks its keys serially)."""
     programs = rows * kv_heads
-    return next((part for limit, part in DECODE_PARTITIONS if programs <= limit), LONG_PARTITION)
+    return next((part for limit, part in table if programs <= limit), LONG_PARTITION)
 
 
 def partitions_for(max_context: int, partition: int) -> int:
@@ -65,6 +65,7 @@ class Runner:
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
         self.fuse_rope_kv = True  # plan.rope_kv: rope and the KV write as one kernel
+        self.decode_partitions = DECODE_PARTITIONS  # () : LONG_PARTITION at every batch size
         self.kv_heads = max((n.inputs[1].shape[1] for n in graph.nodes if n.op == "attention"), default=1)
 
     def set_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], max_positions: int) -> None:
@@ -77,6 +78,9 @@ class Runner:
                 cos, sin = cos_sin(node.attrs["spec"], pos)
                 self._rope[node.attrs["spec"]] = (torch.from_numpy(cos).to(self.device),
                                                   torch.from_numpy(sin).to(self.device))
+
+    def decode_partition(self, rows: int) -> int:
+        return decode_partition(rows, self.kv_heads, self.decode_partitions)
 
     # -- the graph ----------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, logits_indices: torch.Tensor, meta: StepMeta) -> torch.Tensor:
@@ -157,7 +161,7 @@ class Runner:
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
                   pdl=self.pdl)
         if meta.decode:
-            part = decode_partition(q.shape[0], self.kv_heads)
+            part = self.decode_partition(q.shape[0])
             return paged_attention.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, a["scale"],
                                                 max_context=meta.max_context, partition=part, **kw)
         return paged_prefill.paged_prefill(q, kc, vc, meta.block_tables, meta.context_lens, meta.query_start,
