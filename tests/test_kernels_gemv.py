@@ -320,3 +320,11 @@ def test_dump_kernel_tool(capsys):
     assert main(["--list"]) == 0 and "dequant_gemv_q6_k" in capsys.readouterr().out
     assert main(["no_such_kernel"]) == 2
     assert main(["rms_norm", "--const", "NOPE=1"]) == 2
+
+
+def test_every_registry_kernel_has_a_quick_problem():
+    """bench_kernels --quick shrinks each problem; every kernel must have its smaller twin of the same shape."""
+    from tools.kernel_case_base import quick_params
+
+    for name, entry in REGISTRY.items():
+        assert quick_params(name, entry.bench) != entry.bench, name  # (a kernel without one raises KeyError)

@@ -29,7 +29,8 @@ import zlib
 from dataclasses import asdict, dataclass
 
 from kernels_src.registry import REGISTRY
-from tools.kernel_cases import build_case, has_case, quick_params
+from tools.kernel_case_base import quick_params
+from tools.kernel_cases import build_case, has_case
 
 GOALS = {"rms_norm": 80, "rope": 80, "paged_decode": 70, "dequant_gemv_q4_k": 60}  # % of copy bandwidth (the issue)
 TARGETS = ("triton", "cuda")

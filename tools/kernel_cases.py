@@ -7,103 +7,13 @@ case is built."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from ir.formats.gguf_quants import QTYPES as GGUF
 from kernels_src import activations, dequant_gemv, dequant_gemv_i8, dequantize, kv_write, rms_norm, rope, rope_kv_write
-from kernels_src import paged_attention as pa
-from kernels_src import paged_prefill as pp
-from kernels_src.dsl import compile as dsl_compile
-from kernels_src.dsl import elem_stride, tl
-
-# (relative L2 error, largest error over the largest |ref|) an output may show, by its dtype
-OUT_EPS = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}  # an output's rounding, relative
-TOL = {"float32": (1e-4, 1e-3), "float16": (3e-3, 1e-2), "bfloat16": (1.5e-2, 5e-2)}
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets in a block
-SAMPLE = 256  # rows checked on the CPU out of a large output
-QUICK = {  # small problems of the same shapes, for a smoke test
-    "rms_norm": dict(rows=64), "add_rms_norm": dict(rows=64), "rope": dict(tokens=64), "silu_mul": dict(tokens=16),
-    "kv_write": dict(tokens=64), "rope_kv_write": dict(tokens=64), "paged_decode_reduce": dict(batch=4, context=1100),
-    "paged_decode": dict(batch=4, context=1100, ragged=True), "paged_prefill": dict(seqs=2, query_len=64, context=300),
-    "gemv": dict(n=512), "dequantize": dict(r=512, n=512),
-}
-Verdict = tuple[float, str | None]  # (worst relative error, what is wrong or None)
-
-
-@dataclass
-class Case:
-    name: str
-    params: dict
-    launch: Callable[[str], None]  # one call of the host launcher for a target
-    check: Callable[[], Verdict]  # after prepare + launch: the outputs against the reference
-    prepare: Callable[[str], None] = lambda target: None  # fresh outputs (and in-place inputs) before a checked run
-
-
-def quick_params(name: str, bench: dict) -> dict:
-    return bench | QUICK[name.split("_")[0] if name.startswith(("dequant_gemv", "dequantize_")) else name]
-
-
-class Dev:
-    """Random tensors on the current CUDA device from one seed, and CPU copies for the references."""
-
-    def __init__(self, seed: int, device: str = "cuda"):
-        import torch
-
-        self.torch, self.dev = torch, device
-        self.gen = torch.Generator(device=device).manual_seed(seed)
-        self.rng = np.random.default_rng(seed)
-
-    def dtype(self, name: str):
-        return getattr(self.torch, name)
-
-    def randn(self, shape, dtype, scale: float = 1.0):
-        return (self.torch.randn(shape, device=self.dev, generator=self.gen) * scale).to(dtype)
-
-    def nan(self, shape, dtype):
-        return self.torch.full(shape, float("nan"), device=self.dev, dtype=dtype)
-
-    def perm(self, n: int):
-        return self.torch.randperm(n, device=self.dev, generator=self.gen)
-
-    def sample(self, n: int, k: int = SAMPLE) -> np.ndarray:
-        """Indices to check: all of a small range, else both ends and a random spread."""
-        if n <= k:
-            return np.arange(n)
-        return np.unique(np.concatenate([[0, 1, n - 2, n - 1], self.rng.choice(n, k - 4, replace=False)]))
-
-
-def host(t) -> np.ndarray:
-    """A CPU numpy copy: floats as float32 (bf16 has no numpy dtype), integers as they are."""
-    return (t.float() if t.is_floating_point() else t).cpu().numpy()
-
-
-def compare(what: str, got: np.ndarray, want: np.ndarray, dtype: str) -> Verdict:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if got.shape != want.shape:
-        return np.inf, f"{what}: shape {got.shape} != reference {want.shape}"
-    if not np.isfinite(got).all():
-        return np.inf, f"{what}: {np.count_nonzero(~np.isfinite(got))} non-finite values (unwritten or NaN)"
-    scale = max(np.abs(want).max(), 1e-30)
-    rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-    worst = float(np.abs(got - want).max() / scale)
-    tol_rel, tol_max = TOL[dtype]
-    if rel > tol_rel or worst > tol_max:
-        return rel, f"{what}: rel err {rel:.2e} (tol {tol_rel:g}), max err {worst:.2e} of max|ref| (tol {tol_max:g})"
-    return rel, None
-
-
-def combine(*verdicts: Verdict) -> Verdict:
-    errs = [m for _, m in verdicts if m]
-    return max(v for v, _ in verdicts), (errs[0] if errs else None)
-
-
-def written(what: str, *tensors) -> Verdict:
-    """Every element of the poisoned outputs written (checked whole, on the device)."""
-    bad = sum(int(t.isnan().sum()) for t in tensors)
-    return (0.0, None) if not bad else (np.inf, f"{what}: {bad} elements left NaN (unwritten)")
-
+from tools.kernel_case_base import FP16_FIELDS, OUT_EPS, Case, Dev, combine, compare, host, written
+from tools.kernel_cases_attention import paged_decode_case, paged_decode_reduce_case, paged_prefill_case
 
 # --- rows of a hidden state ---------------------------------------------------------------------------------------
 
@@ -235,125 +145,6 @@ def _rope_kv_write(d: Dev, p: dict) -> Case:
         *views(qkv), *caches[:2], slots, pos, cos, sin, interleaved=inter, target=target), check, prepare)
 
 
-# --- paged attention ------------------------------------------------------------------------------------------------
-
-def _paged_cache(d: Dev, p: dict, ctxs: np.ndarray):
-    """Caches [blocks, bs, Hkv, D] through shuffled block tables; every slot outside the contexts holds NaN."""
-    torch, bs, hkv, dim, dt = d.torch, p["block_size"], p["kv_heads"], p["head_dim"], d.dtype(p["dtype"])
-    max_blocks = -(-int(ctxs.max()) // bs)
-    n_blocks = len(ctxs) * max_blocks + 3
-    tables = d.perm(n_blocks)[:len(ctxs) * max_blocks].view(len(ctxs), max_blocks).to(torch.int32)
-    kc, vc = d.randn((n_blocks, bs, hkv, dim), dt), d.randn((n_blocks, bs, hkv, dim), dt)
-    j = torch.arange(max_blocks * bs, device=d.dev)
-    used_slots = (tables.long()[:, j // bs] * bs + j % bs)[j[None, :] < torch.from_numpy(ctxs).to(d.dev)[:, None]]
-    unused = torch.ones(n_blocks * bs, dtype=torch.bool, device=d.dev)
-    unused[used_slots] = False
-    for c in (kc, vc):
-        c.view(n_blocks * bs, -1)[unused] = float("nan")
-    return kc, vc, tables
-
-
-def _seq_cache(kc, vc, tables, b: int, n_ctx: int):
-    """Sequence b's first n_ctx cache entries as a compact CPU cache with an identity block table."""
-    n = -(-n_ctx // kc.shape[1])
-    blocks = tables[b, :n].long()
-    return host(kc[blocks]), host(vc[blocks]), np.arange(n, dtype=np.int32)[None, :]
-
-
-def _check_seqs(n: int) -> list[int]:
-    return list(range(n)) if n <= 6 else [0, 1, n // 2, n - 1]
-
-
-def _decode_setup(d: Dev, p: dict):
-    b, ctx, hq, dim, dt = p["batch"], p["context"], p["q_heads"], p["head_dim"], d.dtype(p["dtype"])
-    ctxs = np.full(b, ctx, np.int32)
-    if p.get("ragged"):
-        ctxs = d.rng.integers(1, ctx + 1, b).astype(np.int32)
-        ctxs[-1] = ctx
-    kc, vc, tables = _paged_cache(d, p, ctxs)
-    q = d.randn((b, hq + 2 * p["kv_heads"], dim), dt)[:, :hq]  # a strided view, as out of a qkv split
-    n_parts = pa.num_partitions(ctx, 512)
-    ws = pa.decode_workspace(q, n_parts) if n_parts > 1 else None
-    return ctxs, kc, vc, tables, q, d.nan((b, hq, dim), dt), ws, n_parts, dim ** -0.5
-
-
-def _decode_check(d, p, ctxs, kc, vc, tables, q, out, scale) -> Verdict:
-    verdicts = [written("out", out)]
-    for b in _check_seqs(len(ctxs)):
-        kb, vb, tb = _seq_cache(kc, vc, tables, b, int(ctxs[b]))
-        want = pa.paged_decode_ref(host(q[b:b + 1]), kb, vb, tb, ctxs[b:b + 1], scale)
-        verdicts.append(compare(f"out[seq {b}]", host(out[b:b + 1]), want, p["dtype"]))
-    return combine(*verdicts)
-
-
-def _paged_decode(d: Dev, p: dict) -> Case:
-    ctxs, kc, vc, tables, q, out, ws, _, scale = _decode_setup(d, p)
-    ctx_dev = d.torch.from_numpy(ctxs).to(d.dev)
-
-    def launch(target):
-        pa.paged_decode(q, kc, vc, tables, ctx_dev, scale, out=out, max_context=p["context"], workspace=ws,
-                        target=target)
-
-    return Case("paged_decode", p, launch, lambda: _decode_check(d, p, ctxs, kc, vc, tables, q, out, scale),
-                lambda target: out.fill_(float("nan")))
-
-
-def _paged_decode_reduce(d: Dev, p: dict) -> Case:
-    """The split-K reduce alone, over partials that the split decode kernel of the same target wrote."""
-    ctxs, kc, vc, tables, q, out, ws, n_parts, scale = _decode_setup(d, p)
-    if ws is None:
-        raise ValueError(f"context {p['context']} fits one partition: no reduce runs")
-    ctx_dev = d.torch.from_numpy(ctxs).to(d.dev)
-    bd = max(16, tl.next_power_of_2(p["head_dim"]))
-
-    def prepare(target):
-        pa.paged_decode(q, kc, vc, tables, ctx_dev, scale, out=out, max_context=p["context"], workspace=ws,
-                        target=target)
-        out.fill_(float("nan"))
-
-    def launch(target):
-        red = dsl_compile(pa.paged_decode_reduce_kernel, target, HEAD_DIM=p["head_dim"], BLOCK_D=bd, PARTITION=512,
-                          BLOCK_P=pa.reduce_block(n_parts))
-        red[len(ctxs), p["q_heads"]](*ws, ctx_dev, out, n_parts, elem_stride(out, 0), elem_stride(out, 1))
-
-    return Case("paged_decode_reduce", p, launch,
-                lambda: _decode_check(d, p, ctxs, kc, vc, tables, q, out, scale), prepare)
-
-
-def _paged_prefill(d: Dev, p: dict) -> Case:
-    s, ql, ctx, hq, dim, dt = p["seqs"], p["query_len"], p["context"], p["q_heads"], p["head_dim"], d.dtype(p["dtype"])
-    q_lens = np.full(s, ql, np.int32)
-    ctxs = np.full(s, ctx, np.int32)
-    if p.get("ragged"):  # a sequence with nothing new, short chunks, fresh prompts and long cached prefixes
-        q_lens = d.rng.integers(0, ql + 1, s).astype(np.int32)
-        ctxs = (q_lens + d.rng.integers(0, ctx - ql + 1, s)).astype(np.int32)
-        q_lens[0], ctxs[0] = ql, ctx
-    qs = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    kc, vc, tables = _paged_cache(d, p, ctxs)
-    q, out, scale = d.randn((int(qs[-1]), hq, dim), dt), d.nan((int(qs[-1]), hq, dim), dt), dim ** -0.5
-    ctx_dev, qs_dev = (d.torch.from_numpy(a).to(d.dev) for a in (ctxs, qs))
-
-    def launch(target):
-        pp.paged_prefill(q, kc, vc, tables, ctx_dev, qs_dev, scale, out=out, max_query_len=ql, target=target)
-
-    def check():
-        verdicts = [written("out", out)]
-        for b in sorted({0, s // 2, s - 1}) if s > 4 else range(s):  # the first and last 32 queries of each
-            n = int(q_lens[b])
-            for i0, i1 in sorted({(0, min(32, n)), (max(0, n - 32), n)}):
-                if i1 <= i0:
-                    continue
-                c1 = int(ctxs[b]) - n + i1  # queries i0..i1 are the last of a context ending at query i1
-                kb, vb, tb = _seq_cache(kc, vc, tables, b, c1)
-                rows = slice(int(qs[b]) + i0, int(qs[b]) + i1)
-                want = pa.paged_attention_ref(host(q[rows]), kb, vb, tb, np.array([c1]), np.array([0, i1 - i0]),
-                                              scale)
-                verdicts.append(compare(f"out[seq {b}, q {i0}:{i1}]", host(out[rows]), want, p["dtype"]))
-        return combine(*verdicts)
-
-    return Case("paged_prefill", p, launch, check, lambda target: out.fill_(float("nan")))
-
-
 # --- dequantizing GEMV ----------------------------------------------------------------------------------------------
 
 def gguf_weights(d: Dev, qtype: str, n: int, k: int, scale: float = 0.01, padded: bool = False):
@@ -425,8 +216,8 @@ def _dequantize(d: Dev, p: dict) -> Case:
 BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rms_norm": lambda d, p: _rms_norm(d, p, False), "add_rms_norm": lambda d, p: _rms_norm(d, p, True),
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
-    "paged_decode": _paged_decode,
-    "paged_decode_reduce": _paged_decode_reduce, "paged_prefill": _paged_prefill,
+    "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
+    "paged_prefill": paged_prefill_case,
 }
 
 

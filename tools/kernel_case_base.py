@@ -1,0 +1,96 @@
+"""What every GPU kernel case shares (tools/kernel_cases.py): the case record, random tensors on the device from
+one seed, CPU copies, and the verdict of outputs against a reference by their dtype's rounding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+# (relative L2 error, largest error over the largest |ref|) an output may show, by its dtype
+OUT_EPS = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}  # an output's rounding, relative
+TOL = {"float32": (1e-4, 1e-3), "float16": (3e-3, 1e-2), "bfloat16": (1.5e-2, 5e-2)}
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets in a block
+SAMPLE = 256  # rows checked on the CPU out of a large output
+QUICK = {  # small problems of the same shapes, for a smoke test
+    "rms_norm": dict(rows=64), "add_rms_norm": dict(rows=64), "rope": dict(tokens=64), "silu_mul": dict(tokens=16),
+    "kv_write": dict(tokens=64), "rope_kv_write": dict(tokens=64), "paged_decode_reduce": dict(batch=4, context=1100),
+    "paged_decode": dict(batch=4, context=1100, ragged=True), "paged_prefill": dict(seqs=2, query_len=64, context=300),
+    "gemv": dict(n=512), "dequantize": dict(r=512, n=512),
+}
+Verdict = tuple[float, str | None]  # (worst relative error, what is wrong or None)
+
+
+@dataclass
+class Case:
+    name: str
+    params: dict
+    launch: Callable[[str], None]  # one call of the host launcher for a target
+    check: Callable[[], Verdict]  # after prepare + launch: the outputs against the reference
+    prepare: Callable[[str], None] = lambda target: None  # fresh outputs (and in-place inputs) before a checked run
+
+
+def quick_params(name: str, bench: dict) -> dict:
+    key = "gemv" if name.startswith("dequant_gemv") else "dequantize" if name.startswith("dequantize_") else name
+    return bench | QUICK[key]
+
+
+class Dev:
+    """Random tensors on the current CUDA device from one seed, and CPU copies for the references."""
+
+    def __init__(self, seed: int, device: str = "cuda"):
+        import torch
+
+        self.torch, self.dev = torch, device
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
+
+    def dtype(self, name: str):
+        return getattr(self.torch, name)
+
+    def randn(self, shape, dtype, scale: float = 1.0):
+        return (self.torch.randn(shape, device=self.dev, generator=self.gen) * scale).to(dtype)
+
+    def nan(self, shape, dtype):
+        return self.torch.full(shape, float("nan"), device=self.dev, dtype=dtype)
+
+    def perm(self, n: int):
+        return self.torch.randperm(n, device=self.dev, generator=self.gen)
+
+    def sample(self, n: int, k: int = SAMPLE) -> np.ndarray:
+        """Indices to check: all of a small range, else both ends and a random spread."""
+        if n <= k:
+            return np.arange(n)
+        return np.unique(np.concatenate([[0, 1, n - 2, n - 1], self.rng.choice(n, k - 4, replace=False)]))
+
+
+def host(t) -> np.ndarray:
+    """A CPU numpy copy: floats as float32 (bf16 has no numpy dtype), integers as they are."""
+    return (t.float() if t.is_floating_point() else t).cpu().numpy()
+
+
+def compare(what: str, got: np.ndarray, want: np.ndarray, dtype: str) -> Verdict:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return np.inf, f"{what}: shape {got.shape} != reference {want.shape}"
+    if not np.isfinite(got).all():
+        return np.inf, f"{what}: {np.count_nonzero(~np.isfinite(got))} non-finite values (unwritten or NaN)"
+    scale = max(np.abs(want).max(), 1e-30)
+    rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    worst = float(np.abs(got - want).max() / scale)
+    tol_rel, tol_max = TOL[dtype]
+    if rel > tol_rel or worst > tol_max:
+        return rel, f"{what}: rel err {rel:.2e} (tol {tol_rel:g}), max err {worst:.2e} of max|ref| (tol {tol_max:g})"
+    return rel, None
+
+
+def combine(*verdicts: Verdict) -> Verdict:
+    errs = [m for _, m in verdicts if m]
+    return max(v for v, _ in verdicts), (errs[0] if errs else None)
+
+
+def written(what: str, *tensors) -> Verdict:
+    """Every element of the poisoned outputs written (checked whole, on the device)."""
+    bad = sum(int(t.isnan().sum()) for t in tensors)
+    return (0.0, None) if not bad else (np.inf, f"{what}: {bad} elements left NaN (unwritten)")
