@@ -223,7 +223,9 @@ class LLMEngine:
             if s.seq.num_computed_tokens <= s.seq.num_prompt_tokens:
                 self.stats["prompt_tokens"] += s.num_new
         seqs = [scheduled[i].seq for i in keep]
-        touched.update(s.seq.request_id for s in scheduled if not s.samples)  # chunk progress
+        if len(seqs) < len(scheduled):  # prompt chunks that sample nothing yet: their progress is reported now
+            sampling = set(keep)
+            touched.update(s.seq.request_id for i, s in enumerate(scheduled) if i not in sampling)
         if not seqs:
             return None
         for row, seq in enumerate(seqs):
