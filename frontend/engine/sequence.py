@@ -62,10 +62,6 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_known_outputs(self) -> int:
-        return len(self.output_token_ids) - self.pending
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
