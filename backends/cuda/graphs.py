@@ -51,7 +51,7 @@ class DecodeGraphs:
         shapes = {"tokens": ((b,), torch.int32), "src": ((b,), torch.int32), "positions": ((b,), torch.int32),
                   "slots": ((b,), torch.int64), "tables": ((b, m), torch.int32), "ctx": ((b,), torch.int32)}
         self._host = [{k: pinned(s, d) for k, (s, d) in shapes.items()} for _ in range(2)]
-        self._copied = [None, None]  # per host set: an event after its copies were queued
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]  # per host set: recorded after its copies
         self._turn = 0
         self.chain_size = chain_size
         self.token_buf = torch.zeros(chain_size + b, dtype=torch.int32, device=dev)  # [chain | host tokens]
@@ -118,8 +118,7 @@ class DecodeGraphs:
         key = self._key(n, int(batch.context_lens.max()))
         b = key[0]
         host = self._host[self._turn]
-        if self._copied[self._turn] is not None:
-            self._copied[self._turn].synchronize()  # its last copies are done (long since, in practice)
+        self._copied[self._turn].synchronize()  # its last copies are done (long since, in practice)
         h = {k: a for k, (_, a) in host.items()}
         h["tokens"][:n], h["tokens"][n:b] = batch.token_ids, 0
         h["src"][:b] = self._own[:b]
@@ -134,8 +133,7 @@ class DecodeGraphs:
         h["tables"][n:b] = 0
         for k, (t, _) in host.items():
             self._dev[k][:b].copy_(t[:b], non_blocking=True)
-        self._copied[self._turn] = event = self._copied[self._turn] or torch.cuda.Event()
-        event.record()
+        self._copied[self._turn].record()
         self._turn ^= 1
         if key not in self.graphs:
             log.info("capturing a CUDA graph for decode batch %d, %d partitions", *key)

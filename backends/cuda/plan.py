@@ -39,6 +39,7 @@ class Plan:
     add_norm: dict[int, Node] = field(default_factory=dict)  # add's out id -> the rms_norm it feeds
     rope_pair: dict[int, Node] = field(default_factory=dict)  # first rope's out id -> the second rope
     rope_kv: dict[int, tuple[Node, Node]] = field(default_factory=dict)  # attention's out id -> (q rope, k rope)
+    rope_kv_ropes: set[int] = field(default_factory=set)  # out ids of those ropes: done by the attention's kernel
     uses: dict[int, list[Node]] = field(default_factory=lambda: defaultdict(list))  # value id -> nodes reading it
 
     @classmethod
@@ -79,6 +80,7 @@ class Plan:
                     or self.uses[rk.out.id] != [node] or self.uses[rq.out.id] != [node]):
                 continue
             self.rope_kv[node.out.id] = (rq, rk)
+            self.rope_kv_ropes.update((rq.out.id, rk.out.id))
 
     def _group_linears(self, graph: Graph) -> None:
         by_input: dict[int, list[Node]] = defaultdict(list)

@@ -95,7 +95,7 @@ class Runner:
                 return None
             return self.params[v.name] if v.kind == "param" else env[v.id]
 
-        fused_rope = {r.out.id for pair in plan.rope_kv.values() for r in pair} if self.fuse_rope_kv else set()
+        fused_rope = plan.rope_kv_ropes if self.fuse_rope_kv else ()
         for node in self.graph.nodes:
             oid = node.out.id
             if oid in env or oid in plan.folded or oid in fused_rope:

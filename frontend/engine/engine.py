@@ -202,9 +202,7 @@ class LLMEngine:
         for seq in running:
             if not seq.pending or seq.needs_history:
                 return False
-            live = live or not ((seq.params.max_tokens is not None
-                                 and len(seq.output_token_ids) >= seq.params.max_tokens)
-                                or seq.num_tokens >= self.max_model_len)
+            live = live or not self._length_reached(seq, len(seq.output_token_ids))
         return live
 
     def _launch(self, scheduled: list[ScheduledSeq], touched: set[str]) -> _Launched | None:
@@ -283,11 +281,12 @@ class LLMEngine:
         if seq.detokenizer.stopped:
             seq.stop_reason = seq.detokenizer.stop_string
             return "stop"
-        if seq.params.max_tokens is not None and n_out >= seq.params.max_tokens:
-            return "length"
-        if seq.num_prompt_tokens + n_out >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._length_reached(seq, n_out) else None
+
+    def _length_reached(self, seq: Sequence, n_out: int) -> bool:
+        """Whether `n_out` generated tokens end the sequence by max_tokens or the model's context."""
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and n_out >= max_tokens) or seq.num_prompt_tokens + n_out >= self.max_model_len
 
     def _report(self, req: Request) -> RequestOutput:
         # Runs for every running request every step: kept to plain attribute reads (see docs/BENCHMARKS.md, the
