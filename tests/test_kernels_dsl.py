@@ -56,6 +56,7 @@ def test_ir_shape_rules():
     (lambda x: tl.fori_loop(0, 4, lambda i, a: a.to(tl.float16), tl.load(x)), "changes from fp32"),
     (lambda x: tl.store(x, tl.load(x) // 2), "for integers"),
     (lambda x: x * 2, "pointer arithmetic"),
+    (lambda x: tl.reshape(tl.zeros([4, 8], tl.float32), (4, 4)), "element counts differ"),
 ])
 def test_trace_errors(body, match):
     def kern(x):
@@ -283,3 +284,34 @@ def test_online_softmax_over_block_table(target):
             w = np.exp(0.3 * k[:, h // group] @ q[s, h] - (0.3 * k[:, h // group] @ q[s, h]).max())
             np.testing.assert_allclose(np.asarray(args[5])[s, h], w @ v[:, h // group] / w.sum(), rtol=1e-5,
                                        atol=1e-5)
+
+
+def reshape_kernel(x, out):
+    """A [4, 8, 2] tile reshaped as values ([8, 8] through a broadcast and a reduction, [64]) and as pointers."""
+    a, b, c = tl.arange(0, 4)[:, None, None], tl.arange(0, 8)[None, :, None], tl.arange(0, 2)[None, None, :]
+    ptr = x + a * 16 + b * 2 + c
+    v = tl.load(ptr) * 3.0
+    flat = tl.reshape(v, (64,))
+    tl.store(out + tl.arange(0, 64), flat)
+    sq = tl.reshape(v + tl.zeros([4, 1, 2], tl.float32), (8, 8))  # rows 2a + b // 4, columns 2 (b % 4) + c
+    tl.store(out + 64 + tl.arange(0, 8)[:, None] * 8 + tl.arange(0, 8)[None, :], sq)
+    tl.store(out + 128 + tl.arange(0, 8), tl.sum(sq, axis=1))
+    tl.store(tl.reshape(ptr, (16, 4)) + 200, tl.reshape(tl.load(ptr), (16, 4)) + 1.0)
+
+
+@pytest.mark.parametrize("target", ["numpy", "simt-cpu", pytest.param("triton-interpret", marks=needs_triton)])
+def test_reshape(target):
+    x = np.full(264, np.nan, np.float32)
+    x[:64] = np.random.default_rng(3).standard_normal(64).astype(np.float32)
+    out = np.full(136, np.nan, np.float32)
+    args = [x, out]
+    if target == "triton-interpret":
+        import torch
+
+        args = [torch.from_numpy(a) for a in args]
+    dsl_compile(reshape_kernel, target)[1](*args)
+    want = x[:64] * 3.0
+    np.testing.assert_allclose(out[:64], want, rtol=1e-6)
+    np.testing.assert_allclose(out[64:128], want, rtol=1e-6)
+    np.testing.assert_allclose(out[128:], want.reshape(8, 8).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(x[200:264], x[:64] + 1.0, rtol=1e-6)

@@ -171,6 +171,10 @@ class _Program:
             if isinstance(a[0], Ptr):
                 return Ptr(a[0].buf, np.expand_dims(a[0].off, at["axis"]), a[0].bf16)
             return np.expand_dims(a[0], at["axis"])
+        if code == "reshape":
+            if isinstance(a[0], Ptr):
+                return Ptr(a[0].buf, np.reshape(a[0].off, at["shape"]), a[0].bf16)
+            return np.reshape(a[0], at["shape"])
         if code == "trans":
             return a[0].T
         if code == "reduce":

@@ -107,8 +107,8 @@ ELEMENTWISE = UNARY | BINARY | COMPARE | {"where", "cast", "bitcast", "dot4"}
 # while the kernel before it runs; `grid_dep_wait` blocks until that one finished and its writes are visible,
 # `grid_dep_launch` lets the next kernel start early). No results; no-ops wherever kernels run one after another.
 GRID_DEP = frozenset({"grid_dep_wait", "grid_dep_launch"})
-# Others: const, param, program_id, num_programs, arange, broadcast, expand_dims, trans, reduce, dot,
-# ptr_add, ptr_cast, load, store, for.
+# Others: const, param, program_id, num_programs, arange, broadcast, expand_dims, reshape (row-major, attr shape),
+# trans, reduce, dot, ptr_add, ptr_cast, load, store, for.
 REDUCE_KINDS = ("sum", "max", "min")
 
 

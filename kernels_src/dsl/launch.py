@@ -50,11 +50,13 @@ def _freeze(d: dict) -> tuple:
 class Kernel:
     """A kernel function bound to a target and constexprs; `k[grid](*args)` launches it."""
 
-    def __init__(self, fn, target: str, constexprs: dict, num_warps: int = 4, launch_pdl: bool = False):
+    def __init__(self, fn, target: str, constexprs: dict, num_warps: int = 4, launch_pdl: bool = False,
+                 num_stages: int | None = None):
         if target not in TARGETS and target not in TARGET_HOOKS:
             raise ValueError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
         self.fn, self.target, self.constexprs, self.num_warps = fn, target, constexprs, num_warps
         self.launch_pdl = launch_pdl  # Triton on CUDA: programmatic dependent launch (see tl.wait_prior_grid)
+        self.num_stages = num_stages  # Triton: software-pipelining depth of loops (None: Triton's default)
         self.runtime_params = split_params(fn)[0]
         self._traces: dict[tuple, KernelIR] = {}
         self._launchers: dict[tuple, Callable] = {}  # signature -> launch: a launch must not re-render
@@ -94,7 +96,7 @@ class Kernel:
     def _build(self, *args, signature: dict | None = None) -> Callable:
         k = self.trace(*args, signature=signature)
         src = self.source(*args, signature=signature)
-        key = (self.target, src, _freeze(self.constexprs), self.num_warps, self.launch_pdl)
+        key = (self.target, src, _freeze(self.constexprs), self.num_warps, self.launch_pdl, self.num_stages)
         if key not in _compiled:
             if self.target == "numpy":
                 _compiled[key] = lambda grid, *a: run(k, grid, *a)
@@ -104,7 +106,8 @@ class Kernel:
                 from .triton_target import build
 
                 fn = build(src, k.name, interpret=self.target == "triton-interpret")
-                opts = {"launch_pdl": True} if self.launch_pdl else {}
+                opts = ({"launch_pdl": True} if self.launch_pdl else {}) | (
+                    {"num_stages": self.num_stages} if self.num_stages else {})
                 _compiled[key] = lambda grid, *a: fn[grid](*a, num_warps=self.num_warps, **opts)
         return _compiled[key]
 
@@ -127,12 +130,13 @@ def use_pdl(target: str, pdl: bool | None = None) -> bool:
 
 
 def compile(fn, target: str = "numpy", *, num_warps: int = 4, launch_pdl: bool = False,  # noqa: A001
-            **constexprs) -> Kernel:
+            num_stages: int | None = None, **constexprs) -> Kernel:
     """The kernel `fn` for `target` ("numpy", "triton", "triton-interpret") with its constexpr values; `launch_pdl`
-    (target "triton"): launched as a programmatic dependent launch (it may start before the previous kernel ends)."""
-    key = (fn, target, num_warps, launch_pdl, _freeze(constexprs))
+    (target "triton"): launched as a programmatic dependent launch (it may start before the previous kernel ends);
+    `num_stages` (target "triton"): the software-pipelining depth Triton gives its loops (None: its default)."""
+    key = (fn, target, num_warps, launch_pdl, num_stages, _freeze(constexprs))
     if key not in _kernels:
-        _kernels[key] = Kernel(fn, target, constexprs, num_warps, launch_pdl)
+        _kernels[key] = Kernel(fn, target, constexprs, num_warps, launch_pdl, num_stages)
     return _kernels[key]
 
 

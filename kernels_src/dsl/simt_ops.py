@@ -95,6 +95,14 @@ class OpLowering(LoopLowering):
         return self.remap(x, shape, [(b, b) for b in range(nb)],
                           lambda r: Regs(r.arr, r.lay.with_shape(shape), r.smap, r.src))
 
+    def op_reshape(self, op: Op, args):
+        """Row-major: flat indices stay, so index expressions and register layouts only take the new shape."""
+        (x,), shape = args, op.result.shape
+        if isinstance(x, Ptr):
+            return Ptr(x.base, None if x.off is None else self.op_reshape(op, [x.off]), shape)
+        return self.remap(x, shape, [(b, b) for b in range(lay.nbits(shape))],
+                          lambda r: Regs(r.arr, r.lay.with_shape(shape), r.smap, r.src))
+
     def op_trans(self, op: Op, args):
         (x,) = args
         if isinstance(x, Ptr):

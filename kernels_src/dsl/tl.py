@@ -84,6 +84,15 @@ def broadcast_to(x, shape) -> Tile:
     return _to_shape(x, shape)
 
 
+def reshape(x, shape) -> Tile:
+    """The same elements in row-major order under a new shape of as many elements (powers of two, as every tile).
+    Registers keep their elements: every target's layouts map bits of the row-major flat index, which this keeps."""
+    x, shape = _lift(x), _pow2(shape)
+    if TileType(x.dtype, shape).numel != TileType(x.dtype, x.shape).numel or not x.shape:
+        raise TraceError(f"cannot reshape {x.type} to {list(shape)}: the element counts differ")
+    return x if shape == x.shape else _op("reshape", [x], TileType(x.dtype, shape), shape=shape)
+
+
 def trans(x: Tile) -> Tile:
     if len(x.shape) != 2:
         raise TraceError(f"trans needs a 2-d tile, got {x.type}")

@@ -81,6 +81,7 @@ class TritonRenderer(Renderer):
         "broadcast": _broadcast,
         "expand_dims": lambda r, op, x: f"tl.expand_dims({x}, {op.attrs['axis']})",
         "trans": lambda r, op, x: f"tl.trans({x})",
+        "reshape": lambda r, op, x: f"tl.reshape({x}, {tuple(op.attrs['shape'])})",
         "reduce": lambda r, op, x: f"tl.{op.attrs['kind']}({x}, axis={op.attrs['axis']})",
         "dot": _dot,
         "where": lambda r, op, c, a, b: f"tl.where({c}, {a}, {b})",
