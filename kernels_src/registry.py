@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ir.formats.gguf_quants import row_bytes
 from kernels_src import (
     activations,
+    dequant_gemm,
     dequant_gemv,
     dequant_gemv_i8,
     dequantize,
@@ -143,7 +144,7 @@ register(KernelEntry(
     notes="grid (B, Hkv, partitions); the bench time is this kernel plus paged_decode_reduce"))
 register(KernelEntry(
     "paged_decode_reduce", paged_attention.paged_decode_reduce_kernel,
-    dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, BLOCK_P=8, PDL=True),
+    dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, BLOCK_N=64, BLOCK_P=8, PDL=True),
     dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32", context_lens="*i32", out="*bf16"), _DECODE,
     decode_reduce_bytes, launcher=paged_attention.paged_decode))
 
@@ -206,3 +207,17 @@ for _q in dequantize.QTYPES:
         dict(w="*u8", rows="*i32", out="*bf16"),
         dict(r=14336, n=14336, k=4096, qtype=_q, dtype=BF16), dequantize_bytes, launcher=dequantize.dequantize_rows,
         notes="rows = arange(n); an embedding lookup is the same kernel on token ids; WIDE=False on SIMT targets"))
+
+# --- dequantizing GEMM: a decode batch of 16 through a 14336 x 4096 (up/gate-sized) GGUF matrix ----------------------
+
+for _q in dequant_gemv.QTYPES:
+    _tiles = dequant_gemm.default_tiles(_q, 16, 14336, 4096)
+    for _key in ("num_warps", "num_stages", "SPLIT"):
+        _tiles.pop(_key)
+    register(KernelEntry(
+        f"dequant_gemm_{_q.lower()}", dequant_gemm.dequant_gemm_kernel,
+        dict(QTYPE=_q, WIDE=True, PDL=True, **_tiles), _ptrs(BF16, "x", w="*u8", y="*fp32"),
+        dict(m=16, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes, flops=lambda m, n, k, **_: 2 * m * n * k,
+        launcher=dequant_gemm.dequant_matmul, variants=(dequant_gemm.dequant_gemm_reduce_kernel,),
+        notes="split-K (default_tiles) writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: "
+              "the bench times both; bytes_moved leaves the partials out (they stay in L2)"))

@@ -1,6 +1,6 @@
 """Check and time every registry kernel on a CUDA GPU, per target, against the device's copy bandwidth.
 
-    python -m tools.bench_kernels [--targets triton,cuda] [--only NAME,...] [--quick]
+    python -m tools.bench_kernels [--targets triton,cuda] [--only NAME,...] [--quick] [--set KEY=VALUE,... ...]
 
 For each kernel at its registry `bench` size (`--quick`: small sizes, a smoke test) and each target: random inputs
 on the GPU, one host-launcher call checked against the numpy reference (tools/kernel_cases.py), then the time of
@@ -8,6 +8,8 @@ that call's kernel launches. The launches are recorded once and replayed from a 
 capture fails), so the DSL's per-launch host work stays out of the device time; inputs rotate over enough copies
 that the working set exceeds three times the L2. The floor is a >= 2 GiB device copy (bytes read + written) timed
 in the same run. Writes kernels_bench.md and kernels_bench.json under $OUT when it is set; prints a table last.
+`--set m=64,n=4096,k=14336` times the named kernels at that problem instead (repeat it for several problems; keys
+the case takes beyond the bench's, such as the GEMM's split_k or block_n, sweep launcher options).
 """
 
 from __future__ import annotations
@@ -174,14 +176,27 @@ def cuda_alive(torch) -> bool:
         return False
 
 
-def run_job(torch, name: str, target: str, quick: bool, meta: dict) -> Row:
+def parse_set(text: str) -> dict:
+    """"m=64,swap=false,dtype=float16" -> {"m": 64, "swap": False, "dtype": "float16"}."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, val = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes KEY=VALUE pairs, got {item!r}")
+        low = val.lower()
+        out[key] = int(val) if val.lstrip("-").isdigit() else {"true": True, "false": False}.get(low, val)
+    return out
+
+
+def run_job(torch, name: str, target: str, quick: bool, meta: dict, overrides: dict | None = None) -> Row:
     entry = REGISTRY[name]
-    row = Row(name, target, goal=GOALS.get(name))
+    suffix = "[" + ",".join(f"{k}={v}" for k, v in overrides.items()) + "]" if overrides else ""
+    row = Row(name + suffix, target, goal=None if overrides else GOALS.get(name))
     reason = target_unavailable(target) or (None if has_case(name) else "no GPU case in tools/kernel_cases.py")
     if reason:
         row.status, row.note = "SKIP", reason
         return row
-    params = quick_params(name, entry.bench) if quick else dict(entry.bench)
+    params = (quick_params(name, entry.bench) if quick else dict(entry.bench)) | (overrides or {})
     args = {k: params[k] for k in entry.bench}
     ctx = lambda: stream_ctx(torch, target)
     seed = zlib.crc32(f"{name}/{target}".encode())
@@ -198,7 +213,7 @@ def run_job(torch, name: str, target: str, quick: bool, meta: dict) -> Row:
         row.err, problem = case.check()
         row.status, row.note = ("FAIL", problem) if problem else ("PASS", "")
         main = [k for k, _, _ in first if k.fn is entry.fn]
-        if main and not quick and main[0].constexprs != entry.constexprs:
+        if main and not quick and not overrides and main[0].constexprs != entry.constexprs:
             row.note += f" launcher constexprs {main[0].constexprs} differ from the registry's"
         nbytes = entry.bytes_moved(**args)
         sets = max(1, min(8, math.ceil(3 * meta["l2_bytes"] / nbytes)))
@@ -236,13 +251,14 @@ def in_child(jobs: list[tuple[str, str]], opts, meta: dict) -> list[Row]:
     print("CUDA context lost: running the remaining kernels in a fresh process", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "tools.bench_kernels", "--jobs", ",".join(f"{n}:{t}" for n, t in jobs),
+        cmd = [sys.executable, "-m", "tools.bench_kernels", "--jobs", ",".join(f"{n}:{t}:{v}" for n, t, v in jobs),
                "--child-json", path, "--meta", json.dumps(meta)] + (["--quick"] if opts.quick else [])
+        cmd += [a for s in opts.set for a in ("--set", s)]
         subprocess.run(cmd, check=False)
         if os.path.exists(path):
             with open(path) as f:
                 return [Row(**r) for r in json.load(f)]
-    return [Row(n, t, status="ERROR", note="the fresh process gave no result") for n, t in jobs]
+    return [Row(n, t, status="ERROR", note="the fresh process gave no result") for n, t, _ in jobs]
 
 
 # --- reporting ----------------------------------------------------------------------------------------------------
@@ -318,6 +334,8 @@ def parse(argv):
     p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: triton,cuda")
     p.add_argument("--only", default="", help="comma-separated registry names (default: all)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="time at this problem (bench keys overridden, launcher options added); repeatable")
     p.add_argument("--jobs", default="", help=argparse.SUPPRESS)  # name:target,... (a child process)
     p.add_argument("--child-json", default="", help=argparse.SUPPRESS)
     p.add_argument("--meta", default="", help=argparse.SUPPRESS)
@@ -341,20 +359,21 @@ def main(argv=None) -> int:
         print("no CUDA GPU: torch is missing or torch.cuda.is_available() is False; this tool times kernels on a "
               "CUDA device (tests/test_kernels_*.py check them on the CPU)", file=sys.stderr)
         return 2
-    jobs = [tuple(j.split(":")) for j in opts.jobs.split(",")] if opts.jobs else [(n, t) for n in names
-                                                                                   for t in targets]
+    sets = [parse_set(s) for s in opts.set] or [{}]
+    jobs = [(n, t, int(v)) for n, t, v in (j.split(":") for j in opts.jobs.split(","))] if opts.jobs else [
+        (n, t, v) for n in names for v in range(len(sets)) for t in targets]
     t0 = time.perf_counter()
     meta = json.loads(opts.meta) if opts.meta else measure_meta(torch, opts.quick)
     if not opts.child_json:
         print(header(meta), flush=True)
     rows: list[Row] = []
-    for i, (name, target) in enumerate(jobs):
-        row = run_job(torch, name, target, opts.quick, meta)
+    for i, (name, target, v) in enumerate(jobs):
+        row = run_job(torch, name, target, opts.quick, meta, sets[v])
         rows.append(row)
         gc.collect()
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
-        print(f"[{i + 1}/{len(jobs)}] {name} {target}: {row.status} {_f(row.us, '.1f')} us "
+        print(f"[{i + 1}/{len(jobs)}] {row.kernel} {target}: {row.status} {_f(row.us, '.1f')} us "
               f"{_f(row.pct, '.1f')}% copy ({time.perf_counter() - t0:.0f} s) {row.note[:300]}", flush=True)
         if row.status in FAILED and i + 1 < len(jobs) and not cuda_alive(torch):
             rows += in_child(jobs[i + 1:], opts, meta)

@@ -17,7 +17,7 @@ QUICK = {  # small problems of the same shapes, for a smoke test
     "rms_norm": dict(rows=64), "add_rms_norm": dict(rows=64), "rope": dict(tokens=64), "silu_mul": dict(tokens=16),
     "kv_write": dict(tokens=64), "rope_kv_write": dict(tokens=64), "paged_decode_reduce": dict(batch=4, context=1100),
     "paged_decode": dict(batch=4, context=1100, ragged=True), "paged_prefill": dict(seqs=2, query_len=64, context=300),
-    "gemv": dict(n=512), "dequantize": dict(r=512, n=512),
+    "gemv": dict(n=512), "gemm": dict(n=512), "dequantize": dict(r=512, n=512),
 }
 Verdict = tuple[float, str | None]  # (worst relative error, what is wrong or None)
 
@@ -32,7 +32,8 @@ class Case:
 
 
 def quick_params(name: str, bench: dict) -> dict:
-    key = "gemv" if name.startswith("dequant_gemv") else "dequantize" if name.startswith("dequantize_") else name
+    prefixes = {"dequant_gemv": "gemv", "dequant_gemm": "gemm", "dequantize_": "dequantize"}
+    key = next((v for pre, v in prefixes.items() if name.startswith(pre)), name)
     return bench | QUICK[key]
 
 

@@ -11,7 +11,17 @@ from collections.abc import Callable
 import numpy as np
 
 from ir.formats.gguf_quants import QTYPES as GGUF
-from kernels_src import activations, dequant_gemv, dequant_gemv_i8, dequantize, kv_write, rms_norm, rope, rope_kv_write
+from kernels_src import (
+    activations,
+    dequant_gemm,
+    dequant_gemv,
+    dequant_gemv_i8,
+    dequantize,
+    kv_write,
+    rms_norm,
+    rope,
+    rope_kv_write,
+)
 from tools.kernel_case_base import FP16_FIELDS, OUT_EPS, Case, Dev, combine, compare, host, written
 from tools.kernel_cases_attention import paged_decode_case, paged_decode_reduce_case, paged_prefill_case
 
@@ -193,6 +203,25 @@ def _gemv(d: Dev, p: dict, name: str) -> Case:
     return Case(name, p, launch, check, lambda target: y.fill_(float("nan")))
 
 
+def _gemm(d: Dev, p: dict, name: str) -> Case:
+    """dequant_matmul at default tiles unless p names launcher keywords (block_m, block_n, blocks, split_k, swap,
+    num_warps, num_stages); columns sampled against the float64 reference."""
+    m, n, k, qtype, dt = p["m"], p["n"], p["k"], p["qtype"], d.dtype(p["dtype"])
+    w, x, y = gguf_weights(d, qtype, n, k, padded=p.get("padded", False)), d.randn((m, k), dt), d.nan((m, n), dt)
+    tiles = {key: p[key] for key in TILE_KEYS if key in p}
+
+    def check():
+        i = d.sample(n)
+        want = dequant_gemm.dequant_matmul_ref(host(x), host(w[i]), qtype)
+        return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
+
+    return Case(name, p, lambda target: dequant_gemm.dequant_matmul(x, w, qtype, out=y, target=target, **tiles),
+                check, lambda target: y.fill_(float("nan")))
+
+
+TILE_KEYS = ("block_m", "block_n", "blocks", "split_k", "swap", "num_warps", "num_stages")
+
+
 def _dequantize(d: Dev, p: dict) -> Case:
     """r rows of an n-row GGUF matrix: all of them in order (r = n), else random ids with repeats (`lookup`), as an
     embedding lookup takes them; `padded` rows are views whose trailing bytes decode to NaN if read."""
@@ -222,7 +251,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
 
 
 def has_case(name: str) -> bool:
-    return name in BUILDERS or name.startswith(("dequant_gemv_", "dequantize_"))
+    return name in BUILDERS or name.startswith(("dequant_gemv_", "dequant_gemm_", "dequantize_"))
 
 
 def build_case(name: str, params: dict, seed: int = 0, device: str = "cuda") -> Case:
@@ -230,6 +259,8 @@ def build_case(name: str, params: dict, seed: int = 0, device: str = "cuda") -> 
     d = Dev(seed, device)
     if name.startswith("dequant_gemv_"):
         return _gemv(d, params, name)
+    if name.startswith("dequant_gemm_"):
+        return _gemm(d, params, name)
     if name.startswith("dequantize_"):
         return _dequantize(d, params)
     if name not in BUILDERS:

@@ -1,0 +1,204 @@
+"""Dequantizing GEMM y[M, N] = x[M, K] @ dequantize(W).T for 2..256 rows, straight from GGUF blocks on tensor
+cores: DSL kernels, launcher, reference.
+
+W is the raw bytes [N, row_bytes] of any format kernels_src/dequantize.py decodes (its `_family`: new formats there
+come for free). A GEMV (dequant_gemv) re-reads W for every few rows; dequantizing W to fp16 first writes and
+re-reads the whole matrix. Here W is read once per BLOCK_M rows of x and never written:
+- A program owns a [BLOCK_M, BLOCK_N] tile of y and walks K a step of KB blocks (or super-blocks) at a time. Its
+  BLOCK_N rows' blocks are one tile of BLOCK_N * KB block pointers, which dequantize.py's decoder turns into
+  (element offsets in a block, values) pieces; each piece, reshaped to [BLOCK_N, KB * piece] (row-major: the
+  block tile's order, so no data moves), meets x's matching elements (loaded through the same offsets, so the
+  decoder's element order needs no undoing) in one `tl.dot` of x's dtype, accumulated in fp32.
+- SWAP (default): the dot is W [BLOCK_N, k] @ x.T [k, BLOCK_M], so BLOCK_N is the MMA's M dimension (Hopper's
+  wgmma wants 64 a warpgroup there, and takes the dequantized W straight from registers) and a batch of 16 rows
+  is its N. Without SWAP it is x @ W.T (mma.sync's 16-row tiles on Hopper).
+- KB divides the row's block count (no tail step); rows of x past M and of W past N are clamped (read again, not
+  stored), so no load is masked.
+- Split-K: when the grid (M tiles x N tiles) would not fill the GPU (N = 4096 with K = 14336: 64 programs), SPLIT
+  programs share a tile's K range, write fp32 partials [SPLIT, M, N] and dequant_gemm_reduce_kernel adds them.
+  The grid and the scratch depend on (M, N, K) only, so the launch is safe inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ir.formats.gguf_quants import QTYPES as GGUF
+from ir.formats.gguf_quants import dequantize, row_bytes
+from kernels_src import dequantize as dq
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl.ir import TileType
+from kernels_src.paged_attention import empty
+
+__all__ = ["MAX_ROWS", "default_tiles", "dequant_matmul", "dequant_matmul_ref"]
+
+MAX_ROWS = 256  # the rows the defaults are tuned for (any M runs: BLOCK_M rows a program)
+
+
+def _numel(shape) -> int:
+    return TileType(tl.float32, tuple(shape)).numel
+
+
+def dequant_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
+                        steps_per_split, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        KB: tl.constexpr, SWAP: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (KB blocks each);
+    y is the output (split_stride 0) or fp32 partials [SPLIT, M, N]."""
+    elems, size = GGUF[QTYPE].block_size, GGUF[QTYPE].type_size
+    rank, decode = dq._family(QTYPE, WIDE)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_N * KB)  # block tile: row r // KB of the program's, block r % KB of the step's
+    row = tl.minimum(tl.program_id(1) * BLOCK_N + r // KB, n_rows - 1)  # past N: the last row, not stored
+    wrow = w + row.to(tl.int64) * w_stride + (r % KB) * size
+    for _ in range(rank - 1):
+        wrow = wrow[:, None]
+    xrow = x + tl.minimum(m, m_rows - 1).to(tl.int64) * x_stride  # past M: the last row, not stored
+    xrow, kb = xrow[:, None], tl.arange(0, KB)[None, :]
+    for _ in range(rank - 1):  # [BLOCK_M, KB, 1, ..]: x's elements of a piece keep the decoder's contiguous axis
+        xrow, kb = xrow[:, :, None], kb[:, :, None]
+    lo = tl.program_id(2) * steps_per_split
+    if PDL:  # x is an earlier kernel's output
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+
+    def step(it, acc):
+        b0 = it * KB
+        for off, val in decode(wrow + b0 * size):
+            piece = val.shape[1:]
+            p = _numel(piece)
+            wv = tl.reshape(val, (BLOCK_N, KB * p)).to(xrow.dtype.element_ty)
+            xv = tl.reshape(tl.load(xrow + (b0 + kb) * elems + off[None]), (BLOCK_M, KB * p))
+            acc = tl.dot(wv, tl.trans(xv), acc) if SWAP else tl.dot(xv, tl.trans(wv), acc)
+        return acc
+
+    shape = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
+    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros(shape, tl.float32))
+    dst = y + tl.program_id(2).to(tl.int64) * split_stride
+    if SWAP:
+        tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+    else:
+        tl.store(dst + m[:, None] * y_stride + n[None, :], acc, mask=(m[:, None] < m_rows) & (n[None, :] < n_rows))
+
+
+def dequant_gemm_reduce_kernel(part, y, n_rows, y_stride, split_stride, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    """y[m, n] = sum over s of part[s, m, n] (part [SPLIT, M, N] contiguous); program (i, m)."""
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = tl.program_id(1)
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    src = part + m * n_rows + n
+    acc = tl.load(src, mask=n < n_rows, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc = acc + tl.load(src + s * split_stride, mask=n < n_rows, other=0.0)
+    tl.store(y + m * y_stride + n, acc, mask=n < n_rows)
+
+
+# --- host side -------------------------------------------------------------------------------------------------
+
+SMS = 132  # H200 (and H100 SXM) SMs: the grid the split-K choice aims to fill when the device does not say
+WAVE_PROGRAMS = 2  # programs an SM should get before K is split (2-3 fit an SM at the default tiles)
+MIN_SPLIT_STEPS = 4  # steps a split keeps at least (each ends in a partial's store and a read in the reduce)
+PART_BYTES = 16 * 2**20  # fp32 partials at most: they stay in L2 between the GEMM and the reduce
+STEP_ELEMS = 128  # elements of a row a step covers (KB blocks of 32-element formats; 256 takes 235+ registers)
+REDUCE_BLOCK = 1024
+_sms: dict = {}
+
+
+def _sm_count(like) -> int:
+    dev = getattr(like, "device", None)
+    if dev is None or getattr(dev, "type", "cpu") != "cuda":
+        return SMS
+    if dev not in _sms:
+        import torch
+
+        _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _sms[dev]
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= cap dividing n."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def default_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
+    """BLOCK_M (16 / 32 / 64 by M), BLOCK_N, KB, SPLIT, SWAP and num_warps / num_stages for an [m, k] x [n, k]
+    problem: SPLIT (a power of two) grows until the grid gives every SM WAVE_PROGRAMS programs, while each split
+    keeps MIN_SPLIT_STEPS steps and the partials fit PART_BYTES."""
+    elems = GGUF[qtype.upper()].block_size
+    n_blocks = k // elems
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64
+    kb = _pow2_divisor(n_blocks, max(1, STEP_ELEMS // elems))
+    programs, steps, split = tl.cdiv(m, block_m) * tl.cdiv(n, block_n), n_blocks // kb, 1
+    while (programs * split < WAVE_PROGRAMS * sms and steps // (2 * split) >= MIN_SPLIT_STEPS
+           and 8 * split * m * n <= PART_BYTES):
+        split *= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, KB=kb, SPLIT=split, SWAP=True, num_warps=4, num_stages=None)
+
+
+def _addr(a) -> int:
+    return a.data_ptr() if hasattr(a, "data_ptr") else a.__array_interface__["data"][0]
+
+
+def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None = None,
+                   block_m: int | None = None, block_n: int | None = None, blocks: int | None = None,
+                   split_k: int | None = None, swap: bool | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None):
+    """y [M, N] = x2 [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, >= row_bytes], rows 2-byte aligned);
+    x2 fp32 / fp16 / bf16 with contiguous rows; out (made when not given) in x2's dtype, rows contiguous.
+    The keywords override default_tiles (block_m, block_n, blocks = KB, split_k, swap, num_warps, num_stages)."""
+    qtype = qtype.upper()
+    if qtype not in dq.QTYPES:
+        raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(dq.QTYPES)})")
+    m, k = x2.shape
+    n = w.shape[0]
+    elems = GGUF[qtype].block_size
+    if k <= 0 or k % elems or len(w.shape) != 2 or w.shape[1] < row_bytes(qtype, k) or elem_stride(w, 1) != 1:
+        raise ValueError(f"x [{m}, {k}] and {qtype} weights {tuple(w.shape)} do not make a GEMM")
+    if _addr(w) % 2 or (n > 1 and elem_stride(w, 0) % 2):
+        raise ValueError("weight rows must start 2-byte aligned (the blocks' fp16 scales are read as such)")
+    if m and elem_stride(x2, 1) != 1:
+        x2 = x2.contiguous() if hasattr(x2, "contiguous") else np.ascontiguousarray(x2)
+    out = empty(x2, (m, n)) if out is None else out
+    if tuple(out.shape) != (m, n) or (m and n and elem_stride(out, 1) != 1):
+        raise ValueError(f"out {tuple(out.shape)} is not [{m}, {n}] with contiguous rows")
+    if m == 0 or n == 0:
+        return out
+    cfg = default_tiles(qtype, m, n, k, _sm_count(x2))
+    cfg.update({key: v for key, v in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("KB", blocks),
+                                      ("SPLIT", split_k), ("SWAP", swap), ("num_warps", num_warps),
+                                      ("num_stages", num_stages)) if v is not None})
+    nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
+    n_steps = k // elems // cfg["KB"]
+    if n_steps * cfg["KB"] * elems != k:
+        raise ValueError(f"blocks={cfg['KB']} does not divide the {k // elems} blocks of a row")
+    per_split = tl.cdiv(n_steps, split)
+    split = tl.cdiv(n_steps, per_split)  # no split left without steps
+    pdl = use_pdl(target, pdl)
+    kern = compile(dequant_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, QTYPE=qtype,
+                   WIDE=target in dq.WIDE_TARGETS, PDL=pdl, **cfg)
+    grid = (tl.cdiv(m, cfg["BLOCK_M"]), tl.cdiv(n, cfg["BLOCK_N"]), split)
+    args = (m, n, elem_stride(w, 0), elem_stride(x2, 0))
+    if split == 1:
+        kern[grid](w, x2, out, *args, elem_stride(out, 0), 0, n_steps, per_split)
+        return out
+    part = empty(x2, (split, m, n), "float32")
+    kern[grid](w, x2, part, *args, n, m * n, n_steps, per_split)
+    red = compile(dequant_gemm_reduce_kernel, target, num_warps=4, launch_pdl=pdl, SPLIT=split,
+                  BLOCK=min(REDUCE_BLOCK, tl.next_power_of_2(n)), PDL=pdl)
+    red[tl.cdiv(n, min(REDUCE_BLOCK, tl.next_power_of_2(n))), m](part, out, n, elem_stride(out, 0), m * n)
+    return out
+
+
+def dequant_matmul_ref(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:
+    """x @ W.T in float64, W decoded by our numpy dequantizer (ir/formats/gguf_quants.py)."""
+    x = np.asarray(x, np.float64)
+    k = x.shape[-1]
+    wd = dequantize(np.ascontiguousarray(np.asarray(w)[:, :row_bytes(qtype, k)]), qtype, (w.shape[0], k))
+    return x @ wd.astype(np.float64).T
