@@ -1,0 +1,251 @@
+"""Our CUDA backend and llama.cpp on the same GGUF files, same GPU, same run: a synthetic Llama-3-8B written as F16
+and quantized by llama.cpp to Q4_K_M, Q5_K_M and Q8_0; decode tok/s at several batch sizes and contexts, prefill
+tok/s at 2048 tokens; each figure against the memory roofline and the other engine.
+
+Stages, each resumable and short enough for one 10-minute call; products stay in --dir (default /tmp/bench_gguf)
+and every figure is merged into DIR/results.json with the time it was measured:
+
+    python -m tools.bench_gguf --stage prepare  [--files f16,q4km]     write the F16 file, quantize
+    python -m tools.bench_gguf --stage llamacpp [--files ...] [--what decode,prefill,curve] [--contexts ...]
+    python -m tools.bench_gguf --stage ours     [--files ...] [--batches 1,16] ...
+    python -m tools.bench_gguf --stage report                          table (Markdown, JSON) + plot; no GPU needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from tools import synth_gguf
+
+FILES = {"f16": ("model-f16.gguf", None), "q4km": ("model-q4_k_m.gguf", "Q4_K_M"),
+         "q5km": ("model-q5_k_m.gguf", "Q5_K_M"), "q8_0": ("model-q8_0.gguf", "Q8_0")}
+DECODE_BATCHES = {"f16": (1, 16, 64, 256), "q4km": (1, 16, 64), "q5km": (1,), "q8_0": (1,)}
+PREFILL_FILES = ("f16", "q4km")
+CURVE_FILE, CURVE_BATCHES = "f16", (1, 16)
+CONTEXTS = (128, 1024, 4096, 8192, 16384, 32768)
+PROMPT, GEN, PREFILL = 128, 128, 2048
+WHAT = ("decode", "prefill", "curve")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """decode: `batch` sequences with `context` tokens each in the cache, GEN more tokens timed; prefill: one prompt
+    of `context` tokens."""
+
+    file: str
+    kind: str
+    batch: int
+    context: int
+
+    @property
+    def key(self) -> str:
+        if self.kind == "prefill":
+            return f"{self.file} prefill {self.context}"
+        return f"{self.file} decode b{self.batch} c{self.context}"
+
+
+def plan(files: list[str], what: list[str], batches: list[int] | None, contexts: list[int]) -> list[Figure]:
+    """The figures asked for, each once, in the order they are measured."""
+    out: list[Figure] = []
+    for f in files:
+        if "decode" in what:
+            out += [Figure(f, "decode", b, PROMPT) for b in DECODE_BATCHES[f] if batches is None or b in batches]
+        if "prefill" in what and f in PREFILL_FILES:
+            out.append(Figure(f, "prefill", 1, PREFILL))
+        if "curve" in what and f == CURVE_FILE:
+            out += [Figure(f, "decode", b, c) for c in contexts for b in CURVE_BATCHES
+                    if batches is None or b in batches]
+    return list(dict.fromkeys(out))
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def say(*a) -> None:
+    print(*a, flush=True)
+
+
+class Results:
+    """DIR/results.json, merged across stages: figures[key] = {file, kind, batch, context, ours: {...},
+    llamacpp: {...}}; files[name] = sizes; env; a log of stages and errors. Saved after every figure (a call cut off
+    by its time limit keeps what it measured) and copied to `out` ($OUT: what comes back from the GPU machine)."""
+
+    def __init__(self, path: Path, stage: str, out: Path | None = None):
+        self.path, self.stage, self.out = path, stage, out
+        self.data = json.loads(path.read_text()) if path.exists() else {}
+        for k in ("figures", "files", "env"):
+            self.data.setdefault(k, {})
+        for k in ("stages", "errors"):
+            self.data.setdefault(k, [])
+
+    def put(self, fig: Figure, side: str, record: dict) -> None:
+        entry = self.data["figures"].setdefault(fig.key, asdict(fig))
+        entry[side] = {**record, "time": now(), "stage": self.stage}
+        self.save()
+
+    def error(self, what: str, err: Exception) -> None:
+        say(f"  FAILED {what}: {err}")
+        self.data["errors"].append({"stage": self.stage, "time": now(), "what": what, "error": str(err)[-2000:]})
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.path, self.out / self.path.name)
+
+
+def file_info(path: Path) -> dict:
+    """Bytes a decode step must read (every tensor but the embedding, of which it reads one row a token), KV bytes
+    per token (f16 K and V, as both engines keep them), and the tensor types."""
+    from ir.formats.gguf_file import GGUFFile
+
+    f = GGUFFile(path)
+    m, arch = f.metadata, f.metadata["general.architecture"]
+    read = sum(t.data.nbytes for n, t in f.tensors.items() if n != "token_embd.weight" or "output.weight" not in
+               f.tensors)
+    kinds: dict[str, int] = {}
+    for t in f.tensors.values():
+        kinds[t.qtype] = kinds.get(t.qtype, 0) + t.data.nbytes
+    heads = int(m[f"{arch}.attention.head_count"])
+    kv_heads = int(m.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(m.get(f"{arch}.attention.key_length") or int(m[f"{arch}.embedding_length"]) // heads)
+    return {"path": str(path), "file_bytes": path.stat().st_size, "read_bytes": read, "bytes_by_type": kinds,
+            "kv_bytes_per_token": int(m[f"{arch}.block_count"]) * 2 * kv_heads * head_dim * 2,
+            "layers": int(m[f"{arch}.block_count"])}
+
+
+class Stage:
+    """What every stage shares: the figures asked for, the results file, a time budget."""
+
+    def __init__(self, args: argparse.Namespace, name: str):
+        self.args, self.name = args, name
+        self.dir: Path = args.dir
+        self.results = Results(self.dir / "results.json", name, args.out)
+        self.figures = plan(args.files, args.what, args.batches, args.contexts)
+        self.deadline = time.monotonic() + args.budget
+
+    def path(self, file: str) -> Path:
+        return self.dir / FILES[file][0]
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def begin(self) -> None:
+        # This run retries what failed before for these files: their old errors would only mislead the report.
+        self.results.data["errors"] = [e for e in self.results.data["errors"] if e["stage"] != self.name
+                                       or e["what"].split(":")[0] not in self.args.files]
+        self.results.data["stages"].append({"stage": self.name, "started": now(), "argv": " ".join(
+            sys.argv[1:])})
+        self.results.save()
+        say(f"[{self.name}] {len(self.figures)} figure(s) in {self.dir}, budget {self.args.budget:.0f} s")
+
+    def end(self) -> None:
+        self.results.data["stages"][-1]["finished"] = now()
+        self.results.save()
+
+    def note_file(self, file: str) -> None:
+        if self.path(file).exists():
+            info = self.results.data["files"].setdefault(file, {})
+            info.update(file_info(self.path(file)))
+            self.results.save()
+
+
+# --- prepare ----------------------------------------------------------------------------------------------------
+
+def stage_prepare(args: argparse.Namespace) -> None:
+    st = Stage(args, "prepare")
+    st.begin()
+    f16 = st.path("f16")
+    if args.force or not f16.exists():
+        vocab = synth_gguf.find_vocab(args.vocab_file, st.dir)
+        if vocab is None:
+            raise SystemExit(f"no vocab file for llama.cpp: pass --vocab-file or put {synth_gguf.VOCAB_NAME} in "
+                             f".peers/")
+        t = time.perf_counter()
+        synth_gguf.write_model(f16, synth_gguf.shape_from_args(args), vocab)
+        st.results.data["env"]["f16_write_s"] = time.perf_counter() - t
+        say(f"  wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s")
+    st.note_file("f16")
+    for name in args.files:
+        qtype = FILES[name][1]
+        if qtype is None or (st.path(name).exists() and not args.force):
+            st.note_file(name)
+            continue
+        from tools.llama_cpp import LlamaCppError, locate
+
+        t = time.perf_counter()
+        try:
+            locate(args.llama_cpp).quantize(f16, st.path(name), qtype, args.threads, timeout=max(st.left(), 10))
+        except LlamaCppError as e:
+            st.results.error(f"{name}: llama-quantize {qtype}", e)
+            continue
+        st.results.data["env"][f"quantize_{name}_s"] = time.perf_counter() - t
+        say(f"  {qtype}: {st.path(name)} ({st.path(name).stat().st_size / 1e9:.2f} GB) in "
+            f"{time.perf_counter() - t:.0f} s")
+        st.note_file(name)
+    st.end()
+
+
+def main() -> None:
+    from tools.bench_gguf_report import stage_report
+    from tools.bench_gguf_stages import stage_llamacpp, stage_ours
+
+    args = parse_args()
+    stages = {"prepare": stage_prepare, "llamacpp": stage_llamacpp, "ours": stage_ours, "report": stage_report}
+    for name in (list(stages) if args.stage == "all" else [args.stage]):
+        stages[name](args)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in s.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", required=True, choices=("prepare", "llamacpp", "ours", "report", "all"))
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/bench_gguf"), help="GGUF files and results.json")
+    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                    help="results.json and the report are copied here too (default: $OUT)")
+    ap.add_argument("--files", default=",".join(FILES), help=f"of {', '.join(FILES)}")
+    ap.add_argument("--what", default=",".join(WHAT), help="decode (batch sizes at a 128-token context), prefill "
+                    f"({PREFILL} tokens), curve (decode against context, {CURVE_FILE} only)")
+    ap.add_argument("--batches", help="only these batch sizes (default: every planned one)")
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="the curve's contexts (1k = 1024)")
+    ap.add_argument("--budget", type=float, default=540, help="seconds this stage may take: work that would start "
+                    "later is skipped (and says so)")
+    ap.add_argument("--force", action="store_true", help="prepare: write and quantize again even if files exist")
+    ap.add_argument("--vocab-file", type=Path)
+    ap.add_argument("--llama-cpp", type=Path, help="folder of llama.cpp binaries or its tarball")
+    ap.add_argument("--threads", type=int, default=16, help="llama-quantize threads")
+    ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
+    ap.add_argument("--no-shared-prompt", action="store_true", help="llama.cpp curve: prefill every sequence's "
+                    "prompt instead of one copied to each sequence's own cache (-pps)")
+    synth_gguf.add_shape_args(ap)
+    args = ap.parse_args(argv)
+    args.files = [f for f in args.files.split(",") if f]
+    bad = set(args.files) - set(FILES)
+    if bad:
+        ap.error(f"unknown --files {sorted(bad)}; known: {', '.join(FILES)}")
+    args.what = [w for w in args.what.split(",") if w]
+    if set(args.what) - set(WHAT):
+        ap.error(f"--what takes {', '.join(WHAT)}")
+    args.batches = _ints(args.batches) if args.batches else None
+    args.contexts = _ints(args.contexts)
+    return args
+
+
+if __name__ == "__main__":
+    main()
