@@ -17,8 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats.gguf_quants import dequantize, row_bytes
-from kernels_src.dequant_gemv import FORMATS, _chunks, _gemv_body, _q4k_load, _q4k_scales, _words, _x_vals
+from kernels_src.dequant_gemv import FORMATS, _gemv_body
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.gguf_gemv_common import _words, _x_vals
+from kernels_src.gguf_gemv_kquants import _chunks, _q4k_load, _q4k_scales
 from kernels_src.paged_attention import empty
 
 # --- Q4_K with int8 activations (llama.cpp's mmvq): dp4a on nibble words against int8 x words ------------------

@@ -1,17 +1,19 @@
 """Rows of a raw GGUF matrix dequantized, out[i, :] = dequantize(w[rows[i], :]): DSL kernel, launcher, reference.
 
 Two uses: the embedding lookup of a quantized token table (rows = token ids), and a chunk of a quantized weight
-expanded for a GEMM in prefill (rows = arange). Formats: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K (layouts in
-ir/formats/gguf_quants.py). The kernel is bound by memory, mostly the writes (2 or 4 bytes an element against
-0.56 to 1.06 read), so:
+expanded for a GEMM in prefill (rows = arange). Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+Q6_K (layouts in ir/formats/gguf_quants.py). The kernel is bound by memory, mostly the writes (2 or 4 bytes an
+element against 0.33 to 1.06 read), so:
 - A program takes BLOCKS consecutive blocks of one row (grid: rows x tiles of a row). The tiles' last axis runs
   along the output, 16 or 32 elements, so a thread stores 16-byte vectors; the quant bytes it needs are as
   contiguous and are loaded once for both nibbles (Triton widens the loads as far as the blocks' 2-byte
   alignment allows; Q4_K's quants are 16-byte aligned).
 - A quant becomes a float without an int-to-float conversion (quarter rate on NVIDIA GPUs): masked in place,
   OR-ed into the mantissa of 2**23, read as a float and offset by one subtraction, which gives (q - offset) *
-  2**shift exactly; the block scale comes pre-divided by 2**shift. So every value is the reference's
-  (d * scale) * (q - offset) bit for bit (a GPU may fuse Q4_1's and Q4_K's minimum into an FMA).
+  2**shift exactly; the block scale comes pre-divided by 2**shift. A quant's high bits kept apart (Q5's fifth,
+  Q3_K's third, Q6_K's top two) are shifted just above its low ones first. So every value is the reference's
+  (d * scale) * (q - offset) bit for bit (a GPU may fuse a minimum, Q4_1's, Q5_1's, Q2_K's, Q4_K's, Q5_K's, into
+  an FMA).
 - Blocks past the row's end (the last tile of a row) load the last block again and are not stored.
 Row ids are not checked on the device: each must lie in [0, w.shape[0]) (the numpy target raises IndexError on
 one that reads outside w; a GPU reads whatever lies there).
@@ -61,10 +63,36 @@ def _q4(blk, QTYPE: str):
     return [(e, _quant(v, 0x0F) * d + m), (16 + e, _quant(v, 0xF0) * (d * 0.0625) + m)]
 
 
+def _q5(blk, QTYPE: str):
+    """Q5_0 (d, qh, 16 bytes), Q5_1 (d, m, qh, 16 bytes): Q4's nibbles with bit e (16 + e) of the 32-bit qh moved
+    just above element e's (16 + e's)."""
+    e = tl.arange(0, 16)[None, :]
+    head = 4 if QTYPE == "Q5_1" else 2
+    v = _bytes(blk + head + 4 + e)
+    top = [_bytes(blk + head + 2 * n + (e >> 3)) >> (e & 7) for n in range(2)]  # bit 0: qh bit e (16 + e)
+    lo, hi = (v & 0x0F) | ((top[0] << 4) & 0x10), (v & 0xF0) | ((top[1] << 8) & 0x100)
+    d = _f16(blk, 0)
+    if QTYPE == "Q5_0":
+        return [(e, _quant(lo, 0x1F, 16) * d), (16 + e, _quant(hi, 0x1F0, 16) * (d * 0.0625))]
+    m = _f16(blk, 2)
+    return [(e, _quant(lo, 0x1F) * d + m), (16 + e, _quant(hi, 0x1F0) * (d * 0.0625) + m)]
+
+
 def _q8(blk):
     """Q8_0 (d, 32 int8): int8 q + 128 is its byte with the top bit flipped."""
     e = tl.arange(0, 32)[None, :]
     return [(e, _quant(_bytes(blk + 2 + e) ^ 0x80, 0xFF, 128) * _f16(blk, 0))]
+
+
+def _k4_scales(blk, c, h: int, d, dmin):
+    """(d * scale, dmin * min) of sub-block s = 2c + h of Q4_K and Q5_K (12 bytes at 4): 6 bits in bytes s % 4 (and
+    4 + s % 4) for sub-blocks 0-3; 4 from byte 8 + s % 4 and 2 from the top of bytes 0-7 for 4-7."""
+    low = c < 2
+    j = 4 + 2 * (c & 1) + h
+    x0, x1, x2 = _bytes(blk + j), _bytes(blk + j + 4), _bytes(blk + j + 8)
+    sc = tl.where(low, x0 & 63, (x2 & 15) | ((x0 >> 6) << 4)).to(tl.float32)
+    mn = tl.where(low, x1 & 63, (x2 >> 4) | ((x1 >> 6) << 4)).to(tl.float32)
+    return d * sc, dmin * mn
 
 
 def _q4k(blk):
@@ -74,27 +102,48 @@ def _q4k(blk):
     e = tl.arange(0, 32)[None, None, :]
     v = _bytes(blk + 16 + 32 * c + e)
     d, dmin = _f16(blk, 0), _f16(blk, 2)
-    low = c < 2  # sub-blocks 0-3 keep 6 bits in one byte; 4-7 take 4 from bytes 8-11 and 2 from the top of 0-7
     out = []
     for h in range(2):
-        j = 4 + 2 * (c & 1) + h  # sub-block s = 2c + h's fields are the scale bytes s % 4, 4 + s % 4, 8 + s % 4
-        x0, x1, x2 = _bytes(blk + j), _bytes(blk + j + 4), _bytes(blk + j + 8)
-        sc = tl.where(low, x0 & 63, (x2 & 15) | ((x0 >> 6) << 4)).to(tl.float32)
-        mn = tl.where(low, x1 & 63, (x2 >> 4) | ((x1 >> 6) << 4)).to(tl.float32)
-        ds, dm = d * sc, dmin * mn
+        ds, dm = _k4_scales(blk, c, h, d, dmin)
         out.append((64 * c + 32 * h + e, _quant(v, 0xF0 if h else 0x0F) * (ds * (0.0625 if h else 1.0)) - dm))
     return out
 
 
-def _q6k(blk, WIDE: bool):
-    """Q6_K (ql[128], qh[64], int8 scales[16], d): in half h, element 128h + 32k + e is nibble k // 2 of
-    ql[64h + 32(k % 2) + e] plus bits 2k, 2k + 1 of qh[32h + e] on top, minus 32, times scale 8h + 2k + e // 16.
-    Tiles [BLOCKS, 2 halves, G, 32 / G], e = 32 / G * g + i. WIDE (G = 1) picks each element's scale of two: 84% of
-    copy bandwidth on an H200 with Triton against 74% at G = 2, but 15% against 73% through the SIMT lowering."""
+def _q5k(blk):
+    """Q5_K (Q4_K's header, qh[32], 128 bytes as Q4_K's): element 64c + 32h + e takes bit 2c + h of qh[e] on top of
+    its nibble; shifted into place above the nibble, the 5-bit value is read in place like Q4_K's."""
+    c = tl.arange(0, 4)[None, :, None]
+    e = tl.arange(0, 32)[None, None, :]
+    v = _bytes(blk + 48 + 32 * c + e)
+    top = _bytes(blk + 16 + e) >> (2 * c)  # bit 0 (1): the fifth bit of sub-block 2c (2c + 1)
+    q = ((v & 0x0F) | ((top << 4) & 0x10), (v & 0xF0) | ((top << 7) & 0x100))
+    d, dmin = _f16(blk, 0), _f16(blk, 2)
+    out = []
+    for h in range(2):
+        ds, dm = _k4_scales(blk, c, h, d, dmin)
+        out.append((64 * c + 32 * h + e, _quant(q[h], 0x1F0 if h else 0x1F) * (ds * (0.0625 if h else 1.0)) - dm))
+    return out
+
+
+def _halves(WIDE: bool):
+    """(h, g, i, e) tiles of the 16-element sub-block formats: [BLOCKS, 2 halves, G, 32 / G], e = 32 / G * g + i.
+    WIDE (G = 1) picks each element's scale of two: for Q6_K, 84% of copy bandwidth on an H200 with Triton against
+    74% at G = 2, but 15% against 73% through the SIMT lowering."""
     g_n, i_n = (1, 32) if WIDE else (2, 16)
     h, g = tl.arange(0, 2)[None, :, None, None], tl.arange(0, g_n)[None, None, :, None]
     i = tl.arange(0, i_n)[None, None, None, :]
-    e = i_n * g + i
+    return h, g, i, i_n * g + i
+
+
+def _sub_scale(i, WIDE: bool, scale):
+    """scale(u) of the element's sub-block 2k + u (u = l // 16 within the half's pair): g, or i >= 16 when WIDE."""
+    return tl.where(i < 16, scale(0), scale(1)) if WIDE else scale(0)
+
+
+def _q6k(blk, WIDE: bool):
+    """Q6_K (ql[128], qh[64], int8 scales[16], d): in half h, element 128h + 32k + e is nibble k // 2 of
+    ql[64h + 32(k % 2) + e] plus bits 2k, 2k + 1 of qh[32h + e] on top, minus 32, times scale 8h + 2k + e // 16."""
+    h, g, i, e = _halves(WIDE)
     ql = [_bytes(blk + 64 * h + 32 * j + e) for j in range(2)]
     qh = _bytes(blk + 128 + 32 * h + e)
     qh = [qh << (4 - 2 * j) for j in range(2)]  # bits 2k, 2k + 1 moved just above nibble k // 2 of ql (k = 2n + j)
@@ -104,20 +153,54 @@ def _q6k(blk, WIDE: bool):
     for k in range(4):
         n, j = divmod(k, 2)
         q = (ql[j] & (0x0F << 4 * n)) | (qh[j] & (0x30 << 4 * n))  # q * 16**n, in place
-        ds = [d * tl.load(sc + 2 * k + t).to(tl.float32) * 0.0625 ** n for t in range(2 if WIDE else 1)]
-        out.append((128 * h + 32 * k + e, _quant(q, 0x3F << 4 * n, 32) * (tl.where(i < 16, *ds) if WIDE else ds[0])))
+        ds = _sub_scale(i, WIDE, lambda u, k=k, n=n: d * tl.load(sc + 2 * k + u).to(tl.float32) * 0.0625 ** n)
+        out.append((128 * h + 32 * k + e, _quant(q, 0x3F << 4 * n, 32) * ds))
+    return out
+
+
+def _q2k(blk, WIDE: bool):
+    """Q2_K (scales[16]: 4-bit scale | 4-bit min << 4, qs[64], d, dmin): in half h, element 128h + 32k + e is bits
+    2k, 2k + 1 of qs[32h + e] (read in place, the scale pre-divided by 4**k), times d * scale - dmin * min of
+    sub-block 8h + 2k + e // 16."""
+    h, g, i, e = _halves(WIDE)
+    v = _bytes(blk + 16 + 32 * h + e)
+    d, dmin = _f16(blk, 80), _f16(blk, 82)
+    out = []
+    for k in range(4):
+        s = _sub_scale(i, WIDE, lambda u, k=k: _bytes(blk + 8 * h + 2 * k + g + u))
+        ds, dm = d * (s & 15).to(tl.float32), dmin * (s >> 4).to(tl.float32)
+        out.append((128 * h + 32 * k + e, _quant(v, 3 << 2 * k) * (ds * 0.25 ** k) - dm))
+    return out
+
+
+def _q3k(blk, WIDE: bool):
+    """Q3_K (hmask[32], qs[64], 12 bytes of 6-bit scales, d): in half h, element 128h + 32k + e is bits 2k, 2k + 1
+    of qs[32h + e] plus bit 4h + k of hmask[e] on top (moved there), minus 4, times d * (scale - 32) of sub-block
+    8h + 2k + e // 16, whose low 4 bits are nibble h of byte 2k + e // 16 and top 2 bits 4h + 2 (k // 2) of byte
+    8 + 2 (k % 2) + e // 16."""
+    h, g, i, e = _halves(WIDE)
+    v = _bytes(blk + 32 + 32 * h + e)
+    hm = _bytes(blk + e) >> (4 * h)
+    d = _f16(blk, 108)
+    out = []
+    for k in range(4):
+        q = (v & (3 << 2 * k)) | ((hm << (k + 2)) & (4 << 2 * k))
+        s = _sub_scale(i, WIDE, lambda u, k=k: ((_bytes(blk + 96 + 2 * k + g + u) >> (4 * h)) & 15) | (
+            ((_bytes(blk + 104 + 2 * (k % 2) + g + u) >> (4 * h + 2 * (k // 2))) & 3) << 4))
+        ds = d * (s.to(tl.float32) - 32.0)
+        out.append((128 * h + 32 * k + e, _quant(q, 7 << 2 * k, 4) * (ds * 0.25 ** k)))
     return out
 
 
 def _family(QTYPE: str, WIDE: bool):
     """(tile rank, decode) of a format."""
-    if QTYPE == "Q4_K":
-        return 3, _q4k
-    if QTYPE == "Q6_K":
-        return 4, lambda b: _q6k(b, WIDE)
+    if QTYPE in ("Q4_K", "Q5_K"):
+        return 3, _q4k if QTYPE == "Q4_K" else _q5k
+    if QTYPE in ("Q2_K", "Q3_K", "Q6_K"):
+        return 4, lambda b: {"Q2_K": _q2k, "Q3_K": _q3k, "Q6_K": _q6k}[QTYPE](b, WIDE)
     if QTYPE == "Q8_0":
         return 2, _q8
-    return 2, lambda b: _q4(b, QTYPE)
+    return 2, lambda b: (_q5 if QTYPE in ("Q5_0", "Q5_1") else _q4)(b, QTYPE)
 
 
 def dequantize_rows_kernel(w, rows, out, n_blocks, w_stride, out_stride, QTYPE: tl.constexpr,
@@ -140,7 +223,7 @@ def dequantize_rows_kernel(w, rows, out, n_blocks, w_stride, out_stride, QTYPE: 
 
 # --- host side -------------------------------------------------------------------------------------------------
 
-WIDE_TARGETS = ("numpy", "triton", "triton-interpret")  # Q6_K's 32-wide tiles (see _q6k); not the SIMT targets
+WIDE_TARGETS = ("numpy", "triton", "triton-interpret")  # 32-wide tiles (see _halves); not the SIMT targets
 ELEMS = 4096  # elements a program writes (32 a thread at 4 warps): 91-94% of copy bandwidth on an H200
 
 

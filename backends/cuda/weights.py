@@ -18,7 +18,7 @@ from backends.cuda.plan import Plan
 from backends.cuda.runtime import torch
 from ir.graph import Graph
 from ir.weights import StoredTensor
-from kernels_src.dequant_gemv import QTYPES as KERNEL_QTYPES
+from kernels_src.dequant_gemv import QTYPES as KERNEL_QTYPES  # every quantized GGUF type ir/formats reads
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ def _dense(t: StoredTensor, shape: tuple[int, ...], dtype, device) -> torch.Tens
 def to_device(graph: Graph, weights, dtype: str, device, quantized: bool = True,
               progress: bool = True) -> tuple[dict[str, Param], Counter]:
     """({param: tensor | QuantWeight}, {why a quantized tensor became dense: count}); GGUF matrices stay
-    quantized when `quantized` and the kernels support their format."""
+    quantized when `quantized` and the kernels support their format (all ten quantized types the loader reads:
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K)."""
     tdtype = DTYPES[dtype]
     matrices = graph.matrix_params()
     params: dict[str, Param] = {}
