@@ -5,9 +5,11 @@ Caches are [num_blocks, block_size, Hkv, D]; sequence b's cache index j lives at
 `block_tables[b, j // block_size]`, offset `j % block_size`. One program takes one sequence, one KV head and every
 query head sharing it (GQA: K and V are read once), padded to 16 rows so both products are `dot`s. Keys are
 walked in tiles of BLOCK_N tokens (any multiple or fraction of the cache block size) gathered through the block
-table, with an online softmax in the log2 domain. Split-K: the context is cut into partitions of PARTITION tokens,
-each program writes its partial (max, sum, acc) to scratch and a small reduce kernel combines them (no atomics).
-A context that fits one partition skips the scratch and the reduce.
+table, with an online softmax in the log2 domain. Split-K: the grid has `max_parts` partitions per (sequence, KV
+head); each sequence's context is cut into partitions of PARTITION tokens, or into max_parts equal ones (multiples of
+BLOCK_N) when it is longer than that, so one grid (one CUDA graph) serves every context. Each program writes its
+partial (max, sum, acc) to scratch and a small reduce kernel combines them (no atomics); programs past the context
+exit at once. A grid of one partition skips the scratch and the reduce.
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
     return tl.fori_loop(0, n_iter, body, init)
 
 
+def partition_len(ctx, max_parts, PARTITION, BLOCK_N):
+    """Keys per split-K partition of a context: PARTITION, or a share of max_parts (rounded up to BLOCK_N) when the
+    context is longer than max_parts * PARTITION. The reduce recomputes it: cdiv(ctx, plen) partitions hold keys."""
+    step = max_parts * BLOCK_N
+    return tl.maximum(PARTITION, (ctx + step - 1) // step * BLOCK_N)
+
+
 def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
                         softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
                         kv_block_stride, kv_tok_stride, kv_head_stride, GROUP: tl.constexpr,
@@ -68,9 +77,10 @@ def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, pa
     qv = tl.load(q + b * q_stride + heads[:, None] * q_head_stride + d[None, :], mask=mask, other=0.0)
     ctx = tl.load(context_lens + b)
     lo, hi = 0, ctx
-    if SPLIT:  # the last partition takes whatever is left, should a context outgrow the grid
-        lo = part * PARTITION
-        hi = tl.where(part == max_parts - 1, ctx, tl.minimum(lo + PARTITION, ctx))
+    if SPLIT:
+        plen = partition_len(ctx, max_parts, PARTITION, BLOCK_N)
+        lo = part * plen
+        hi = tl.minimum(lo + plen, ctx)
     lo = tl.maximum(lo, ctx - window)
     qi = tl.full([BLOCK_G], ctx - 1, tl.int32)
     m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
@@ -87,7 +97,7 @@ def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, pa
 
 def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_parts, out_stride, out_head_stride,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
-                               BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False):
+                               BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Combines a row's partials BLOCK_P partitions at a time: one round of loads covers a short context (a loop
     of one partition per load waited on each load in turn, the slowest part of a batch-1 decode)."""
     b, h = tl.program_id(0), tl.program_id(1)
@@ -98,7 +108,9 @@ def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_
     if PDL:  # the partials are paged_decode_kernel's output
         tl.wait_prior_grid()
         tl.launch_dependents()
-    n_parts = tl.minimum((tl.load(context_lens + b) + PARTITION - 1) // PARTITION, max_parts)
+    ctx = tl.load(context_lens + b)
+    plen = partition_len(ctx, max_parts, PARTITION, BLOCK_N)
+    n_parts = tl.minimum((ctx + plen - 1) // plen, max_parts)
 
     def body(it, m, den, acc):
         parts = it * BLOCK_P + p
@@ -163,11 +175,14 @@ def decode_workspace(q, n_parts: int) -> tuple:
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, *, sliding_window: int | None = None,
                  softcap: float | None = None, out=None, max_context: int | None = None, partition: int = 512,
-                 block_n: int = 64, workspace=None, num_warps: int = 4, target: str = "numpy", pdl: bool | None = None):
+                 max_parts: int | None = None, block_n: int = 64, workspace=None, num_warps: int = 4,
+                 target: str = "numpy", pdl: bool | None = None):
     """Attention of q [B, Hq, D] (one token per sequence, the last of its context) over the paged caches.
 
-    `max_context` bounds context_lens (give it to keep the grid fixed, e.g. under CUDA graphs); contexts longer
-    than `partition` tokens are split. `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D].
+    The grid has cdiv(max_context, partition) partitions (max_context: context_lens' maximum unless given, e.g. to
+    keep the grid fixed under CUDA graphs), at most `max_parts`; a context longer than the grid's partitions of
+    `partition` tokens is cut into that many longer ones, so any context is served by any grid.
+    `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D].
     """
     group, bs = check_cache(q, k_cache, v_cache)
     n_seq, hq, d = q.shape
@@ -175,6 +190,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     block_n = max(16, block_n)
     partition = tl.cdiv(partition, block_n) * block_n
     n_parts = num_partitions(int(context_lens.max()) if max_context is None else max_context, partition)
+    n_parts = min(n_parts, max_parts or n_parts)
     split = n_parts > 1
     if split:
         m, den, acc = workspace or decode_workspace(q, n_parts)
@@ -191,7 +207,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
         elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache))
     if split:
         red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=d,
-                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition, BLOCK_P=reduce_block(n_parts), PDL=pdl)
+                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition, BLOCK_N=block_n, BLOCK_P=reduce_block(n_parts),
+                      PDL=pdl)
         red[n_seq, hq](m, den, acc, context_lens, out, n_parts, elem_stride(out, 0), elem_stride(out, 1))
     return out
 

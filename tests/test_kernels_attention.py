@@ -76,12 +76,27 @@ def test_paged_decode(target, dtype, case, rng):
             assert np.isfinite(host(ws[0])[b, :, :pa.num_partitions(c, partition)]).all()
 
 
-def test_paged_decode_context_beyond_max_context(rng):
-    """A grid sized for shorter contexts (max_context) stays right: the last partition takes the rest."""
-    kc, vc, tables = paged_cache(rng, [70, 20], 1, 16, 8, np.float32)
-    q, ctx = rng.standard_normal((2, 2, 16)).astype(np.float32), np.array([70, 20], np.int32)
-    out = pa.paged_decode(q, kc, vc, tables, ctx, 0.3, max_context=32, partition=16, block_n=16)
-    close(out, pa.paged_decode_ref(q, kc, vc, tables, ctx, 0.3), np.float32)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("max_parts, window", [(2, None), (3, 50)])
+def test_paged_decode_capped_grid_serves_longer_contexts(target, max_parts, window, rng):
+    """A grid of max_parts partitions (as a CUDA graph fixes it) serves contexts far past max_parts * partition:
+    each context is cut into at most max_parts shares, multiples of block_n, each holding keys; sliding window too."""
+    lens = [300, 20, 129, 47]
+    kc, vc, tables = paged_cache(rng, lens, 1, 16, 8, np.float32)
+    q, ctx = rng.standard_normal((len(lens), 2, 16)).astype(np.float32), np.array(lens, np.int32)
+    ws = [dev(np.full(s, np.nan, np.float32), target) for s in [(len(lens), 2, max_parts)] * 2 + [(len(lens), 2,
+                                                                                                   max_parts, 16)]]
+    out = pa.paged_decode(dev(q, target), dev(kc, target), dev(vc, target), dev(tables, target), dev(ctx, target),
+                          0.3, sliding_window=window, max_context=10_000, max_parts=max_parts, partition=16,
+                          block_n=16, workspace=ws, target=target)
+    close(out, pa.paged_decode_ref(q, kc, vc, tables, ctx, 0.3, sliding_window=window), np.float32)
+    den = host(ws[1])
+    for b, c in enumerate(lens):
+        plen = max(16, -(-c // (16 * max_parts)) * 16)
+        used = -(-c // plen)
+        assert used <= max_parts and (used == max_parts or c <= max_parts * 16)
+        if window is None:  # every partition that holds keys has weight (a window may mask whole partitions)
+            assert (den[b, :, :used] > 0).all()
 
 
 def test_paged_decode_bf16_on_the_interpreter(rng):

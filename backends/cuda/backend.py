@@ -158,7 +158,9 @@ class CUDABackend(Backend):
         if not self.kv:
             raise RuntimeError("allocate_kv must be called before forward")
         if self.graphs is not None and self.graphs.applies(batch):
-            return self.graphs(batch)
+            logits = self.graphs(batch)
+            if logits is not None:
+                return logits
         dev = self.device
 
         def up(a: np.ndarray, dtype=torch.int32) -> torch.Tensor:

@@ -4,7 +4,10 @@ A decode step of an 8B model launches some 300 kernels; replaying them as one gr
 cost, which at batch 1 would otherwise exceed the GPU time. Inputs live in static device buffers: a step copies its
 batch in (padding rows: token 0, slot -1 so nothing is written, context 0 so nothing is read), replays, and reads
 the static logits. The decode kernel's grid depends on the longest context, so graphs are also keyed by the number
-of partitions, rounded up to a power of two; all share one memory pool.
+of split-K partitions, a power of two up to `Runner.max_partitions` of the batch: the kernel lengthens the
+partitions of a longer context, so the largest key serves every context up to max_model_len, and every key is
+captured at start-up (a few per batch bucket). All share one memory pool. A capture never reads the live step's
+inputs (it runs on padding rows of its own), and one that fails leaves that key to eager steps, logged once.
 
 Input tokens are gathered on the device from one buffer: its head (`chain`) holds the tokens the last step
 sampled, its tail the tokens copied from the host, so a step launched before the last one's tokens reached the
@@ -27,20 +30,44 @@ log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly: launch costs matter little there
-CAPTURE_CONTEXT = 2048  # graphs for contexts up to this are captured at start-up, longer ones on first use
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+class GraphKeys:
+    """Which graph serves a decode step: (rows rounded up to a batch bucket, split-K partitions). Plain Python over
+    the runner's partition rules, so that CI checks on a CPU that every step finds a captured key."""
+
+    def __init__(self, runner: Runner, max_batch: int, max_context: int):
+        self.runner, self.max_context = runner, max_context
+        max_batch = min(max_batch, MAX_GRAPH_BATCH)
+        self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+
+    def parts(self, bucket: int, context: int) -> int:
+        """Split-K partitions of a graph for `bucket` rows: for the context, rounded up to a power of two, within
+        what the longest context needs and the batch's cap (past it partitions grow instead)."""
+        part = self.runner.decode_partition(bucket)
+        return min(_pow2(partitions_for(context, part)), _pow2(partitions_for(self.max_context, part)),
+                   self.runner.max_partitions(bucket))
+
+    def key(self, n: int, context: int) -> tuple[int, int]:
+        bucket = next(b for b in self.buckets if b >= n)
+        return bucket, self.parts(bucket, context)
+
+    def all(self) -> list[tuple[int, int]]:
+        """Every key a decode step up to max_context can ask for, largest first."""
+        return [(b, 1 << i) for b in reversed(self.buckets)
+                for i in reversed(range(self.parts(b, self.max_context).bit_length()))]
+
+
 class DecodeGraphs:
     def __init__(self, runner: Runner, max_blocks_per_seq: int, max_context: int, max_batch: int = 256,
                  chain_size: int = 256):
         self.runner = runner
-        max_batch = min(max_batch, MAX_GRAPH_BATCH)
-        self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
-        self.max_context = max_context
+        self.keys = GraphKeys(runner, max_batch, max_context)
+        self.buckets = self.keys.buckets
         dev = runner.device
         b, m = self.buckets[-1], max(1, max_blocks_per_seq)
 
@@ -62,31 +89,21 @@ class DecodeGraphs:
         self._qstart = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self._rows = torch.arange(b, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: dict[tuple[int, int], str] = {}  # keys whose capture failed: their steps run eagerly
         self.pool = torch.cuda.graph_pool_handle()
 
     def applies(self, batch: Batch) -> bool:
         return (batch.is_decode and batch.num_tokens <= self.buckets[-1]
                 and batch.block_tables.shape[1] <= self._host[0]["tables"][1].shape[1])
 
-    def _parts(self, bucket: int, context: int) -> int:
-        """Split-K partitions of a graph for `bucket` rows: for the context, rounded up to a power of two, within
-        what the longest context needs."""
-        part = self.runner.decode_partition(bucket)
-        return min(_pow2(partitions_for(context, part)), _pow2(partitions_for(self.max_context, part)))
-
-    def _key(self, n: int, max_context: int) -> tuple[int, int]:
-        bucket = next(b for b in self.buckets if b >= n)
-        return bucket, self._parts(bucket, max_context)
-
     def capture_all(self) -> None:
-        """The graphs for contexts up to CAPTURE_CONTEXT up front, largest first so smaller ones reuse memory."""
-        t0 = time.perf_counter()
-        for b in reversed(self.buckets):
-            top = self._parts(b, min(CAPTURE_CONTEXT, self.max_context))
-            for parts in (1 << i for i in range(top.bit_length())):
-                self._capture((b, parts))
-        log.info("captured %d CUDA graphs (decode batches %s, contexts up to %d) in %.1f s", len(self.graphs),
-                 ",".join(map(str, self.buckets)), min(CAPTURE_CONTEXT, self.max_context), time.perf_counter() - t0)
+        """Every graph up front, largest first so that smaller ones reuse the pool's memory."""
+        t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved(self.runner.device)
+        for key in self.keys.all():
+            self._try_capture(key)
+        log.info("captured %d CUDA graphs (decode batches %s, contexts up to %d) in %.1f s, %.0f MiB", len(self.graphs),
+                 ",".join(map(str, self.buckets)), self.keys.max_context, time.perf_counter() - t0,
+                 (torch.cuda.memory_reserved(self.runner.device) - mem0) / 2**20)
 
     def _meta(self, b: int, parts: int) -> StepMeta:
         d = self._dev
@@ -97,12 +114,30 @@ class DecodeGraphs:
         tokens = self.token_buf.index_select(0, self._dev["src"][:b])
         return self.runner.run(tokens, self._rows[:b], meta)
 
+    def _try_capture(self, key: tuple[int, int]) -> bool:
+        """Captures `key`'s graph; a failure is logged (once per key) and leaves the key to eager steps."""
+        if key in self.failed:
+            return False
+        try:
+            self._capture(key)
+            return True
+        except Exception as e:  # noqa: BLE001  (any capture error: the step can still run eagerly)
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            log.warning("CUDA graph capture for decode batch %d, %d partitions failed; those steps run eagerly: %s",
+                        *key, self.failed[key])
+            return False
+
     def _capture(self, key: tuple[int, int]) -> None:
+        """Warms up and captures on padding inputs of its own (host token 0, slot -1, context 0): the live step's
+        buffers may hold placeholders (-1 for a token still on the device), which the gather must never read."""
         b, parts = key
         meta = self._meta(b, parts)
+        self._dev["tokens"][:b].zero_()
+        self._dev["src"][:b].copy_(torch.from_numpy(self._own[:b]), non_blocking=False)
+        self._dev["positions"][:b].zero_()
         self._dev["slots"][:b].fill_(-1)
         self._dev["ctx"][:b].zero_()
-        self._dev["src"][:b].fill_(self.chain_size)
+        self._dev["tables"][:b].zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # the warm-up compiles the kernels; capture must not
@@ -113,14 +148,19 @@ class DecodeGraphs:
             logits = self._step(b, meta)
         self.graphs[key] = (graph, logits)
 
-    def __call__(self, batch: Batch) -> torch.Tensor:
+    def __call__(self, batch: Batch) -> torch.Tensor | None:
+        """The step's logits from its graph, or None when that graph could not be captured (run it eagerly)."""
         n = batch.num_tokens
-        key = self._key(n, int(batch.context_lens.max()))
+        key = self.keys.key(n, int(batch.context_lens.max()))
+        if key not in self.graphs:  # before this step's inputs are copied in: the capture overwrites them
+            log.info("capturing a CUDA graph for decode batch %d, %d partitions", *key)
+            if not self._try_capture(key):
+                return None
         b = key[0]
         host = self._host[self._turn]
         self._copied[self._turn].synchronize()  # its last copies are done (long since, in practice)
         h = {k: a for k, (_, a) in host.items()}
-        h["tokens"][:n], h["tokens"][n:b] = batch.token_ids, 0
+        h["tokens"][:n], h["tokens"][n:b] = np.maximum(batch.token_ids, 0), 0  # a placeholder is never gathered
         h["src"][:b] = self._own[:b]
         if batch.prev_rows is not None:
             chained = batch.prev_rows >= 0
@@ -135,10 +175,6 @@ class DecodeGraphs:
             self._dev[k][:b].copy_(t[:b], non_blocking=True)
         self._copied[self._turn].record()
         self._turn ^= 1
-        if key not in self.graphs:
-            log.info("capturing a CUDA graph for decode batch %d, %d partitions", *key)
-            self._capture(key)
-            return self(batch)
         graph, logits = self.graphs[key]
         graph.replay()
         out = logits[:n]

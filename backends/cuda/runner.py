@@ -23,6 +23,8 @@ GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it weights are dequant
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
 DECODE_PARTITIONS = ((8, 64), (32, 128), (128, 256))  # (up to this many programs, keys per split-K partition)
 LONG_PARTITION = 512
+MAX_PARTITIONS = 64  # split-K partitions of a decode grid at most; longer contexts get longer partitions
+WAVES = 4  # (sequence, KV head, partition) programs per SM that a long context's decode grid aims for
 
 
 @dataclass
@@ -36,7 +38,7 @@ class StepMeta:
     query_start: torch.Tensor  # [B + 1] int32
     decode: bool  # every sequence adds one token: the split-K decode kernel
     max_query_len: int
-    max_context: int  # bounds context_lens; fixes the decode kernel's grid
+    max_context: int  # fixes the decode kernel's grid (with Runner.max_partitions); longer contexts still work
 
 
 def decode_partition(rows: int, kv_heads: int, table=DECODE_PARTITIONS) -> int:
@@ -44,6 +46,14 @@ def decode_partition(rows: int, kv_heads: int, table=DECODE_PARTITIONS) -> int:
     contexts finer, so that more of the GPU's SMs share the keys (one program walks its keys serially)."""
     programs = rows * kv_heads
     return next((part for limit, part in table if programs <= limit), LONG_PARTITION)
+
+
+def max_partitions(rows: int, kv_heads: int, sms: int) -> int:
+    """Split-K partitions of a decode grid at most: a power of two that gives WAVES programs per SM, so that a long
+    context keeps the GPU busy at small batches, within MAX_PARTITIONS. One grid serves every context (the kernel
+    lengthens the partitions), so a CUDA graph per power of two up to this covers any context."""
+    want = -(-WAVES * sms // (rows * kv_heads))
+    return min(MAX_PARTITIONS, 1 << max(0, want - 1).bit_length())
 
 
 def partitions_for(max_context: int, partition: int) -> int:
@@ -67,6 +77,7 @@ class Runner:
         self.fuse_rope_kv = True  # plan.rope_kv: rope and the KV write as one kernel
         self.decode_partitions = DECODE_PARTITIONS  # () : LONG_PARTITION at every batch size
         self.kv_heads = max((n.inputs[1].shape[1] for n in graph.nodes if n.op == "attention"), default=1)
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
     def set_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], max_positions: int) -> None:
         """Caches per layer [num_blocks, block_size, Hkv, D]; rope tables for positions below max_positions."""
@@ -81,6 +92,9 @@ class Runner:
 
     def decode_partition(self, rows: int) -> int:
         return decode_partition(rows, self.kv_heads, self.decode_partitions)
+
+    def max_partitions(self, rows: int) -> int:
+        return max_partitions(rows, self.kv_heads, self.sms)
 
     # -- the graph ----------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, logits_indices: torch.Tensor, meta: StepMeta) -> torch.Tensor:
@@ -161,9 +175,10 @@ class Runner:
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
                   pdl=self.pdl)
         if meta.decode:
-            part = self.decode_partition(q.shape[0])
+            rows = q.shape[0]
             return paged_attention.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, a["scale"],
-                                                max_context=meta.max_context, partition=part, **kw)
+                                                max_context=meta.max_context, partition=self.decode_partition(rows),
+                                                max_parts=self.max_partitions(rows), **kw)
         return paged_prefill.paged_prefill(q, kc, vc, meta.block_tables, meta.context_lens, meta.query_start,
                                            a["scale"], max_query_len=meta.max_query_len, **kw)
 

@@ -103,6 +103,6 @@ class KernelOps:
             return (res["out"] if self.metal else mx.array(out))
         m, den, acc = (res["part_m"], res["part_l"], res["part_acc"]) if self.metal else ws
         red = compile(paged_decode_reduce_kernel, self.target, HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"],
-                      PARTITION=PARTITION)
+                      PARTITION=PARTITION, BLOCK_N=BLOCK_N)
         res = red[n_seq, hq](m, den, acc, ctx, out, n_parts, hq * d, d)
         return res["out"] if self.metal else mx.array(out)

@@ -1,0 +1,138 @@
+"""Decode at every context the engine admits: the split-K grid is capped (Runner.max_partitions) and longer contexts
+get longer partitions, so one CUDA graph per (batch bucket, partitions) key serves any context and every key is
+captured at start-up.
+
+On the CPU (CI): the key logic covers every (batch, context) up to max_model_len with a handful of keys per bucket,
+and the CUDA backend on CPU tensors decodes past the capped grid against the reference interpreter. On a GPU
+(tools/gpu_check.sh): the engine with CUDA graphs and overlapped steps decodes prompts past every partition cap (the
+first decode past 2,048 tokens once aborted the process), token for token as eager steps do, capturing nothing on
+first use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from backend_greedy import backend_greedy, host
+from test_tiny_models import prompt, saved  # noqa: F401  (saved is a fixture)
+
+from ir.batch import make_batch
+from ir.loader import load_model
+from ir.reference import ReferenceRunner
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+torch = pytest.importorskip("torch")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cpu_backend(model, **kw):
+    from backends.cuda.backend import CUDABackend
+
+    return CUDABackend(model, device="cpu", dtype="f32", progress=False, **kw)
+
+
+@pytest.mark.parametrize("max_batch, max_context", [(256, 32768), (6, 2048), (64, 131072)])
+def test_every_decode_step_finds_a_start_up_key(max_batch, max_context, saved):  # noqa: F811
+    from backends.cuda.graphs import GraphKeys
+    from backends.cuda.runner import MAX_PARTITIONS
+
+    runner = cpu_backend(load_model(saved("llama3_rope")[1], progress=False)).runner
+    keys = GraphKeys(runner, max_batch, max_context)
+    captured = set(keys.all())
+    assert len(captured) == len(keys.all())
+    per_bucket = MAX_PARTITIONS.bit_length()  # partitions 1, 2, 4, .., MAX_PARTITIONS
+    assert len(captured) <= len(keys.buckets) * per_bucket
+    rng = np.random.default_rng(max_context)
+    steps = [(n, c) for n in range(1, max_batch + 1) for c in (1, max_context)]
+    steps += [(int(n), int(c)) for n, c in zip(rng.integers(1, max_batch + 1, 500), rng.integers(1, max_context + 1,
+                                                                                                   500), strict=True)]
+    for n, c in steps:
+        bucket, parts = keys.key(n, c)
+        assert (bucket, parts) in captured and bucket >= n
+        assert parts <= runner.max_partitions(bucket)
+        if parts < runner.max_partitions(bucket):  # below the cap the grid's partitions hold the context
+            assert parts * runner.decode_partition(bucket) >= min(c, max_context)
+
+
+def test_max_partitions_fill_the_gpu_at_small_batches():
+    from backends.cuda.runner import MAX_PARTITIONS, WAVES, max_partitions
+
+    assert max_partitions(1, 8, 132) == MAX_PARTITIONS  # one sequence: many partitions, or 8 programs in all
+    for rows in (1, 3, 16, 64, 256):
+        p = max_partitions(rows, 8, 132)
+        assert p & (p - 1) == 0 and 1 <= p <= MAX_PARTITIONS
+        assert rows * 8 * p >= WAVES * 132 or p == MAX_PARTITIONS
+        assert p == 1 or rows * 8 * (p // 2) < WAVES * 132  # the smallest such power of two
+
+
+def test_decode_past_the_capped_grid_matches_reference(saved):  # noqa: F811
+    """CPU tensors, eager steps: a two-SM "GPU" caps the grid at 2 partitions, so 150-token contexts are cut into
+    longer partitions than the batch's partition size (64); logits match the reference interpreter."""
+    model = load_model(saved("llama3_rope")[1], progress=False)
+    model.config = model.config.with_(max_position_embeddings=512)  # its 128 would end the rope tables
+    backend = cpu_backend(model)
+    backend.runner.sms = 2
+    assert backend.runner.max_partitions(2) == 2 and 2 * backend.runner.decode_partition(2) < 150
+    prompts = [prompt(1, 150), prompt(2, 97)]
+    ref = ReferenceRunner(model, max_tokens=256, block_size=8)
+    ref_tokens, ref_first = ref.greedy(prompts, 3)
+    tokens, first = backend_greedy(backend, ref, prompts, 3, 8)
+    assert float(np.abs(first - ref_first).max()) <= 1e-4 * float(np.abs(ref_first).max())
+    assert tokens == ref_tokens
+    # A decode step's logits, capped (2 partitions of 75 and 49 keys) and not (3 and 2 partitions of 64 keys).
+    tables = [ref._table(i) for i in range(2)]
+    step = make_batch([[t[0]] for t in tokens], [len(p) for p in prompts], tables, 8)
+    capped = host(backend.forward(step))
+    backend.runner.sms = 132
+    np.testing.assert_allclose(capped, host(backend.forward(step)), rtol=1e-5, atol=1e-5)
+
+
+# --- GPU only --------------------------------------------------------------------------------------------------
+
+def _engine(model, graphs: bool, overlap: bool, max_len: int):
+    from backends.cuda.backend import CUDABackend
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    backend = CUDABackend(model, device="cuda", dtype="f32", cuda_graph=graphs, progress=False)
+    config = EngineConfig(num_kv_blocks=3 * max_len // 16 + 16, block_size=16, async_scheduling=overlap,
+                          max_model_len=max_len,
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048,
+                                                    prefill_chunk_size=2048))
+    return LLMEngine(backend, config)
+
+
+@needs_cuda
+@pytest.mark.parametrize("overlap", [True, False])
+def test_long_prompts_decode_with_graphs_as_eager_steps(overlap, saved):  # noqa: F811
+    """A 2,100-, a 5,000- and a 9,000-token prompt (past every partition cap: the tiny model's 2 KV heads cap
+    batch 1 at 64 partitions of 64 keys) decode with CUDA graphs, token for token as eager steps, and no graph is
+    captured on first use."""
+    from frontend.engine.sampling_params import SamplingParams
+
+    model = load_model(saved("llama3_rope")[1], progress=False)
+    max_len = 9200
+    model.config = cfg = model.config.with_(max_position_embeddings=max_len)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (2100, 5000, 9000)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for graphs in (True, False):
+        engine = _engine(model, graphs, overlap, max_len)
+        if graphs:
+            captured = set(engine.backend.graphs.graphs)
+            assert not engine.backend.graphs.failed
+        outs = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, f"r{i}")
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0].token_ids
+        if graphs:
+            assert set(engine.backend.graphs.graphs) == captured  # nothing captured on first use
+        assert engine.all_blocks_free()
+        runs.append(outs)
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0].values())
