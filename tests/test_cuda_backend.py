@@ -81,6 +81,27 @@ def test_gguf_q8_0_stays_quantized(device, files):  # noqa: F811
     assert tokens == ref_tokens
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gguf_batch_through_the_gemm(device, files, monkeypatch):  # noqa: F811
+    """Ten sequences at once: prefill (29 rows) and every decode step (10 rows) take the dequantizing GEMM past
+    GEMV_MAX_ROWS (counted through a pass-through wrapper), against the reference."""
+    from backends.cuda import runner
+    from kernels_src import dequant_gemm
+
+    calls, real = [], dequant_gemm.dequant_matmul
+    monkeypatch.setattr(dequant_gemm, "dequant_matmul", lambda x2, *a, **kw: calls.append(x2.shape[0]) or
+                        real(x2, *a, **kw))
+    path, _, _ = files("qwen3")
+    model = load_model(path, progress=False)
+    prompts = [gguf_prompt(10 + i, 2 + i % 3) for i in range(10)]
+    ref = ReferenceRunner(model, max_tokens=64, block_size=8)
+    ref_tokens, ref_first = ref.greedy(prompts, 3)
+    tokens, first = backend_greedy(make_backend(model, device, dtype="f32"), ref, prompts, 3, 8)
+    assert float(np.abs(first - ref_first).max()) <= 1e-4 * float(np.abs(ref_first).max())
+    assert tokens == ref_tokens
+    assert set(calls) == {10, 29} and runner.GEMV_MAX_ROWS < 10 <= runner.GEMM_MAX_ROWS
+
+
 def test_plan_fuses_projections_and_norms(saved):  # noqa: F811
     from backends.cuda.plan import Plan
 

@@ -46,6 +46,13 @@ SIZES = {
 # all rows of a matrix (r = n, K off the program's tile), and an embedding lookup: random ids into padded rows
 SIZES |= {n: [("rows", dict(r=300, n=300, k=4608)), ("lookup", dict(r=77, n=1000, k=2048, padded=True))]
           for n in REGISTRY if n.startswith("dequantize_")}
+# the GEMM: the bench's decode batch, a ragged batch on padded rows, the down projection's split-K at 64 rows, a
+# prefill-sized 256 rows, and x @ W.T (swap off) over 33 rows
+SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m9_padded", dict(m=9, n=77, k=2048, padded=True)),
+              ("m64_split", dict(m=64, n=520, k=14336)), ("m256", dict(m=256, n=200, k=1024)),
+              ("m33_noswap", dict(m=33, n=130, k=2048, swap=False))]
+          for n in REGISTRY if n.startswith("dequant_gemm_")}
+TRITON_ONLY = ("dequant_gemm_",)  # its SIMT lowering is checked on the CPU (tests/test_kernels_gemm.py, simt-cpu)
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim")}
@@ -80,6 +87,8 @@ def test_kernel_on_gpu(target, name, params, request):
     reason = target_unavailable(target)
     if reason:
         pytest.skip(reason)
+    if target != "triton" and name.startswith(TRITON_ONLY):
+        pytest.skip(f"{name} runs on Triton on a GPU (its CUDA C twin is not a target of the runner)")
     keys = CUDA_C_SLOW.get(name, ()) if target == "cuda" else ()
     if any(params[k] != REGISTRY[name].bench[k] for k in keys):
         pytest.skip(f"the CUDA C {name} takes NVRTC about a minute a configuration: only the bench's one is tested")
