@@ -19,7 +19,8 @@ from kernels_src import activations, kv_write, paged_attention, paged_prefill, r
 from kernels_src.dequant_gemv import dequant_gemv
 
 F = torch.nn.functional
-GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it weights are dequantized in chunks for a GEMM
+GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it the dequantizing GEMM (kernels_src/dequant_gemm.py)
+GEMM_MAX_ROWS = 256  # its limit: above it (prefill) weights are dequantized in chunks for a cuBLAS GEMM
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
 DECODE_PARTITIONS = ((8, 64), (32, 128), (128, 256))  # (up to this many programs, keys per split-K partition)
 LONG_PARTITION = 512
@@ -196,6 +197,10 @@ class Runner:
         if x2.shape[0] <= GEMV_MAX_ROWS:
             y = dequant_gemv(x2, w.data, w.qtype, target=self.target, pdl=self.pdl)
             return y.reshape(*x.shape[:-1], n)
+        if x2.shape[0] <= GEMM_MAX_ROWS:  # W's blocks read once per 16-64 rows, no fp16 copy of W written
+            from kernels_src.dequant_gemm import dequant_matmul
+
+            return dequant_matmul(x2, w.data, w.qtype, target=self.target, pdl=self.pdl).reshape(*x.shape[:-1], n)
         from kernels_src.dequantize import dequantize_rows
 
         step = max(1, DEQUANT_CHUNK_BYTES // (k * x.element_size()))
