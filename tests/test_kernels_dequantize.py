@@ -1,7 +1,8 @@
-"""Dequantizing rows of raw GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) on random valid blocks: the DSL interpreter and
-Triton's interpreter against our numpy dequantizer, bit for bit in fp32 / fp16 / bf16 (the kernel's products are
-the reference's), with repeated row ids, tiles off the row, unaligned and strided rows, and poisoned outputs; Triton
-AOT builds for sm_90 with 16-byte stores and no spills."""
+"""Dequantizing rows of raw GGUF blocks (all ten quantized types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) on random
+valid blocks: the DSL interpreter and Triton's interpreter against our numpy dequantizer, bit for bit in fp32 / fp16
+/ bf16 (the kernel's products are the reference's), and against gguf-py's own dequantizer; with repeated row ids,
+tiles off the row, unaligned and strided rows, and poisoned outputs; Triton AOT builds for sm_90 with 16-byte stores
+and no spills."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import zlib
 
 import numpy as np
 import pytest
+from test_gguf_quants import assert_matches, gguf_ref
 from test_kernels_basic import HAS_TRITON, TARGETS, dev, host
 from test_kernels_gemv import _stack_bytes, k_for, needs_aot, padded_weights
 
@@ -44,6 +46,19 @@ def test_dequantize_rows(target, dtype, qtype, rng):
     out = dev(np.full((R, k), np.nan, dtype), target)
     dq.dequantize_rows(dev(w, target), dev(rows, target), qtype, k, out=out, target=target)
     np.testing.assert_array_equal(host(out), dq.dequantize_rows_ref(w, rows, qtype, k).astype(dtype))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("qtype", dq.QTYPES)
+def test_matches_gguf_dequantizer(target, qtype, rng):
+    """gguf-py's dequantizer (independent of ours) on the rows the kernel decoded; its order of fp32 operations may
+    differ from ggml's, so within assert_matches' 1e-6 (relative) rather than bit for bit."""
+    k = small_k(qtype)
+    w = padded_weights(rng, qtype, N, k)
+    rows = row_ids(rng)
+    out = dev(np.full((R, k), np.nan, np.float32), target)
+    dq.dequantize_rows(dev(w, target), dev(rows, target), qtype, k, out=out, target=target)
+    assert_matches(host(out), gguf_ref(np.ascontiguousarray(w[rows]), qtype, (R, k)))
 
 
 @pytest.mark.parametrize("qtype", dq.QTYPES)
@@ -87,7 +102,7 @@ def test_launcher_checks(rng):
     with pytest.raises(ValueError, match="fp32, fp16 or bf16"):
         dq.dequantize_rows(w, np.zeros(1, np.int32), "Q4_K", 256, dtype="int32")
     with pytest.raises(ValueError, match="unsupported qtype"):
-        dq.dequantize_rows(w, np.zeros(1, np.int32), "Q5_K", 256)
+        dq.dequantize_rows(w, np.zeros(1, np.int32), "IQ4_XS", 256)
     with pytest.raises(ValueError, match="do not hold rows"):
         dq.dequantize_rows(w, np.zeros(1, np.int32), "Q4_K", 512)  # rows of 144 bytes hold 256 elements
     with pytest.raises(ValueError, match="2-byte aligned"):

@@ -1,7 +1,8 @@
-"""Dequantizing GEMV over raw GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) on random valid blocks: the DSL
-interpreter and Triton's interpreter against x @ dequantize(W).T (both quant decodings, bf16 activations, rows and
-blocks off the tiles, unaligned rows), Triton AOT builds for sm_90 without spills; then the kernel registry and
-tools/dump_kernel over every registered kernel."""
+"""Dequantizing GEMV over raw GGUF blocks (all ten quantized types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) on
+random valid blocks: the DSL interpreter and Triton's interpreter against x @ dequantize(W).T with our numpy
+dequantizer and with gguf-py's (both quant decodings, bf16 activations, rows and blocks off the tiles, unaligned
+rows), Triton AOT builds for sm_90 without spills; then the kernel registry and tools/dump_kernel over every
+registered kernel."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from kernels_src.dsl import compile, tl
 from kernels_src.registry import REGISTRY
 
 TOL = {np.float32: 1e-5, np.float16: 2e-3}  # of the largest output: sums of thousands of terms ~50 in size
+# Formats added after the first five run the larger cases on the DSL interpreter only: on Triton's a case costs
+# ~10 s, and both interpreters run the same traced program (CI's suite has a time budget).
+LIGHT = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K")
 needs_aot = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
                                reason="AOT builds need triton, and TRITON_INTERPRET unset")
 
@@ -55,6 +59,8 @@ def k_for(qtype: str, blocks: int) -> int:
 @pytest.mark.parametrize("qtype", dg.QTYPES)
 @pytest.mark.parametrize("m,n,blocks", [(1, 5, 3), (3, 9, 18)])  # rows and chunks off the tiles
 def test_dequant_gemv(target, dtype, qtype, m, n, blocks, rng):
+    if qtype in LIGHT and target != "numpy" and m > 1:
+        pytest.skip("Triton's interpreter runs this format's small case only (LIGHT)")
     k = k_for(qtype, blocks if qtype.endswith("K") else 5 * blocks)
     w = padded_weights(rng, qtype, n, k)
     x = rng.standard_normal((m, k)).astype(dtype)
@@ -63,6 +69,21 @@ def test_dequant_gemv(target, dtype, qtype, m, n, blocks, rng):
     got = host(out).astype(np.float32)
     assert np.isfinite(got).all()
     close(got, dg.dequant_gemv_ref(x, w, qtype), dtype)
+
+
+@pytest.mark.parametrize("qtype", LIGHT)  # the first five: through our dequantizer, itself checked against gguf-py's
+def test_dequant_gemv_matches_gguf(qtype, rng):
+    """Against W decoded by gguf-py's dequantizer, independent of ours (the DSL interpreter: Triton's runs the same
+    program against our dequantizer above)."""
+    target = "numpy"
+    from test_gguf_quants import gguf_ref
+
+    k = k_for(qtype, 2 if qtype.endswith("K") else 6)
+    w = padded_weights(rng, qtype, 4, k)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    out = dev(np.full((2, 4), np.nan, np.float32), target)
+    dg.dequant_gemv(dev(x, target), dev(w, target), qtype, out=out, target=target)
+    close(host(out), x @ gguf_ref(np.ascontiguousarray(w), qtype, (4, k)).T)
 
 
 @pytest.mark.parametrize("qtype", dg.QTYPES)
@@ -97,7 +118,10 @@ def test_dequant_gemv_unaligned(qtype, rng, monkeypatch):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("qtype", dg.QTYPES)
 def test_dequant_gemv_bf16(target, qtype, rng):
-    """bf16 x and y: x is read as 32- and 64-bit words of bf16 pairs and quads."""
+    """bf16 x and y: x is read as 32- and 64-bit words of bf16 pairs and quads (the same reads for every format of
+    a family: of the LIGHT ones, Q5_0 and Q5_K run on Triton's interpreter)."""
+    if qtype in LIGHT and qtype not in ("Q5_0", "Q5_K") and target != "numpy":
+        pytest.skip("LIGHT format: its family's bf16 reads run for Q5_0 / Q5_K")
     import torch
 
     k = k_for(qtype, 2 if qtype.endswith("K") else 6)
@@ -254,13 +278,17 @@ def _stack_bytes(cubin: bytes, tmp_path) -> int:
 @pytest.mark.parametrize("qtype", dg.QTYPES)
 @pytest.mark.parametrize("m", [1, 8])
 def test_aot_sm90(qtype, m, tmp_path, monkeypatch):
-    """The default tiles build for sm_90, also with the 16-byte alignment the JIT specializes on, and spill nothing."""
+    """The default tiles build for sm_90 with the 16-byte alignment the JIT specializes on, and spill nothing (the
+    plain AOT build of every GEMV: test_kernels_pdl.py's test_aot_sm90). At M = 8 (the most registers) LIGHT
+    formats but Q5_K build only with GEMV_AOT_ALL=1 (~10 s a build; all passed, no spills, when they were added)."""
+    if m == 8 and qtype in LIGHT and qtype != "Q5_K" and not os.environ.get("GEMV_AOT_ALL"):
+        pytest.skip("LIGHT format at M = 8: set GEMV_AOT_ALL=1 to build it")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from kernels_src.dsl.triton_target import TritonRenderer, aot_compile, load_function
+    from kernels_src.dsl.triton_target import TritonRenderer, load_function
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     entry = REGISTRY[f"dequant_gemv_{qtype.lower()}"]
@@ -268,12 +296,12 @@ def test_aot_sm90(qtype, m, tmp_path, monkeypatch):
     nw = tiles.pop("num_warps")
     x_type = "*fp16" if m > 1 else "*bf16"
     k = entry.trace(signature=dict(x=x_type, y=x_type), M=m, **tiles)
-    assert ".target sm_90a" in aot_compile(k, arch=90, num_warps=nw).asm["ptx"]
     fn = JITFunction(load_function(TritonRenderer().render(k), k.name))
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(k.params))}
     compiled = triton.compile(ASTSource(fn, signature=k.signature, attrs=aligned), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": nw})
-    assert "ld.global.v4" in compiled.asm["ptx"]  # 16-byte loads of x (and of Q4_K's quants)
+    assert ".target sm_90a" in compiled.asm["ptx"]
+    assert "ld.global.v4" in compiled.asm["ptx"]  # 16-byte loads of x (and of Q4_K's and Q5_K's quants)
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
 
 

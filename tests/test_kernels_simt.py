@@ -319,8 +319,13 @@ def _metal_wrapped(k, n: int) -> str:
     return wrap_like_mlx(s, r.render(s), r.header(), default_outputs(s), *args)
 
 
+# GEMV formats added after the first five share the kernel body and emitters with them; of those, only Q5_K's source
+# (~10 s of libclang each) is parse-checked here (the GPU tests compile them all with CuPy).
+PARSE_SKIP = {f"dequant_gemv_{q.lower()}" for q in ("Q5_0", "Q5_1", "Q2_K", "Q3_K")}
+
+
 @needs_clang
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name", [n for n in REGISTRY if n not in PARSE_SKIP])
 def test_parse_metal_and_cuda(name):
     from kernels_src.dsl.cuda_target import CudaRenderer
     from kernels_src.dsl.parse_check import check_cuda, check_metal
