@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command to run on a GPU machine: carried wheels, versions, the kernel tests (CPU-side ones too: they
-# exercise the machine's Triton) and GPU ones, then the kernel benchmark; a summary table (step, status, seconds)
-# last. A failing step does not stop the next. Logs go to $OUT (else /tmp/gpu_check): gpu_check.log, summary.txt,
+# exercise the machine's Triton) and GPU ones, then the kernel benchmarks and a small llama.cpp comparison; a summary
+# table (step, status, seconds) last. A failing step does not stop the next. Logs go to $OUT (else /tmp/gpu_check): gpu_check.log, summary.txt,
 # and the benchmark's kernels_bench.md / .json. Only 8 files come back from $OUT: keep to one log.
 #
 #   bash tools/gpu_check.sh            (PYTHON=... to pick the interpreter; GPU_CHECK_BUDGET=seconds, default 570;
@@ -111,7 +111,8 @@ step() {  # step NAME any|gpu TIMEOUT_S COMMAND...
 KERNEL_TESTS_CPU=(tests/test_kernels_dsl.py tests/test_kernels_basic.py tests/test_kernels_attention.py
     tests/test_kernels_gemv.py)
 
-CUDA_TESTS=(tests/test_cuda_backend.py tests/test_cuda_sampling.py tests/test_engine_overlap.py)
+CUDA_TESTS=(tests/test_cuda_backend.py tests/test_cuda_long_context.py tests/test_cuda_sampling.py
+    tests/test_engine_overlap.py)
 SERVER_TESTS=(tests/test_server.py tests/test_chat_client.py)
 
 # In order of what a change to the backend needs first; the kernel suite (~4 min) and its benchmark come last.
@@ -124,6 +125,11 @@ step tests_gpu gpu 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "${G
     tests/test_kernels_gpu.py tests/test_kernels_dequantize.py
 step tests_cpu any 120 "$PY" -m pytest -q -p no:cacheprovider --tb=line "${KERNEL_TESTS_CPU[@]}"
 step bench gpu 300 "$PY" -m tools.bench_kernels
+step bench_attn gpu 200 "$PY" -m tools.bench_decode_attention
+# A small model through every stage of the llama.cpp comparison (needs .peers/: the llama.cpp tarball and the vocab
+# file, see ../shared/peers/README.md); the full 8B run is staged over several calls (docs/BENCHMARKS.md).
+step bench_gguf gpu 300 "$PY" -m tools.bench_gguf --stage all --dir /tmp/bench_gguf_smoke --layers 2 --hidden 1024 \
+    --intermediate 2816 --heads 8 --kv-heads 2 --contexts 1k --budget 250
 
 rm -f "$STEPLOG"
 {
