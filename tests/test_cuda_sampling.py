@@ -216,3 +216,16 @@ def test_never_writes_to_the_logits():
 def test_rejects_mismatched_batch():
     with pytest.raises(ValueError):
         TorchSampler()(torch.zeros(2, 8, device=DEVICE), [Seq(SamplingParams())])
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-6])
+def test_tiny_temperature_is_greedy_as_on_the_cpu(temperature):
+    rng = np.random.default_rng(12)
+    x = random_logits(rng, 4, 500)
+    specs = [(SamplingParams(temperature=temperature, top_k=k, logprobs=2), s, [], []) for s, k in enumerate((0, 5))]
+    specs += [(SamplingParams(temperature=0.7), 9, [], []), (SamplingParams(temperature=temperature), 3, [], [])]
+    cpu, dev = twin_batches(specs)
+    tokens = run_both(x, cpu, dev)
+    assert [tokens[0], tokens[1], tokens[3]] == x[[0, 1, 3]].argmax(axis=1).tolist()
+    for a, b in zip(cpu, dev, strict=True):  # greedy rows draw nothing from their streams, on either sampler
+        assert a.generator.random() == b.generator.random()

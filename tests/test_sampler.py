@@ -261,3 +261,16 @@ def test_masked_tokens_never_drawn_and_logits_untouched():
 def test_rejects_mismatched_batch():
     with pytest.raises(ValueError):
         Sampler()(np.zeros((2, 8), dtype=np.float32), [Seq(SamplingParams())])
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-6, 5e-324])
+def test_tiny_temperature_is_greedy(temperature):
+    # 1e-300 is 0 in float32: dividing by it gave 0/0 and the sampler raised for the whole batch.
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal((3, 300)).astype(np.float32)
+    rows = [Seq(SamplingParams(temperature=temperature, seed=1)),
+            Seq(SamplingParams(temperature=temperature, top_p=0.5, top_k=7, logprobs=1)), Seq(SamplingParams())]
+    out = Sampler()(logits, rows)
+    assert [r.token for r in out[:2]] == logits[:2].argmax(axis=1).tolist()
+    assert out[1].logprob == pytest.approx(out[1].top_logprobs[0][1])
+    assert not SamplingParams(temperature=1e-5).greedy  # vLLM's rule: below 1e-5 only

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this are served as greedy (vLLM's _SAMPLING_EPS): in float32 a temperature of 1e-300 is 0,
+# and dividing the logits by it gives 0/0.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -53,7 +57,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 class SamplingParamsError(ValueError):
