@@ -79,7 +79,7 @@ def _q5k_x(xm, sb, dec, PARTS: int):
 
 def _q5k_load(blk, mask, PARTS: int):
     w32 = blk.to(tl.pointer_type(tl.uint32))
-    qs, qh, head = w32 + 12 + 8 * _chunks(), w32 + 4, blk.to(tl.pointer_type(tl.uint64))
+    qs, qh, head = w32 + 12 + 8 * _chunks(), w32 + 4 + 0 * _chunks(), blk.to(tl.pointer_type(tl.uint64))
     words = _words(8, PARTS, 4)
     return ([tl.load(qs + j) for j in words] + [tl.load(qh + j) for j in words]
             + [tl.load(head + k, mask=mask, other=0) for k in range(2)])
@@ -190,8 +190,8 @@ def _q3k_load(blk, mask, PARTS: int):
     h, w16 = _halves(), blk.to(tl.pointer_type(tl.uint16))
     raw = []
     for i in _words(16, PARTS, 4):
-        raw += [_u16(w16 + 16 + 16 * h + i), _u16(w16 + i)]  # qs, hmask
-    return raw + [_u16(w16 + 48 + k) for k in range(6)] + [_u16(w16 + 54, mask)]
+        raw += [_u16(w16 + 16 + 16 * h + i), _u16(w16 + 0 * h + i)]  # qs, hmask
+    return raw + [_u16(w16 + 48 + 0 * h + k) for k in range(6)] + [_u16(w16 + 54, mask)]
 
 
 def _q3k_dot(raw, xp, dec, PARTS: int):
