@@ -21,6 +21,10 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; the request cannot complete."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request alone failed (its sampling raised); the engine and the other requests go on."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -126,7 +130,7 @@ class AsyncEngine:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    stream.put(out)
+                    stream.put(out if out.error is None else RequestFailedError(out.error))
                     if out.finished:
                         del self._streams[out.request_id]
             if self.on_step is not None:

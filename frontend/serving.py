@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.async_engine import AsyncEngine
+from frontend.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from frontend.engine.engine import CompletionOutput, RequestOutput
 from frontend.engine.sampling_params import SamplingParams, SamplingParamsError
 from frontend.errors import APIError, bad_request
@@ -245,7 +245,7 @@ class OpenAIServing:
             while remaining:
                 i, item = await queue.get()
                 if isinstance(item, Exception):
-                    raise bad_request(str(item)) if isinstance(item, ValueError) else item
+                    raise _api_error(item)
                 if first_token is None and any(c.delta_token_ids for c in item.outputs):
                     first_token = time.monotonic()
                     self.metrics.ttft.observe(first_token - arrival)
@@ -269,6 +269,17 @@ class OpenAIServing:
             self.metrics.tpot.observe((now - first_token) / (n - 1))
         for c in out.outputs:
             self.metrics.finished(c.finish_reason)
+
+
+def _api_error(e: Exception) -> Exception:
+    """An engine-side failure as the OpenAI error the client gets."""
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), None, "engine_unavailable")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), None, "request_failed")
+    return e
 
 
 def _new_logprobs(c: CompletionOutput, params: SamplingParams) -> list:

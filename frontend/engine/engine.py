@@ -52,6 +52,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    error: str | None = None  # the request failed (its sampling raised): finished, with this message
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ class Request:
         self.prompt_token_ids = prompt
         self.seqs = seqs
         self.reported_tokens = [0] * len(seqs)
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -247,6 +249,9 @@ class LLMEngine:
             if seq.finished:  # aborted, or stopped by the step before: this token was never wanted
                 continue
             touched.add(seq.request_id)
+            if res.error is not None:
+                self._fail_request(seq.request_id, res.error)
+                continue
             seq.output_token_ids[slot] = res.token
             seq.pending -= 1
             if seq.first_token_time is None:
@@ -265,6 +270,17 @@ class LLMEngine:
                 if not seq.detokenizer.stopped:
                     seq.detokenizer.flush()  # text held back for a stop string that never came
                 self.scheduler.finish(seq, reason)
+
+    def _fail_request(self, request_id: str, error: str) -> None:
+        """End every sequence of one request (a row its sampler could not serve); the others run on."""
+        req = self.requests[request_id]
+        req.error = error
+        log.warning("request %s failed: %s", request_id, error)
+        for seq in req.seqs:
+            if not seq.finished:
+                del seq.output_token_ids[len(seq.output_token_ids) - seq.pending:]  # placeholders
+                seq.pending = 0
+                self.scheduler.finish(seq, "abort")
 
     def _is_stop_token(self, seq: Sequence, token: int, n_out: int) -> bool:
         p = seq.params
@@ -307,7 +323,7 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
         cached = req.seqs[0].num_cached_tokens if len(req.seqs) == 1 else max(s.num_cached_tokens for s in req.seqs)
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished, cached)
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished, cached, req.error)
 
     # -- introspection ------------------------------------------------------------------------------
     def num_running(self) -> int:

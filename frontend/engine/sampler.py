@@ -27,6 +27,7 @@ class SampleResult:
     token: int
     logprob: float | None = None  # of the sampled token, under the raw logits
     top_logprobs: list[tuple[int, float]] | None = None  # (id, logprob), best first
+    error: str | None = None  # this row could not be sampled: its request fails, the batch goes on
 
 
 class SamplerInput(Protocol):
@@ -217,12 +218,19 @@ class Sampler:
         results = []
         for i, (inp, p) in enumerate(zip(inputs, params, strict=True)):
             if plain[i]:
-                token = greedy[i]
-            else:
-                x = adjusted_logits(logits[i], inp) if _adjusts(p) else np.asarray(logits[i], dtype=np.float32)
-                token = int(x.argmax()) if p.greedy else _sample_row(x, p, inp.generator.random())
-            if p.logprobs is None:
-                results.append(SampleResult(token))
-            else:
-                results.append(SampleResult(token, *_logprobs(logits[i], token, p.logprobs)))
+                results.append(SampleResult(greedy[i]))
+                continue
+            try:
+                results.append(_sample_one(logits[i], inp, p))
+            except Exception as e:  # noqa: BLE001 - one request's parameters must not fail every other row
+                results.append(SampleResult(int(np.asarray(logits[i]).argmax()),
+                                            error=f"sampling failed: {e.__class__.__name__}: {e}"))
         return results
+
+
+def _sample_one(row: np.ndarray, inp: SamplerInput, p: SamplingParams) -> SampleResult:
+    x = adjusted_logits(row, inp) if _adjusts(p) else np.asarray(row, dtype=np.float32)
+    token = int(x.argmax()) if p.greedy else _sample_row(x, p, inp.generator.random())
+    if p.logprobs is None:
+        return SampleResult(token)
+    return SampleResult(token, *_logprobs(row, token, p.logprobs))
