@@ -60,8 +60,15 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameter sets")
-        ids = [self.engine.add_request(self._encode(p), sp) for p, sp in zip(prompts, plist, strict=True)]
-        return self._run(ids, use_tqdm)
+        ids: list[str] = []
+        try:  # a refused prompt, an interrupt or a failing step must not leave the earlier requests running
+            for p, sp in zip(prompts, plist, strict=True):
+                ids.append(self.engine.add_request(self._encode(p), sp))
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
 
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool | None = None) -> list[RequestOutput]:
