@@ -60,11 +60,15 @@ class BlockManager:
         return self.blocks[bid]
 
     def cached_prefix(self, seq: Sequence) -> list[Block]:
-        """Blocks of the cache that already hold a prefix of `seq` (full blocks only)."""
+        """Blocks of the cache that already hold a prefix of `seq` (full blocks only).
+
+        Capped below the last token (vLLM does the same): its logits are needed, so it is computed again, and its
+        K/V must go to a block of this sequence's own, never into a block that running sequences share (in
+        bf16/f16 the recomputed values differ with the batch and would change a neighbour's cache)."""
         if not self.prefix_caching:
             return []
         hits = []
-        for h, toks in self._full_block_hashes(seq, seq.num_tokens):
+        for h, toks in self._full_block_hashes(seq, seq.num_tokens - 1):
             blk = self._lookup(h, toks)
             if blk is None:
                 break
@@ -87,9 +91,9 @@ class BlockManager:
             seq.block_table.append(blk.block_id)
         for _ in range(self.blocks_for(seq.num_tokens) - len(hits)):
             seq.block_table.append(self._take().block_id)
-        # The last token is always recomputed: its logits are needed.
-        cached = min(len(hits) * self.block_size, seq.num_tokens - 1)
-        seq.num_computed_tokens = seq.num_cached_tokens = cached
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_preemptions == 0:  # usage reports prompt tokens found cached, not a preempted sequence's own
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
     def _take(self) -> Block:
         bid, _ = self.free.popitem(last=False)
@@ -136,4 +140,4 @@ class BlockManager:
             child.block_table.append(bid)
         for _ in range(self.blocks_for(child.num_tokens) - full):
             child.block_table.append(self._take().block_id)
-        child.num_computed_tokens = child.num_cached_tokens = full * self.block_size
+        child.num_computed_tokens = full * self.block_size  # shared with a sibling: not "cached" in usage
