@@ -16,6 +16,10 @@ streams W once and is bound by memory, so the kernel spends few instructions per
 - Offsets and minimums (Q4_0's -8, Q4_1's m, Q5_0's -16, Q8_0's sign, the k-quants' mins, Q3_K's -4, Q6_K's
   -32) are applied once per block through sums of x; scales multiply once per lane and block, after the lane's
   quants are summed.
+- A loaded tile that the arithmetic broadcasts against a larger one (Q5_K's qh, shared by a block's 4 chunks; Q3_K's
+  hmask and scales) is loaded at the full shape from broadcast addresses (`+ 0 * chunks`): broadcasting the loaded
+  values made Triton convert layouts through shared memory, with barriers, in every step (Q5_K: 915 SASS a step
+  and 120 registers against 722 and 95; Q3_K 1126 and 186 against 909 and 108; the repeated addresses hit L1).
 - Only scale fields are masked to 0 (only d where the other scales are integers); quant words and x are read
   through clamped addresses (past the end: the last block again), since a block whose scales read as 0 adds
   nothing. That saves zeroing registers before each load.

@@ -49,6 +49,13 @@ def _kw(s: dict) -> dict:
 
 def _check(job) -> str | None:
     """Compile (into Triton's cache) and check one setting on a small case: None, or what was wrong."""
+    try:
+        return _check_one(*job)
+    except Exception as e:  # noqa: BLE001 - a setting that fails to build or run is reported, the rest go on
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _check_one(qtype: str, m: int, s: dict) -> str | None:
     import numpy as np
     import torch
 
@@ -57,7 +64,6 @@ def _check(job) -> str | None:
     from tools.kernel_case_base import Dev
     from tools.kernel_cases import gguf_weights
 
-    qtype, m, s = job
     d = Dev(1, "cuda")
     n, k = 48, 4096  # sizes and strides divisible by 16, as in the timed shapes: Triton specializes on that
     w, x = gguf_weights(d, qtype, n, k), torch.randn((m, k), device="cuda").bfloat16()
