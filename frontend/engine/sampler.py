@@ -217,20 +217,19 @@ class Sampler:
         greedy = dict(zip(rows, logits[rows].argmax(axis=1).tolist(), strict=True)) if rows else {}
         results = []
         for i, (inp, p) in enumerate(zip(inputs, params, strict=True)):
-            if plain[i]:
-                results.append(SampleResult(greedy[i]))
-                continue
             try:
-                results.append(_sample_one(logits[i], inp, p))
+                results.append(_sample_one(logits[i], inp, p, greedy.get(i)))
             except Exception as e:  # noqa: BLE001 - one request's parameters must not fail every other row
                 results.append(SampleResult(int(np.asarray(logits[i]).argmax()),
                                             error=f"sampling failed: {e.__class__.__name__}: {e}"))
         return results
 
 
-def _sample_one(row: np.ndarray, inp: SamplerInput, p: SamplingParams) -> SampleResult:
-    x = adjusted_logits(row, inp) if _adjusts(p) else np.asarray(row, dtype=np.float32)
-    token = int(x.argmax()) if p.greedy else _sample_row(x, p, inp.generator.random())
+def _sample_one(row: np.ndarray, inp: SamplerInput, p: SamplingParams, token: int | None) -> SampleResult:
+    """One row; `token` is its argmax when the batch already took it (a plain greedy row)."""
+    if token is None:
+        x = adjusted_logits(row, inp) if _adjusts(p) else np.asarray(row, dtype=np.float32)
+        token = int(x.argmax()) if p.greedy else _sample_row(x, p, inp.generator.random())
     if p.logprobs is None:
         return SampleResult(token)
     return SampleResult(token, *_logprobs(row, token, p.logprobs))
