@@ -3,6 +3,7 @@ LLM.generate. SmolLM2 on the MLX backend, as in test_engine."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from frontend.engine.sampling_params import SamplingParams
@@ -66,3 +67,20 @@ def test_generate_aborts_what_it_added_when_a_later_prompt_is_refused(mlx_smollm
     llm.engine.step = step
     assert not llm.engine.has_unfinished() and llm.engine.all_blocks_free()
     assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+
+
+def test_min_tokens_mask_leaves_logprobs_to_the_model(smollm, make_engine):
+    engine = make_engine()
+    ids = chat(smollm.tokenizer, "What is the capital of France?")
+    plain = run(engine, [ids], [SamplingParams(temperature=0, max_tokens=2, logprobs=3)])[0].outputs[0]
+    first = plain.token_ids[0]
+    banned = run(engine, [ids], [SamplingParams(temperature=0, max_tokens=2, logprobs=3, min_tokens=2,
+                                                stop_token_ids=[first])])[0].outputs[0]
+    assert banned.token_ids[0] != first  # the mask did apply to the draw: the runner-up was taken
+    assert banned.token_ids[0] == plain.logprobs[0].top[1][0]
+    # ...but the logprobs are the model's: the banned token still tops the list, with its own logprob
+    # (to fp32 rounding: the second prompt hits the prefix cache, so its last token runs in another shape)
+    got, want = banned.logprobs[0].top, plain.logprobs[0].top
+    assert [t for t, _ in got] == [t for t, _ in want] and got[0][0] == first
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], atol=1e-4)
+    assert banned.logprobs[0].logprob == pytest.approx(want[1][1], abs=1e-4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -62,6 +62,26 @@ class _Launched:
     seqs: list[Sequence]  # the sampling sequences, in row order
     slots: list[int]  # where each one's token goes in its output_token_ids
     pending: object  # .result() -> list[SampleResult]
+
+
+@dataclass(slots=True)
+class _MinTokensView:
+    """What the sampler reads of a sequence under min_tokens: its stop tokens banned through logit_bias."""
+
+    seq: Sequence
+    params: SamplingParams
+
+    @property
+    def generator(self):
+        return self.seq.generator
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids
 
 
 class NoText:
@@ -228,11 +248,12 @@ class LLMEngine:
             touched.update(s.seq.request_id for i, s in enumerate(scheduled) if i not in sampling)
         if not seqs:
             return None
+        inputs: list = seqs
         for row, seq in enumerate(seqs):
             if len(seq.output_token_ids) < seq.params.min_tokens:
-                stops = (set() if seq.params.ignore_eos else self.eos_ids) | set(seq.params.stop_token_ids)
-                logits[row, list(stops)] = -np.inf
-        pending = self.backend.sample_async(logits, seqs)
+                inputs = inputs if inputs is not seqs else list(seqs)
+                inputs[row] = _MinTokensView(seq, self._min_tokens_params(seq))
+        pending = self.backend.sample_async(logits, inputs)
         slots = []
         for row, seq in enumerate(seqs):
             slots.append(len(seq.output_token_ids))
@@ -240,6 +261,15 @@ class LLMEngine:
             seq.pending += 1
             seq.chain_row = row
         return _Launched(seqs, slots, pending)
+
+    def _min_tokens_params(self, seq: Sequence) -> SamplingParams:
+        """The sequence's parameters with its stop tokens banned: a bias of -inf, applied by either sampler after
+        the logprobs are taken from the raw logits (which stay untouched: logprobs report the model's own)."""
+        if seq.min_tokens_params is None:
+            p = seq.params
+            stops = (set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)
+            seq.min_tokens_params = replace(p, logit_bias={**(p.logit_bias or {}), **dict.fromkeys(stops, -np.inf)})
+        return seq.min_tokens_params
 
     def _resolve(self, launched: _Launched, touched: set[str]) -> None:
         """Read a launched step's tokens back: fill the placeholders, detokenize, stop."""

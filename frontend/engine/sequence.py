@@ -56,6 +56,7 @@ class Sequence:
     pending: int = 0
     chain_row: int = -1
     needs_history: bool = False  # its sampling reads its tokens (penalties): never sampled blind
+    min_tokens_params: SamplingParams | None = None  # params with the stop tokens banned, while under min_tokens
 
     @property
     def num_tokens(self) -> int:
