@@ -72,9 +72,14 @@ class CompiledDecode:
             rope += [mx.array(cos[:, None, :]).astype(self.dtype), mx.array(sin[:, None, :]).astype(self.dtype)]
         flat = [a for layer in kv for a in layer]
         kv.clear()  # our references must go, or MLX copies each cache instead of updating it in place
-        outs = self._fn(mx.array(pad(batch.token_ids, 0)), mx.array(pad(slots, scratch).astype(np.int32)),
-                        mx.array(read), mx.arange(bp, dtype=mx.int32), mx.array(btables), mx.array(lens),
-                        *rope, *masks, *flat)
+        try:
+            outs = self._fn(mx.array(pad(batch.token_ids, 0)), mx.array(pad(slots, scratch).astype(np.int32)),
+                            mx.array(read), mx.arange(bp, dtype=mx.int32), mx.array(btables), mx.array(lens),
+                            *rope, *masks, *flat)
+        except BaseException:
+            # The caches are untouched (MLX is lazy, nothing ran): hand them back, or every later step fails too.
+            kv.extend([flat[i], flat[i + 1]] for i in range(0, len(flat), 2))
+            raise
         del flat
         kv.extend([outs[i], outs[i + 1]] for i in range(1, len(outs), 2))
         return outs[0][mx.array(batch.logits_indices)]
