@@ -21,6 +21,10 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; the request cannot complete."""
 
 
+class StepFailedError(RuntimeError):
+    """A step failed in the backend: the requests in it fail, the engine goes on."""
+
+
 class RequestFailedError(RuntimeError):
     """This request alone failed (its sampling raised); the engine and the other requests go on."""
 
@@ -63,11 +67,17 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._pending = 0  # requests handed over but not yet in the engine: they wait too
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.dead: EngineDeadError | None = None  # set (under the lock) once the engine thread has ended
+        self._taken: list = []  # the messages the engine thread took from the inbox last
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.on_step = None  # called in the engine thread after each step (metrics)
         self._thread.start()
 
     # -- called from handlers -----------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
     def num_waiting(self) -> int:
         return self.engine.num_waiting() + self._pending
 
@@ -80,9 +90,11 @@ class AsyncEngine:
         """Yields the request's outputs as they come; leaving early (or being cancelled) aborts it."""
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
-        with self._lock:
+        with self._lock:  # against _die: either it sees this add in the inbox, or this sees it dead
+            if self.dead is not None:
+                raise self.dead
             self._pending += 1
-        self._inbox.put(_Add(request_id, prompt, params, stream))
+            self._inbox.put(_Add(request_id, prompt, params, stream))
         finished = False
         try:
             while True:
@@ -102,6 +114,29 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # -- the engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - whatever ends the thread, no handler may wait forever
+            log.critical("the engine thread died", exc_info=True)
+            self._die(EngineDeadError(f"the engine thread died: {e.__class__.__name__}: {e}"))
+        else:
+            self._die(EngineDeadError("the server is shutting down"))
+
+    def _die(self, err: EngineDeadError) -> None:
+        with self._lock:
+            self.dead = err
+            left = list(self._taken)  # taken from the inbox, maybe not handled: a second error is harmless
+            while True:
+                try:
+                    left.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for msg in left:
+                if isinstance(msg, _Add):
+                    msg.stream.put(err)
+        self._fail_all(err)
+
     def _loop(self) -> None:
         while True:
             busy = self.engine.has_unfinished()
@@ -114,18 +149,24 @@ class AsyncEngine:
                     msgs.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            self._taken = msgs
             for msg in msgs:
                 if isinstance(msg, _Stop):
-                    self._fail_all(EngineDeadError("the server is shutting down"))
                     return
-                self._handle(msg)
+                try:
+                    self._handle(msg)
+                except Exception as e:  # one malformed message fails its own request, not the thread
+                    log.exception("engine: handling %s failed", type(msg).__name__)
+                    if isinstance(msg, _Add):
+                        self._streams.pop(msg.request_id, None)
+                        msg.stream.put(RequestFailedError(f"the engine could not add the request: {e}"))
             if not self.engine.has_unfinished():
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a backend failure must not leave handlers waiting forever
                 log.exception("engine step failed; aborting the %d running request(s)", len(self._streams))
-                self._fail_all(EngineDeadError(f"the engine step failed: {e}"))
+                self._fail_all(StepFailedError(f"the engine step failed: {e.__class__.__name__}: {e}"))
                 continue
             for out in outputs:
                 stream = self._streams.get(out.request_id)
@@ -134,7 +175,10 @@ class AsyncEngine:
                     if out.finished:
                         del self._streams[out.request_id]
             if self.on_step is not None:
-                self.on_step()
+                try:
+                    self.on_step()
+                except Exception:  # metrics must never stop the engine
+                    log.exception("engine: on_step failed")
 
     def _handle(self, msg: _Add | _Abort) -> None:
         if isinstance(msg, _Abort):
@@ -146,13 +190,16 @@ class AsyncEngine:
             self._pending -= 1
         try:
             self.engine.add_request(msg.prompt, msg.params, msg.request_id)
-        except ValueError as e:
+        except ValueError as e:  # refused (the handler's checks ran against an older state)
             msg.stream.put(e)
             return
         self._streams[msg.request_id] = msg.stream
 
     def _fail_all(self, err: BaseException) -> None:
         for rid, stream in list(self._streams.items()):
-            self.engine.abort_request(rid)
             stream.put(err)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.exception("engine: aborting %s failed", rid)
         self._streams.clear()

@@ -65,6 +65,10 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, name: str = "l
 
     @app.get("/health")
     async def health(request: Request) -> HTTPResponse:
+        engine = serving.engine
+        if not engine.alive:
+            return error_response(APIError(503, f"the engine is not running: {engine.dead or 'its thread ended'}",
+                                           None, "engine_dead"))
         return json({"status": "ok"})
 
     @app.get("/metrics")

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from frontend.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, StepFailedError
 from frontend.engine.engine import CompletionOutput, RequestOutput
 from frontend.engine.sampling_params import SamplingParams, SamplingParamsError
 from frontend.errors import APIError, bad_request
@@ -277,7 +277,7 @@ def _api_error(e: Exception) -> Exception:
         return bad_request(str(e))
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), None, "engine_unavailable")
-    if isinstance(e, RequestFailedError):
+    if isinstance(e, RequestFailedError | StepFailedError):
         return APIError(500, str(e), None, "request_failed")
     return e
 
