@@ -104,6 +104,11 @@ MIN_SPLIT_STEPS = 4  # steps a split keeps at least (each ends in a partial's st
 PART_BYTES = 16 * 2**20  # fp32 partials at most: they stay in L2 between the GEMM and the reduce
 STEP_ELEMS = 128  # elements of a row a step covers (KB blocks of 32-element formats; 256 takes 235+ registers)
 REDUCE_BLOCK = 1024
+# (qtype, row bucket 16 / 32 / 64, n, k) -> launcher keywords measured best on an H200 (tools/sweep_gemm.py prints
+# this literal); a problem not listed takes default_tiles' rule.
+TUNED: dict[tuple[str, int, int, int], dict] = {}
+_KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", blocks="KB", split_k="SPLIT", swap="SWAP", num_warps="num_warps",
+             num_stages="num_stages")
 _sms: dict = {}
 
 
@@ -139,7 +144,9 @@ def default_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
     while (programs * split < WAVE_PROGRAMS * sms and steps // (2 * split) >= MIN_SPLIT_STEPS
            and 8 * split * m * n <= PART_BYTES):
         split *= 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, KB=kb, SPLIT=split, SWAP=True, num_warps=4, num_stages=None)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, KB=kb, SPLIT=split, SWAP=True, num_warps=4, num_stages=None)
+    cfg.update({_KEYS[key]: v for key, v in TUNED.get((qtype.upper(), block_m, n, k), {}).items()})
+    return cfg
 
 
 def _addr(a) -> int:
@@ -171,9 +178,9 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
     if m == 0 or n == 0:
         return out
     cfg = default_tiles(qtype, m, n, k, _sm_count(x2))
-    cfg.update({key: v for key, v in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("KB", blocks),
-                                      ("SPLIT", split_k), ("SWAP", swap), ("num_warps", num_warps),
-                                      ("num_stages", num_stages)) if v is not None})
+    over = dict(block_m=block_m, block_n=block_n, blocks=blocks, split_k=split_k, swap=swap, num_warps=num_warps,
+                num_stages=num_stages)
+    cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
     n_steps = k // elems // cfg["KB"]
     if n_steps * cfg["KB"] * elems != k:

@@ -189,3 +189,16 @@ def test_aot_sm90_reduce(tmp_path, monkeypatch):
     kir = kern.trace(signature=dict(part="*fp32", y="*bf16", n_rows="i32", y_stride="i32", split_stride="i32"))
     c = aot_compile(kir, arch=90, num_warps=4)
     assert "griddepcontrol.wait" in c.asm["ptx"] and _stack_bytes(c.asm["cubin"], tmp_path) == 0
+
+
+def test_tuned_overrides_default_tiles(monkeypatch, rng):
+    """A TUNED entry (tools/sweep_gemm.py's output) replaces the rule for its (qtype, row bucket, n, k) only, and the
+    launch at the tuned tiles still matches the reference."""
+    k = _k("Q4_K", 4)
+    monkeypatch.setitem(dgm.TUNED, ("Q4_K", 32, 45, k), dict(block_n=16, split_k=2, swap=False, num_stages=2))
+    t = dgm.default_tiles("Q4_K", 20, 45, k)
+    assert (t["BLOCK_N"], t["SPLIT"], t["SWAP"], t["num_stages"], t["BLOCK_M"]) == (16, 2, False, 2, 32)
+    assert dgm.default_tiles("Q4_K", 16, 45, k)["BLOCK_N"] == 64  # another bucket: the rule
+    w = padded_weights(rng, "Q4_K", 45, k)
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    close(_run("numpy", x, w, "Q4_K", np.float32), dgm.dequant_matmul_ref(x, w, "Q4_K"), TOL[np.float32])
