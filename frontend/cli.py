@@ -78,9 +78,14 @@ def parser() -> argparse.ArgumentParser:
     smp.add_argument("--presence-penalty", type=float, default=0.0)
     one = ap.add_argument_group("one-shot")
     one.add_argument("--prompt", help="answer this chat message, print it and exit instead of serving")
-    one.add_argument("--system", help="a system prompt for --prompt")
-    one.add_argument("--max-tokens", type=_positive(), default=256, help="tokens to generate for --prompt")
-    one.add_argument("--seed", type=int)
+    one.add_argument("--system", help="a system prompt for --prompt (refused when serving: a request brings its "
+                     "own system message)")
+    one.add_argument("--max-tokens", type=_positive(), help="tokens to generate for --prompt (default 256; refused "
+                     "when serving: --max-gen-tokens is the default there)")
+    one.add_argument("--seed", type=int, help="with --prompt, its seed; when serving, the engine's seed (as "
+                     "vLLM's): requests without a seed of their own draw from streams derived from it")
+    from frontend.limits import ServingLimits
+    ServingLimits.add_flags(ap, _positive())
     return ap
 
 
@@ -113,6 +118,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--seed must be in [0, 2**63)")
     if args.max_waiting < 0:
         ap.error("--max-waiting must be >= 0")
+    if args.prompt is None:  # serving: one-shot flags that would be silently ignored are refused
+        if args.system is not None:
+            ap.error("--system applies to --prompt only; when serving, each request gives its own system message")
+        if args.max_tokens is not None:
+            ap.error("--max-tokens applies to --prompt only; when serving, --max-gen-tokens sets the default "
+                     "for requests without max_tokens")
     return args
 
 
@@ -163,7 +174,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.mem * 2**20 if args.mem else None,
                         kv_fraction=args.kv_fraction, max_model_len=args.max_model_len,
                         prefix_caching=not args.disable_prefix_cache,
-                        async_scheduling=not args.disable_async_scheduling,
+                        async_scheduling=not args.disable_async_scheduling, seed=args.seed,
                         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                   args.prefill_chunk_size))
 
@@ -188,7 +199,7 @@ def answer_once(engine, args: argparse.Namespace) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(messages) if tok.chat_template else tok.encode(args.prompt)
-    params = sampling_params(SamplingFields(seed=args.seed), args.defaults, args.max_tokens, None)
+    params = sampling_params(SamplingFields(seed=args.seed), args.defaults, args.max_tokens or 256, None)
     start = time.perf_counter()
     engine.add_request(ids, params)
     final = None

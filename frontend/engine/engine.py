@@ -30,6 +30,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     prefix_caching: bool = True
     async_scheduling: bool = True  # overlap steps where the backend can (see LLMEngine.step)
+    seed: int | None = None  # requests without a seed draw from streams derived from this one (None: OS entropy)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
@@ -138,6 +139,7 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
         self.overlap = config.async_scheduling and backend.chains_steps
         self._inflight: _Launched | None = None
+        self._seeds = np.random.SeedSequence(config.seed) if config.seed is not None else None
         log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size,
                  num_blocks * config.block_size)
 
@@ -151,8 +153,13 @@ class LLMEngine:
         self.check_request(prompt, params)
         seqs: list[Sequence] = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            seq = Sequence(request_id, i, prompt, params, make_generator(seed), parent=seqs[0] if seqs else None,
+            if params.seed is not None:
+                generator = make_generator(params.seed + i)
+            elif self._seeds is not None:  # the engine's seed: one child stream per sequence, in arrival order
+                generator = np.random.Generator(np.random.PCG64(self._seeds.spawn(1)[0]))
+            else:
+                generator = make_generator(None)
+            seq = Sequence(request_id, i, prompt, params, generator, parent=seqs[0] if seqs else None,
                            needs_history=needs_history(params))
             seq.detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt, params) if self.tokenizer
                                else NoText())
