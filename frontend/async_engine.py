@@ -66,6 +66,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._pending = 0  # requests handed over but not yet in the engine: they wait too
+        self._pending_seqs = 0
         self._lock = threading.Lock()
         self.dead: EngineDeadError | None = None  # set (under the lock) once the engine thread has ended
         self._taken: list = []  # the messages the engine thread took from the inbox last
@@ -79,7 +80,13 @@ class AsyncEngine:
         return self.dead is None and self._thread.is_alive()
 
     def num_waiting(self) -> int:
-        return self.engine.num_waiting() + self._pending
+        """Requests waiting (an n > 1 request counts once)."""
+        # tuple() copies the deque in one C call, which the engine thread cannot interleave with (the GIL)
+        waiting = tuple(self.engine.scheduler.waiting)
+        return len({s.request_id for s in waiting}) + self._pending
+
+    def num_waiting_seqs(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending_seqs
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raises ValueError for a request the engine would refuse (context, KV capacity, token ids)."""
@@ -94,6 +101,7 @@ class AsyncEngine:
             if self.dead is not None:
                 raise self.dead
             self._pending += 1
+            self._pending_seqs += params.n
             self._inbox.put(_Add(request_id, prompt, params, stream))
         finished = False
         try:
@@ -160,6 +168,11 @@ class AsyncEngine:
                     if isinstance(msg, _Add):
                         self._streams.pop(msg.request_id, None)
                         msg.stream.put(RequestFailedError(f"the engine could not add the request: {e}"))
+            adds = [m for m in msgs if isinstance(m, _Add)]
+            if adds:
+                with self._lock:  # now counted in the engine's own queue (or refused)
+                    self._pending -= len(adds)
+                    self._pending_seqs -= sum(m.params.n for m in adds)
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -186,8 +199,6 @@ class AsyncEngine:
                 log.info("request %s aborted: its client went away", msg.request_id)
             self.engine.abort_request(msg.request_id)
             return
-        with self._lock:
-            self._pending -= 1
         try:
             self.engine.add_request(msg.prompt, msg.params, msg.request_id)
         except ValueError as e:  # refused (the handler's checks ran against an older state)

@@ -9,6 +9,7 @@ import time
 
 from frontend.async_engine import AsyncEngine
 from frontend.engine.engine import LLMEngine
+from frontend.limits import ServingLimits
 from frontend.metrics import Metrics
 from frontend.serving import OpenAIServing, ServedModel
 
@@ -25,7 +26,8 @@ def serve(engine: LLMEngine, model_id: str, args: argparse.Namespace) -> int:
     async_engine.on_step = metrics.after_step
     model = ServedModel(model_id, engine.max_model_len, engine.backend.model.config.vocab_size, int(time.time()),
                         engine.blocks.num_blocks * engine.blocks.block_size)
-    serving = OpenAIServing(async_engine, metrics, engine.tokenizer, model, args.defaults, args.max_waiting)
+    serving = OpenAIServing(async_engine, metrics, engine.tokenizer, model, args.defaults, args.max_waiting,
+                            ServingLimits.from_args(args))
     app = build_app(serving, args.api_key)
     url = f"http://{args.h}:{args.p}/v1"
 

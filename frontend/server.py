@@ -15,7 +15,7 @@ from frontend.errors import APIError, from_validation
 from frontend.metrics import CONTENT_TYPE
 from frontend.openapi import openapi_document
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from frontend.serving import OpenAIServing
+from frontend.serving import OpenAIServing, encode_texts, off_loop
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -40,6 +40,8 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, name: str = "l
     app.config.REQUEST_TIMEOUT = 600
     app.config.KEEP_ALIVE_TIMEOUT = 30
     app.config.FALLBACK_ERROR_FORMAT = "json"
+    # Sanic answers 413 (through on_error) from the Content-Length or while reading, before any handler runs.
+    app.config.REQUEST_MAX_SIZE = serving.limits.max_request_bytes
     app.ctx.serving = serving
 
     @app.on_request
@@ -120,9 +122,10 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, name: str = "l
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            ids = serving.chat_prompt(req)
+            ids = await off_loop(serving.chat_prompt, req)
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            serving.limits.check_chars([req.prompt], "prompt")
+            ids = (await off_loop(encode_texts, tok, [req.prompt], req.add_special_tokens))[0]
         return json({"tokens": ids, "count": len(ids), "max_model_len": serving.model.max_model_len})
 
     @app.post("/detokenize")

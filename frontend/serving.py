@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from frontend.async_engine import AsyncEngine, EngineDeadError, RequestFailedErr
 from frontend.engine.engine import CompletionOutput, RequestOutput
 from frontend.engine.sampling_params import SamplingParams, SamplingParamsError
 from frontend.errors import APIError, bad_request
+from frontend.limits import ServingLimits, token_id_key
 from frontend.metrics import Metrics
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -26,6 +28,20 @@ from frontend.responses import LogprobFormatter, Reply, chat_choice, chat_delta,
 
 log = logging.getLogger(__name__)
 Send = Callable[[str], Awaitable[None]]
+# Tokenization and template rendering run here, off the event loop, so that a long prompt never stalls the streams.
+_TOKENIZE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+
+async def off_loop(fn: Callable, *args):
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, fn, *args)
+
+
+def encode_texts(tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    """tokenizer.encode for each text, through the `tokenizers` batch call, which releases the GIL (encode holds it)."""
+    backend = getattr(tokenizer, "backend", None)
+    if hasattr(backend, "encode_batch"):
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+    return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
 
 @dataclass
@@ -39,13 +55,14 @@ class ServedModel:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, metrics: Metrics, tokenizer, model: ServedModel,
-                 defaults: ServerDefaults, max_waiting: int):
+                 defaults: ServerDefaults, max_waiting: int, limits: ServingLimits | None = None):
         self.engine = engine
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.model = model
         self.defaults = defaults
         self.max_waiting = max_waiting
+        self.limits = limits or ServingLimits()
         self.logprobs = LogprobFormatter(tokenizer)
 
     # -- shared checks ------------------------------------------------------------------------------
@@ -72,7 +89,7 @@ class OpenAIServing:
                 logprobs: int | None) -> SamplingParams:
         if req.logit_bias:
             for key in req.logit_bias:
-                if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.model.vocab_size:
+                if not token_id_key(key) or not 0 <= int(key) < self.model.vocab_size:
                     raise bad_request(f"logit_bias keys must be token ids below {self.model.vocab_size}, got {key!r}",
                                       "logit_bias")
         bad = [t for t in req.stop_token_ids or () if t >= self.model.vocab_size]
@@ -91,11 +108,17 @@ class OpenAIServing:
                 self.engine.check(p, params)
             except ValueError as e:
                 raise bad_request(str(e), prompt_param) from None
-        waiting = self.engine.num_waiting()
-        if waiting + len(prompts) > self.max_waiting:
-            raise APIError(429, f"the server is busy: {waiting} requests are waiting (limit {self.max_waiting}); "
-                           "retry later", None, "too_many_requests")
+        # One engine request per prompt, n sequences each: requests and sequences are bounded apart.
+        self.limits.check_waiting(self.engine.num_waiting(), self.engine.num_waiting_seqs(), len(prompts),
+                                  len(prompts) * params.n, self.max_waiting)
         return params
+
+    def _check_request(self, req: SamplingFields) -> None:
+        """The limits and OpenAI's rules that need no tokenizer: checked before any tokenization."""
+        self.check_model(req.model)
+        self.limits.check_sampling(req)
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
     # -- chat ---------------------------------------------------------------------------------------
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
@@ -108,15 +131,20 @@ class OpenAIServing:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     | ({"name": m.name} if m.name else {}) for m in req.messages]
+        self.limits.check_messages(req.messages)
         try:
-            return self.tokenizer.apply_chat_template(messages, req.add_generation_prompt,
-                                                      **(getattr(req, "chat_template_kwargs", None) or {}))
+            text = self.tokenizer.render_chat(messages, req.add_generation_prompt,
+                                              **(getattr(req, "chat_template_kwargs", None) or {}))
         except Exception as e:  # a template's raise_exception() (roles must alternate, ...) is the client's problem
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
+        # as apply_chat_template: the template writes the special tokens itself
+        return encode_texts(self.tokenizer, [text], add_special_tokens=False)[0]
 
     async def chat(self, req: ChatCompletionRequest, stream: Callable[[], Awaitable[Send]]) -> dict | None:
-        self.check_model(req.model)
-        prompt = self.chat_prompt(req)
+        self._check_request(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+        prompt = await off_loop(self.chat_prompt, req)
         asked, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens else \
             (req.max_tokens, "max_tokens")
         top = req.top_logprobs or 0
@@ -151,15 +179,19 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (it needs prompt logprobs)", "echo")
         p = req.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], str)):
+        texts = [p] if isinstance(p, str) else [x for x in p if isinstance(x, str)]
+        count = 1 if isinstance(p, str) or isinstance(p[0], int) else len(p)
+        self.limits.check_prompts(count, req.n, texts)
+        if texts:
             if self.tokenizer is None:
                 raise bad_request("this model has no tokenizer: send token ids", "prompt")
-            return [self.tokenizer.encode(s) for s in ([p] if isinstance(p, str) else p)]
+            return encode_texts(self.tokenizer, texts)
         return [list(p)] if isinstance(p[0], int) else [list(x) for x in p]
 
     async def completion(self, req: CompletionRequest, stream: Callable[[], Awaitable[Send]]) -> dict | None:
-        self.check_model(req.model)
-        prompts = self.completion_prompts(req)  # an empty one is refused by the engine's check in _params
+        self._check_request(req)
+        # an empty prompt is refused by the engine's check in _params
+        prompts = await off_loop(self.completion_prompts, req)
         params = self._params(req, prompts, req.max_tokens, "max_tokens", req.logprobs)
         reply = Reply("text", self.model.id, prompt_tokens=sum(len(p) for p in prompts))
         echo = [self._echo(p) if req.echo else "" for p in prompts]
