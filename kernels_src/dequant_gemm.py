@@ -106,7 +106,44 @@ STEP_ELEMS = 128  # elements of a row a step covers (KB blocks of 32-element for
 REDUCE_BLOCK = 1024
 # (qtype, row bucket 16 / 32 / 64, n, k) -> launcher keywords measured best on an H200 (tools/sweep_gemm.py prints
 # this literal); a problem not listed takes default_tiles' rule.
-TUNED: dict[tuple[str, int, int, int], dict] = {}
+TUNED: dict[tuple[str, int, int, int], dict] = {  # tools/sweep_gemm --quick on an H200, 2026-12-01
+    ('Q4_K', 16, 14336, 4096):
+        {'block_m': 16, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q4_K', 16, 4096, 14336):
+        {'block_m': 16, 'block_n': 64, 'split_k': 8, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q4_K', 16, 6144, 4096):
+        {'block_m': 16, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q4_K', 32, 14336, 4096):
+        {'block_m': 32, 'block_n': 128, 'split_k': 2, 'swap': True, 'num_warps': 8, 'num_stages': 3},
+    ('Q4_K', 32, 4096, 14336):
+        {'block_m': 32, 'block_n': 128, 'split_k': 8, 'swap': True, 'num_warps': 8, 'num_stages': 3},
+    ('Q4_K', 32, 6144, 4096):
+        {'block_m': 32, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q4_K', 64, 14336, 4096):
+        {'block_m': 64, 'block_n': 128, 'split_k': 1, 'swap': True, 'num_warps': 8, 'num_stages': 3},
+    ('Q4_K', 64, 4096, 14336):
+        {'block_m': 64, 'block_n': 128, 'split_k': 4, 'swap': True, 'num_warps': 8, 'num_stages': 3},
+    ('Q4_K', 64, 6144, 4096):
+        {'block_m': 64, 'block_n': 64, 'split_k': 4, 'swap': False, 'num_warps': 4, 'num_stages': 3},
+    ('Q6_K', 16, 14336, 4096):
+        {'block_m': 16, 'block_n': 64, 'split_k': 1, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q6_K', 16, 4096, 14336):
+        {'block_m': 16, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q6_K', 16, 6144, 4096):
+        {'block_m': 16, 'block_n': 64, 'split_k': 8, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q6_K', 32, 14336, 4096):
+        {'block_m': 32, 'block_n': 64, 'split_k': 1, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q6_K', 32, 4096, 14336):
+        {'block_m': 32, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q6_K', 32, 6144, 4096):
+        {'block_m': 32, 'block_n': 64, 'split_k': 8, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q6_K', 64, 14336, 4096):
+        {'block_m': 64, 'block_n': 32, 'split_k': 2, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q6_K', 64, 4096, 14336):
+        {'block_m': 64, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+    ('Q6_K', 64, 6144, 4096):
+        {'block_m': 64, 'block_n': 64, 'split_k': 4, 'swap': False, 'num_warps': 4, 'num_stages': 3},
+}
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", blocks="KB", split_k="SPLIT", swap="SWAP", num_warps="num_warps",
              num_stages="num_stages")
 _sms: dict = {}

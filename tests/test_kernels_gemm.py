@@ -127,9 +127,10 @@ def test_dequant_matmul_errors(rng):
     assert dgm.dequant_matmul(np.zeros((0, 512), np.float32), w, "Q4_K").shape == (0, 4)
 
 
-def test_default_tiles():
-    """Row tiles by M; the down projection (N = 4096, K = 14336) splits K to fill 132 SMs, within the partials'
-    budget; steps always divide a row."""
+def test_default_tiles(monkeypatch):
+    """The rule (TUNED's measured entries aside): row tiles by M; the down projection (N = 4096, K = 14336) splits K
+    to fill 132 SMs, within the partials' budget; steps always divide a row."""
+    monkeypatch.setattr(dgm, "TUNED", {})
     for qtype in ("Q4_0", "Q8_0", "Q4_K", "Q6_K"):
         for m, bm in ((2, 16), (16, 16), (17, 32), (32, 32), (64, 64), (256, 64)):
             for n, k in ((14336, 4096), (4096, 14336), (28672, 4096), (4096, 4096)):

@@ -260,7 +260,7 @@ def test_default_tiles_fill_a_warp():
         for m in range(1, 9):
             t = dg.default_tiles(qtype, m, 14336)
             assert t["STEP"] * dg.LANES[qtype] // t["PARTS"] == 32 * t["num_warps"]
-            assert m * t["ROWS"] <= 4 or t["ROWS"] == 1
+            assert m * t["ROWS"] <= 4 or t["ROWS"] == 1 or (m > 4 and t["ROWS"] == 2)  # measured: sweep_gemv
 
 
 def _stack_bytes(cubin: bytes, tmp_path) -> int:
