@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.engine.engine import CompletionOutput
-from frontend.engine.sequence import TokenLogprob
 
 
 @dataclass
@@ -77,38 +76,3 @@ def text_choice(index: int, text: str, logprobs: dict | None, finish_reason: str
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     return choice
-
-
-class LogprobFormatter:
-    """Token logprobs in the two shapes OpenAI uses: chat's `content` list and completions' parallel lists."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def piece(self, token: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token}"
-        return self.tokenizer.decode([token], skip_special_tokens=False)
-
-    def chat(self, entries: list[TokenLogprob], top: int) -> dict[str, Any]:
-        def one(token: int, logprob: float) -> dict[str, Any]:
-            text = self.piece(token)
-            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
-
-        return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in (e.top or [])[:top]]}
-                            for e in entries]}
-
-    def text(self, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        tokens, offsets = [], []
-        for e in entries:
-            offsets.append(offset)
-            tokens.append(self.piece(e.token))
-            offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
-                "top_logprobs": [{self.piece(t): _finite(lp) for t, lp in (e.top or [])} for e in entries],
-                "text_offset": offsets}
-
-
-def _finite(x: float) -> float:
-    # JSON has no -inf; a token the sampler could not pick (masked by top-k, bias) reports the lowest float
-    return x if x > -3.0e38 else -9999.0

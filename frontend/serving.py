@@ -15,6 +15,7 @@ from frontend.engine.engine import CompletionOutput, RequestOutput
 from frontend.engine.sampling_params import SamplingParams, SamplingParamsError
 from frontend.errors import APIError, bad_request
 from frontend.limits import ServingLimits, token_id_key
+from frontend.logprobs import LogprobFormatter, context_ids
 from frontend.metrics import Metrics
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -24,7 +25,7 @@ from frontend.protocol import (
     TokenizeRequest,
     sampling_params,
 )
-from frontend.responses import LogprobFormatter, Reply, chat_choice, chat_delta, sse, text_choice
+from frontend.responses import Reply, chat_choice, chat_delta, sse, text_choice
 
 log = logging.getLogger(__name__)
 Send = Callable[[str], Awaitable[None]]
@@ -151,18 +152,20 @@ class OpenAIServing:
         params = self._params(req, [prompt], asked, param, top if req.logprobs else None)
         reply = Reply("chat", self.model.id, prompt_tokens=len(prompt))
         if req.stream:
-            await self._stream(reply, [prompt], params, await stream(), self._chat_chunks(params, top),
+            await self._stream(reply, [prompt], params, await stream(), self._chat_chunks(params, top, prompt),
                                req.stream_options and req.stream_options.include_usage)
             return None
         outs = await self._collect([prompt], params, reply)
-        choices = [chat_choice(c.index, c, self.logprobs.chat(c.logprobs, top) if req.logprobs else None)
+        context = context_ids(prompt, [], 0)
+        choices = [chat_choice(c.index, c, self.logprobs.chat(c.logprobs, top, context) if req.logprobs else None)
                    for c in outs[0].outputs]
         return reply.body(choices)
 
-    def _chat_chunks(self, params: SamplingParams, top: int):
+    def _chat_chunks(self, params: SamplingParams, top: int, prompt: list[int]):
         def chunks(_: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
             new = _new_logprobs(c, params)
-            lp = self.logprobs.chat(new, top) if new else None
+            start = len(c.token_ids) - len(c.delta_token_ids)
+            lp = self.logprobs.chat(new, top, context_ids(prompt, c.token_ids, start)) if new else None
             out = [chat_delta(c.index, "", None, None, role=True)] if first else []
             if c.delta_text or lp or last:
                 out.append(chat_delta(c.index, c.delta_text, lp, c.finish_reason if last else None,
@@ -196,14 +199,15 @@ class OpenAIServing:
         reply = Reply("text", self.model.id, prompt_tokens=sum(len(p) for p in prompts))
         echo = [self._echo(p) if req.echo else "" for p in prompts]
         if req.stream:
-            await self._stream(reply, prompts, params, await stream(), self._text_chunks(params, echo),
+            await self._stream(reply, prompts, params, await stream(), self._text_chunks(params, echo, prompts),
                                req.stream_options and req.stream_options.include_usage)
             return None
         outs = await self._collect(prompts, params, reply)
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
-                lp = self.logprobs.text(c.logprobs, len(echo[i])) if params.logprobs is not None else None
+                lp = None if params.logprobs is None else \
+                    self.logprobs.text(c.logprobs, len(echo[i]), context_ids(prompts[i], [], 0))
                 choices.append(text_choice(i * params.n + c.index, echo[i] + c.text, lp, c.finish_reason,
                                            c.stop_reason))
         return reply.body(choices)
@@ -211,10 +215,12 @@ class OpenAIServing:
     def _echo(self, prompt: list[int]) -> str:
         return self.tokenizer.decode(prompt) if self.tokenizer else ""
 
-    def _text_chunks(self, params: SamplingParams, echo: list[str]):
+    def _text_chunks(self, params: SamplingParams, echo: list[str], prompts: list[list[int]]):
         def chunks(i: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
             new = _new_logprobs(c, params)
-            lp = self.logprobs.text(new, len(c.text) - len(c.delta_text)) if new else None
+            start = len(c.token_ids) - len(c.delta_token_ids)
+            lp = (self.logprobs.text(new, len(c.text) - len(c.delta_text), context_ids(prompts[i], c.token_ids, start))
+                  if new else None)
             text = (echo[i] if first else "") + c.delta_text
             if not (text or lp or last):
                 return []
