@@ -362,3 +362,30 @@ def test_readme_examples_work_verbatim(server):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip()) > 10
+
+
+def test_a_long_tokenization_does_not_stall_the_streams(server, aclient):
+    """2 MB to tokenize (~2 s here): it runs off the event loop and releases the GIL, so a stream keeps flowing."""
+    text = "word " * 400_000
+
+    def tokenize() -> float:
+        start = time.monotonic()
+        status, body = post(server, "/tokenize", {"prompt": text})
+        assert status == 200 and body["count"] == 400_001
+        return time.monotonic() - start
+
+    async def run():
+        gaps, last = [], None
+        stream = await aclient.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=64, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        took = asyncio.create_task(asyncio.to_thread(tokenize))
+        async for _ in stream:
+            now = time.monotonic()
+            if last is not None and not took.done():
+                gaps.append(now - last)
+            last = now
+        return await took, gaps
+
+    took, gaps = asyncio.run(run())
+    assert gaps, "the stream ended before the tokenization began"
+    assert max(gaps) < took / 2, f"a {max(gaps):.2f} s gap in the stream while tokenizing took {took:.2f} s"
