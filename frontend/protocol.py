@@ -58,7 +58,7 @@ class SamplingFields(_Model):
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, description="at most the server's --max-n (default 128)")
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -126,3 +126,31 @@ def test_health_is_ok_while_the_engine_runs(bounded):
     import urllib.request
     with urllib.request.urlopen(bounded.base + "/health") as r:
         assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+
+
+def test_ten_times_max_num_seqs_streams_complete_or_get_429(bounded):
+    """10 streams against one running sequence and two waiting: each ends (done, or 429), none hangs, and the
+    server is idle with every block free afterwards."""
+    client = openai.AsyncOpenAI(base_url=bounded.url, api_key="unused", max_retries=0, timeout=60)
+
+    async def one(i: int) -> str:
+        try:
+            stream = await client.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=4, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            text = "".join([c.choices[0].text async for c in stream if c.choices])
+            return "done" if text else "empty"
+        except openai.RateLimitError:
+            return "429"
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(10))), 120)
+
+    got = asyncio.run(run())
+    assert set(got) <= {"done", "429"} and "done" in got, got
+    for _ in range(200):
+        m = bounded.metrics()
+        if m["llm_engine:num_requests_running"] == m["llm_engine:num_requests_waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["llm_engine:num_requests_running"] == m["llm_engine:num_requests_waiting"] == 0
+    assert m["llm_engine:num_kv_blocks_free"] == m["llm_engine:num_kv_blocks_total"]
