@@ -97,6 +97,11 @@ class Backend(ABC):
         device for the next step's `prev_rows` and reads them back only when asked."""
         return Sampled(self.sample(logits, inputs))
 
+    def is_fatal(self, error: BaseException) -> bool:
+        """Whether `error`, raised by a step, left this backend unable to run another one: the engine then stops and
+        the server reports itself dead (/health 503) instead of failing every later request one by one."""
+        return False
+
 
 CUDA_ONLY = ("device", "cuda_graph")  # options only the CUDA backend takes
 

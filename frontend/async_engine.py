@@ -178,6 +178,9 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a backend failure must not leave handlers waiting forever
+                if self.engine.backend.is_fatal(e):  # e.g. a poisoned CUDA context: no later step can run
+                    raise EngineDeadError(f"the backend cannot run another step after {e.__class__.__name__}: "
+                                          f"{e}") from e
                 log.exception("engine step failed; aborting the %d running request(s)", len(self._streams))
                 self._fail_all(StepFailedError(f"the engine step failed: {e.__class__.__name__}: {e}"))
                 continue

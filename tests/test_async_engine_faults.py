@@ -110,3 +110,29 @@ def test_a_dead_engine_thread_fails_waiting_handlers_and_health_says_503(async_e
     assert response.status == 503
     err = json.loads(response.body)["error"]
     assert err["code"] == "engine_dead" and "out of the blue" in err["message"]
+
+
+def test_a_fatal_backend_error_ends_the_engine(async_engine, monkeypatch):
+    """A step error the backend calls fatal (CUDA: a poisoned context, which CUDABackend.is_fatal probes) ends the
+    engine at once: its request and every later one get EngineDeadError, and the engine is no longer alive (/health
+    503), instead of every later step failing one by one."""
+    engine = async_engine()
+    backend = engine.engine.backend
+
+    class DeviceGone(RuntimeError):
+        pass
+
+    def broken(batch):
+        raise DeviceGone("an illegal memory access was encountered")
+
+    monkeypatch.setattr(backend, "forward", broken)
+    monkeypatch.setattr(backend, "is_fatal", lambda e: isinstance(e, DeviceGone))
+
+    async def run():
+        with pytest.raises(EngineDeadError, match="illegal memory access"):
+            await collect(engine)
+        with pytest.raises(EngineDeadError):
+            await collect(engine)
+
+    asyncio.run(run())
+    assert not engine.alive

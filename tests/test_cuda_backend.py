@@ -232,3 +232,35 @@ def test_kv_fraction_and_out_of_memory_message(saved):  # noqa: F811
     assert 0.3 * free < budget <= 0.5 * free
     with pytest.raises(MemoryError, match="does not fit"):
         backend.allocate_kv(4 * free // backend.kv_bytes_per_block(16), 16)
+
+
+_PROBE = """
+import sys, torch
+from backends.cuda.backend import CUDABackend
+from ir.loader import load_model
+backend = CUDABackend(load_model(sys.argv[1], progress=False), device="cuda", dtype="f32", progress=False)
+try:
+    torch.ones(2, 2, device="cuda") @ torch.ones(3, 3, device="cuda")
+except RuntimeError as e:
+    print("shape", backend.is_fatal(e))
+try:
+    t = torch.zeros(3, device="cuda")
+    t[torch.tensor([7], device="cuda")] = 1.0  # out of bounds: a device-side assert
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("assert", backend.is_fatal(e))
+"""
+
+
+@needs_cuda
+def test_is_fatal_probes_the_device(saved):  # noqa: F811
+    """A device-side assert poisons the CUDA context and is_fatal says so (the engine then stops, /health 503); an
+    ordinary error (mismatched shapes) is not fatal. In a child process: a poisoned context fails everything after."""
+    import subprocess
+    import sys
+
+    from tests.serving import ROOT, child_env
+
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(saved("qwen2")[1])], cwd=ROOT, env=child_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["shape", "False", "assert", "True"], out.stdout + out.stderr[-2000:]

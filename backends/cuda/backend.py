@@ -189,6 +189,18 @@ class CUDABackend(Backend):
             self._chain[:len(tokens)].copy_(tokens)
         return pending
 
+    def is_fatal(self, error: BaseException) -> bool:
+        """A CUDA error that outlives its step (a device-side assert, an illegal address) poisons the context, and
+        every later call fails too. Probed rather than read from the message: one small launch and a synchronize."""
+        if self.device.type != "cuda" or not isinstance(error, RuntimeError):
+            return False
+        try:
+            torch.ones(1, device=self.device).add_(1)
+            torch.cuda.synchronize(self.device)
+            return False
+        except Exception:  # noqa: BLE001  (whatever the probe raises, the device is unusable)
+            return True
+
     def memory(self) -> MemoryReport:
         wbytes = sum(weights.nbytes(p) for p in self.params.values())
         kbytes = sum(t.numel() * t.element_size() for layer in self.kv for t in layer)
