@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from backends.cuda.runner import Runner, StepMeta, partitions_for
+from backends.cuda.runner import Runner, StepMeta, partitions_for, pow2
 from backends.cuda.runtime import torch
 from ir.batch import Batch
 
@@ -30,10 +30,6 @@ log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly: launch costs matter little there
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class GraphKeys:
@@ -49,7 +45,7 @@ class GraphKeys:
         """Split-K partitions of a graph for `bucket` rows: for the context, rounded up to a power of two, within
         what the longest context needs and the batch's cap (past it partitions grow instead)."""
         part = self.runner.decode_partition(bucket)
-        return min(_pow2(partitions_for(context, part)), _pow2(partitions_for(self.max_context, part)),
+        return min(pow2(partitions_for(context, part)), pow2(partitions_for(self.max_context, part)),
                    self.runner.max_partitions(bucket))
 
     def key(self, n: int, context: int) -> tuple[int, int]:

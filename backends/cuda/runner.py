@@ -49,12 +49,16 @@ def decode_partition(rows: int, kv_heads: int, table=DECODE_PARTITIONS) -> int:
     return next((part for limit, part in table if programs <= limit), LONG_PARTITION)
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def max_partitions(rows: int, kv_heads: int, sms: int) -> int:
     """Split-K partitions of a decode grid at most: a power of two that gives WAVES programs per SM, so that a long
     context keeps the GPU busy at small batches, within MAX_PARTITIONS. One grid serves every context (the kernel
     lengthens the partitions), so a CUDA graph per power of two up to this covers any context."""
-    want = -(-WAVES * sms // (rows * kv_heads))
-    return min(MAX_PARTITIONS, 1 << max(0, want - 1).bit_length())
+    return min(MAX_PARTITIONS, pow2(-(-WAVES * sms // (rows * kv_heads))))
 
 
 def partitions_for(max_context: int, partition: int) -> int:
