@@ -260,8 +260,9 @@ class OpLowering(LoopLowering):
         b_at = -(-(m * kc * itemsize(dt)) // 16) * 16
         self.need_smem(b_at + kc * n * itemsize(dt))
         out_l = lay.canonical((m, n), self.T)
-        out = self.emit("alloc", (), fp32, n=out_l.nslots)
-        self.for_slots(out_l, lambda r: self.emit("set", (out, r, self.const(0.0, fp32))))
+        acc_t = op.result.dtype  # fp32, or i32 for int8 operands
+        out = self.emit("alloc", (), acc_t, n=out_l.nslots)
+        self.for_slots(out_l, lambda r: self.emit("set", (out, r, self.const(0.0 if acc_t == fp32 else 0, acc_t))))
         for c in range(k // kc):
             self.before_write()
             # A [m, k] -> smem[m * kc + k % kc];  B [k, n] -> smem[b_at:][(k % kc) * n + n]
@@ -275,15 +276,15 @@ class OpLowering(LoopLowering):
                 e = self.index(out_l, r)
                 row = self.bitmap(e, [(ln + i, lkc + i) for i in range(lm)])  # m * kc
                 col = self.bitmap(e, [(i, i) for i in range(ln)])
-                s = self.emit("var", (self.emit("get", (out, r), fp32),), fp32)
+                s = self.emit("var", (self.emit("get", (out, r), acc_t),), acc_t)
 
                 def step(kk):
                     av = self.emit("sload", (self.emit("or", (row, kk), i32),), dt, base=0)
                     at = self.emit("or", (self.emit("shl", (kk, self.const(ln)), i32), col), i32)
                     bv = self.emit("sload", (at,), dt, base=b_at)
-                    if dt != fp32:
-                        av, bv = (self.emit("cast", (v,), fp32, to=fp32) for v in (av, bv))
-                    self.emit("assign", (s, self.emit("add", (s, self.emit("mul", (av, bv), fp32)), fp32)))
+                    if dt != acc_t:
+                        av, bv = (self.emit("cast", (v,), acc_t, to=acc_t) for v in (av, bv))
+                    self.emit("assign", (s, self.emit("add", (s, self.emit("mul", (av, bv), acc_t)), acc_t)))
                 self.loop(self.const(0), self.const(kc), step)
                 self.emit("set", (out, r, s))
             self.for_slots(out_l, acc)
