@@ -75,8 +75,10 @@ def _q4k_dot_i8(raw, xp):
     return d * (lo(sc) * (dl * il) + hi(sc) * (dh * ih)) - dmin * (lo(mn) * sl + hi(mn) * sh)
 
 
-def quantize_x_kernel(x, xq, xd, n_cols, x_stride, xq_stride, xd_stride, BLOCKS: tl.constexpr):
-    """x [M, K] to int8 q [M, K] and fp32 d [M, K / 32] per 32-element block (grid: K / (32 BLOCKS), M)."""
+def quantize_x_kernel(x, xq, xd, xs, n_cols, x_stride, xq_stride, xd_stride, BLOCKS: tl.constexpr,
+                      SUMS: tl.constexpr = False):
+    """x [M, K] to int8 q [M, K] and fp32 d [M, K / 32] per 32-element block (grid: K / (32 BLOCKS), M); SUMS:
+    also d * sum(q) per block into xs (strided as xd), what a block's minimum meets (llama.cpp's Q8_1 keeps it)."""
     tl.launch_dependents()  # the GEMV after this may start now: it loads weights until it needs x
     m = tl.program_id(1)
     blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None]
@@ -88,6 +90,9 @@ def quantize_x_kernel(x, xq, xd, n_cols, x_stride, xq_stride, xd_stride, BLOCKS:
     word, d = _quantize(vals, amax)
     tl.store(xq.to(tl.pointer_type(tl.uint32)) + m * (xq_stride // 4) + quad, word, mask=ok)
     tl.store(xd + m * xd_stride + blk, d, mask=ok)
+    if SUMS:
+        sums = tl.sum(tl.dot4(_ONES, word, 0), axis=-1, keep_dims=True).to(tl.float32)
+        tl.store(xs + m * xd_stride + blk, d * sums, mask=ok)
 
 
 def dequant_gemv_i8_kernel(w, xq, xd, y, n_rows, n_cols, w_stride, xq_stride, xd_stride, y_stride,
@@ -120,15 +125,17 @@ def uses_int8(qtype: str, target: str, int8_x: bool | None = None) -> bool:
     return bool(int8_x)
 
 
-def quantize_x(x, xq=None, xd=None, target: str = "numpy"):
-    """(int8 q [M, K], fp32 d [M, K / 32]) of x [M, K] per 32-element block: q = round(x * 127 / max|x|)."""
+def quantize_x(x, xq=None, xd=None, target: str = "numpy", sums: bool = False):
+    """(int8 q [M, K], fp32 d [M, K / 32]) of x [M, K] per 32-element block: q = round(x * 127 / max|x|); sums:
+    (q, d, d * sum(q) [M, K / 32])."""
     m, k = x.shape
     xq = empty(x, (m, k), "int8") if xq is None else xq
     xd = empty(x, (m, k // 32), "float32") if xd is None else xd
+    xs = empty(x, (m, k // 32), "float32") if sums else xd
     blocks = 8
-    compile(quantize_x_kernel, target, num_warps=1, BLOCKS=blocks)[tl.cdiv(k // 32, blocks), m](
-        x, xq, xd, k, elem_stride(x, 0), elem_stride(xq, 0), elem_stride(xd, 0))
-    return xq, xd
+    compile(quantize_x_kernel, target, num_warps=1, BLOCKS=blocks, SUMS=sums)[tl.cdiv(k // 32, blocks), m](
+        x, xq, xd, xs, k, elem_stride(x, 0), elem_stride(xq, 0), elem_stride(xd, 0))
+    return (xq, xd, xs) if sums else (xq, xd)
 
 
 def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True) -> list:
@@ -138,7 +145,7 @@ def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True) -> list:
     tiles = default_tiles("Q4_K", m, 14336)
     gemv = dict(w="*u8", xq="*i8", xd="*fp32", y=f"*{x_dtype}", n_rows="i32", n_cols="i32", w_stride="i32",
                 xq_stride="i32", xd_stride="i32", y_stride="i32")
-    prep = dict(x=f"*{x_dtype}", xq="*i8", xd="*fp32", n_cols="i32", x_stride="i32", xq_stride="i32",
+    prep = dict(x=f"*{x_dtype}", xq="*i8", xd="*fp32", xs="*fp32", n_cols="i32", x_stride="i32", xq_stride="i32",
                 xd_stride="i32")
     return [compile(quantize_x_kernel, "numpy", BLOCKS=8).trace(signature=prep),
             compile(dequant_gemv_i8_kernel, "numpy", QTYPE="Q4_K", M=m, ROWS=tiles["ROWS"], STEP=tiles["STEP"],
