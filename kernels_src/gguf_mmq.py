@@ -1,0 +1,250 @@
+"""Quantized GEMM on int8 tensor cores (llama.cpp's MMQ), y[M, N] = x[M, K] @ dequantize(W).T for Q4_K and Q6_K
+(the runner's choice at 4..32 rows): DSL kernels, launcher, reference.
+
+dequant_gemm.py turns every quant into a float, scaled, before an fp16 MMA: per element a mask, an OR, a subtract,
+a multiply and a conversion, which makes it 5x slower than the GEMV on the same bytes (its per-element work, not the
+MMA, is the cost). Here the quants stay integers:
+- x is quantized to int8 per 32 elements (dequant_gemv_i8.quantize_x: q, d = max|x| / 127), the size of a Q4_K
+  sub-block.
+- A program owns W rows BLOCK_N.. x rows BLOCK_M.. and walks K one super-block (256 elements, 8 sub-blocks) a
+  step. Chunk c's 32 bytes hold sub-block 2c in their low nibbles and 2c + 1 in their high ones, so a nibble tile
+  [BLOCK_N, 32] is one AND (or shift) of the loaded bytes, already an int8 operand: one int8 MMA of K = 32 against
+  x's matching int8 tile gives sum_e q_e xq_e exactly, per (row, x row).
+- Sub-block j's value is d sc_j q - dmin mn_j, so its dot is d sc_j dx_j sum(q xq) - dmin mn_j (dx_j sum(xq)): the
+  scales apply once per (row, x row, sub-block) in fp32, after the MMA, not per element. The 6-bit scales and mins
+  come from three 32-bit words of the block header by constant shifts (the sub-block index is unrolled).
+- SWAP orientation as in dequant_gemm: W is the MMA's M side (64 rows a warpgroup on Hopper), the batch its N.
+  Rows past M and N are clamped (read again, not stored). Split-K and its reduce are dequant_gemm's.
+- Q6_K (mmq_q6k_kernel) has signed 6-bit quants and a scale per 16 elements: see its docstring.
+H200, bf16 x, x's pre-pass included (tools/sweep_mmq, 2026-12-01): Q4_K at 16 rows 1.45-1.86x dequant_gemm (14336 x
+4096: 62.7 -> 39.1 us), at 32 rows 1.1-1.7x, at 64 rows 0.75-0.89x (so not used there); at 4-8 rows 1.1-1.3x the
+int8 GEMV; Q6_K 2.5-2.8x its GEMV at 4-8 rows (4096 x 14336: 185 -> 66 us), 1.1-1.3x dequant_gemm at 16. Still at
+25-38% of copy bandwidth: the scales' epilogue after each K = 32 MMA, not the bytes, bounds it.
+y moves by x's quantization: |dy| <= dequant_gemv_i8.int8_error_bound (about 0.5% of |y| on random data).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ir.formats.gguf_quants import row_bytes
+from kernels_src.dequant_gemm import (
+    PART_BYTES,
+    WAVE_PROGRAMS,
+    _sm_count,
+    dequant_gemm_reduce_kernel,
+    dequant_matmul_ref,
+)
+from kernels_src.dequant_gemv_i8 import dequantize_x, quantize_x
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.gguf_gemv_common import _f16
+from kernels_src.paged_attention import empty
+
+__all__ = ["MAX_ROWS", "MMQ_QTYPES", "MMQ_TUNED", "mmq", "mmq_ref", "mmq_tiles"]
+
+MMQ_QTYPES = ("Q4_K", "Q6_K")
+SUPER = {"Q4_K": (256, 144), "Q6_K": (256, 210)}  # elements, bytes of a super-block
+
+
+def _byte(words, k: int):
+    """Byte k of the 12 scale bytes held in words [w0, w1, w2] (uint32 tiles)."""
+    return (words[k // 4] >> (8 * (k % 4))) & 0xFF
+
+
+def _q4k_scale_min(words, j: int):
+    """(scale, min) of sub-block j, 6 bits each, as ggml's get_scale_min_k4 reads them."""
+    if j < 4:
+        return _byte(words, j) & 63, _byte(words, j + 4) & 63
+    return ((_byte(words, j + 4) & 0xF) | ((_byte(words, j - 4) >> 6) << 4),
+            (_byte(words, j + 4) >> 4) | ((_byte(words, j) >> 6) << 4))
+
+
+def mmq_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride, n_steps,
+                   steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., super-blocks s * steps_per_split..; y is the
+    output (split_stride 0) or fp32 partials [SPLIT, M, N]. xq int8 [M, K]; xd, xs fp32 [M, K / 32] (d and
+    d * sum(q) of each 32-element block, strided alike)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride  # past N: the last row, not stored
+    mc = tl.minimum(m, m_rows - 1).to(tl.int64)  # past M: the last row, not stored
+    e = tl.arange(0, 32)
+    xrow = xq + mc[None, :] * xq_stride + e[:, None]  # [32, BLOCK_M]: x's sub-block, K-major for the MMA
+    drow, srow = xd + mc * xd_stride, xs + mc * xd_stride
+    lo = tl.program_id(2) * steps_per_split
+    if PDL:  # x is the pre-pass's output
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+
+    def step(sb, acc):
+        blk = wrow + sb * 144
+        head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
+        words = [tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)]
+        d, dmin = _f16(head), _f16(head >> 16)
+        for c in range(4):
+            v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])  # [BLOCK_N, 32] bytes
+            for h in range(2):
+                j = 2 * c + h
+                q = ((v >> 4) if h else (v & 15)).to(tl.int8)
+                xv = tl.load(xrow + sb * 256 + 32 * j)
+                dx = tl.load(drow + sb * 8 + j)
+                sx = tl.load(srow + sb * 8 + j)
+                sc, mn = _q4k_scale_min(words, j)
+                dot = tl.dot(q, xv).to(tl.float32)
+                acc = acc + dot * ((d * sc.to(tl.float32))[:, None] * dx[None, :]) \
+                    - (dmin * mn.to(tl.float32))[:, None] * sx[None, :]
+        return acc
+
+    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
+    dst = y + tl.program_id(2).to(tl.int64) * split_stride
+    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+
+
+def mmq_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride, n_steps,
+                   steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    """mmq_q4k_kernel for Q6_K (ql[128], qh[64], int8 scales[16], d; 210-byte super-blocks, so 2-byte aligned):
+    in half h, chunk k's 32 elements 128h + 32k + l are nibble k // 2 of ql[64h + 32(k % 2) + l] with bits 2k, 2k + 1
+    of qh[32h + l] on top, minus 32: signed int8 operands, no offset term. The chunk meets one int8 block of x, but
+    its two 16-element halves have scales of their own (8h + 2k + l // 16): two MMAs, each with the other half's
+    quants zeroed (MMAs are cheap here, per-element work is not; the whole chunk's MMA minus one half's doubled the
+    SASS: q then feeds two operand layouts). xs is unused (no minimums)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride
+    mc = tl.minimum(m, m_rows - 1).to(tl.int64)
+    e = tl.arange(0, 32)
+    first = (e < 16)[None, :]
+    xrow = xq + mc[None, :] * xq_stride + e[:, None]
+    drow = xd + mc * xd_stride
+    lo = tl.program_id(2) * steps_per_split
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+
+    def step(sb, acc):
+        blk = wrow + sb * 210
+        d = tl.load((blk + 208).to(tl.pointer_type(tl.float16))).to(tl.float32)
+        sc = blk.to(tl.pointer_type(tl.int8)) + 192
+        for h in range(2):
+            qh = tl.load(blk[:, None] + 128 + 32 * h + e[None, :])
+            ql = [tl.load(blk[:, None] + 64 * h + 32 * j + e[None, :]) for j in range(2)]
+            for k in range(4):
+                nib = (ql[k % 2] >> 4) if k >= 2 else (ql[k % 2] & 15)
+                q = (nib | (((qh >> (2 * k)) & 3) << 4)).to(tl.int8) - 32
+                j = 4 * h + k  # x's 32-element block
+                xv = tl.load(xrow + sb * 256 + 32 * j)
+                dx = tl.load(drow + sb * 8 + j)
+                for u in range(2):
+                    part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv).to(tl.float32)
+                    s = tl.load(sc + 8 * h + 2 * k + u).to(tl.float32)
+                    acc = acc + part * ((d * s)[:, None] * dx[None, :])
+        return acc
+
+    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
+    dst = y + tl.program_id(2).to(tl.int64) * split_stride
+    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+
+
+KERNELS = {"Q4_K": mmq_q4k_kernel, "Q6_K": mmq_q6k_kernel}
+
+
+# --- host side -------------------------------------------------------------------------------------------------
+
+MIN_SPLIT_STEPS = 2  # super-blocks a split keeps at least
+# The runner takes this GEMM from MIN_ROWS rows (H200): at 2 rows the GEMVs are 1.3-2x faster; at 4-8 this is
+# 1.1-1.3x faster than Q4_K's and 1.1-2.8x than Q6_K's.
+MIN_ROWS = {"Q4_K": 4, "Q6_K": 4}
+MAX_ROWS = 32  # and up to here: at 64 rows dequant_gemm is 1.1-1.3x faster (Q4_K, H200)
+# (qtype, row bucket 16 / 32, n, k) -> launcher keywords measured best on an H200 (tools/sweep_mmq.py prints this
+# literal, 2026-12-01; 1.1-1.9x dequant_gemm's tuned tiles); a problem not listed takes mmq_tiles' rule.
+MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
+    ('Q4_K', 16, 28672, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 2},
+    ('Q4_K', 16, 14336, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 4},
+    ('Q4_K', 16, 4096, 14336): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 8},
+    ('Q4_K', 16, 6144, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 2, 'split_k': 4},
+    ('Q4_K', 16, 4096, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 4},
+    ('Q4_K', 16, 128256, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 1},
+    ('Q4_K', 32, 28672, 4096): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 1},
+    ('Q4_K', 32, 14336, 4096): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 2},
+    ('Q4_K', 32, 4096, 14336): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 8},
+    ('Q4_K', 32, 6144, 4096): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 4},
+    ('Q4_K', 32, 4096, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 2, 'split_k': 4},
+    ('Q4_K', 32, 128256, 4096): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 2},
+    # tools/sweep_mmq --qtype Q6_K (same day; Q4_K_M keeps ffn_down of some layers, attn_v and the head in Q6_K)
+    ('Q6_K', 16, 4096, 14336): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 16},
+    ('Q6_K', 16, 1024, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 4, 'split_k': 16},
+    ('Q6_K', 16, 128256, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 4, 'split_k': 2},
+}
+
+
+def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = 132) -> dict:
+    """BLOCK_M (16 / 32 / 64 by M), BLOCK_N, SPLIT (a power of two, grown until every SM has WAVE_PROGRAMS
+    programs while each split keeps MIN_SPLIT_STEPS super-blocks and the partials fit PART_BYTES), num_warps."""
+    steps = k // SUPER[qtype.upper()][0]
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64
+    programs, split = tl.cdiv(m, block_m) * tl.cdiv(n, block_n), 1
+    while (programs * split < WAVE_PROGRAMS * sms and steps // (2 * split) >= MIN_SPLIT_STEPS
+           and 8 * split * m * n <= PART_BYTES):
+        split *= 2
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=4, num_stages=None)
+    cfg.update({_KEYS[key]: v for key, v in MMQ_TUNED.get((qtype.upper(), block_m, n, k), {}).items()})
+    return cfg
+
+
+_KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", split_k="SPLIT", num_warps="num_warps", num_stages="num_stages")
+
+
+def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None = None, xq=None, **over):
+    """y [M, N] = x2 [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, >= row_bytes], rows 4-byte
+    aligned), x quantized to int8 per 32 elements first (or given as xq: quantize_x(.., sums=True)'s triple, to
+    share one pre-pass between GEMMs of one input); out (made when not given) in x2's dtype. `over` overrides
+    mmq_tiles (block_m, block_n, split_k, num_warps, num_stages)."""
+    qtype = qtype.upper()
+    if qtype not in MMQ_QTYPES:
+        raise ValueError(f"mmq: unsupported qtype {qtype!r} (supported: {', '.join(MMQ_QTYPES)})")
+    m, k = x2.shape
+    n = w.shape[0]
+    elems, size = SUPER[qtype]
+    if k <= 0 or k % elems or len(w.shape) != 2 or w.shape[1] < row_bytes(qtype, k) or elem_stride(w, 1) != 1:
+        raise ValueError(f"x [{m}, {k}] and {qtype} weights {tuple(w.shape)} do not make a GEMM")
+    addr = w.data_ptr() if hasattr(w, "data_ptr") else w.__array_interface__["data"][0]
+    align = 4 if qtype == "Q4_K" else 2
+    if addr % align or (n > 1 and elem_stride(w, 0) % align):
+        raise ValueError(f"{qtype} weight rows must start {align}-byte aligned (the block headers are read as words)")
+    out = empty(x2, (m, n)) if out is None else out
+    if tuple(out.shape) != (m, n) or (m and n and elem_stride(out, 1) != 1):
+        raise ValueError(f"out {tuple(out.shape)} is not [{m}, {n}] with contiguous rows")
+    if m == 0 or n == 0:
+        return out
+    if xq is None:
+        xq = quantize_x(x2 if elem_stride(x2, 1) == 1 else x2.contiguous(), target=target, sums=True)
+    xq, xd, xs = xq
+    cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2))
+    cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
+    nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
+    n_steps = k // elems
+    per_split = tl.cdiv(n_steps, split)
+    split = tl.cdiv(n_steps, per_split)  # no split left without steps
+    pdl = use_pdl(target, pdl)
+    kern = compile(KERNELS[qtype], target, num_warps=nw, num_stages=ns, launch_pdl=pdl, PDL=pdl, **cfg)
+    grid = (tl.cdiv(m, cfg["BLOCK_M"]), tl.cdiv(n, cfg["BLOCK_N"]), split)
+    args = (m, n, elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xd, 0))
+    if split == 1:
+        kern[grid](w, xq, xd, xs, out, *args, elem_stride(out, 0), 0, n_steps, per_split)
+        return out
+    part = empty(x2, (split, m, n), "float32")
+    kern[grid](w, xq, xd, xs, part, *args, n, m * n, n_steps, per_split)
+    block = min(1024, tl.next_power_of_2(n))
+    red = compile(dequant_gemm_reduce_kernel, target, num_warps=4, launch_pdl=pdl, SPLIT=split, BLOCK=block, PDL=pdl)
+    red[tl.cdiv(n, block), m](part, out, n, elem_stride(out, 0), m * n)
+    return out
+
+
+def mmq_ref(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:
+    """What mmq computes, in float64: x quantized as quantize_x does (numpy), times W decoded by our numpy
+    dequantizer. Against dequant_matmul_ref(x, ...) it differs by x's quantization alone."""
+    from kernels_src.dequant_gemv_i8 import quantize_x_ref
+
+    q, d = quantize_x_ref(np.asarray(x, np.float32))
+    return dequant_matmul_ref(dequantize_x(q, d), w, qtype)

@@ -1,0 +1,172 @@
+"""The int8 tensor-core GEMM (kernels_src/gguf_mmq.py) on random valid Q4_K and Q6_K blocks, outputs poisoned
+first: the DSL interpreter, Triton's interpreter and the SIMT lowering against x's int8 quantization times our
+numpy dequantizer (float64), tight; against x itself within what that quantization allows; 4..33 rows, ragged N,
+split-K; the x pre-pass's block sums; the DSL's int8 dot; and Triton AOT builds for sm_90 (int8 wgmma, no spills,
+the grid-dependency wait)."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+from test_kernels_basic import HAS_TRITON, TARGETS, dev, host
+from test_kernels_gemv import _stack_bytes, padded_weights
+
+from kernels_src import dequant_gemm as dgm
+from kernels_src import gguf_mmq as mq
+from kernels_src.dequant_gemv_i8 import int8_error_bound, quantize_x, quantize_x_ref
+from kernels_src.dsl import compile as dsl_compile
+from kernels_src.dsl import tl
+
+needs_aot = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
+                               reason="AOT builds need triton, and TRITON_INTERPRET unset")
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def _run(target, x, w, qtype, **kw):
+    out = dev(np.full((x.shape[0], w.shape[0]), np.nan, x.dtype), target)
+    y = mq.mmq(dev(x, target), dev(np.ascontiguousarray(w) if target != "numpy" else w, target), qtype, out=out,
+               target=target, **kw)
+    assert y is out
+    got = host(out).astype(np.float64)
+    assert np.isfinite(got).all(), "outputs left unwritten (NaN) or NaN computed"
+    return got
+
+
+def _check(got, x, w, qtype, tol):
+    want = mq.mmq_ref(x, w, qtype)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    exact = dgm.dequant_matmul_ref(x, w, qtype)  # x unquantized: within the quantization's bound
+    assert (np.abs(got - exact) <= int8_error_bound(x, w, qtype) + tol * np.abs(exact).max()).all()
+
+
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
+@pytest.mark.parametrize("m", [4, 17, 33])
+def test_mmq_interpreter(m, qtype, dtype, split, rng):
+    """33 rows take a 64-row tile; 131 columns 3 tiles of 64, the last ragged; 3 super-blocks over 3 splits."""
+    k = 768
+    w = padded_weights(rng, qtype, 131, k)
+    x = rng.standard_normal((m, k)).astype(dtype)
+    _check(_run("numpy", x, w, qtype, split_k=split), x.astype(np.float32), w, qtype,
+           1e-5 if dtype == np.float32 else 2e-3)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton/torch not installed")
+@pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
+def test_mmq_triton_interpreter(qtype, rng):
+    k = 512
+    w = padded_weights(rng, qtype, 37, k)
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    _check(_run("triton-interpret", x, w, qtype, split_k=2), x, w, qtype, 1e-5)
+
+
+@pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
+def test_mmq_simt_cpu(qtype, rng):
+    """The SIMT lowering (the CPU oracle of the Metal and CUDA C emitters) runs the int8 dot too."""
+    k = 512
+    w = padded_weights(rng, qtype, 19, k)
+    x = rng.standard_normal((18, k)).astype(np.float32)
+    _check(_run("simt-cpu", x, w, qtype, block_n=16, split_k=2), x, w, qtype, 1e-5)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_quantize_x_sums(target, rng):
+    """The pre-pass's third output is d * sum(q) per 32 elements (a block's minimum meets it)."""
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    xq, xd, xs = (host(a) for a in quantize_x(dev(x, target), target=target, sums=True))
+    q, d = quantize_x_ref(x)
+    np.testing.assert_array_equal(xq, q)
+    np.testing.assert_allclose(xs, d * q.reshape(3, -1, 32).astype(np.float32).sum(-1), rtol=1e-6)
+
+
+def test_mmq_takes_a_shared_pre_pass(rng):
+    """xq: one quantize_x triple serves several GEMMs of the same input, with the same result."""
+    w = padded_weights(rng, "Q4_K", 20, 512)
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    pre = quantize_x(x, sums=True)
+    np.testing.assert_array_equal(mq.mmq(x, w, "Q4_K", xq=pre), mq.mmq(x, w, "Q4_K"))
+
+
+def test_mmq_errors(rng):
+    w = padded_weights(rng, "Q4_K", 4, 512)
+    x = np.zeros((5, 512), np.float32)
+    with pytest.raises(ValueError, match="unsupported qtype"):
+        mq.mmq(x, w, "Q8_0")
+    with pytest.raises(ValueError, match="do not make a GEMM"):
+        mq.mmq(np.zeros((5, 768), np.float32), w, "Q4_K")
+    big = np.zeros((4, 2 * 288 + 2), np.uint8)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        mq.mmq(x, big[:, 2:], "Q4_K")
+    assert mq.mmq(np.zeros((0, 512), np.float32), w, "Q4_K").shape == (0, 4)
+
+
+def test_mmq_tiles_rule_and_tuned(monkeypatch):
+    """The rule fills the GPU within the partials' budget; a MMQ_TUNED entry replaces it for its problem only."""
+    t = mq.mmq_tiles("Q4_K", 16, 4096, 14336)
+    assert t["SPLIT"] > 1 and 8 * t["SPLIT"] * 16 * 4096 <= dgm.PART_BYTES
+    assert mq.mmq_tiles("Q4_K", 64, 100, 512)["BLOCK_M"] == 64
+    monkeypatch.setitem(mq.MMQ_TUNED, ("Q6_K", 16, 300, 512), dict(block_n=128, split_k=1, num_stages=2))
+    t = mq.mmq_tiles("Q6_K", 12, 300, 512)
+    assert (t["BLOCK_N"], t["SPLIT"], t["num_stages"]) == (128, 1, 2)
+    assert mq.mmq_tiles("Q6_K", 12, 301, 512)["BLOCK_N"] == 64
+
+
+def _int_dot_kernel(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    i, j, kk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    x = tl.load(a + i[:, None] * K + kk[None, :])
+    y = tl.load(b + kk[:, None] * N + j[None, :])
+    tl.store(c + i[:, None] * N + j[None, :], tl.dot(x, y))
+
+
+@pytest.mark.parametrize("target", [*TARGETS, "simt-cpu"])
+def test_dsl_int8_dot(target, rng):
+    """int8 @ int8 is exact in int32 on every target, the extremes included."""
+    a = rng.integers(-128, 128, (16, 64), dtype=np.int8)
+    b = rng.integers(-128, 128, (64, 32), dtype=np.int8)
+    a[0], b[:, 0] = -128, -128
+    c = dev(np.zeros((16, 32), np.int32), target)
+    dsl_compile(_int_dot_kernel, target, M=16, N=32, K=64)[1](dev(a, target), dev(b, target), c)
+    np.testing.assert_array_equal(host(c), a.astype(np.int64) @ b.astype(np.int64))
+
+
+def test_dsl_int8_dot_needs_k_32():
+    from kernels_src.dsl.tracer import TraceError
+
+    with pytest.raises(TraceError, match="K >= 32"):
+        dsl_compile(_int_dot_kernel, "numpy", M=16, N=16, K=16).trace(
+            signature=dict(a="*i8", b="*i8", c="*i32"))
+
+
+@needs_aot
+@pytest.mark.parametrize("qtype,m,n,k", [("Q4_K", 16, 14336, 4096), ("Q6_K", 16, 4096, 14336),
+                                         ("Q4_K", 32, 4096, 4096)])
+def test_aot_sm90(qtype, m, n, k, tmp_path, monkeypatch):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from kernels_src.dsl.triton_target import TritonRenderer, load_function
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    cfg = mq.mmq_tiles(qtype, m, n, k)
+    nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages") or 3, cfg.pop("SPLIT")
+    kern = dsl_compile(mq.KERNELS[qtype], "triton", PDL=True, **cfg)
+    sig = dict(w="*u8", xq="*i8", xd="*fp32", xs="*fp32", y="*bf16" if split == 1 else "*fp32")
+    kir = kern.trace(signature=sig | {p: "i32" for p in kern.runtime_params if p not in sig})
+    div16 = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kir.params)
+             if p.name in ("w", "xq", "xd", "xs", "y", "w_stride", "xq_stride", "y_stride")}
+    fn = JITFunction(load_function(TritonRenderer().render(kir), kir.name))
+    c = triton.compile(ASTSource(fn, signature=kir.signature, attrs=div16), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": nw, "num_stages": ns})
+    ptx = c.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and ".s8.s8" in ptx and "griddepcontrol.wait" in ptx
+    assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
