@@ -107,16 +107,16 @@ def _engine(model, graphs: bool, overlap: bool, max_len: int):
 @needs_cuda
 @pytest.mark.parametrize("overlap", [True, False])
 def test_long_prompts_decode_with_graphs_as_eager_steps(overlap, saved):  # noqa: F811
-    """A 2,100-, a 5,000- and a 9,000-token prompt (past every partition cap: the tiny model's 2 KV heads cap
-    batch 1 at 64 partitions of 64 keys) decode with CUDA graphs, token for token as eager steps, and no graph is
-    captured on first use."""
+    """A 2,100-, a 5,000-, a 9,000- and a 30,000-token prompt (past every partition cap: the tiny model's 2 KV heads
+    cap batch 1 at 64 partitions of 64 keys) decode with CUDA graphs, token for token as eager steps, and no graph
+    is captured on first use."""
     from frontend.engine.sampling_params import SamplingParams
 
     model = load_model(saved("llama3_rope")[1], progress=False)
-    max_len = 9200
+    max_len = 30200
     model.config = cfg = model.config.with_(max_position_embeddings=max_len)
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (2100, 5000, 9000)]
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (2100, 5000, 9000, 30000)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     runs = []
     for graphs in (True, False):

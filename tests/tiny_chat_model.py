@@ -11,14 +11,14 @@ REPO = "tiny-org/tiny-chat"
 GGUF_REPO = "tiny-org/smollm2-gguf"
 
 
-def save_tiny_chat_model(folder: Path, smollm_path: Path) -> Path:
+def save_tiny_chat_model(folder: Path, smollm_path: Path, max_len: int = 256) -> Path:
     from transformers import AutoTokenizer, LlamaConfig
 
     from tests.tiny_hf import random_causal_lm
 
     tok = AutoTokenizer.from_pretrained(smollm_path.parent, gguf_file=smollm_path.name)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len,
                          eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=True)
     random_causal_lm(config).save_pretrained(folder)
     tok.save_pretrained(folder)

@@ -118,7 +118,7 @@ SERVER_TESTS=(tests/test_server.py tests/test_chat_client.py tests/test_server_l
 # In order of what a change to the backend needs first; the kernel suite (~4 min) and its benchmark come last.
 step env any 60 env_info
 step tests_cuda gpu 240 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" "${CUDA_TESTS[@]}"
-step server_cuda smol 200 env TEST_SERVER_BACKEND=cuda "$PY" -m pytest -q -p no:cacheprovider --tb=short \
+step server_cuda smol 420 env TEST_SERVER_BACKEND=cuda "$PY" -m pytest -q -p no:cacheprovider --tb=short \
     "${SERVER_TESTS[@]}"
 step bench_gpu gpu 300 "$PY" -m tools.bench_gpu
 step tests_gpu gpu 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "${GPU_CHECK_K:-not nothing}" \
