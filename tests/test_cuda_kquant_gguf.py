@@ -1,0 +1,94 @@
+"""A tiny llama GGUF whose matrices are random valid Q4_K and Q6_K blocks (the types of a Q4_K_M file) through the
+CUDA backend against the IR reference interpreter, at batch sizes that take each quantized path: 2 rows the GEMV, 6
+and 12 the int8 MMQ GEMM (kernels_src/gguf_mmq.py), 40 the dequantizing GEMM (as do prefills of 33-256 rows).
+Without a GPU the int8 paths run under Triton's interpreter (the runner takes them on the "triton" target only:
+I8_TARGETS is widened here for that); x's int8 quantization moves the logits by ~0.5%."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from backend_greedy import backend_greedy
+from test_gguf_quants import random_raw
+
+from ir.loader import load_model
+from ir.reference import ReferenceRunner
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 320
+TOL = 0.03  # of max |logit|: x quantized to int8 per 32 elements, twice a layer
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory):
+    """Q4_K for q, k, o, gate, up; Q6_K for v, down and the head (as llama-quantize's Q4_K_M does, roughly)."""
+    rng = np.random.default_rng(7)
+    path = tmp_path_factory.mktemp("kq") / "kq.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, LAYERS), (w.add_context_length, 256), (w.add_embedding_length, HIDDEN),
+                   (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0),
+                   (w.add_rope_dimension_count, HIDDEN // HEADS), (w.add_vocab_size, VOCAB)):
+        add(v)
+    kv = HIDDEN // HEADS * KV_HEADS
+
+    def mat(name, rows, cols, qtype):
+        raw = random_raw(qtype, (rows, cols), rng, 2e-3).reshape(rows, -1)
+        w.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
+
+    w.add_tensor("token_embd.weight", (rng.standard_normal((VOCAB, HIDDEN)) * 0.5).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    mat("output.weight", VOCAB, HIDDEN, "Q6_K")
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", np.ones(HIDDEN, np.float32))
+        w.add_tensor(b + "ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for name, rows, cols, qtype in (("attn_q", HIDDEN, HIDDEN, "Q4_K"), ("attn_k", kv, HIDDEN, "Q4_K"),
+                                        ("attn_v", kv, HIDDEN, "Q6_K"), ("attn_output", HIDDEN, HIDDEN, "Q4_K"),
+                                        ("ffn_gate", FFN, HIDDEN, "Q4_K"), ("ffn_up", FFN, HIDDEN, "Q4_K"),
+                                        ("ffn_down", HIDDEN, FFN, "Q6_K")):
+            mat(b + name + ".weight", rows, cols, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+CASES = [("cpu", 6)] + [pytest.param("cuda", b, marks=DEVICES[1].marks) for b in (2, 6, 12, 40)]
+
+
+@pytest.mark.parametrize("device,batch", CASES)
+def test_kquant_model_at_every_path(device, batch, kquant_file, monkeypatch):
+    """On the CPU one case (a minute under Triton's interpreter): 6 rows decode through the MMQ, the prefill's
+    ~40 through dequant_gemm. On a GPU every path."""
+    from backends.cuda import runner
+    from backends.cuda.backend import CUDABackend
+    from backends.cuda.weights import QuantWeight
+    from kernels_src import gguf_mmq
+
+    if device == "cpu":
+        monkeypatch.setattr(runner, "I8_TARGETS", (*runner.I8_TARGETS, "triton-interpret"))
+    calls, real = [], gguf_mmq.mmq
+    monkeypatch.setattr(runner, "mmq", lambda x2, w, qtype, **kw: calls.append((x2.shape[0], qtype)) or
+                        real(x2, w, qtype, **kw))
+    model = load_model(kquant_file, progress=False)
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(0, VOCAB, 20 if i == 0 else 2 + i % 5).tolist() for i in range(batch)]
+    ref = ReferenceRunner(model, max_tokens=64, block_size=8)
+    _, ref_first = ref.greedy(prompts, 2)
+    backend = CUDABackend(model, device=device, dtype="f32", cuda_graph=False, progress=False)
+    assert {p.qtype for p in backend.params.values() if isinstance(p, QuantWeight)} == {"Q4_K", "Q6_K"}
+    _, first = backend_greedy(backend, ref, prompts, 2, 8)
+    err = float(np.abs(first - ref_first).max())
+    assert err <= TOL * float(np.abs(ref_first).max()), err
+    decode_rows = {m for m, _ in calls}
+    if runner.MMQ_MIN_ROWS["Q4_K"] <= batch <= runner.MMQ_MAX_ROWS:
+        assert batch in decode_rows and {q for _, q in calls} == {"Q4_K", "Q6_K"}
+    else:
+        assert batch not in decode_rows
