@@ -1,10 +1,13 @@
-"""The engine's one owner: a thread that runs the step loop, fed by a queue, and hands each request's
-outputs to the asyncio handler that waits for them. Sanic handlers never touch the engine itself."""
+"""The engine in the server's own process (--engine-in-process, and tests): a thread that runs the step loop, fed
+by a queue, and hands each request's outputs to the asyncio handler that waits for them. Sanic handlers never touch
+the engine itself. By default the engine runs in a process of its own instead (frontend/engine_proc/), with the same
+interface, so that the step loop and the HTTP server do not share one GIL."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -13,20 +16,11 @@ from dataclasses import dataclass
 
 from frontend.engine.engine import LLMEngine, RequestOutput
 from frontend.engine.sampling_params import SamplingParams
+from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFailedError
+from frontend.engine_proc.wire import EngineStats, Ready, stats_of
 
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError", "StepFailedError"]
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop failed; the request cannot complete."""
-
-
-class StepFailedError(RuntimeError):
-    """A step failed in the backend: the requests in it fail, the engine goes on."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request alone failed (its sampling raised); the engine and the other requests go on."""
 
 
 @dataclass
@@ -72,12 +66,27 @@ class AsyncEngine:
         self._taken: list = []  # the messages the engine thread took from the inbox last
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.on_step = None  # called in the engine thread after each step (metrics)
+        self.on_death = None  # called on the attached loop when the thread dies (not on shutdown)
+        self.active = 0  # generate() calls not yet returned
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        blocks = engine.blocks
+        self.info = Ready(os.getpid(), engine.backend.model.config.vocab_size, engine.max_model_len,
+                          blocks.num_blocks, blocks.block_size)
+        self.bounds = engine.bounds
         self._thread.start()
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop on_death is called on (the server's)."""
+        self._event_loop = loop
 
     # -- called from handlers -----------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         return self.dead is None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        return stats_of(self.engine)
 
     def num_waiting(self) -> int:
         """Requests waiting (an n > 1 request counts once)."""
@@ -103,6 +112,7 @@ class AsyncEngine:
             self._pending += 1
             self._pending_seqs += params.n
             self._inbox.put(_Add(request_id, prompt, params, stream))
+        self.active += 1
         finished = False
         try:
             while True:
@@ -114,10 +124,12 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            self.active -= 1
             if not finished:
                 self._inbox.put(_Abort(request_id))
 
     def shutdown(self) -> None:
+        self._stopping = True
         self._inbox.put(_Stop())
         self._thread.join(timeout=10)
 
@@ -144,6 +156,11 @@ class AsyncEngine:
                 if isinstance(msg, _Add):
                     msg.stream.put(err)
         self._fail_all(err)
+        if self.on_death is not None and self._event_loop is not None and not self._stopping:
+            try:
+                self._event_loop.call_soon_threadsafe(self.on_death, err)
+            except RuntimeError:  # the loop is closed: the server is gone already
+                pass
 
     def _loop(self) -> None:
         while True:

@@ -7,8 +7,7 @@ import logging
 import sys
 import time
 
-from frontend.model_source import ModelNotFound, resolve
-from ir.formats.errors import ModelFormatError
+from frontend.model_source import resolve
 
 log = logging.getLogger("frontend")
 
@@ -50,6 +49,11 @@ def parser() -> argparse.ArgumentParser:
     net.add_argument("--max-waiting", metavar="N", type=int, default=1024,
                      help="answer 429 when more than N requests wait (default 1024)")
     net.add_argument("--log", metavar="FILE", help="also write the log to FILE")
+    net.add_argument("--on-engine-death", choices=["exit", "restart"], default="exit",
+                     help="when the engine process dies (its requests fail, /health says 503): exit non-zero, or "
+                     "start a new engine process (default exit)")
+    net.add_argument("--engine-in-process", action="store_true", help="run the engine in a thread of the server's "
+                     "process instead of a process of its own (debugging; the two share one GIL)")
     eng = ap.add_argument_group("engine")
     eng.add_argument("--mem", metavar="MiB", type=_positive(), help="KV cache budget in MiB (default: cuda 0.9 of "
                      "the free GPU memory, mlx 512)")
@@ -118,6 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--seed must be in [0, 2**63)")
     if args.max_waiting < 0:
         ap.error("--max-waiting must be >= 0")
+    if args.engine_in_process and args.on_engine_death == "restart":
+        ap.error("--on-engine-death restart needs the engine in its own process (not --engine-in-process)")
     if args.prompt is None:  # serving: one-shot flags that would be silently ignored are refused
         if args.system is not None:
             ap.error("--system applies to --prompt only; when serving, each request gives its own system message")
@@ -147,24 +153,22 @@ def setup_logging(log_file: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log)
-    from backends.base import create_backend
-    from frontend.engine.engine import LLMEngine
-    from ir.loader import load_model
+    from frontend.engine_proc.spec import LOAD_ERRORS, EngineSpec
 
+    engine = None
     try:
         source = resolve(args.w, args.f, args.m)
         log.info("loading %s from %s", source.id, source.path)
-        model = load_model(source.path, progress=True)
-        backend = create_backend(args.backend, model, **backend_options(args))
-        engine = LLMEngine(backend, engine_config(args))
-    except (ModelNotFound, ModelFormatError, FileNotFoundError, ValueError, NotImplementedError, MemoryError) as e:
+        spec = EngineSpec(str(source.path), args.backend, backend_options(args), engine_config(args), args.log)
+        if args.prompt is not None or args.engine_in_process:  # else the engine process loads the weights
+            engine = spec.load()
+    except LOAD_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    log.info("%s model on %s (%s); %s", model.arch.name, backend.name, backend.describe(), backend.memory().line())
     if args.prompt is not None:
         return answer_once(engine, args)
     from frontend.run_server import serve
-    return serve(engine, source.id, args)
+    return serve(args, source.id, spec, engine)
 
 
 def engine_config(args: argparse.Namespace):

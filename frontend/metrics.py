@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from frontend.engine.engine import LLMEngine
+from frontend.engine_proc.wire import EngineStats
 
 PREFIX = "llm_engine:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -14,22 +16,22 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300
 
 
 class Metrics:
-    def __init__(self, engine: LLMEngine, model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        """`stats` gives the engine's latest numbers: read live in-process, the last step's from an engine process."""
         self.registry = reg = CollectorRegistry()
-        self.engine = engine
+        self.stats = stats
         labels = ["model_name"]
 
         def gauge(name: str, doc: str, read) -> None:
             Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name).set_function(read)
 
-        blocks = engine.blocks
-        gauge("num_requests_running", "Sequences in the running batch.", engine.num_running)
-        gauge("num_requests_waiting", "Sequences waiting to be scheduled.", engine.num_waiting)
+        gauge("num_requests_running", "Sequences in the running batch.", lambda: stats().running)
+        gauge("num_requests_waiting", "Sequences waiting to be scheduled.", lambda: stats().waiting_seqs)
         gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (1 means full).",
-              lambda: 1.0 - blocks.num_free_blocks / blocks.num_blocks)
+              lambda: 1.0 - (s := stats()).free_blocks / s.total_blocks)
         gauge("num_kv_blocks_free", "KV-cache blocks free (cached prefixes in them may still be reused).",
-              lambda: blocks.num_free_blocks)
-        gauge("num_kv_blocks_total", "KV-cache blocks in all.", lambda: blocks.num_blocks)
+              lambda: stats().free_blocks)
+        gauge("num_kv_blocks_total", "KV-cache blocks in all.", lambda: stats().total_blocks)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", labels,
                                      registry=reg).labels(model_name)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels,
@@ -44,17 +46,21 @@ class Metrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              labels, buckets=_E2E_BUCKETS, registry=reg).labels(model_name)
         self.model_name = model_name
-        self._seen = dict(engine.stats)
+        now = stats()
+        self._seen = {key: getattr(now, key) for key in ("prompt_tokens", "generation_tokens", "steps")}
 
     def after_step(self) -> None:
-        """Called in the engine thread: moves the engine's token counts into the counters."""
-        stats = self.engine.stats
+        """Called after each step (in the engine thread, or on the loop for an engine process): moves the engine's
+        token counts into the counters."""
+        stats = self.stats()
         for key, counter in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                              ("steps", self.steps)):
-            delta = stats[key] - self._seen[key]
-            if delta:
-                counter.inc(delta)
-                self._seen[key] = stats[key]
+            value, seen = getattr(stats, key), self._seen[key]
+            if value < seen:  # a restarted engine process counts from 0 again
+                seen = 0
+            if value > seen:
+                counter.inc(value - seen)
+            self._seen[key] = value
 
     def finished(self, reason: str | None) -> None:
         self.request_success.labels(self.model_name, reason or "abort").inc()

@@ -8,11 +8,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from frontend.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, StepFailedError
 from frontend.engine.engine import CompletionOutput, RequestOutput
 from frontend.engine.sampling_params import SamplingParams, SamplingParamsError
+from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFailedError
 from frontend.errors import APIError, bad_request
 from frontend.limits import ServingLimits, token_id_key
 from frontend.logprobs import LogprobFormatter, context_ids
@@ -26,6 +26,10 @@ from frontend.protocol import (
     sampling_params,
 )
 from frontend.responses import Reply, chat_choice, chat_delta, sse, text_choice
+
+if TYPE_CHECKING:
+    from frontend.async_engine import AsyncEngine
+    from frontend.engine_proc.client import EngineClient
 
 log = logging.getLogger(__name__)
 Send = Callable[[str], Awaitable[None]]
@@ -55,7 +59,7 @@ class ServedModel:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, tokenizer, model: ServedModel,
+    def __init__(self, engine: AsyncEngine | EngineClient, metrics: Metrics, tokenizer, model: ServedModel,
                  defaults: ServerDefaults, max_waiting: int, limits: ServingLimits | None = None):
         self.engine = engine
         self.metrics = metrics

@@ -44,6 +44,20 @@ def load_model(path: str | Path, dtype: str = "f32", progress: bool = True) -> L
     return _load_gguf(path, dtype, progress)
 
 
+def load_tokenizer(path: str | Path):
+    """The tokenizer (with its chat template) alone, no weight bound: what a process that serves HTTP needs."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    if path.is_dir():
+        if not (path / "tokenizer.json").exists():
+            return None
+        from ir.tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(path)
+    return _gguf_tokenizer(GGUFFile(path).metadata, path)
+
+
 def _bind(graph: Graph, names: Mapping[str, str], fetch: Callable[[str], StoredTensor | None],
           path: Path, progress: bool) -> WeightStore:
     store = WeightStore()

@@ -27,9 +27,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m frontend ARGS` on 127.0.0.1; `url` ends in /v1. Stops (and reports its log) on exit."""
+    """`python -m frontend ARGS` (or another `module` that serves as it does) on 127.0.0.1; `url` ends in /v1. Stops
+    (and reports its log) on exit."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180):
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180,
+                 module: str = "frontend"):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"
@@ -43,6 +45,7 @@ class ServerProcess:
         self.args = ["--h", "127.0.0.1", "--p", str(self.port), *extra, *args]
         self.env = child_env(**(env or {}))
         self.startup_s = startup_s
+        self.module = module
         self.log_path = None
         self.proc: subprocess.Popen | None = None
 
@@ -50,7 +53,7 @@ class ServerProcess:
         import tempfile
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="server-", suffix=".log", delete=False)
         self.log_path = self.log_file.name
-        self.proc = subprocess.Popen([sys.executable, "-m", "frontend", *self.args], cwd=ROOT, env=self.env,
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
                                      stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:

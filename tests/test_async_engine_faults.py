@@ -93,7 +93,7 @@ def test_a_dead_engine_thread_fails_waiting_handlers_and_health_says_503(async_e
         raise Fatal("out of the blue")
 
     engine.engine.step = fatal_step
-    serving = OpenAIServing(engine, Metrics(engine.engine, "m"), smollm.tokenizer,
+    serving = OpenAIServing(engine, Metrics(engine.stats, "m"), smollm.tokenizer,
                             ServedModel("m", 8192, 49152, 0), ServerDefaults(), 16)
     app = build_app(serving, name="dead_engine_test")
     health = next(r.handler for r in app.router.routes if r.path == "health")

@@ -279,10 +279,11 @@ def test_abandoned_requests_free_their_blocks(server, client):
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     """A second server: an API key, one sequence at a time, at most one waiting request, a log file, and a KV
-    cache (16 MiB: 352 tokens) far smaller than the context."""
+    cache (16 MiB: 352 tokens) far smaller than the context. Its engine runs in a thread of the server's process
+    (--engine-in-process), so that mode is served end to end too."""
     log = tmp_path_factory.mktemp("log") / "server.log"
     with ServerProcess("--api-key", "sesame", "--max-num-seqs", "1", "--max-waiting", "1", "--log", str(log),
-                       "--mem", "16") as s:
+                       "--mem", "16", "--engine-in-process") as s:
         s.log_file_path = log
         yield s
 

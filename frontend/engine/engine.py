@@ -12,6 +12,7 @@ import numpy as np
 from backends.base import Backend
 from frontend.engine.block_manager import BlockManager
 from frontend.engine.detokenizer import IncrementalDetokenizer
+from frontend.engine.request_bounds import RequestBounds
 from frontend.engine.sampler import make_generator, needs_history
 from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -168,20 +169,13 @@ class LLMEngine:
         self.requests[request_id] = Request(request_id, prompt, seqs)
         return request_id
 
+    @property
+    def bounds(self) -> RequestBounds:
+        return RequestBounds(self.backend.model.config.vocab_size, self.max_model_len,
+                             self.blocks.num_blocks * self.blocks.block_size)
+
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.backend.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab}")
-        want = len(prompt) + (params.max_tokens or 1)
-        if want > self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                             f"has {len(prompt)} tokens and max_tokens asks for {params.max_tokens or 1} more")
-        total = self.blocks.num_blocks * self.blocks.block_size
-        if want > total:
-            raise ValueError(f"the KV cache holds {total} tokens, fewer than the {want} this request may need")
+        self.bounds.check(prompt, params)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -1,0 +1,170 @@
+"""The engine process: it loads the model, owns the backend and the scheduler, and runs the step loop, fed by the
+API process's `Inputs` and answering each step with one `Step` (wire.py).
+
+Detokenization and stop strings stay here, in the engine's own detokenizer: a stop string ends its sequence in the
+step that completes it (blocks freed, no token generated past it), as the offline engine does. Matching stop strings
+in the API process instead (as vLLM does) would keep a stopped sequence decoding until the abort arrives, and an n > 1
+sibling would need an abort of its own; the cost that saves is small here (docs/ARCHITECTURE.md gives the figure).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from frontend.engine.engine import LLMEngine
+from frontend.engine_errors import EngineDeadError
+from frontend.engine_proc.spec import LOAD_ERRORS, EngineSpec
+from frontend.engine_proc.wire import Codec, Dead, Failure, LoadFailed, Ready, Step, delta_of, stats_of
+
+log = logging.getLogger("frontend.engine")
+_IDLE_POLL_MS = 1000  # how often an idle engine looks whether the API process is still there
+
+
+def main(spec: EngineSpec, inputs_addr: str, outputs_addr: str, parent_pid: int) -> None:
+    """The engine process's entry point (a multiprocessing spawn target)."""
+    # Ctrl-C in a terminal reaches the whole process group: the API process decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from frontend.cli import setup_logging
+
+    setup_logging(spec.log_file)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(inputs_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    outbox.connect(outputs_addr)
+    try:
+        code = _serve(spec, inbox, outbox, parent_pid)
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=2000)  # the last message (LoadFailed, Dead) must leave before the process does
+        ctx.term()
+    if code == 1:  # died: a backend thread in a bad state must not keep the process alive
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _serve(spec: EngineSpec, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> int:
+    """Loads, says ready, runs the loop; the exit code: 0 stopped, 1 died, 2 could not load."""
+    codec = Codec()
+    try:
+        engine = spec.load()
+    except LOAD_ERRORS as e:
+        outbox.send(codec.encode(LoadFailed(str(e))))
+        return 2
+    except Exception as e:  # noqa: BLE001 - the API process must get a line, not wait for one
+        log.critical("loading the model failed", exc_info=True)
+        outbox.send(codec.encode(LoadFailed(f"loading the model failed: {e.__class__.__name__}: {e}")))
+        return 2
+    blocks = engine.blocks
+    outbox.send(codec.encode(Ready(os.getpid(), engine.backend.model.config.vocab_size, engine.max_model_len,
+                                   blocks.num_blocks, blocks.block_size)))
+    try:
+        EngineCore(engine, inbox, outbox, codec, parent_pid).run()
+    except BaseException as e:  # noqa: BLE001 - whatever ends the loop, the API process hears why at once
+        log.critical("the engine process died", exc_info=True)
+        reason = str(e) if isinstance(e, EngineDeadError) else f"{e.__class__.__name__}: {e}"
+        outbox.send(codec.encode(Dead(f"the engine process died: {reason}")))
+        return 1
+    return 0
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent_pid: int):
+        self.engine = engine
+        self.inbox, self.outbox, self.codec = inbox, outbox, codec
+        self.parent_pid = parent_pid
+
+    def run(self) -> None:
+        """Returns on a stop message or when the API process is gone."""
+        engine = self.engine
+        while True:
+            if os.getppid() != self.parent_pid:
+                log.warning("the API process is gone; the engine stops")
+                return
+            if not engine.has_unfinished() and not self.inbox.poll(_IDLE_POLL_MS):
+                continue
+            failures: list[Failure] = []
+            took, added, seqs, stop = self._take_inputs(failures)
+            if stop:
+                return
+            outputs = []
+            stepped = engine.has_unfinished()
+            if stepped:
+                outputs = self._step(failures)
+            if took or stepped:
+                self._send(Step(outputs, failures, stats_of(engine), added, seqs))
+
+    def _take_inputs(self, failures: list[Failure]) -> tuple[bool, int, int, bool]:
+        """Every message waiting, adds before aborts (an abort may name an add of the same message)."""
+        took, added, seqs = False, 0, 0
+        while True:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return took, added, seqs, False
+            took = True
+            try:
+                msg = self.codec.inputs.decode(raw)
+            except msgspec.DecodeError:
+                log.exception("engine: a malformed message from the API process was dropped")
+                continue
+            if msg.stop:
+                return took, added, seqs, True
+            for add in msg.adds:
+                added += 1
+                seqs += add.n
+                self._add(add, failures)
+            for rid in msg.aborts:
+                if rid in self.engine.requests:
+                    log.info("request %s aborted: its client went away", rid)
+                self.engine.abort_request(rid)
+
+    def _add(self, add, failures: list[Failure]) -> None:
+        try:
+            prompt = self.codec.prompt.decode(add.prompt)
+            params = self.codec.params.decode(add.params)
+        except (msgspec.DecodeError, ValueError) as e:  # ValidationError is both
+            log.warning("engine: request %s could not be decoded: %s", add.request_id, e)
+            failures.append(Failure(add.request_id, "failed", f"the engine could not add the request: {e}"))
+            return
+        try:
+            self.engine.add_request(prompt, params, add.request_id)
+        except ValueError as e:  # refused (the API process's checks ran against an older state)
+            failures.append(Failure(add.request_id, "refused", str(e)))
+        except Exception as e:  # one malformed request fails alone
+            log.exception("engine: adding request %s failed", add.request_id)
+            self.engine.abort_request(add.request_id)
+            failures.append(Failure(add.request_id, "failed", f"the engine could not add the request: {e}"))
+
+    def _step(self, failures: list[Failure]) -> list:
+        engine = self.engine
+        try:
+            return [delta_of(out) for out in engine.step()]
+        except Exception as e:  # a backend failure fails this step's requests; the engine goes on
+            if engine.backend.is_fatal(e):  # e.g. a poisoned CUDA context: no later step can run
+                raise EngineDeadError(f"the backend cannot run another step after {e.__class__.__name__}: "
+                                      f"{e}") from e
+            log.exception("engine step failed; aborting the %d running request(s)", len(engine.requests))
+            message = f"the engine step failed: {e.__class__.__name__}: {e}"
+            for rid in list(engine.requests):
+                failures.append(Failure(rid, "step_failed", message))
+                try:
+                    engine.abort_request(rid)
+                except Exception:
+                    log.exception("engine: aborting %s failed", rid)
+            return []
+
+    def _send(self, msg: Step) -> None:
+        try:
+            self.outbox.send(self.codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:  # no API process connected any more: run() sees it gone
+            log.warning("engine: a step's outputs had no reader")
