@@ -2,7 +2,8 @@
 with a stub backend whose forward costs nothing: the host time a GPU step waits for. On an H200 a batch-64 decode
 step of an 8B model takes ~6.8 ms, so every 0.1 ms here is ~1.5% of throughput.
 
-    python -m tools.bench_engine_host [--batch 64] [--gen 128] [--repeats 5] [--text] [--window 50] [--profile]
+    python -m tools.bench_engine_host [--batch 64] [--gen 128] [--repeats 5] [--text] [--penalties] [--window 50]
+        [--profile]
     (pin it for stable figures: taskset -c 1 python -m tools.bench_engine_host)
 
 With --text the stub carries the default model's tokenizer, so every token is detokenized as when serving; the
@@ -66,16 +67,17 @@ class Run:
 
 
 def run(batch: int, gen: int, prompt: int, prefix_caching: bool, profile: bool, tokenizer=None,
-        window: int = 50) -> Run:
+        window: int = 50, penalties: bool = False) -> Run:
     """Milliseconds of engine Python per decode step."""
     engine = LLMEngine(StubBackend(tokenizer, max(8192, prompt + gen)), EngineConfig(
         num_kv_blocks=batch * (-(-(prompt + gen) // 16) + 1) + 16, prefix_caching=prefix_caching,
         scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * prompt,
                                   prefill_chunk_size=prompt)))
     rng = np.random.default_rng(0)
+    extra = dict(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1) if penalties else {}
     for _ in range(batch):
         engine.add_request(rng.integers(0, VOCAB, prompt).tolist(),
-                           SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True, **extra))
     engine.step()  # the prefills
     prof = cProfile.Profile() if profile else None
     if prof:
@@ -100,6 +102,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="best of this many runs")
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--text", action="store_true", help="detokenize with the default model's tokenizer")
+    ap.add_argument("--penalties", action="store_true", help="repetition, frequency and presence penalties (these "
+                    "read each sequence's tokens so far)")
     ap.add_argument("--window", type=int, default=50, help="steps in the first and last medians")
     ap.add_argument("--profile", action="store_true", help="cProfile one run instead (slower: not a figure)")
     args = ap.parse_args()
@@ -110,7 +114,7 @@ def main() -> None:
 
         tokenizer = load_model(default_model_path(), progress=False).tokenizer
     go = lambda profile: run(args.batch, args.gen, args.prompt, not args.no_prefix_cache, profile, tokenizer,
-                             args.window)
+                             args.window, args.penalties)
     if args.profile:
         go(True)
         return
@@ -118,8 +122,9 @@ def main() -> None:
     best = min(runs, key=lambda r: r.mean_ms)
     median = sorted(r.mean_ms for r in runs)[len(runs) // 2]
     w = min(args.window, args.gen - 1)
+    what = (", detokenized" if tokenizer else "") + (", penalties" if args.penalties else "")
     print(f"engine Python per decode step at batch {args.batch}: best {best.mean_ms:.3f} ms, median {median:.3f} ms "
-          f"({args.repeats} runs of {args.gen - 1} steps{', detokenized' if tokenizer else ''}); "
+          f"({args.repeats} runs of {args.gen - 1} steps{what}); "
           f"median step, best run: {min(r.first_ms for r in runs):.3f} ms over the first {w} tokens, "
           f"{min(r.last_ms for r in runs):.3f} ms over the last {w} (to {args.gen})")
 
