@@ -9,6 +9,7 @@ from the vocabulary, never the bytes of a decoded U+FFFD.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from frontend.engine.sequence import TokenLogprob
@@ -21,7 +22,7 @@ _WINDOW = 8  # ids of context decoded before a token (enough for a leading space
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
-def context_ids(prompt: list[int], output: list[int], start: int) -> list[int]:
+def context_ids(prompt: list[int], output: Sequence[int], start: int) -> list[int]:
     """The ids just before output[start]: the prompt's tail, then the output before it."""
     return (prompt[-_WINDOW:] + output[max(0, start - _WINDOW):start])[-_WINDOW:]
 

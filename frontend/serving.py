@@ -168,8 +168,8 @@ class OpenAIServing:
     def _chat_chunks(self, params: SamplingParams, top: int, prompt: list[int]):
         def chunks(_: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
             new = _new_logprobs(c, params)
-            start = len(c.token_ids) - len(c.delta_token_ids)
-            lp = self.logprobs.chat(new, top, context_ids(prompt, c.token_ids, start)) if new else None
+            start = c.num_tokens - len(c.delta_token_ids)
+            lp = self.logprobs.chat(new, top, context_ids(prompt, c.token_view, start)) if new else None
             out = [chat_delta(c.index, "", None, None, role=True)] if first else []
             if c.delta_text or lp or last:
                 out.append(chat_delta(c.index, c.delta_text, lp, c.finish_reason if last else None,
@@ -222,8 +222,8 @@ class OpenAIServing:
     def _text_chunks(self, params: SamplingParams, echo: list[str], prompts: list[list[int]]):
         def chunks(i: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
             new = _new_logprobs(c, params)
-            start = len(c.token_ids) - len(c.delta_token_ids)
-            lp = (self.logprobs.text(new, len(c.text) - len(c.delta_text), context_ids(prompts[i], c.token_ids, start))
+            start = c.num_tokens - len(c.delta_token_ids)
+            lp = (self.logprobs.text(new, c.text_len - len(c.delta_text), context_ids(prompts[i], c.token_view, start))
                   if new else None)
             text = (echo[i] if first else "") + c.delta_text
             if not (text or lp or last):
@@ -303,10 +303,10 @@ class OpenAIServing:
 
     def _finished(self, out: RequestOutput, reply: Reply, arrival: float, first_token: float | None) -> None:
         now = time.monotonic()
-        reply.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        reply.completion_tokens += sum(c.num_tokens for c in out.outputs)
         reply.cached_tokens += out.num_cached_tokens
         self.metrics.e2e.observe(now - arrival)
-        n = max(len(c.token_ids) for c in out.outputs)
+        n = max(c.num_tokens for c in out.outputs)
         if first_token is not None and n > 1:
             self.metrics.tpot.observe((now - first_token) / (n - 1))
         for c in out.outputs:
@@ -328,4 +328,4 @@ def _new_logprobs(c: CompletionOutput, params: SamplingParams) -> list:
     """The logprobs of the tokens new in this report (the engine's list is the whole sequence's, still growing)."""
     if params.logprobs is None or not c.delta_token_ids:
         return []
-    return c.logprobs[len(c.token_ids) - len(c.delta_token_ids):len(c.token_ids)]
+    return c.logprobs[c.num_tokens - len(c.delta_token_ids):c.num_tokens]

@@ -6,6 +6,7 @@ prefixes. Freed blocks keep their hash and stay reusable until the space is need
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,12 +47,14 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _full_block_hashes(self, seq: Sequence, num_tokens: int) -> list[tuple[int, tuple[int, ...]]]:
-        # A sequence's tokens never change once written, so its hashes are computed once and kept.
+        """The hashes of the full blocks among the first `num_tokens` tokens: `seq.block_hashes`, of which only
+        those first ones are read (the list may hold more). A sequence's tokens never change once written, so
+        each block's hash is computed once and kept."""
         known = seq.block_hashes
         for b in range(len(known), num_tokens // self.block_size):
             toks = tuple(seq.tokens(b * self.block_size, (b + 1) * self.block_size))
             known.append((block_hash(known[-1][0] if known else None, toks), toks))
-        return known[: num_tokens // self.block_size]
+        return known
 
     def _lookup(self, h: int, toks: tuple[int, ...]) -> Block | None:
         bid = self.cached.get(h)
@@ -68,7 +71,8 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         hits = []
-        for h, toks in self._full_block_hashes(seq, seq.num_tokens - 1):
+        full = (seq.num_tokens - 1) // self.block_size
+        for h, toks in itertools.islice(self._full_block_hashes(seq, seq.num_tokens - 1), full):
             blk = self._lookup(h, toks)
             if blk is None:
                 break
@@ -115,11 +119,19 @@ class BlockManager:
         """Publish the blocks that `seq` has filled completely, so that later sequences can share them."""
         if not self.prefix_caching:
             return
-        for i, (h, toks) in enumerate(self._full_block_hashes(seq, seq.num_computed_tokens)):
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_committed_blocks:  # a decode step that filled no block: nothing to publish
+            return
+        hashes = self._full_block_hashes(seq, seq.num_computed_tokens)
+        # Blocks below num_committed_blocks were published by an earlier call, or were hits and forks that already
+        # carried their hash; a block a sequence holds is never handed out again, so they stay so: skip them.
+        for i in range(seq.num_committed_blocks, full):
             blk = self.blocks[seq.block_table[i]]
             if blk.hash is None:
+                h, toks = hashes[i]
                 blk.hash, blk.tokens = h, toks
                 self.cached.setdefault(h, blk.block_id)
+        seq.num_committed_blocks = full
 
     def free_seq(self, seq: Sequence) -> None:
         # Last blocks first into the LRU list, so a prefix outlives its tails.
@@ -131,6 +143,7 @@ class BlockManager:
                 self.free[bid] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share the parent's full prompt blocks with a sibling; it recomputes only the partial tail."""

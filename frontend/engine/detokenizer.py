@@ -3,6 +3,8 @@
 Each step decodes only a small window of ids (prefix/read offsets) and emits text once it no longer
 ends in U+FFFD, so a character split over byte tokens comes out whole. Text that may still become a
 stop string is held back until the next tokens settle it; a matched stop string ends the output.
+The emitted text is kept as a list of pieces (joined only when read): `text += piece` would copy the whole text
+at every token.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Turns one sequence's generated ids into text deltas; `text` is everything emitted so far."""
+    """Turns one sequence's generated ids into text deltas; `text` is everything emitted so far, `pieces` the
+    deltas that make it up (only ever appended to) and `text_len` its length."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.tokenizer, self.params = tokenizer, params
-        self.text = ""
+        self.pieces: list[str] = []
+        self.text_len = 0
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that matched
         self.num_tokens = 0
@@ -35,6 +39,10 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)  # ids before it are context, already turned into text
         self._held = ""  # decoded, not emitted: it may be the start of a stop string
         self._longest_stop = max(map(len, params.stop), default=0)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     def add(self, token_id: int) -> str:
         """Append one generated id; return the text it makes emittable (often "", never after a stop)."""
@@ -71,8 +79,7 @@ class IncrementalDetokenizer:
 
     def _release(self, new: str, final: bool) -> str:
         if not self.params.stop:
-            self.text += new
-            return new
+            return self._emit(new)
         buf = self._held + new
         if new and self.num_tokens > self.params.min_tokens:
             hit = self._find_stop(buf, len(self._held))
@@ -80,11 +87,15 @@ class IncrementalDetokenizer:
                 stop, start = hit
                 out = buf[:start + len(stop) if self.params.include_stop_str_in_output else start]
                 self.stopped, self.stop_string, self._held = True, stop, ""
-                self.text += out
-                return out
+                return self._emit(out)
         keep = 0 if final else self._stop_prefix_len(buf)
         out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
-        self.text += out
+        return self._emit(out)
+
+    def _emit(self, out: str) -> str:
+        if out:
+            self.pieces.append(out)
+            self.text_len += len(out)
         return out
 
     def _find_stop(self, buf: str, old: int) -> tuple[str, int] | None:

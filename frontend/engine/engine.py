@@ -12,12 +12,15 @@ import numpy as np
 from backends.base import Backend
 from frontend.engine.block_manager import BlockManager
 from frontend.engine.detokenizer import IncrementalDetokenizer
+from frontend.engine.outputs import CompletionOutput, RequestOutput, TokenView
 from frontend.engine.request_bounds import RequestBounds
-from frontend.engine.sampler import make_generator, needs_history
+from frontend.engine.sampler import TokenHistory, make_generator, needs_history
 from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from frontend.engine.sequence import Sequence, Status, TokenLogprob
 from ir.batch import make_batch
+
+__all__ = ["CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput"]  # the outputs live in outputs.py
 
 log = logging.getLogger(__name__)
 
@@ -33,28 +36,6 @@ class EngineConfig:
     async_scheduling: bool = True  # overlap steps where the backend can (see LLMEngine.step)
     seed: int | None = None  # requests without a seed draw from streams derived from this one (None: OS entropy)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] | None = None
-    delta_text: str = ""  # text new since the previous report
-    delta_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
-    error: str | None = None  # the request failed (its sampling raised): finished, with this message
 
 
 @dataclass(slots=True)
@@ -85,11 +66,16 @@ class _MinTokensView:
     def output_token_ids(self) -> list[int]:
         return self.seq.output_token_ids
 
+    @property
+    def history(self) -> TokenHistory | None:
+        return self.seq.history
+
 
 class NoText:
     """Stands in for the detokenizer of a model without a tokenizer (token ids only)."""
 
-    stopped, stop_string, text = False, None, ""
+    stopped, stop_string, text, text_len = False, None, "", 0
+    pieces: tuple[str, ...] = ()
 
     def add(self, token_id: int) -> str:
         return ""
@@ -160,8 +146,9 @@ class LLMEngine:
                 generator = np.random.Generator(np.random.PCG64(self._seeds.spawn(1)[0]))
             else:
                 generator = make_generator(None)
+            history = needs_history(params)
             seq = Sequence(request_id, i, prompt, params, generator, parent=seqs[0] if seqs else None,
-                           needs_history=needs_history(params))
+                           needs_history=history, history=TokenHistory(prompt) if history else None)
             seq.detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt, params) if self.tokenizer
                                else NoText())
             seqs.append(seq)
@@ -233,7 +220,7 @@ class LLMEngine:
         batch = make_batch([s.seq.tokens(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new)
                             for s in scheduled],
                            [s.seq.num_computed_tokens for s in scheduled],
-                           [s.seq.block_table for s in scheduled], self.config.block_size)
+                           [s.seq.block_array() for s in scheduled], self.config.block_size)
         batch.logits_indices = batch.logits_indices[keep]
         if self.overlap and any(s.seq.pending for s in scheduled):
             batch.prev_rows = np.array([s.seq.chain_row if s.seq.pending else -1 for s in scheduled], np.int32)
@@ -284,6 +271,8 @@ class LLMEngine:
                 self._fail_request(seq.request_id, res.error)
                 continue
             seq.output_token_ids[slot] = res.token
+            if seq.history is not None:
+                seq.history.add(res.token)
             seq.pending -= 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -336,19 +325,22 @@ class LLMEngine:
         return (max_tokens is not None and n_out >= max_tokens) or seq.num_prompt_tokens + n_out >= self.max_model_len
 
     def _report(self, req: Request) -> RequestOutput:
-        # Runs for every running request every step: kept to plain attribute reads (see docs/BENCHMARKS.md, the
-        # engine's Python per step bounds batch-64 decode on a GPU).
+        # Runs for every running request every step: plain attribute reads, and nothing that grows with the output
+        # (see docs/BENCHMARKS.md: the engine's Python per step bounds batch-64 decode on a GPU). The outputs name
+        # the sequence's token list and text pieces up to their current lengths (outputs.py says why that holds).
         outs = []
         for i, seq in enumerate(req.seqs):
-            text = seq.detokenizer.text
-            delta = text[seq.text_offset:]
-            seq.text_offset = len(text)
+            detok = seq.detokenizer
+            pieces = detok.pieces
+            num_pieces = len(pieces)
+            delta = pieces[-1] if num_pieces == seq.reported_pieces + 1 else "".join(pieces[seq.reported_pieces:])
+            seq.reported_pieces = num_pieces
             ids = seq.output_token_ids
-            if seq.pending:
-                ids = ids[:len(ids) - seq.pending]
-            new_ids = ids[req.reported_tokens[i]:]
-            req.reported_tokens[i] = len(ids)
-            outs.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason,
+            n = len(ids) - seq.pending
+            new_ids = ids[req.reported_tokens[i]:n]
+            req.reported_tokens[i] = n
+            outs.append(CompletionOutput(seq.index, pieces, num_pieces, detok.text_len, TokenView(ids, n),
+                                         seq.finish_reason, seq.stop_reason,
                                          seq.logprobs if seq.params.logprobs is not None else None, delta, new_ids))
         finished = req.finished
         if finished:

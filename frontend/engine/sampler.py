@@ -14,8 +14,8 @@ import numpy as np
 
 from frontend.engine.sampling_params import SamplingParams
 
-__all__ = ["SampleResult", "Sampler", "SamplerInput", "adjusted_logits", "make_generator", "needs_history",
-           "sampling_probs"]
+__all__ = ["SampleResult", "Sampler", "SamplerInput", "TokenHistory", "adjusted_logits", "make_generator",
+           "needs_history", "sampling_probs"]
 
 _SMALL = 4096  # up to this many candidates one cumulative sum is cheapest; above, a two-level draw
 _BLOCK = 256
@@ -35,6 +35,42 @@ class SamplerInput(Protocol):
     generator: np.random.Generator
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # optional: `history`, a TokenHistory of these same tokens, which the penalties then read instead of the lists
+
+
+class TokenHistory:
+    """What the penalties read of a sequence, kept one token at a time: its distinct ids (prompt and output, in
+    first-seen order) and how often each was generated. Rebuilding these from the token lists would cost O(length)
+    a step for every penalized row; the penalties apply per distinct id, so the order does not matter."""
+
+    def __init__(self, prompt: Sequence[int]):
+        distinct = list(dict.fromkeys(int(t) for t in prompt))
+        self._slot = {t: i for i, t in enumerate(distinct)}
+        self._n = len(distinct)
+        self._ids = np.zeros(max(16, 2 * self._n), np.int64)
+        self._ids[:self._n] = distinct
+        self._counts = np.zeros_like(self._ids)
+
+    def add(self, token: int) -> None:
+        """One generated token."""
+        i = self._slot.get(token)
+        if i is None:
+            i = self._slot[token] = self._n
+            if i == len(self._ids):
+                self._ids, self._counts = (np.concatenate([a, np.zeros_like(a)]) for a in (self._ids, self._counts))
+            self._ids[i] = token
+            self._n += 1
+        self._counts[i] += 1
+
+    def seen(self) -> np.ndarray:
+        """Every distinct id of the prompt and the output."""
+        return self._ids[:self._n]
+
+    def output_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct generated ids and how often each came."""
+        counts = self._counts[:self._n]
+        out = counts > 0
+        return self._ids[:self._n][out], counts[out]
 
 
 def make_generator(seed: int | None) -> np.random.Generator:
@@ -64,15 +100,21 @@ def adjusted_logits(row: np.ndarray, inp: SamplerInput) -> np.ndarray:
         bias = np.array(list(p.logit_bias.values()), dtype=np.float32)
         ok = (ids >= 0) & (ids < vocab)  # out-of-vocabulary ids are the server's to reject
         x[ids[ok]] += bias[ok]
+    history: TokenHistory | None = getattr(inp, "history", None)
     if p.repetition_penalty != 1:
-        mask = np.zeros(vocab, dtype=bool)
-        for ids in (_ids(inp.prompt_token_ids), _ids(inp.output_token_ids)):
-            mask[ids[(ids >= 0) & (ids < vocab)]] = True
-        seen = np.flatnonzero(mask)
+        if history is not None:
+            seen = history.seen()
+            seen = seen[(seen >= 0) & (seen < vocab)]
+        else:
+            mask = np.zeros(vocab, dtype=bool)
+            for ids in (_ids(inp.prompt_token_ids), _ids(inp.output_token_ids)):
+                mask[ids[(ids >= 0) & (ids < vocab)]] = True
+            seen = np.flatnonzero(mask)
         v = x[seen]
         x[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
     if p.frequency_penalty or p.presence_penalty:
-        out, counts = np.unique(_ids(inp.output_token_ids), return_counts=True)
+        out, counts = (history.output_counts() if history is not None else
+                       np.unique(_ids(inp.output_token_ids), return_counts=True))
         ok = (out >= 0) & (out < vocab)
         x[out[ok]] -= p.frequency_penalty * counts[ok] + p.presence_penalty
     return x

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-from frontend.engine.engine import CompletionOutput, LLMEngine, RequestOutput
+from frontend.engine.engine import LLMEngine
+from frontend.engine.outputs import CompletionOutput, RequestOutput, TokenView
 from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.sequence import TokenLogprob
 
@@ -105,34 +106,39 @@ def delta_of(out: RequestOutput) -> RequestDelta:
     for c in out.outputs:
         lp = None
         if c.logprobs is not None:
-            end = len(c.token_ids)
+            end = c.num_tokens  # not len(c.token_ids): that would copy the whole list
             lp = [(e.token, e.logprob, e.top) for e in c.logprobs[end - len(c.delta_token_ids):end]]
         seqs.append(SeqDelta(c.index, c.delta_text, c.delta_token_ids, c.finish_reason, c.stop_reason, lp))
     return RequestDelta(out.request_id, seqs, out.finished, out.num_cached_tokens, out.error)
 
 
 class RequestState:
-    """The API side of one request: the deltas added up into the RequestOutput that serving.py reads."""
+    """The API side of one request: the deltas added up into the RequestOutput that serving.py reads, in O(new
+    tokens) a step like the engine's own reports (frontend/engine/outputs.py): each choice's token list and text
+    pieces are only appended to, and each report views them up to its own lengths."""
 
     __slots__ = ("request_id", "prompt", "seqs")
 
     def __init__(self, request_id: str, prompt: list[int]):
         self.request_id = request_id
         self.prompt = prompt
-        self.seqs: dict[int, tuple[str, list[int], list[TokenLogprob] | None]] = {}
+        self.seqs: dict[int, tuple[list[str], list[int], list[TokenLogprob] | None, list[int]]] = {}
 
     def apply(self, delta: RequestDelta) -> RequestOutput:
         outs = []
         for d in delta.outputs:
-            text, ids, lps = self.seqs.get(d.index, ("", [], None))
-            text += d.text
-            ids = ids + d.token_ids  # a new list: an output still queued for its handler must not change
+            pieces, ids, lps, text_len = self.seqs.setdefault(d.index, ([], [], None, [0]))
+            if d.text:
+                pieces.append(d.text)
+                text_len[0] += len(d.text)
+            ids.extend(d.token_ids)
             if d.logprobs is not None:
-                lps = lps if lps is not None else []  # only appended to: readers slice it by token counts
+                if lps is None:
+                    lps = []  # only appended to: readers slice it by token counts
+                    self.seqs[d.index] = (pieces, ids, lps, text_len)
                 lps.extend(TokenLogprob(t, lp, top) for t, lp, top in d.logprobs)
-            self.seqs[d.index] = (text, ids, lps)
-            outs.append(CompletionOutput(d.index, text, ids, d.finish_reason, d.stop_reason, lps, d.text,
-                                         d.token_ids))
+            outs.append(CompletionOutput(d.index, pieces, len(pieces), text_len[0], TokenView(ids, len(ids)),
+                                         d.finish_reason, d.stop_reason, lps, d.text, d.token_ids))
         return RequestOutput(self.request_id, self.prompt, outs, delta.finished, delta.num_cached_tokens,
                              delta.error)
 

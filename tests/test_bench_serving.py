@@ -1,0 +1,79 @@
+"""tools/bench_serving against a real `python -m frontend` process (the default SmolLM2 on a loopback port): a few
+short requests per level, and the figures it writes checked for sense, not for speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.serving import ServerProcess
+from tools import bench_serving
+
+IN, OUT, N = 16, 6, 3
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--max-num-seqs", "8") as s:
+        yield s
+
+
+def check_level(level: dict, n: int, out_len: int | None, in_len: int | None = None) -> None:
+    m = level["metrics"]
+    assert m["completed"] == n and m["failed"] == 0, m["errors"]
+    assert m["usage_reported"]  # our server sends usage in the last chunk (stream_options.include_usage)
+    assert m["request_throughput"] > 0 and m["output_throughput"] > 0
+    assert m["total_token_throughput"] > m["output_throughput"]
+    assert 0 < m["ttft_ms"]["median"] <= m["e2el_ms"]["median"]
+    assert m["ttft_ms"]["p99"] <= m["e2el_ms"]["p99"] * (1 + 1e-9)
+    assert len(m["requests"]) == n
+    for r in m["requests"]:
+        assert r["ok"] and 0 < r["ttft_ms"] <= r["e2el_ms"]
+        if out_len is not None:
+            assert r["output_tokens"] == out_len  # ignore_eos: exactly max_tokens
+        if in_len is not None:
+            assert r["prompt_tokens"] == in_len
+        # one gap between consecutive text chunks; a chunk carries at least one token
+        assert 1 <= r["itl_count"] <= r["output_tokens"] - 1
+    assert m["total_output_tokens"] == sum(r["output_tokens"] for r in m["requests"])
+    assert m["itl_ms"]["mean"] > 0 and m["tpot_ms"]["mean"] > 0
+
+
+def test_concurrency_sweep_with_offline_ratio(server, tmp_path):
+    out = tmp_path / "sweep.json"
+    result = bench_serving.main(["--base-url", server.base, "--concurrency", "1,3", "--num-prompts", str(N),
+                                 "--input-len", str(IN), "--output-len", str(OUT), "--result-file", str(out),
+                                 "--offline", "--disable-tqdm"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["model"] == "SmolLM2-135M-Instruct" and result["endpoint"] == "completions"
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
+    for level in result["levels"]:
+        check_level(level, N, OUT, IN)
+        off = level["offline"]
+        assert off["max_num_seqs"] == level["concurrency"]
+        assert off["total_output_tokens"] == N * OUT and off["total_input_tokens"] == N * IN
+        assert off["output_throughput"] > 0 and level["server_over_offline"] > 0
+    for name in ("sweep_latency.png", "sweep_throughput.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chat_poisson_over_sharegpt(server, tmp_path):
+    turns = [("Name three colours.", "Red, green and blue are three colours."),
+             ("What is the capital of Italy? Answer briefly.", "The capital of Italy is Rome."),
+             ("Write one short sentence about cats and dogs.", "Cats and dogs often live together happily."),
+             ("hi", "hello")]  # too short to time: skipped, as vLLM does
+    data = [{"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+            for i, (q, a) in enumerate(turns)]
+    data.append({"id": "no answer", "conversations": [{"from": "human", "value": "Is anyone there at all?"}]})
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "chat.json"
+    result = bench_serving.main(["--base-url", server.url, "--chat", "--dataset", str(path), "--num-prompts", "2",
+                                 "--warmup", "1", "--max-output-len", "5", "--request-rate", "20", "--seed", "1",
+                                 "--result-file", str(out), "--disable-tqdm"])
+    assert result["endpoint"] == "chat/completions" and result["sweep"] == "concurrency"
+    [level] = result["levels"]
+    assert level["request_rate"] == 20
+    check_level(level, 2, 5)
+    assert not (tmp_path / "chat_latency.png").exists()  # one level: nothing to plot

@@ -1,0 +1,175 @@
+"""The load tools/bench_serving puts on a server: streamed OpenAI requests, each timed chunk by chunk, sent at a
+fixed concurrency or as a Poisson process, over one async HTTP client (httpx2, which openai 3 brings; or httpx)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from tools.bench_serving_data import BenchPrompt
+
+try:
+    import httpx2 as httpx
+except ImportError:  # openai 1.x brings httpx itself
+    import httpx
+
+__all__ = ["RequestResult", "Target", "run_load"]
+
+
+@dataclass
+class Target:
+    """Where requests go and what they ask for."""
+
+    base_url: str  # up to the server's root: http://host:port (a trailing /v1 is taken off)
+    model: str
+    chat: bool = False  # /v1/chat/completions instead of /v1/completions
+    api_key: str | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True  # an extra body field (ours, vLLM, llama-server): outputs of exactly max_tokens
+    min_tokens: bool = False  # also min_tokens = max_tokens, for servers that know that field instead
+    extra_body: dict = field(default_factory=dict)
+    timeout_s: float = 600.0
+
+    @property
+    def url(self) -> str:
+        root = self.base_url.rstrip("/").removesuffix("/v1")
+        return root + ("/v1/chat/completions" if self.chat else "/v1/completions")
+
+    def body(self, p: BenchPrompt) -> dict:
+        body = {"model": self.model, "max_tokens": p.output_len, "temperature": self.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.chat:
+            text = p.prompt if isinstance(p.prompt, str) else None
+            if text is None:
+                raise ValueError("chat requests need text prompts (--random-text or --dataset)")
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = p.prompt
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.min_tokens:
+            body["min_tokens"] = p.output_len
+        return {**body, **self.extra_body}
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0  # the server's usage, else our count
+    output_tokens: int = 0  # the server's usage, else the chunks that carried text
+    ttft_s: float = 0.0  # to the first chunk that carries text
+    e2e_s: float = 0.0  # to the end of the stream
+    itl_s: list[float] = field(default_factory=list)  # between consecutive chunks that carry text
+    usage_reported: bool = False
+    text: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None for a single token."""
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def _chunk_text(choice: dict, chat: bool) -> str:
+    if chat:
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def send_one(client: httpx.AsyncClient, target: Target, p: BenchPrompt) -> RequestResult:
+    """One streamed request, timed at each server-sent event."""
+    res = RequestResult(prompt_tokens=p.input_len)
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    pieces: list[str] = []
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", target.url, json=target.body(p), headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"].get("message", chunk["error"]))
+                    return res
+                if chunk.get("usage"):
+                    res.usage_reported = True
+                    res.prompt_tokens = chunk["usage"].get("prompt_tokens", res.prompt_tokens)
+                    res.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                for choice in chunk.get("choices") or ():
+                    text = _chunk_text(choice, target.chat)
+                    if not text:
+                        continue  # a role-only first chunk, or a final one with only finish_reason
+                    if not pieces:
+                        res.ttft_s = now - start
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+                    pieces.append(text)
+        res.e2e_s = time.perf_counter() - start
+    except (httpx.HTTPError, OSError, ValueError) as e:
+        res.error = f"{e.__class__.__name__}: {e}"
+        return res
+    res.text = "".join(pieces)
+    if not res.usage_reported:
+        res.output_tokens = len(pieces)
+    res.ok = bool(pieces)
+    if not res.ok:
+        res.error = "the stream carried no text"
+    return res
+
+
+async def _run(target: Target, prompts: list[BenchPrompt], concurrency: int | None, rate: float, seed: int,
+               progress: bool) -> tuple[list[RequestResult], float]:
+    limit = concurrency or len(prompts)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(target.timeout_s),
+                               limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
+    gate = asyncio.Semaphore(limit)
+    gaps = np.random.default_rng(seed).exponential(1 / rate, len(prompts)) if math.isfinite(rate) else None
+    bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency or '-'}, rate {rate:g}/s", unit="req",
+               disable=not progress, leave=False)
+
+    async def one(p: BenchPrompt) -> RequestResult:
+        async with gate:
+            res = await send_one(client, target, p)
+        bar.update(1)
+        return res
+
+    async with client:
+        start = time.perf_counter()
+        tasks = []
+        for i, p in enumerate(prompts):
+            tasks.append(asyncio.create_task(one(p)))
+            if gaps is not None and i + 1 < len(prompts):
+                await asyncio.sleep(gaps[i])  # Poisson arrivals: exponential gaps
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+def run_load(target: Target, prompts: list[BenchPrompt], concurrency: int | None = None, rate: float = math.inf,
+             seed: int = 0, progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Every prompt once: at most `concurrency` in flight (None: no bound), arriving at `rate` a second (inf: all at
+    once). Returns each request's result, in prompt order, and the wall time of the whole run."""
+    return asyncio.run(_run(target, prompts, concurrency, rate, seed, progress))
+
+
+def served_model(base_url: str, api_key: str | None = None, timeout_s: float = 30) -> str:
+    """The first model GET /v1/models lists."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/v1/models", headers=headers, timeout=timeout_s)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
