@@ -17,6 +17,7 @@ from kernels_src import (
     dequant_gemv,
     dequant_gemv_i8,
     dequantize,
+    gguf_mmq,
     kv_write,
     paged_attention,
     paged_prefill,
@@ -221,3 +222,17 @@ for _q in dequant_gemv.QTYPES:
         launcher=dequant_gemm.dequant_matmul, variants=(dequant_gemm.dequant_gemm_reduce_kernel,),
         notes="split-K (default_tiles) writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: "
               "the bench times both; bytes_moved leaves the partials out (they stay in L2)"))
+
+# --- int8 tensor-core GEMM (MMQ): the same batch of 16 through Q4_K / Q6_K -----------------------------------------
+
+for _q in gguf_mmq.MMQ_QTYPES:
+    _tiles = gguf_mmq.mmq_tiles(_q, 16, 14336, 4096)
+    for _key in ("num_warps", "num_stages", "SPLIT"):
+        _tiles.pop(_key)
+    register(KernelEntry(
+        f"mmq_{_q.lower()}", gguf_mmq.KERNELS[_q], dict(PDL=True, **_tiles),
+        dict(w="*u8", xq="*i8", xd="*fp32", xs="*fp32", y="*fp32"),
+        dict(m=16, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes, flops=lambda m, n, k, **_: 2 * m * n * k,
+        launcher=gguf_mmq.mmq,
+        notes="the launcher runs quantize_x_kernel (x to int8 per 32, with block sums) first, and split-K's reduce "
+              "(dequant_gemm_reduce_kernel) after"))

@@ -33,7 +33,7 @@ class Case:
 
 
 def quick_params(name: str, bench: dict) -> dict:
-    prefixes = {"dequant_gemv": "gemv", "dequant_gemm": "gemm", "dequantize_": "dequantize"}
+    prefixes = {"dequant_gemv": "gemv", "dequant_gemm": "gemm", "mmq_": "gemm", "dequantize_": "dequantize"}
     key = next((v for pre, v in prefixes.items() if name.startswith(pre)), name)
     return bench | QUICK[key]
 

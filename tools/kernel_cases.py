@@ -219,6 +219,22 @@ def _gemm(d: Dev, p: dict, name: str) -> Case:
                 check, lambda target: y.fill_(float("nan")))
 
 
+def _mmq(d: Dev, p: dict, name: str) -> Case:
+    """gguf_mmq.mmq at its tiles; sampled columns against x's int8 quantization times the float64 dequantization."""
+    from kernels_src import gguf_mmq
+
+    m, n, k, qtype, dt = p["m"], p["n"], p["k"], p["qtype"], d.dtype(p["dtype"])
+    w, x, y = gguf_weights(d, qtype, n, k), d.randn((m, k), dt), d.nan((m, n), dt)
+
+    def check():
+        i = d.sample(n)
+        want = gguf_mmq.mmq_ref(host(x), host(w[i]), qtype)
+        return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
+
+    return Case(name, p, lambda target: gguf_mmq.mmq(x, w, qtype, out=y, target=target), check,
+                lambda target: y.fill_(float("nan")))
+
+
 TILE_KEYS = ("block_m", "block_n", "blocks", "split_k", "swap", "num_warps", "num_stages")
 
 
@@ -251,7 +267,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
 
 
 def has_case(name: str) -> bool:
-    return name in BUILDERS or name.startswith(("dequant_gemv_", "dequant_gemm_", "dequantize_"))
+    return name in BUILDERS or name.startswith(("dequant_gemv_", "dequant_gemm_", "mmq_", "dequantize_"))
 
 
 def build_case(name: str, params: dict, seed: int = 0, device: str = "cuda") -> Case:
@@ -261,6 +277,8 @@ def build_case(name: str, params: dict, seed: int = 0, device: str = "cuda") -> 
         return _gemv(d, params, name)
     if name.startswith("dequant_gemm_"):
         return _gemm(d, params, name)
+    if name.startswith("mmq_"):
+        return _mmq(d, params, name)
     if name.startswith("dequantize_"):
         return _dequantize(d, params)
     if name not in BUILDERS:
