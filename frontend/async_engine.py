@@ -10,14 +10,13 @@ import logging
 import os
 import queue
 import threading
-import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from frontend.engine.engine import LLMEngine, RequestOutput
 from frontend.engine.sampling_params import SamplingParams
 from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFailedError
 from frontend.engine_proc.wire import EngineStats, Ready, stats_of
+from frontend.request_stream import RequestStreams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError", "StepFailedError"]
 log = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ class _Stream:
             pass
 
 
-class AsyncEngine:
+class AsyncEngine(RequestStreams):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -101,10 +100,7 @@ class AsyncEngine:
         """Raises ValueError for a request the engine would refuse (context, KV capacity, token ids)."""
         self.engine.check_request(prompt, params)
 
-    async def generate(self, prompt: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs as they come; leaving early (or being cancelled) aborts it."""
-        request_id = request_id or uuid.uuid4().hex
+    def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:  # against _die: either it sees this add in the inbox, or this sees it dead
             if self.dead is not None:
@@ -112,21 +108,10 @@ class AsyncEngine:
             self._pending += 1
             self._pending_seqs += params.n
             self._inbox.put(_Add(request_id, prompt, params, stream))
-        self.active += 1
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self.active -= 1
-            if not finished:
-                self._inbox.put(_Abort(request_id))
+        return stream.queue
+
+    def _abandon(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
 
     def shutdown(self) -> None:
         self._stopping = True

@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -23,6 +22,7 @@ from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFail
 from frontend.engine_proc.process import EngineProcess, exit_description
 from frontend.engine_proc.spec import EngineSpec
 from frontend.engine_proc.wire import Add, Codec, Dead, EngineStats, Failure, Inputs, Ready, RequestState, Step
+from frontend.request_stream import RequestStreams
 
 log = logging.getLogger("frontend")
 
@@ -43,7 +43,7 @@ def _failure_error(f: Failure) -> Exception:
     return RequestFailedError(f.message)
 
 
-class EngineClient:
+class EngineClient(RequestStreams):
     def __init__(self, spec: EngineSpec, process: EngineProcess):
         self.spec = spec
         self.codec = Codec()
@@ -92,33 +92,20 @@ class EngineClient:
         """Raises ValueError for a request the engine would refuse; from the numbers it sent when it was ready."""
         self.bounds.check(prompt, params)
 
-    async def generate(self, prompt: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs as they come; leaving early (or being cancelled) aborts it."""
+    def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
         if self.dead is not None:
             raise self.dead
-        request_id = request_id or uuid.uuid4().hex
         stream = self._streams[request_id] = _Stream(request_id, prompt)
         self._pending += 1
         self._pending_seqs += params.n
         self._adds.append(Add(request_id, params.n, self.codec.raw(prompt), self.codec.raw(params)))
         self._schedule_flush()
-        self.active += 1
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self.active -= 1
-            if not finished and self._streams.pop(request_id, None) is not None:
-                self._aborts.append(request_id)
-                self._schedule_flush()
+        return stream.queue
+
+    def _abandon(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._aborts.append(request_id)
+            self._schedule_flush()
 
     # -- the loop's side ----------------------------------------------------------------------------
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
