@@ -168,19 +168,50 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
+def row_block(m: int) -> int:
+    """BLOCK_M for M rows: 16 / 32 / 64 (the MMA's smallest M is 16)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def split_k_for(m: int, n: int, block_m: int, block_n: int, steps: int, sms: int, min_steps: int) -> int:
+    """SPLIT for a K of `steps` steps: a power of two, grown until the grid gives every SM WAVE_PROGRAMS programs,
+    while each split keeps min_steps steps and the fp32 partials fit PART_BYTES."""
+    programs, split = tl.cdiv(m, block_m) * tl.cdiv(n, block_n), 1
+    while (programs * split < WAVE_PROGRAMS * sms and steps // (2 * split) >= min_steps
+           and 8 * split * m * n <= PART_BYTES):
+        split *= 2
+    return split
+
+
+def launch_split_k(kern, inputs: tuple, args: tuple, out, n_steps: int, split: int, block_m: int, block_n: int,
+                   target: str, pdl: bool):
+    """Runs a split-K GEMM kernel (signature: *inputs, y, *args, y_stride, split_stride, n_steps, steps_per_split)
+    over (M / block_m, N / block_n, split) programs: straight into out for one split, else into fp32 partials
+    [split, M, N] summed by dequant_gemm_reduce_kernel."""
+    m, n = out.shape
+    per_split = tl.cdiv(n_steps, split)
+    split = tl.cdiv(n_steps, per_split)  # no split left without steps
+    grid = (tl.cdiv(m, block_m), tl.cdiv(n, block_n), split)
+    if split == 1:
+        kern[grid](*inputs, out, *args, elem_stride(out, 0), 0, n_steps, per_split)
+        return out
+    part = empty(out, (split, m, n), "float32")
+    kern[grid](*inputs, part, *args, n, m * n, n_steps, per_split)
+    block = min(REDUCE_BLOCK, tl.next_power_of_2(n))
+    red = compile(dequant_gemm_reduce_kernel, target, num_warps=4, launch_pdl=pdl, SPLIT=split, BLOCK=block, PDL=pdl)
+    red[tl.cdiv(n, block), m](part, out, n, elem_stride(out, 0), m * n)
+    return out
+
+
 def default_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
     """BLOCK_M (16 / 32 / 64 by M), BLOCK_N, KB, SPLIT, SWAP and num_warps / num_stages for an [m, k] x [n, k]
     problem: SPLIT (a power of two) grows until the grid gives every SM WAVE_PROGRAMS programs, while each split
     keeps MIN_SPLIT_STEPS steps and the partials fit PART_BYTES."""
     elems = GGUF[qtype.upper()].block_size
     n_blocks = k // elems
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
+    block_m, block_n = row_block(m), 64
     kb = _pow2_divisor(n_blocks, max(1, STEP_ELEMS // elems))
-    programs, steps, split = tl.cdiv(m, block_m) * tl.cdiv(n, block_n), n_blocks // kb, 1
-    while (programs * split < WAVE_PROGRAMS * sms and steps // (2 * split) >= MIN_SPLIT_STEPS
-           and 8 * split * m * n <= PART_BYTES):
-        split *= 2
+    split = split_k_for(m, n, block_m, block_n, n_blocks // kb, sms, MIN_SPLIT_STEPS)
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, KB=kb, SPLIT=split, SWAP=True, num_warps=4, num_stages=None)
     cfg.update({_KEYS[key]: v for key, v in TUNED.get((qtype.upper(), block_m, n, k), {}).items()})
     return cfg
@@ -222,22 +253,11 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
     n_steps = k // elems // cfg["KB"]
     if n_steps * cfg["KB"] * elems != k:
         raise ValueError(f"blocks={cfg['KB']} does not divide the {k // elems} blocks of a row")
-    per_split = tl.cdiv(n_steps, split)
-    split = tl.cdiv(n_steps, per_split)  # no split left without steps
     pdl = use_pdl(target, pdl)
     kern = compile(dequant_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, QTYPE=qtype,
                    WIDE=target in dq.WIDE_TARGETS, PDL=pdl, **cfg)
-    grid = (tl.cdiv(m, cfg["BLOCK_M"]), tl.cdiv(n, cfg["BLOCK_N"]), split)
-    args = (m, n, elem_stride(w, 0), elem_stride(x2, 0))
-    if split == 1:
-        kern[grid](w, x2, out, *args, elem_stride(out, 0), 0, n_steps, per_split)
-        return out
-    part = empty(x2, (split, m, n), "float32")
-    kern[grid](w, x2, part, *args, n, m * n, n_steps, per_split)
-    red = compile(dequant_gemm_reduce_kernel, target, num_warps=4, launch_pdl=pdl, SPLIT=split,
-                  BLOCK=min(REDUCE_BLOCK, tl.next_power_of_2(n)), PDL=pdl)
-    red[tl.cdiv(n, min(REDUCE_BLOCK, tl.next_power_of_2(n))), m](part, out, n, elem_stride(out, 0), m * n)
-    return out
+    return launch_split_k(kern, (w, x2), (m, n, elem_stride(w, 0), elem_stride(x2, 0)), out, n_steps, split,
+                          cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
 
 
 def dequant_matmul_ref(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:

@@ -28,13 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats.gguf_quants import row_bytes
-from kernels_src.dequant_gemm import (
-    PART_BYTES,
-    WAVE_PROGRAMS,
-    _sm_count,
-    dequant_gemm_reduce_kernel,
-    dequant_matmul_ref,
-)
+from kernels_src.dequant_gemm import SMS, _sm_count, dequant_matmul_ref, launch_split_k, row_block, split_k_for
 from kernels_src.dequant_gemv_i8 import dequantize_x, quantize_x
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.gguf_gemv_common import _f16
@@ -177,16 +171,12 @@ MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
 }
 
 
-def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = 132) -> dict:
+def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
     """BLOCK_M (16 / 32 / 64 by M), BLOCK_N, SPLIT (a power of two, grown until every SM has WAVE_PROGRAMS
     programs while each split keeps MIN_SPLIT_STEPS super-blocks and the partials fit PART_BYTES), num_warps."""
     steps = k // SUPER[qtype.upper()][0]
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
-    programs, split = tl.cdiv(m, block_m) * tl.cdiv(n, block_n), 1
-    while (programs * split < WAVE_PROGRAMS * sms and steps // (2 * split) >= MIN_SPLIT_STEPS
-           and 8 * split * m * n <= PART_BYTES):
-        split *= 2
+    block_m, block_n = row_block(m), 64
+    split = split_k_for(m, n, block_m, block_n, steps, sms, MIN_SPLIT_STEPS)
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=4, num_stages=None)
     cfg.update({_KEYS[key]: v for key, v in MMQ_TUNED.get((qtype.upper(), block_m, n, k), {}).items()})
     return cfg
@@ -223,22 +213,11 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
     cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2))
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
-    n_steps = k // elems
-    per_split = tl.cdiv(n_steps, split)
-    split = tl.cdiv(n_steps, per_split)  # no split left without steps
     pdl = use_pdl(target, pdl)
     kern = compile(KERNELS[qtype], target, num_warps=nw, num_stages=ns, launch_pdl=pdl, PDL=pdl, **cfg)
-    grid = (tl.cdiv(m, cfg["BLOCK_M"]), tl.cdiv(n, cfg["BLOCK_N"]), split)
     args = (m, n, elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xd, 0))
-    if split == 1:
-        kern[grid](w, xq, xd, xs, out, *args, elem_stride(out, 0), 0, n_steps, per_split)
-        return out
-    part = empty(x2, (split, m, n), "float32")
-    kern[grid](w, xq, xd, xs, part, *args, n, m * n, n_steps, per_split)
-    block = min(1024, tl.next_power_of_2(n))
-    red = compile(dequant_gemm_reduce_kernel, target, num_warps=4, launch_pdl=pdl, SPLIT=split, BLOCK=block, PDL=pdl)
-    red[tl.cdiv(n, block), m](part, out, n, elem_stride(out, 0), m * n)
-    return out
+    return launch_split_k(kern, (w, xq, xd, xs), args, out, k // elems, split, cfg["BLOCK_M"], cfg["BLOCK_N"],
+                          target, pdl)
 
 
 def mmq_ref(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:
