@@ -42,17 +42,19 @@ def check_level(level: dict, n: int, out_len: int | None, in_len: int | None = N
 
 def test_concurrency_sweep_with_offline_ratio(server, tmp_path):
     out = tmp_path / "sweep.json"
-    result = bench_serving.main(["--base-url", server.base, "--concurrency", "1,3", "--num-prompts", str(N),
-                                 "--input-len", str(IN), "--output-len", str(OUT), "--result-file", str(out),
-                                 "--offline", "--disable-tqdm"])
+    """Two levels with prompt counts of their own; the second level's load shared by two client processes."""
+    counts = (N, N + 2)
+    result = bench_serving.main(["--base-url", server.base, "--concurrency", "1,4", "--num-prompts",
+                                 ",".join(map(str, counts)), "--client-procs", "2", "--input-len", str(IN),
+                                 "--output-len", str(OUT), "--result-file", str(out), "--offline", "--disable-tqdm"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["model"] == "SmolLM2-135M-Instruct" and result["endpoint"] == "completions"
-    assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
-    for level in result["levels"]:
-        check_level(level, N, OUT, IN)
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 4] and result["num_prompts"] == list(counts)
+    for level, n in zip(result["levels"], counts, strict=True):
+        check_level(level, n, OUT, IN)
         off = level["offline"]
         assert off["max_num_seqs"] == level["concurrency"]
-        assert off["total_output_tokens"] == N * OUT and off["total_input_tokens"] == N * IN
+        assert off["total_output_tokens"] == n * OUT and off["total_input_tokens"] == n * IN
         assert off["output_throughput"] > 0 and level["server_over_offline"] > 0
     for name in ("sweep_latency.png", "sweep_throughput.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -52,7 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="requests in flight at most, e.g. 1,16,64 (default: no bound)")
     load.add_argument("--request-rate", type=str, default="inf",
                       help="Poisson arrivals a second, e.g. 2 or 1,2,4 (inf: all at once)")
-    load.add_argument("--num-prompts", type=int, default=100, help="requests per level")
+    load.add_argument("--num-prompts", type=str, default="100",
+                      help="requests per level: one value, or one per level of the sweep (e.g. 8,32,128)")
+    load.add_argument("--client-procs", type=int, default=1,
+                      help="client processes sharing each level's load (one Python client tops out near 20-40k "
+                      "streamed events a second)")
     load.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before the first level")
     load.add_argument("--seed", type=int, default=0, help="for the prompts and the arrival times")
     data = ap.add_argument_group("the prompts")
@@ -82,17 +86,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rates = _numbers(args.request_rate)
     if len(args.concurrencies) > 1 and len(args.rates) > 1:
         ap.error("sweep one of --concurrency and --request-rate; give the other one value")
+    levels = max(len(args.concurrencies), len(args.rates))
+    counts = [int(v) for v in args.num_prompts.split(",")]
+    if len(counts) not in (1, levels) or min(counts) < 1:
+        ap.error(f"--num-prompts takes one count or one per level ({levels})")
+    args.level_prompts = counts * levels if len(counts) == 1 else counts
     if args.chat and args.dataset is None:
         args.random_text = True  # a chat message is text
     return args
 
 
-def make_prompts(args: argparse.Namespace, tokenizer) -> list[BenchPrompt]:
-    n = args.num_prompts + args.warmup
+def make_prompts(args: argparse.Namespace, tokenizer, n: int, seed: int) -> list[BenchPrompt]:
     if args.dataset:
-        return sharegpt_prompts(args.dataset, tokenizer, n, args.seed, args.max_input_len, args.max_output_len,
+        return sharegpt_prompts(args.dataset, tokenizer, n, seed, args.max_input_len, args.max_output_len,
                                 args.output_len)
-    return random_prompts(tokenizer, n, args.input_len, args.output_len or 128, args.seed, args.random_text,
+    return random_prompts(tokenizer, n, args.input_len, args.output_len or 128, seed, args.random_text,
                           args.range_ratio)
 
 
@@ -140,8 +148,9 @@ class Offline:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer)
-    prompts = make_prompts(args, tokenizer)
-    warmup, prompts = prompts[:args.warmup], prompts[args.warmup:]
+    # Each level draws prompts of its own (seed + its index): a prefix cache gains nothing from an earlier level.
+    level_prompts = [make_prompts(args, tokenizer, n, args.seed + i) for i, n in enumerate(args.level_prompts)]
+    warmup = make_prompts(args, tokenizer, args.warmup, args.seed + len(level_prompts)) if args.warmup else []
     model = args.model or served_model(args.base_url, args.api_key)
     target = Target(args.base_url, model, args.chat, args.api_key, args.temperature, args.ignore_eos, args.min_tokens,
                     timeout_s=args.timeout)
@@ -156,22 +165,24 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
         "base_url": args.base_url, "endpoint": target.url.split("/v1/")[1], "model": model,
         "dataset": str(args.dataset) if args.dataset else ("random text" if args.random_text else "random ids"),
-        "num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
-        "ignore_eos": args.ignore_eos, "temperature": args.temperature, "seed": args.seed, "sweep": sweep,
+        "num_prompts": args.level_prompts, "client_procs": args.client_procs, "input_len": args.input_len,
+        "output_len": args.output_len, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+        "seed": args.seed, "sweep": sweep,
         "levels": [],
     }
     offline = Offline(args) if args.offline else None
-    for concurrency in args.concurrencies:
-        for rate in args.rates:
-            results, duration = run_load(target, prompts, concurrency, rate, args.seed, not args.disable_tqdm)
-            level = {"concurrency": concurrency, "request_rate": rate if math.isfinite(rate) else "inf",
-                     "metrics": summarize(results, duration)}
-            if offline is not None:
-                level["offline"] = offline.run(prompts, concurrency or SERVER_MAX_NUM_SEQS)
-                level["server_over_offline"] = (level["metrics"]["output_throughput"] /
-                                                level["offline"]["output_throughput"])
-            result["levels"].append(level)
-            print_level({**level, "request_rate": rate})
+    levels = [(c, r) for c in args.concurrencies for r in args.rates]
+    for (concurrency, rate), prompts in zip(levels, level_prompts, strict=True):
+        results, duration = run_load(target, prompts, concurrency, rate, args.seed, not args.disable_tqdm,
+                                     args.client_procs)
+        level = {"concurrency": concurrency, "request_rate": rate if math.isfinite(rate) else "inf",
+                 "metrics": summarize(results, duration)}
+        if offline is not None:
+            level["offline"] = offline.run(prompts, concurrency or SERVER_MAX_NUM_SEQS)
+            level["server_over_offline"] = (level["metrics"]["output_throughput"] /
+                                            level["offline"]["output_throughput"])
+        result["levels"].append(level)
+        print_level({**level, "request_rate": rate})
     write_json(result, args.result_file)
     print(f"\nresult: {args.result_file}")
     if len(result["levels"]) > 1 and not args.no_plot:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
+import queue
 import time
 from dataclasses import dataclass, field
 
@@ -132,13 +134,13 @@ async def send_one(client: httpx.AsyncClient, target: Target, p: BenchPrompt) ->
 
 
 async def _run(target: Target, prompts: list[BenchPrompt], concurrency: int | None, rate: float, seed: int,
-               progress: bool) -> tuple[list[RequestResult], float]:
+               progress: bool, desc: str = "") -> tuple[list[RequestResult], float, float]:
     limit = concurrency or len(prompts)
     client = httpx.AsyncClient(timeout=httpx.Timeout(target.timeout_s),
                                limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
     gate = asyncio.Semaphore(limit)
     gaps = np.random.default_rng(seed).exponential(1 / rate, len(prompts)) if math.isfinite(rate) else None
-    bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency or '-'}, rate {rate:g}/s", unit="req",
+    bar = tqdm(total=len(prompts), desc=desc or f"concurrency {concurrency or '-'}, rate {rate:g}/s", unit="req",
                disable=not progress, leave=False)
 
     async def one(p: BenchPrompt) -> RequestResult:
@@ -155,16 +157,52 @@ async def _run(target: Target, prompts: list[BenchPrompt], concurrency: int | No
             if gaps is not None and i + 1 < len(prompts):
                 await asyncio.sleep(gaps[i])  # Poisson arrivals: exponential gaps
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        end = time.perf_counter()
     bar.close()
-    return list(results), duration
+    return list(results), start, end
+
+
+def _client_proc(k: int, barrier, out, target, prompts, concurrency, rate, seed, progress, desc) -> None:
+    barrier.wait()  # every client starts together: the run's wall time spans them all
+    out.put((k, *asyncio.run(_run(target, prompts, concurrency, rate, seed, progress, desc))))
 
 
 def run_load(target: Target, prompts: list[BenchPrompt], concurrency: int | None = None, rate: float = math.inf,
-             seed: int = 0, progress: bool = True) -> tuple[list[RequestResult], float]:
+             seed: int = 0, progress: bool = True, procs: int = 1) -> tuple[list[RequestResult], float]:
     """Every prompt once: at most `concurrency` in flight (None: no bound), arriving at `rate` a second (inf: all at
-    once). Returns each request's result, in prompt order, and the wall time of the whole run."""
-    return asyncio.run(_run(target, prompts, concurrency, rate, seed, progress))
+    once). Returns each request's result, in prompt order, and the wall time of the whole run.
+
+    procs > 1 shares the load out over that many client processes (prompts round-robin, concurrency and rate
+    divided): one Python process parses some 20-40 us a streamed event, so at tens of thousands of tokens a second
+    a single client would measure itself rather than the server."""
+    procs = max(1, min(procs, len(prompts), concurrency or len(prompts)))
+    if procs == 1:
+        results, start, end = asyncio.run(_run(target, prompts, concurrency, rate, seed, progress))
+        return results, end - start
+    ctx = multiprocessing.get_context("spawn")  # the caller may hold a CUDA context (--offline): no fork
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_client_proc, daemon=True,
+                           args=(k, barrier, out, target, prompts[k::procs],
+                                 None if concurrency is None else concurrency // procs + (k < concurrency % procs),
+                                 rate / procs, seed + k, progress and k == 0,
+                                 f"concurrency {concurrency or '-'}, rate {rate:g}/s, client 1 of {procs}"))
+               for k in range(procs)]
+    for w in workers:
+        w.start()
+    parts = []
+    while len(parts) < procs:
+        try:
+            parts.append(out.get(timeout=1.0))
+        except queue.Empty:
+            if any(w.exitcode not in (None, 0) for w in workers):
+                raise RuntimeError("a client process failed (its traceback is above)") from None
+    parts.sort(key=lambda p: p[0])
+    for w in workers:
+        w.join()
+    merged: list[RequestResult] = [None] * len(prompts)  # type: ignore[list-item]
+    for k, results, _, _ in parts:
+        merged[k::procs] = results
+    return merged, max(p[3] for p in parts) - min(p[2] for p in parts)
 
 
 def served_model(base_url: str, api_key: str | None = None, timeout_s: float = 30) -> str:
