@@ -130,6 +130,10 @@ step bench_attn gpu 200 "$PY" -m tools.bench_decode_attention
 # file, see ../shared/peers/README.md); the full 8B run is staged over several calls (docs/BENCHMARKS.md).
 step bench_gguf gpu 300 "$PY" -m tools.bench_gguf --stage all --dir /tmp/bench_gguf_smoke --layers 2 --hidden 1024 \
     --intermediate 2816 --heads 8 --kv-heads 2 --contexts 1k --budget 250
+# Issue-scale serving: the 8B F16 file (written by bench_gguf's prepare if /tmp/bench_gguf lacks it, ~30 s) through
+# our server (with the offline engine on the same prompts) and llama-server, streaming at 1-256 concurrent requests.
+step serving gpu 420 bash -c "'$PY' -m tools.bench_gguf --stage prepare --files f16 --budget 120 && \
+    '$PY' -m tools.bench_serving_pair --gguf /tmp/bench_gguf/model-f16.gguf --out '$OUT'"
 
 rm -f "$STEPLOG"
 {
