@@ -108,6 +108,37 @@ def test_adjusted_logits_bit_for_bit():
     assert np.array_equal(got, expected)
 
 
+def test_penalties_read_the_token_history_as_the_lists():
+    """With a TokenHistory (as the engine gives each penalized sequence) the device reads its distinct ids and
+    counts, not the token lists: bit for bit what the CPU sampler computes from the lists (out-of-vocabulary
+    prompt ids included)."""
+    from dataclasses import dataclass
+
+    from frontend.engine.sampler import TokenHistory
+
+    @dataclass
+    class Tracked(Seq):
+        history: TokenHistory | None = None
+
+    rng = np.random.default_rng(11)
+    vocab = 3000
+    specs = [(SamplingParams(repetition_penalty=1.4, frequency_penalty=float(rng.uniform(-2, 2)),
+                             presence_penalty=float(rng.uniform(-2, 2))), 0,
+              rng.integers(-3, vocab + 3, 40).tolist(), rng.integers(0, 60, 500).tolist()) for _ in range(5)]
+    plain, _ = twin_batches(specs)
+    tracked = []
+    for p, _, prompt, out in specs:
+        history = TokenHistory(prompt)
+        for t in out:
+            history.add(t)
+        # the lists are poisoned: only the history may be read
+        tracked.append(Tracked(p, make_generator(0), [vocab - 1] * len(prompt), [0] * len(out), history))
+    logits = random_logits(rng, len(specs), vocab)
+    got = _adjust(on_device(logits), _to_device(_host_arrays(tracked, vocab), DEVICE)).cpu().numpy()
+    expected = np.stack([adjusted_logits(row, seq) for row, seq in zip(logits, plain, strict=True)])
+    assert np.array_equal(got, expected)
+
+
 def test_seeded_requests_over_many_steps():
     # Penalties follow the outputs, so one diverging token would show in every later step.
     rng = np.random.default_rng(1)

@@ -8,31 +8,28 @@ engine reads only after launching the next step (`launch` returns before the dev
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from frontend.engine.sampler import _TOP_P_SLACK, SampleResult, SamplerInput, _adjusts
+from frontend.engine.sampler import _TOP_P_SLACK, SampleResult, SamplerInput, _adjusts, output_counts, seen_ids
 
 __all__ = ["TorchSampler"]
 
 # Host arrays by the dtype they take on the device; each group is converted in one op.
 _LONG = ("b_row", "b_id", "r_row", "r_id", "f_row", "f_id", "s_row", "top_k", "p_row", "l_row")
 _FLOAT = ("b_val", "rep", "temp", "min_p")  # float32: numpy applies these in float32
-_DOUBLE = ("fp", "pp", "u", "top_p")
+_DOUBLE = ("fp", "pp", "f_cnt", "u", "top_p")
 _BLOCK = 256  # torch scans a row with one thread block; blocks of this size scan in parallel
 
 
-def _token_ids(rows: list[int], lists: list[list[int]], per_row: int, vocab: int) -> tuple[np.ndarray, ...]:
-    """(row, id) for every in-vocabulary id of `lists`, which holds `per_row` lists for each row."""
-    lens = [len(ids) for ids in lists]
-    ids = np.fromiter(itertools.chain.from_iterable(lists), np.int64, sum(lens))
-    row = np.repeat(np.repeat(np.asarray(rows, dtype=np.int64), per_row), lens)
-    ok = (ids >= 0) & (ids < vocab)  # out-of-vocabulary ids are the server's to reject
-    return row[ok], ids[ok]
+def _rows_and(rows: list[int], per_row: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, value) pairs: each of `rows` repeated once for each of its values."""
+    if not rows:
+        return np.zeros(0), np.zeros(0)
+    return np.repeat(np.asarray(rows, np.int64), [len(v) for v in per_row]), np.concatenate(per_row)
 
 
 def _host_arrays(inputs: Sequence[SamplerInput], vocab: int) -> dict[str, np.ndarray]:
@@ -43,13 +40,15 @@ def _host_arrays(inputs: Sequence[SamplerInput], vocab: int) -> dict[str, np.nda
     bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
             for t, b in {int(t): float(b) for t, b in p.logit_bias.items()}.items() if 0 <= t < vocab]
     h["b_row"], h["b_id"], h["b_val"] = zip(*bias, strict=True) if bias else ([], [], [])
+    # The penalties' ids come distinct (with counts) from each sequence's TokenHistory: O(distinct ids) a step,
+    # not O(length), and no counting on the device.
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
-    # Duplicate ids are harmless: each writes the same penalised value.
-    h["r_row"], h["r_id"] = _token_ids(
-        rep, [ids for i in rep for ids in (inputs[i].prompt_token_ids, inputs[i].output_token_ids)], 2, vocab)
+    h["r_row"], h["r_id"] = _rows_and(rep, [seen_ids(inputs[i], vocab) for i in rep])
     h["rep"] = [p.repetition_penalty for p in params]
     freq = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
-    h["f_row"], h["f_id"] = _token_ids(freq, [inputs[i].output_token_ids for i in freq], 1, vocab)
+    counted = [output_counts(inputs[i], vocab) for i in freq]
+    h["f_row"], h["f_id"] = _rows_and(freq, [ids for ids, _ in counted])
+    h["f_cnt"] = np.concatenate([c for _, c in counted]) if counted else []
     h["fp"] = [p.frequency_penalty for p in params]
     h["pp"] = [p.presence_penalty for p in params]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -89,11 +88,8 @@ def _adjust(logits: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Tensor:
         v, pen = x[r, t], d["rep"][r]
         x[r, t] = torch.where(v > 0, v / pen, v * pen)
     if len(d["f_row"]):
-        # Counted on the device (no np.unique on the host); duplicate ids then write the same value.
         r, t = d["f_row"], d["f_id"]
-        counts = torch.zeros_like(x, dtype=torch.int32).index_put_((r, t), torch.ones_like(t, dtype=torch.int32),
-                                                                    accumulate=True)
-        sub = d["fp"][r] * counts[r, t].double() + d["pp"][r]  # float64, as numpy's fp * counts + pp
+        sub = d["fp"][r] * d["f_cnt"] + d["pp"][r]  # float64, as numpy's fp * counts + pp
         x[r, t] = (x[r, t].double() - sub).float()  # numpy subtracts in float64, stores float32
     return x
 

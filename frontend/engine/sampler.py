@@ -15,7 +15,7 @@ import numpy as np
 from frontend.engine.sampling_params import SamplingParams
 
 __all__ = ["SampleResult", "Sampler", "SamplerInput", "TokenHistory", "adjusted_logits", "make_generator",
-           "needs_history", "sampling_probs"]
+           "needs_history", "output_counts", "sampling_probs", "seen_ids"]
 
 _SMALL = 4096  # up to this many candidates one cumulative sum is cheapest; above, a two-level draw
 _BLOCK = 256
@@ -100,24 +100,37 @@ def adjusted_logits(row: np.ndarray, inp: SamplerInput) -> np.ndarray:
         bias = np.array(list(p.logit_bias.values()), dtype=np.float32)
         ok = (ids >= 0) & (ids < vocab)  # out-of-vocabulary ids are the server's to reject
         x[ids[ok]] += bias[ok]
-    history: TokenHistory | None = getattr(inp, "history", None)
     if p.repetition_penalty != 1:
-        if history is not None:
-            seen = history.seen()
-            seen = seen[(seen >= 0) & (seen < vocab)]
-        else:
-            mask = np.zeros(vocab, dtype=bool)
-            for ids in (_ids(inp.prompt_token_ids), _ids(inp.output_token_ids)):
-                mask[ids[(ids >= 0) & (ids < vocab)]] = True
-            seen = np.flatnonzero(mask)
+        seen = seen_ids(inp, vocab)
         v = x[seen]
         x[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
     if p.frequency_penalty or p.presence_penalty:
-        out, counts = (history.output_counts() if history is not None else
-                       np.unique(_ids(inp.output_token_ids), return_counts=True))
-        ok = (out >= 0) & (out < vocab)
-        x[out[ok]] -= p.frequency_penalty * counts[ok] + p.presence_penalty
+        out, counts = output_counts(inp, vocab)
+        x[out] -= p.frequency_penalty * counts + p.presence_penalty
     return x
+
+
+def seen_ids(inp: SamplerInput, vocab: int) -> np.ndarray:
+    """The distinct in-vocabulary ids of the prompt and the output: what the repetition penalty scales. From the
+    input's TokenHistory when it has one (O(distinct ids)), else from the token lists."""
+    history: TokenHistory | None = getattr(inp, "history", None)
+    if history is not None:
+        seen = history.seen()
+        return seen[(seen >= 0) & (seen < vocab)]
+    mask = np.zeros(vocab, dtype=bool)
+    for ids in (_ids(inp.prompt_token_ids), _ids(inp.output_token_ids)):
+        mask[ids[(ids >= 0) & (ids < vocab)]] = True  # out-of-vocabulary ids are the server's to reject
+    return np.flatnonzero(mask)
+
+
+def output_counts(inp: SamplerInput, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct in-vocabulary generated ids and how often each came: what the frequency and presence penalties
+    subtract from. From the input's TokenHistory when it has one, else from the token list."""
+    history: TokenHistory | None = getattr(inp, "history", None)
+    out, counts = (history.output_counts() if history is not None else
+                   np.unique(_ids(inp.output_token_ids), return_counts=True))
+    ok = (out >= 0) & (out < vocab)
+    return out[ok], counts[ok]
 
 
 def _top_k_ids(x: np.ndarray, best: float, k: int) -> np.ndarray:
