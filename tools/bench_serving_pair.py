@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -83,8 +84,6 @@ def load_args(a: argparse.Namespace, base: str, result: Path, offline: bool) -> 
 
 
 def run(a: argparse.Namespace) -> dict:
-    from tools.llama_cpp import locate
-
     a.out.mkdir(parents=True, exist_ok=True)
     parts = Path(tempfile.mkdtemp(prefix="serving_pair-"))  # each side's own JSON: serving_pair.json holds both
     top = max(int(c) for c in a.concurrency.split(","))
@@ -95,16 +94,14 @@ def run(a: argparse.Namespace) -> dict:
     with Served("ours", ours_cmd, a.port) as s:
         pair["ours"] = bench_serving.main(load_args(a, s.base, parts / "ours.json", offline=True))
         pair["ours_startup_s"] = s.startup
-    if a.no_peer:  # a check of the tool itself (tests, a CPU machine): no figure to record
-        return pair
-    llama = locate(a.llama_cpp)
-    np_ = a.llama_np or top
-    peer_cmd = [str(llama.bindir / "llama-server"), "-m", str(a.gguf), "-ngl", "99", "-fa", "on", "-np", str(np_),
-                "-c", str(np_ * (a.input_len + a.output_len + 32)), "--host", "127.0.0.1", "--port", str(a.port + 1)]
-    pair["llama_cmd"] = ["llama-server", *peer_cmd[1:]]
-    with Served("llama-server", peer_cmd, a.port + 1, env=llama.env()) as s:
-        pair["llama"] = bench_serving.main(load_args(a, s.base, parts / "llama.json", offline=False))
-    write_json(pair, a.out / "serving_pair.json")
+    write_json(pair, a.out / "serving_pair.json")  # kept should the peer fail
+    if not a.no_peer:  # --no-peer: a check of the tool itself (tests, a CPU machine), no figure to record
+        try:
+            pair["llama"] = run_peer(a, top, parts)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - ours is measured: report it, and why the peer is not
+            pair["llama_error"] = f"{e.__class__.__name__}: {e}"
+            print(f"llama-server: {pair['llama_error']}")
+        write_json(pair, a.out / "serving_pair.json")
     print_table(pair)
     try:
         for path in plot_pair(pair, a.out / "serving_pair"):
@@ -114,9 +111,28 @@ def run(a: argparse.Namespace) -> dict:
     return pair
 
 
+def run_peer(a: argparse.Namespace, top: int, parts: Path) -> dict:
+    from tools.llama_cpp import locate
+
+    llama = locate(a.llama_cpp)
+    np_ = a.llama_np or top
+    peer_cmd = [str(llama.bindir / "llama-server"), "-m", str(a.gguf), "-ngl", "99", "-fa", "on", "-np", str(np_),
+                "-c", str(np_ * (a.input_len + a.output_len + 32)), "--host", "127.0.0.1", "--port", str(a.port + 1)]
+    with Served("llama-server", peer_cmd, a.port + 1, env=llama.env()) as s:
+        result = bench_serving.main(load_args(a, s.base, parts / "llama.json", offline=False))
+    result["cmd"] = ["llama-server", *peer_cmd[1:]]
+    return result
+
+
+_NO_PEER = {"metrics": {"output_throughput": math.nan, "failed": 0, "ttft_ms": {"p99": math.nan},
+                        "itl_ms": {"p99": math.nan}}}
+
+
 def rows(pair: dict) -> list[dict]:
     out = []
-    for ours, peer in zip(pair["ours"]["levels"], pair["llama"]["levels"], strict=True):
+    ours_levels = pair["ours"]["levels"]
+    peer_levels = pair["llama"]["levels"] if "llama" in pair else [_NO_PEER] * len(ours_levels)
+    for ours, peer in zip(ours_levels, peer_levels, strict=True):
         m, p = ours["metrics"], peer["metrics"]
         out.append({"concurrency": ours["concurrency"], "offline": ours["offline"]["output_throughput"],
                     "ours": m["output_throughput"], "ours_over_offline": ours["server_over_offline"],
