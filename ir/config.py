@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,6 +49,20 @@ class ModelConfig:
     def with_(self, **kw: Any) -> ModelConfig:
         return replace(self, **kw)
 
+    # An architecture with hyper-parameters of its own subclasses this and extends the two readers below
+    # (super()'s fields plus its own); the generic parsers know only what every decoder has.
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], arch: str, defaults: Mapping[str, Any] = {}) -> ModelConfig:  # noqa: B006
+        """From an HF config.json (its parsed dict)."""
+        return cls(**hf_fields(hf, arch, defaults))
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], tensors: Collection[str], arch: str,
+                  defaults: Mapping[str, Any] = {}, freq_factors: tuple[float, ...] | None = None  # noqa: B006
+                  ) -> ModelConfig:
+        """From GGUF metadata and the names of the file's tensors (what is present describes biases, norms, ties)."""
+        return cls(**gguf_fields(meta, tensors, arch, defaults, freq_factors))
+
 
 _ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
          "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -72,7 +86,9 @@ def hf_rope(cfg: Mapping[str, Any], head_dim: int) -> RopeSpec:
     return RopeSpec(theta=float(theta), rotary_dim=int(head_dim * partial), scaling=scaling)
 
 
-def from_hf(cfg: Mapping[str, Any], arch: str, defaults: Mapping[str, Any]) -> ModelConfig:
+def hf_fields(cfg: Mapping[str, Any], arch: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The common fields, from an HF config.json; ModelConfig.from_hf and the architectures' own config classes
+    start from these."""
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     window = cfg.get("sliding_window")
@@ -92,7 +108,7 @@ def from_hf(cfg: Mapping[str, Any], arch: str, defaults: Mapping[str, Any]) -> M
             kw[key] = bool(cfg["attention_bias"])
     if "mlp_bias" in cfg:
         kw["mlp_bias"] = bool(cfg["mlp_bias"])
-    return ModelConfig(
+    return dict(
         arch=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
@@ -111,12 +127,17 @@ def from_hf(cfg: Mapping[str, Any], arch: str, defaults: Mapping[str, Any]) -> M
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
         source_model_type=str(cfg.get("model_type", "")),
-        **kw,
-    )
+    ) | kw
 
 
-def from_gguf(meta: Mapping[str, Any], arch: str, defaults: Mapping[str, Any],
-              tied: bool, freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
+# GGUF metadata has no bias or norm flags: the tensors present are the description (llama.cpp's names).
+GGUF_OPTIONAL = {"qkv_bias": "blk.0.attn_q.bias", "o_bias": "blk.0.attn_output.bias",
+                 "mlp_bias": "blk.0.ffn_up.bias", "qk_norm": "blk.0.attn_q_norm.weight"}
+
+
+def gguf_fields(meta: Mapping[str, Any], tensors: Collection[str], arch: str, defaults: Mapping[str, Any],
+                freq_factors: tuple[float, ...] | None = None) -> dict[str, Any]:
+    """The common fields, from GGUF metadata and the names of the file's tensors."""
     a = meta["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
@@ -135,7 +156,8 @@ def from_gguf(meta: Mapping[str, Any], arch: str, defaults: Mapping[str, Any],
                     scaling=tuple(sorted(scaling.items())), freq_factors=freq_factors)
     vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
     window = get("attention.sliding_window")
-    return ModelConfig(
+    present = {flag: True for flag, name in GGUF_OPTIONAL.items() if name in tensors}
+    return dict(
         arch=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -147,10 +169,9 @@ def from_gguf(meta: Mapping[str, Any], arch: str, defaults: Mapping[str, Any],
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope=rope,
         max_position_embeddings=int(get("context_length") or 4096),
-        tie_word_embeddings=tied,
+        tie_word_embeddings="output.weight" not in tensors,
         sliding_window=int(window) if window else None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_ids(meta.get("tokenizer.ggml.eos_token_id")),
         source_model_type=a,
-        **dict(defaults),
-    )
+    ) | dict(defaults) | present

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from ir import config as configs
 from ir import models
 from ir.config import ModelConfig
 from ir.formats.errors import ModelFormatError
 from ir.formats.gguf_file import GGUFFile
 from ir.formats.safetensors_file import read_safetensors, shard_files
 from ir.graph import Graph
-from ir.weights import StoredTensor, WeightStore, rope_unpermute_rows
+from ir.weights import StoredTensor, WeightSource, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +57,27 @@ def load_tokenizer(path: str | Path):
     return _gguf_tokenizer(GGUFFile(path).metadata, path)
 
 
-def _bind(graph: Graph, names: Mapping[str, str], fetch: Callable[[str], StoredTensor | None],
-          path: Path, progress: bool) -> WeightStore:
+def _bind(arch: models.Architecture, cfg: ModelConfig, dtype: str, src: WeightSource,
+          progress: bool) -> tuple[Graph, WeightStore, dict[str, str]]:
+    """The graph, and its parameters from the architecture's weight transform, each checked for its shape."""
+    graph = arch.build(cfg, dtype)
+    bar = tqdm(total=len(graph.params), desc=f"loading {src.path.name}", unit="tensor", disable=not progress,
+               leave=False)
+    src.on_fetch = lambda _name: bar.update(1)
+    try:
+        tensors = arch.load_weights(cfg, graph, src)
+    finally:
+        bar.close()
     store = WeightStore()
-    for pname, p in tqdm(graph.params.items(), desc=f"loading {path.name}", unit="tensor",
-                         disable=not progress, leave=False):
-        src = names.get(pname, pname)
-        t = fetch(src)
+    for pname, p in graph.params.items():
+        t = tensors.get(pname)
         if t is None:
-            raise ModelFormatError(path, f"missing tensor {src!r} (for parameter {pname})")
+            raise ModelFormatError(src.path, f"{arch.name}'s weights give no tensor for parameter {pname}")
         if tuple(t.shape) != p.shape:
-            raise ModelFormatError(path, f"tensor {src!r} has shape {list(t.shape)}, "
-                                   f"the config implies {list(p.shape)}")
+            raise ModelFormatError(src.path, f"tensor {t.source!r} has shape {list(t.shape)}, "
+                                   f"the config implies {list(p.shape)} (for parameter {pname})")
         store[pname] = t
-    return store
-
-
-_GGUF_OPTIONAL = {"qkv_bias": "blk.0.attn_q.bias", "o_bias": "blk.0.attn_output.bias",
-                  "mlp_bias": "blk.0.ffn_up.bias", "qk_norm": "blk.0.attn_q_norm.weight"}
+    return graph, store, {p: store[p].source for p in graph.params}
 
 
 def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
@@ -87,30 +89,17 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
     freqs = f.tensors.get("rope_freqs.weight")
     factors = tuple(float(x) for x in StoredTensor(freqs.data, freqs.qtype, freqs.shape).dequantize()) \
         if freqs is not None else None
-    # GGUF metadata has no bias or norm flags: the tensors present are the description.
-    present = {flag: True for flag, name in _GGUF_OPTIONAL.items() if name in f.tensors}
     try:
-        cfg = configs.from_gguf(meta, arch.name, {**arch.defaults, **present},
-                                tied="output.weight" not in f.tensors, freq_factors=factors)
+        cfg = arch.config_from_gguf(meta, f.tensors.keys(), factors)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(path, f"metadata does not describe a {arch.name} model: {e}") from e
-    graph = arch.build(cfg, dtype)
-    names = arch.gguf_names(cfg)
-    heads = {"attn_q.": cfg.num_heads, "attn_k.": cfg.num_kv_heads}
 
-    def fetch(name: str) -> StoredTensor | None:
-        t = f.tensors.get(name)
-        if t is None:
-            return None
-        st = StoredTensor(t.data, t.qtype, t.shape, name)
-        n_heads = next((h for k, h in heads.items() if k in name), None)
-        if arch.gguf_permuted_qk and n_heads:
-            st = st.permute_rows(rope_unpermute_rows(t.shape[0], n_heads))
-        return st
+    def fetch(name: str) -> StoredTensor:
+        t = f.tensors[name]
+        return StoredTensor(t.data, t.qtype, t.shape, name)
 
-    weights = _bind(graph, names, fetch, path, progress)
-    return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path),
-                       {p: names.get(p, p) for p in graph.params})
+    graph, weights, sources = _bind(arch, cfg, dtype, WeightSource("gguf", path, fetch, f.tensors), progress)
+    return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path), sources)
 
 
 def _gguf_tokenizer(meta: Mapping, path: Path):
@@ -135,7 +124,7 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool) -> LoadedModel:
         raise ModelFormatError(cfg_path, f"malformed JSON: {e}") from e
     arch = models.for_hf(str(hf.get("model_type", "")))
     try:
-        cfg = configs.from_hf(hf, arch.name, arch.defaults)
+        cfg = arch.config_from_hf(hf)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(cfg_path, f"config does not describe a {arch.name} model: {e}") from e
     tensors = {}
@@ -144,24 +133,20 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool) -> LoadedModel:
     if cfg.tie_word_embeddings is False and "lm_head.weight" not in tensors:
         log.info("%s: no lm_head.weight; tying it to the embeddings", folder)
         cfg = cfg.with_(tie_word_embeddings=True)
-    graph = arch.build(cfg, dtype)
-    names = arch.hf_names(cfg)
 
-    def fetch(name: str) -> StoredTensor | None:
-        t = tensors.get(name)
-        if t is None:
-            return None
+    def fetch(name: str) -> StoredTensor:
+        t = tensors[name]
         if t.dtype not in ("F32", "F16", "BF16"):
             raise ModelFormatError(folder, f"tensor {name!r} has dtype {t.dtype}; expected a float type")
         return StoredTensor(t.data, t.dtype, t.shape, name)
 
-    weights = _bind(graph, names, fetch, folder, progress)
+    graph, weights, sources = _bind(arch, cfg, dtype, WeightSource("hf", folder, fetch, tensors), progress)
     tok = None
     if (folder / "tokenizer.json").exists():
         from ir.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(folder)
-    return LoadedModel(folder, arch, cfg, graph, weights, tok, {p: names.get(p, p) for p in graph.params})
+    return LoadedModel(folder, arch, cfg, graph, weights, tok, sources)
 
 
 def dense_weights(model: LoadedModel) -> dict[str, np.ndarray]:

@@ -5,11 +5,12 @@ Quantized tensors stay quantized; a consumer that needs dense values calls `dequ
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from ir.formats.errors import ModelFormatError
 from ir.formats.gguf_quants import dequantize
 
 DENSE_KINDS = ("F32", "F16", "BF16")
@@ -42,6 +43,49 @@ class StoredTensor:
         rows = self.data.reshape(self.shape[0], -1)  # 1-D tensors arrive from GGUF as one row of bytes
         out = np.ascontiguousarray(rows[perm]).reshape(self.data.shape)
         return StoredTensor(out, self.kind, self.shape, self.source)
+
+
+    def rows(self, start: int, stop: int) -> StoredTensor:
+        """Output rows start:stop (a fused qkv_proj's q, k or v part); quantized blocks split as they lie, since a
+        block never spans two rows."""
+        rows = self.data.reshape(self.shape[0], -1)[start:stop]
+        return StoredTensor(np.ascontiguousarray(rows).reshape((stop - start, *self.data.shape[1:])), self.kind,
+                            (stop - start, *self.shape[1:]), self.source)
+
+    def dense_map(self, fn) -> StoredTensor:
+        """fn(values as f32) as an F32 tensor: a per-source fix-up of small dense tensors (gemma's 1 + w norms)."""
+        out = np.ascontiguousarray(fn(self.values().astype(np.float32)), dtype=np.float32)
+        return StoredTensor(out, "F32", self.shape, self.source)
+
+
+class WeightSource:
+    """The tensors of one model file as an architecture's load_weights sees them: by the file's own names, in its
+    format ("hf": safetensors, "gguf"), each fetched (memory-mapped) on first use."""
+
+    def __init__(self, fmt: str, path, fetch, names: Iterable[str], on_fetch=None):
+        self.format, self.path = fmt, path
+        self._fetch, self._names, self.on_fetch = fetch, frozenset(names), on_fetch
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    def names(self) -> frozenset[str]:
+        return self._names
+
+    def get(self, name: str) -> StoredTensor | None:
+        if name not in self._names:
+            return None
+        t = self._fetch(name)
+        if self.on_fetch is not None:  # a progress bar
+            self.on_fetch(name)
+        return t
+
+    def require(self, name: str, param: str = "") -> StoredTensor:
+        t = self.get(name)
+        if t is None:
+            for_param = f" (for parameter {param})" if param else ""
+            raise ModelFormatError(self.path, f"missing tensor {name!r}{for_param}")
+        return t
 
 
 class WeightStore(Mapping[str, StoredTensor]):

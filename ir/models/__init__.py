@@ -1,13 +1,23 @@
-"""Architectures written once, found by HF `model_type` or GGUF `general.architecture`."""
+"""Architectures written once, each a module of this package that declares `ARCH` (or `ARCHS`, several that share a
+decoder): the HF `model_type`s and GGUF `general.architecture`s it answers to, its config class (the hyper-parameters
+it knows, read from config.json or GGUF metadata), its graph builder and its weight transform. The registry finds
+them by what each module declares; nothing here lists them."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ir.config import ModelConfig
 from ir.graph import Graph
+from ir.weights import StoredTensor, WeightSource
+
+# (config, graph, the file's tensors) -> IR parameter -> tensor: renames, splits of fused tensors, stacking,
+# permutations, per-source fix-ups; the loader then checks that every parameter came, in its shape.
+LoadWeights = Callable[[ModelConfig, Graph, WeightSource], dict[str, StoredTensor]]
 
 
 @dataclass(frozen=True)
@@ -16,43 +26,56 @@ class Architecture:
     hf_model_types: tuple[str, ...]
     gguf_archs: tuple[str, ...]
     build: Callable[[ModelConfig, str], Graph]  # (config, compute dtype) -> graph
-    hf_names: Callable[[ModelConfig], dict[str, str]]  # IR param -> HF tensor name
-    gguf_names: Callable[[ModelConfig], dict[str, str]]  # IR param -> GGUF tensor name
+    load_weights: LoadWeights
+    config_cls: type[ModelConfig] = ModelConfig  # from_hf / from_gguf
     defaults: Mapping[str, Any] = field(default_factory=dict)  # config flags implied by the arch
-    # llama.cpp's converter permutes q/k rows of these archs for ggml's interleaved rope.
-    gguf_permuted_qk: bool = False
+
+    def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
+        return self.config_cls.from_hf(hf, self.name, self.defaults)
+
+    def config_from_gguf(self, meta: Mapping[str, Any], tensors, freq_factors=None) -> ModelConfig:
+        return self.config_cls.from_gguf(meta, tensors, self.name, self.defaults, freq_factors)
 
 
-REGISTRY: dict[str, Architecture] = {}
+def _discover() -> dict[str, Architecture]:
+    found: dict[str, Architecture] = {}
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name.startswith("_"):
+            continue
+        m = importlib.import_module(f"{__name__}.{mod.name}")
+        for arch in getattr(m, "ARCHS", ()) or ((m.ARCH,) if hasattr(m, "ARCH") else ()):
+            if arch.name in found:
+                raise RuntimeError(f"architecture {arch.name!r} declared twice ({mod.name})")
+            found[arch.name] = arch
+    return found
 
 
-def register(arch: Architecture) -> Architecture:
-    REGISTRY[arch.name] = arch
-    return arch
+_REGISTRY: dict[str, Architecture] | None = None
 
 
-def _load_all() -> None:
-    from ir.models import llama, qwen2, qwen3  # noqa: F401  (each registers itself)
+def registry() -> dict[str, Architecture]:
+    """name -> Architecture, every module of ir/models imported once."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = _discover()
+    return _REGISTRY
 
 
 def for_hf(model_type: str) -> Architecture:
-    _load_all()
-    for a in REGISTRY.values():
+    for a in registry().values():
         if model_type in a.hf_model_types:
             return a
-    known = sorted(t for a in REGISTRY.values() for t in a.hf_model_types)
+    known = sorted(t for a in registry().values() for t in a.hf_model_types)
     raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(known)}")
 
 
 def for_gguf(general_arch: str) -> Architecture:
-    _load_all()
-    for a in REGISTRY.values():
+    for a in registry().values():
         if general_arch in a.gguf_archs:
             return a
-    known = sorted(t for a in REGISTRY.values() for t in a.gguf_archs)
+    known = sorted(t for a in registry().values() for t in a.gguf_archs)
     raise ValueError(f"unsupported GGUF architecture {general_arch!r}; supported: {', '.join(known)}")
 
 
 def by_name(name: str) -> Architecture:
-    _load_all()
-    return REGISTRY[name]
+    return registry()[name]

@@ -6,7 +6,9 @@ from __future__ import annotations
 from ir.batch import ATTENTION_INPUTS
 from ir.config import ModelConfig
 from ir.graph import Graph, Value
-from ir.models import Architecture, register
+from ir.models import Architecture
+from ir.models._names import bind, layer_names, unpermute_qk
+from ir.weights import WeightSource
 
 # IR parameter -> (HF name, GGUF name); "{i}" is the layer index.
 LAYER_NAMES = {
@@ -36,19 +38,17 @@ TOP_NAMES = {
 }
 
 
-def _names(cfg: ModelConfig, which: int) -> dict[str, str]:
-    out = {k: v[which] for k, v in TOP_NAMES.items()}
-    for i in range(cfg.num_layers):
-        out.update({f"layers.{i}.{k}": v[which].format(i=i) for k, v in LAYER_NAMES.items()})
-    return out
+def load_weights(cfg: ModelConfig, graph: Graph, src: WeightSource, permuted_qk: bool = True) -> dict:
+    """One tensor per parameter by name; GGUF q/k rows un-permuted where llama.cpp permuted them."""
+    w = bind(graph, src, layer_names(LAYER_NAMES, TOP_NAMES, cfg.num_layers, src.format))
+    if src.format == "gguf" and permuted_qk:
+        unpermute_qk(w, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+    return w
 
 
-def hf_names(cfg: ModelConfig) -> dict[str, str]:
-    return _names(cfg, 0)
-
-
-def gguf_names(cfg: ModelConfig) -> dict[str, str]:
-    return _names(cfg, 1)
+def load_weights_unpermuted(cfg: ModelConfig, graph: Graph, src: WeightSource) -> dict:
+    """As load_weights, for the archs llama.cpp converts without permuting q/k (qwen2, qwen3)."""
+    return load_weights(cfg, graph, src, permuted_qk=False)
 
 
 def _dense(g: Graph, x: Value, prefix: str, out: int, inp: int, bias: bool, shard: str,
@@ -111,12 +111,10 @@ def build(cfg: ModelConfig, dtype: str = "f32") -> Graph:
     return g
 
 
-ARCH = register(Architecture(
+ARCH = Architecture(
     name="llama",
     hf_model_types=("llama", "mistral", "yi"),
     gguf_archs=("llama", "mistral"),
     build=build,
-    hf_names=hf_names,
-    gguf_names=gguf_names,
-    gguf_permuted_qk=True,
-))
+    load_weights=load_weights,
+)

@@ -1,13 +1,12 @@
 """qwen3: the llama decoder with per-head RMS norms on q and k before rope."""
 
-from ir.models import Architecture, llama, register
+from ir.models import Architecture, llama
 
-ARCH = register(Architecture(
+ARCH = Architecture(
     name="qwen3",
     hf_model_types=("qwen3",),
     gguf_archs=("qwen3",),
     build=llama.build,
-    hf_names=llama.hf_names,
-    gguf_names=llama.gguf_names,
+    load_weights=llama.load_weights_unpermuted,
     defaults={"qk_norm": True},
-))
+)
