@@ -1,0 +1,60 @@
+"""Tiny random transformers models with telling weights, their logits, and greedy decoding through a backend: what
+tools/check_arch and the architecture tests share."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from ir.batch import make_batch
+from ir.reference import ReferenceRunner
+
+
+def random_causal_lm(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
+    """A random fp32 model whose weights are large enough that attention is far from uniform and the
+    logits spread over several units (the default init of std 0.02 gives near-zero logits, where a
+    wrong rope or mask would hardly show)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            else:  # a matrix: unit-variance outputs, a bit more for q/k to sharpen attention
+                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
+                p.copy_(gain * torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model.eval()
+
+
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def random_prompt(seed: int, n: int, vocab: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def host(logits) -> np.ndarray:
+    """fp32 numpy logits from a backend (numpy for MLX, a device tensor for CUDA)."""
+    return logits.float().cpu().numpy() if hasattr(logits, "cpu") else np.array(logits, dtype=np.float32)
+
+
+def backend_greedy(backend, ref: ReferenceRunner, prompts, n: int, block_size: int):
+    """(tokens per prompt, first step's logits [len(prompts), vocab]) of n greedy steps of all prompts together."""
+    tables = [ref._table(i) for i in range(len(prompts))]
+    backend.allocate_kv(len(prompts) * ref.blocks_per_seq, block_size)
+    chunks, cached, outs, first = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts], None
+    for _ in range(n):
+        logits = host(backend.forward(make_batch(chunks, cached, tables, block_size)))
+        first = logits.copy() if first is None else first
+        for i, t in enumerate(logits.argmax(-1)):
+            outs[i].append(int(t))
+            cached[i] += len(chunks[i])
+            chunks[i] = [int(t)]
+    return outs, first
