@@ -56,10 +56,11 @@ class Report:
     todo: list[str] = field(default_factory=list)  # what llama's decoder does not do
     flags: dict[str, object] = field(default_factory=dict)  # ModelConfig flags the arch implies
     unmapped: list[str] = field(default_factory=list)  # layer-0 tensors no llama name claims
+    unread: list[str] = field(default_factory=list)  # config keys llama's decoder does not read
 
     @property
     def llama_compatible(self) -> bool:
-        return not self.todo and not self.unmapped
+        return not self.todo and not self.unmapped and not self.unread
 
 
 def _layer0(names: list[str]) -> list[str]:
@@ -124,7 +125,27 @@ def inspect(spec: str) -> Report:
     if any(n.endswith("q_norm.weight") for n in names):
         r.flags["qk_norm"] = True
     r.unmapped = [n for n in names if n not in _LLAMA_HF]
+    r.unread = unread_keys(cfg)
     return r
+
+
+# Keys of any config that say nothing about the network's arithmetic.
+_IGNORED = {"architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "model_type", "use_cache",
+            "initializer_range", "attention_dropout", "hidden_dropout", "embedding_dropout", "resid_pdrop",
+            "embd_pdrop", "attn_pdrop", "pad_token_id", "bos_token_id", "eos_token_id", "layer_types",
+            "sliding_window", "partial_rotary_factor", "rope_parameters", "rope_scaling", "rope_theta",
+            "max_window_layers", "use_sliding_window", "pretraining_tp", "hidden_activation",
+            "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"}
+
+
+def unread_keys(cfg) -> list[str]:
+    """Config keys llama's config does not have (and that are not bookkeeping): multipliers, scalings, switches a
+    decoder of its own may have to read (granite's embedding_multiplier, for example)."""
+    from transformers import LlamaConfig
+
+    known = set(LlamaConfig().to_dict()) | _IGNORED
+    return sorted(k for k, v in cfg.to_dict().items() if k not in known and not isinstance(v, dict | list)
+                  and not k.startswith("_") and v is not None)
 
 
 def print_report(r: Report) -> None:
@@ -137,12 +158,15 @@ def print_report(r: Report) -> None:
         print(f"  TODO  {t}")
     for n in r.unmapped:
         print(f"  unmapped tensor  {n}")
+    for k in r.unread:
+        print(f"  unread config key  {k}")
     print("  => " + ("llama's decoder with these flags" if r.llama_compatible else
                      "a decoder of its own: start from the written file's TODOs"))
 
 
 def arch_source(r: Report, name: str) -> str:
-    todo = "".join(f"# TODO: {t}\n" for t in r.todo) + "".join(f"# TODO: map tensor {n}\n" for n in r.unmapped)
+    todo = ("".join(f"# TODO: {t}\n" for t in r.todo) + "".join(f"# TODO: map tensor {n}\n" for n in r.unmapped)
+            + "".join(f"# TODO: read config key {k}\n" for k in r.unread))
     flags = f"    defaults={r.flags!r},\n" if r.flags else ""
     return f'''"""{name}: written by tools/new_arch from {r.model_type}'s config; {"llama's decoder with flags" if
     r.llama_compatible else "a start: llama's decoder until the TODOs below are done"}."""

@@ -60,7 +60,8 @@ def _dense(g: Graph, x: Value, prefix: str, out: int, inp: int, bias: bool, shar
 
 
 def _attention_block(g: Graph, cfg: ModelConfig, x: Value, i: int, pos: Value,
-                     meta: list[Value]) -> Value:
+                     meta: list[Value], scale: float | None = None) -> Value:
+    """q/k/v, optional q/k norms, rope, paged attention (scale: head_dim ** -0.5 unless the arch says), o."""
     p, d = f"layers.{i}", cfg.head_dim
     hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
     q = _dense(g, x, p, hq * d, h, cfg.qkv_bias, "column", "wq", "bq")
@@ -74,7 +75,8 @@ def _attention_block(g: Graph, cfg: ModelConfig, x: Value, i: int, pos: Value,
         k = g.rms_norm(k, g.param(f"{p}.k_norm", (d,)), eps=cfg.rms_norm_eps)
     q = g.rope(q, pos, spec=cfg.rope)
     k = g.rope(k, pos, spec=cfg.rope)
-    o = g.attention(q, k, v, *meta, layer=i, scale=d**-0.5, sliding_window=cfg.window_for(i))
+    o = g.attention(q, k, v, *meta, layer=i, scale=d**-0.5 if scale is None else scale,
+                    sliding_window=cfg.window_for(i))
     o = g.reshape(o, shape=("T", hq * d))
     return _dense(g, o, p, h, hq * d, cfg.o_bias, "row", "wo", "bo")
 
