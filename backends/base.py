@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ir.batch import Batch
+from core.batch import Batch
 from ir.loader import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ir.batch import make_batch
+from core.batch import make_batch
 from ir.reference import ReferenceRunner
 
 

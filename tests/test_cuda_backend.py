@@ -17,7 +17,7 @@ from test_tiny_gguf import files  # noqa: F401  (a fixture)
 from test_tiny_gguf import prompt as gguf_prompt
 from test_tiny_models import MAIN, prompt, saved  # noqa: F401  (saved is a fixture)
 
-from ir.batch import make_batch
+from core.batch import make_batch
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
 

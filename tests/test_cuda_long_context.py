@@ -18,7 +18,7 @@ import pytest
 from backend_greedy import backend_greedy, host
 from test_tiny_models import prompt, saved  # noqa: F401  (saved is a fixture)
 
-from ir.batch import make_batch
+from core.batch import make_batch
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
 
