@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ir.batch import Batch
+from core.batch import Batch
 from ir.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,8 @@ class Backend(ABC):
         return int(free * fraction)
 
     def sample(self, logits, inputs) -> list:
-        """One token per logits row (see frontend.engine.sampler); a backend may sample where its logits live."""
-        from frontend.engine.sampler import Sampler
+        """One token per logits row (see core.sampler); a backend may sample where its logits live."""
+        from core.sampler import Sampler
 
         return Sampler()(np.asarray(logits), inputs)
 

@@ -11,6 +11,6 @@ def __getattr__(name: str):
         from frontend.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from frontend.engine.sampling_params import SamplingParams
+        from core.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(f"module 'frontend' has no attribute {name!r}")

@@ -12,8 +12,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from core.sampling_params import SamplingParams
 from frontend.engine.engine import LLMEngine, RequestOutput
-from frontend.engine.sampling_params import SamplingParams
 from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFailedError
 from frontend.engine_proc.wire import EngineStats, Ready, stats_of
 from frontend.request_stream import RequestStreams

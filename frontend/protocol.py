@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.engine.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 TokenIds = list[Annotated[int, Field(ge=0)]]

@@ -9,8 +9,8 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+from core.sampling_params import SamplingParams
 from frontend.engine.engine import RequestOutput
-from frontend.engine.sampling_params import SamplingParams
 
 Queue = asyncio.Queue  # of RequestOutput | BaseException
 

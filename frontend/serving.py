@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from core.sampling_params import SamplingParams, SamplingParamsError
 from frontend.engine.engine import CompletionOutput, RequestOutput
-from frontend.engine.sampling_params import SamplingParams, SamplingParamsError
 from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFailedError
 from frontend.errors import APIError, bad_request
 from frontend.limits import ServingLimits, token_id_key

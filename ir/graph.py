@@ -1,6 +1,6 @@
 """The tensor IR: typed values, nodes, parameters and a graph builder with shape inference.
 
-A graph describes one forward step over a flat varlen batch (see `ir.batch`): every backend lowers
+A graph describes one forward step over a flat varlen batch (see `core.batch`): every backend lowers
 the same graph, and `ir.interpreter` defines what it computes.
 """
 

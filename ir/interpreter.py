@@ -74,7 +74,7 @@ def _softmax(x, axis=-1):
 
 def paged_attention(q, k, v, slots, tables, ctx, qstart, *, cache: KVCache, layer: int, scale: float,
                     sliding_window: int | None = None, softcap: float | None = None):
-    """The contract of `ir.batch`, written as plainly as possible: write this step's k/v, then attend."""
+    """The contract of `core.batch`, written as plainly as possible: write this step's k/v, then attend."""
     kc, vc = cache.k[layer], cache.v[layer]
     flat_k = kc.reshape(-1, *kc.shape[2:])
     flat_v = vc.reshape(-1, *vc.shape[2:])

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ir.batch import make_batch
+from core.batch import make_batch
 from ir.interpreter import Interpreter, KVCache
 from ir.loader import LoadedModel
 

@@ -1,5 +1,5 @@
 """Paged attention for decode (one query token per sequence), split over the context: DSL kernels, host launcher
-and the numpy reference of the `ir.batch` contract (shared with the prefill kernel in paged_prefill.py).
+and the numpy reference of the `core.batch` contract (shared with the prefill kernel in paged_prefill.py).
 
 Caches are [num_blocks, block_size, Hkv, D]; sequence b's cache index j lives at block
 `block_tables[b, j // block_size]`, offset `j % block_size`. One program takes one sequence, one KV head and every
@@ -217,7 +217,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start, scale: float,
                         sliding_window: int | None = None, softcap: float | None = None) -> np.ndarray:
-    """The `ir.batch` contract over flat varlen q [T, Hq, D], in fp32 (decode: query_start = arange(B + 1)):
+    """The `core.batch` contract over flat varlen q [T, Hq, D], in fp32 (decode: query_start = arange(B + 1)):
     the IR interpreter's own definition."""
     return attend_cached(q, k_cache, v_cache, block_tables, context_lens, query_start, scale=scale,
                          sliding_window=sliding_window, softcap=softcap)

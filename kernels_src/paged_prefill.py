@@ -1,5 +1,5 @@
 """Paged attention for prefill and chunked prefill (flat varlen queries over the paged cache): DSL kernel and host
-launcher; the reference is `paged_attention_ref` in paged_attention.py (the `ir.batch` contract).
+launcher; the reference is `paged_attention_ref` in paged_attention.py (the `core.batch` contract).
 
 Sequence b owns query tokens query_start[b]:query_start[b+1]; its i-th one sits at cache index
 context_lens[b] - q_len + i and attends causally to cache indices 0..that one (its own K/V are already in the

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from core.sampling_params import SamplingParams
 from frontend.async_engine import AsyncEngine, EngineDeadError, StepFailedError
-from frontend.engine.sampling_params import SamplingParams
 
 PROMPT = [1, 504, 3575, 282, 4649, 314]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

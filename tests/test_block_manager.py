@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from core.sampling_params import SamplingParams
 from frontend.engine.block_manager import BlockManager
-from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import Scheduler, SchedulerConfig
 from frontend.engine.sequence import Sequence, Status
 

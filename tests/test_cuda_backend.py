@@ -17,7 +17,7 @@ from test_tiny_gguf import files  # noqa: F401  (a fixture)
 from test_tiny_gguf import prompt as gguf_prompt
 from test_tiny_models import MAIN, prompt, saved  # noqa: F401  (saved is a fixture)
 
-from ir.batch import make_batch
+from core.batch import make_batch
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
 
@@ -137,9 +137,9 @@ def test_engine_end_to_end_with_seeded_sampling(saved):  # noqa: F811
     with top-k/top-p through the backend's torch sampler."""
     pytest.importorskip("mlx", reason="the MLX backend is the other side of the comparison")
     from backends.mlx.backend import MLXBackend
+    from core.sampling_params import SamplingParams
     from frontend.engine.engine import EngineConfig
     from frontend.engine.llm import LLM
-    from frontend.engine.sampling_params import SamplingParams
 
     model = load_model(saved("llama3_rope")[1], progress=False)
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),

@@ -18,7 +18,7 @@ import pytest
 from backend_greedy import backend_greedy, host
 from test_tiny_models import prompt, saved  # noqa: F401  (saved is a fixture)
 
-from ir.batch import make_batch
+from core.batch import make_batch
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
 
@@ -110,7 +110,7 @@ def test_long_prompts_decode_with_graphs_as_eager_steps(overlap, saved):  # noqa
     """A 2,100-, a 5,000-, a 9,000- and a 30,000-token prompt (past every partition cap: the tiny model's 2 KV heads
     cap batch 1 at 64 partitions of 64 keys) decode with CUDA graphs, token for token as eager steps, and no graph
     is captured on first use."""
-    from frontend.engine.sampling_params import SamplingParams
+    from core.sampling_params import SamplingParams
 
     model = load_model(saved("llama3_rope")[1], progress=False)
     max_len = 30200

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from backends.cuda.sampling import TorchSampler, _adjust, _host_arrays, _to_device
-from frontend.engine.sampler import Sampler, SampleResult, adjusted_logits, make_generator, sampling_probs
-from frontend.engine.sampling_params import SamplingParams
+from core.sampler import Sampler, SampleResult, adjusted_logits, make_generator, sampling_probs
+from core.sampling_params import SamplingParams
 from tests.test_sampler import CHI2_CRIT_001, Seq, chi_square
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,7 +114,7 @@ def test_penalties_read_the_token_history_as_the_lists():
     prompt ids included)."""
     from dataclasses import dataclass
 
-    from frontend.engine.sampler import TokenHistory
+    from core.sampler import TokenHistory
 
     @dataclass
     class Tracked(Seq):

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from core.sampling_params import SamplingParams
 from frontend.engine.detokenizer import IncrementalDetokenizer
-from frontend.engine.sampling_params import SamplingParams
 
 MULTIBYTE = ["emoji 😀🎉👍🏽 family 👨\u200d👩\u200d👧\u200d👦", "日本語のテキストです。", "中文测试：你好，世界！",
              "flags 🇫🇷🇯🇵", "café naïve Ångström", "Привет, мир!", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.engine.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams
 from ir.reference import ReferenceRunner
 
 TOPICS = ["France", "the moon", "cats", "python lists", "rain", "bread", "the ocean", "chess", "music",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from frontend.engine.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams
 from tests.test_engine import chat, run
 
 

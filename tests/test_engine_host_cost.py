@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from core.sampler import TokenHistory, adjusted_logits
+from core.sampling_params import SamplingParams
 from frontend.engine.detokenizer import IncrementalDetokenizer
 from frontend.engine.engine import EngineConfig, LLMEngine
-from frontend.engine.sampler import TokenHistory, adjusted_logits
-from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import SchedulerConfig
 from tools.bench_engine_host import StubBackend
 

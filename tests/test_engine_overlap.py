@@ -67,7 +67,7 @@ def drive(engine, jobs, events=None) -> dict:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_overlapped_steps_match_the_plain_loop(chat_model, device):
-    from frontend.engine.sampling_params import SamplingParams as P
+    from core.sampling_params import SamplingParams as P
 
     tok = chat_model.tokenizer
     prompts = [tok.encode(t) for t in ("The capital of France is", "Once upon a time", "1, 2, 3,",
@@ -101,7 +101,7 @@ def test_overlapped_steps_match_the_plain_loop(chat_model, device):
 def test_overlapped_steps_through_admissions_and_aborts(chat_model):
     """A request arrives mid-run and another is aborted while its step is in flight: the survivors' tokens are
     the plain loop's, the aborted one's blocks come back, and nothing is reported for it after the abort."""
-    from frontend.engine.sampling_params import SamplingParams as P
+    from core.sampling_params import SamplingParams as P
 
     tok = chat_model.tokenizer
     greedy = P(temperature=0, max_tokens=10, ignore_eos=True)
@@ -120,7 +120,7 @@ def test_overlapped_steps_through_admissions_and_aborts(chat_model):
 
 def test_late_request_matches_alone(chat_model):
     """A request admitted while others' steps are in flight gets the tokens it gets alone (seeded sampling)."""
-    from frontend.engine.sampling_params import SamplingParams as P
+    from core.sampling_params import SamplingParams as P
 
     tok = chat_model.tokenizer
     seeded = P(temperature=0.8, seed=4, max_tokens=8, ignore_eos=True)

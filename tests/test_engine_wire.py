@@ -3,7 +3,7 @@ and added up again on the API side, are the engine's own reports (text, ids, sto
 
 from __future__ import annotations
 
-from frontend.engine.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams
 from frontend.engine_proc.wire import Codec, EngineStats, Inputs, RequestState, Step, delta_of, stats_of
 from tests.test_engine import chat
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ir.batch import make_batch
+from core.batch import make_batch
 from ir.graph import Graph
 from ir.interpreter import KVCache, _rope, paged_attention
 from ir.printer import format_graph, format_params

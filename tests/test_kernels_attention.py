@@ -1,6 +1,6 @@
 """Paged attention kernels (decode with split-K, prefill / chunked prefill) on shuffled block tables, with every
 cache slot outside the contexts and every output poisoned: the DSL interpreter and Triton's interpreter against
-the numpy reference of the `ir.batch` contract, and Triton AOT builds for sm_90 at the realistic configuration."""
+the numpy reference of the `core.batch` contract, and Triton AOT builds for sm_90 at the realistic configuration."""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ with CuPy the same numerical cases run the CUDA C twin (target "cuda")."""
 from __future__ import annotations
 
 import importlib.util
+import pathlib
+import subprocess
+import sys
+import textwrap
 import zlib
 
 import numpy as np
@@ -378,8 +382,9 @@ def test_parse_checks_catch_mistakes():
 def test_mlx_wraps_our_body_as_we_reconstruct_it(name, sig):
     """MLX's own wrapper source, printed while mx.export_function traces a launch (no Metal needed), equals
     wrap_like_mlx; the launch itself maps pointers and scalars onto MLX inputs and outputs."""
+    from backends.mlx.metal_kernel import MetalKernel, mlx_wrapped_source
     from backends.mlx.runtime import mx
-    from kernels_src.dsl.metal_target import MetalKernel, mlx_wrapped_source, wrap_like_mlx
+    from kernels_src.dsl.metal_target import wrap_like_mlx
 
     k = REGISTRY[name].trace(signature=sig)
     kern = MetalKernel(simt.lower(k))
@@ -388,6 +393,39 @@ def test_mlx_wraps_our_body_as_we_reconstruct_it(name, sig):
     got = mlx_wrapped_source(kern, (2, 1, 1), *args)
     assert got == wrap_like_mlx(kern.simt, kern.source, kern.header, kern.outputs, *args)
     assert "thread_index_in_threadgroup [[thread_index_in_threadgroup]]" in got
+
+
+@needs_mlx
+def test_metal_renders_in_the_dsl_and_launches_from_the_mlx_backend():
+    """kernels_src renders Metal without importing a backend or mlx; compile(fn, "metal") launches only once
+    backends.mlx.metal_kernel has registered its launcher. A fresh interpreter, so nothing registered it before."""
+    code = textwrap.dedent("""
+    import sys
+
+    import numpy as np
+
+    from kernels_src.dsl import compile
+    from kernels_src.rms_norm import rms_norm_kernel
+
+    x, w = np.zeros((2, 64), np.float32), np.ones(64, np.float32)
+    args = (x, w, np.zeros_like(x), 64, 64, 64, 1e-6)
+    k = compile(rms_norm_kernel, "metal", BLOCK=64, OFFSET=False)
+    assert "threadgroup_position_in_grid" in k.source(*args)
+    try:
+        k.compiled(*args)
+    except RuntimeError as e:
+        assert "import backends.mlx.metal_kernel" in str(e), e
+    else:
+        raise SystemExit("the DSL launched Metal with no launcher registered")
+    assert not [m for m in sys.modules if m.split(".")[0] in ("backends", "mlx")]
+    from backends.mlx.metal_kernel import MetalKernel
+
+    assert isinstance(k.compiled(*args), MetalKernel)
+    print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_sources_render_for_every_target():

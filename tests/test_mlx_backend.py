@@ -9,7 +9,7 @@ from backend_greedy import backend_greedy as greedy
 from test_tiny_models import MAIN, prompt, saved  # noqa: F401  (saved is a fixture)
 
 from backends.mlx.backend import MLXBackend
-from ir.batch import make_batch
+from core.batch import make_batch
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
 

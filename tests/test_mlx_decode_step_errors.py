@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.engine.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams
 from tests.test_engine import chat, run
 
 

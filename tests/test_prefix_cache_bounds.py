@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.sampling_params import SamplingParams
 from frontend.engine.block_manager import BlockManager
-from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.sequence import Sequence
 
 BS = 16

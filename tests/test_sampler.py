@@ -1,4 +1,4 @@
-"""frontend.engine.sampler against a plain full-sort reference, on tiny and full-size vocabularies."""
+"""core.sampler against a plain full-sort reference, on tiny and full-size vocabularies."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from frontend.engine.sampler import Sampler, SampleResult, adjusted_logits, make_generator, sampling_probs
-from frontend.engine.sampling_params import SamplingParams
+from core.sampler import Sampler, SampleResult, adjusted_logits, make_generator, sampling_probs
+from core.sampling_params import SamplingParams
 
 LOGITS = np.array([2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 2.5, -2.0], dtype=np.float32)
 DRAWS = 20_000

@@ -28,8 +28,8 @@ def _agree(texts: list[str], prompts: list[list[int]], model: str | None = None)
     """The server's greedy answers are the offline engine's, or part from them only at a near tie of the offline
     engine's own top two tokens: on a GPU even fp32 sums depend on the batch (cuBLAS picks kernels by shape, the
     decode's split-K grid by batch size), and the two paths batch the prompts differently."""
+    from core.sampling_params import SamplingParams
     from frontend.engine.llm import LLM
-    from frontend.engine.sampling_params import SamplingParams
 
     llm = LLM(model=model, backend=BACKEND, dtype="f32" if BACKEND == "cuda" else None, max_num_seqs=4,
               progress=False)

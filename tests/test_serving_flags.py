@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from core.sampling_params import SamplingParams
 from frontend.cli import parse_args
-from frontend.engine.sampling_params import SamplingParams
 from tests.test_engine import chat, run
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.base import Backend, MemoryReport
+from core.sampling_params import SamplingParams
 from frontend.engine.engine import EngineConfig, LLMEngine
-from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import SchedulerConfig
 from ir.config import ModelConfig
 from ir.rope import RopeSpec

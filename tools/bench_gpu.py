@@ -165,7 +165,7 @@ def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int) -> 
 
 def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int = 0) -> float:
     """Generated tokens per second once every sequence has its first token (prefill untimed)."""
-    from frontend.engine.sampling_params import SamplingParams
+    from core.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
@@ -188,7 +188,7 @@ def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, 
     Returns [(kernel, share of GPU time, us per step)], largest first, plus ("(all kernels)", 1, us) first."""
     from torch.profiler import ProfilerActivity, profile
 
-    from frontend.engine.sampling_params import SamplingParams
+    from core.sampling_params import SamplingParams
 
     rng = np.random.default_rng(2)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
@@ -210,7 +210,7 @@ def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, 
 
 
 def prefill_rate(engine, tokens: int, vocab: int, reps: int = 3) -> float:
-    from frontend.engine.sampling_params import SamplingParams
+    from core.sampling_params import SamplingParams
 
     rng = np.random.default_rng(1)
     best = float("inf")

@@ -25,8 +25,8 @@ def prompt_ids(tokenizer, n: int, salt: int = 0) -> list[int]:
 
 def bench_engine(args) -> dict[str, float]:
     from backends.base import create_backend
+    from core.sampling_params import SamplingParams
     from frontend.engine.engine import EngineConfig, LLMEngine
-    from frontend.engine.sampling_params import SamplingParams
     from frontend.engine.scheduler import SchedulerConfig
     from ir.loader import load_model
 

@@ -124,9 +124,9 @@ class Offline:
         return list(p.prompt) if not isinstance(p.prompt, str) else tok.encode(p.prompt)
 
     def run(self, prompts: list[BenchPrompt], max_num_seqs: int) -> dict:
+        from core.sampling_params import SamplingParams
         from frontend.engine.engine import EngineConfig
         from frontend.engine.llm import LLM
-        from frontend.engine.sampling_params import SamplingParams
         from frontend.engine.scheduler import SchedulerConfig
 
         llm = LLM.from_backend(self.backend, EngineConfig(kv_cache_bytes=self.kv_bytes,

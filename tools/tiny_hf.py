@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from ir.batch import make_batch
+from core.batch import make_batch
 from ir.reference import ReferenceRunner
 
 

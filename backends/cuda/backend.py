@@ -17,7 +17,7 @@ from backends.cuda.graphs import DecodeGraphs
 from backends.cuda.plan import Plan
 from backends.cuda.runner import Runner, StepMeta
 from backends.cuda.runtime import torch
-from ir.batch import Batch
+from core.batch import Batch
 from ir.loader import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import numpy as np
 
 from backends.cuda.runner import Runner, StepMeta, partitions_for, pow2
 from backends.cuda.runtime import torch
-from ir.batch import Batch
+from core.batch import Batch
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ WAVES = 4  # (sequence, KV head, partition) programs per SM that a long context'
 
 @dataclass
 class StepMeta:
-    """One step's batch on the device (the `ir.batch` contract) and what the kernels' grids need from the host."""
+    """One step's batch on the device (the `core.batch` contract) and what the kernels' grids need from the host."""
 
     positions: torch.Tensor  # [T] int32
     slots: torch.Tensor  # [T] int64, negative: padding, nothing written

@@ -1,6 +1,6 @@
 """The engine's sampler as batched torch ops on the logits' device, token for token the same.
 
-frontend.engine.sampler is the specification: same order of adjustments, same float32/float64 steps,
+core.sampler is the specification: same order of adjustments, same float32/float64 steps,
 and each non-greedy row takes one `generator.random()`, in row order, so a seeded request draws the
 same tokens on either sampler. Host inputs reach the device in one copy; results come back in one, which the
 engine reads only after launching the next step (`launch` returns before the device is done).
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from frontend.engine.sampler import _TOP_P_SLACK, SampleResult, SamplerInput, _adjusts, output_counts, seen_ids
+from core.sampler import TOP_P_SLACK, SampleResult, SamplerInput, adjusts_logits, output_counts, seen_ids
 
 __all__ = ["TorchSampler"]
 
@@ -108,7 +108,7 @@ def _top_p(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Zero all but the smallest best-first prefix (ties: lower id first) whose mass reaches top_p."""
     sw, order = w.sort(dim=1, descending=True, stable=True)
     cum = _cumsum(sw)
-    target = top_p[:, None] * cum[:, -1:] * (1 - _TOP_P_SLACK)
+    target = top_p[:, None] * cum[:, -1:] * (1 - TOP_P_SLACK)
     short = (cum < target).sum(1, keepdim=True)  # the prefix: these and the one that reaches target
     pos = torch.arange(w.shape[1], device=w.device)
     return torch.zeros_like(w).scatter_(1, order, torch.where(pos <= short, sw, 0))
@@ -193,7 +193,7 @@ class TorchSampler:
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(inputs)} inputs")
         logits = logits.float()
         params = [s.params for s in inputs]
-        adjusts = any(_adjusts(p) for p in params)
+        adjusts = any(adjusts_logits(p) for p in params)
         n, vocab = logits.shape
         if not adjusts and all(p.greedy and p.logprobs is None for p in params):
             tokens = logits.argmax(1)

@@ -1,4 +1,4 @@
-"""Paged attention in mlx ops, following the contract of `ir.batch`.
+"""Paged attention in mlx ops, following the contract of `core.batch`.
 
 The per-step metadata (which cache slots each sequence reads, masks) is computed once in numpy and
 shared by every layer. Decodes (one query token) are batched into one padded attention call;
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backends.mlx.runtime import mx
-from ir.batch import Batch
+from core.batch import Batch
 
 
 def _bucket(n: int, minimum: int) -> int:

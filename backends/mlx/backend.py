@@ -13,7 +13,7 @@ from backends.mlx.decode_step import CompiledDecode
 from backends.mlx.lower import GraphRunner, StepContext
 from backends.mlx.metal_ops import KernelOps
 from backends.mlx.runtime import metal_available, mx
-from ir.batch import Batch
+from core.batch import Batch
 from ir.loader import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import numpy as np
 from backends.mlx.attention import AttentionMeta, _bucket, decode_layout, decode_visible
 from backends.mlx.lower import GraphRunner, StepContext
 from backends.mlx.runtime import mx
-from ir.batch import Batch
+from core.batch import Batch
 from ir.rope import RopeSpec, cos_sin
 
 # Contexts shorter than this share one compiled shape: padding keys costs far less than a retrace.

@@ -14,6 +14,7 @@ from collections import Counter
 
 import numpy as np
 
+from backends.mlx import metal_kernel  # noqa: F401  (registers the DSL's "metal" launcher)
 from backends.mlx.runtime import mx
 from kernels_src.activations import gated_act_kernel
 from kernels_src.dsl import compile, tl

@@ -1,1 +1,1 @@
-"""The shared engine: sequences, block manager, scheduler, sampler, detokenizer, and the step loop."""
+"""The shared engine: sequences, block manager, scheduler, detokenizer, and the step loop (the sampler is core's)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from frontend.engine.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams
 from ir.tokenizer import Tokenizer
 
 __all__ = ["IncrementalDetokenizer"]

@@ -10,15 +10,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from backends.base import Backend
+from core.batch import make_batch
+from core.sampler import TokenHistory, make_generator, needs_history
+from core.sampling_params import SamplingParams
 from frontend.engine.block_manager import BlockManager
 from frontend.engine.detokenizer import IncrementalDetokenizer
 from frontend.engine.outputs import CompletionOutput, RequestOutput, TokenView
 from frontend.engine.request_bounds import RequestBounds
-from frontend.engine.sampler import TokenHistory, make_generator, needs_history
-from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from frontend.engine.sequence import Sequence, Status, TokenLogprob
-from ir.batch import make_batch
 
 __all__ = ["CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput"]  # the outputs live in outputs.py
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from backends.base import create_backend
+from core.sampling_params import SamplingParams
 from frontend.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.scheduler import SchedulerConfig
 from ir.default_model import default_model_path
 from ir.loader import load_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from frontend.engine.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from frontend.engine.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from frontend.engine.sampler import TokenHistory
+    from core.sampler import TokenHistory
 
 
 class Status(enum.Enum):

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from core.sampling_params import SamplingParams
 from frontend.engine.engine import RequestOutput
 from frontend.engine.request_bounds import RequestBounds
-from frontend.engine.sampling_params import SamplingParams
 from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFailedError
 from frontend.engine_proc.process import EngineProcess, exit_description
 from frontend.engine_proc.spec import EngineSpec

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
+from core.sampling_params import SamplingParams
 from frontend.engine.engine import LLMEngine
 from frontend.engine.outputs import CompletionOutput, RequestOutput, TokenView
-from frontend.engine.sampling_params import SamplingParams
 from frontend.engine.sequence import TokenLogprob
 
 Logprob = tuple[int, float, list[tuple[int, float]] | None]  # token, its logprob, the top (id, logprob) pairs

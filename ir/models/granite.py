@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ir.batch import ATTENTION_INPUTS
+from core.batch import ATTENTION_INPUTS
 from ir.config import ModelConfig, gguf_fields, hf_fields
 from ir.graph import Graph
 from ir.models import Architecture, llama

@@ -3,7 +3,7 @@ decoder with their flags (qkv bias, q/k norms)."""
 
 from __future__ import annotations
 
-from ir.batch import ATTENTION_INPUTS
+from core.batch import ATTENTION_INPUTS
 from ir.config import ModelConfig
 from ir.graph import Graph, Value
 from ir.models import Architecture

@@ -171,3 +171,11 @@ TARGET_HOOKS: dict[str, tuple[Callable, Callable]] = {}
 
 def register_target(name: str, render: Callable, build: Callable) -> None:
     TARGET_HOOKS[name] = (render, build)
+
+
+def register_launcher(name: str, build: Callable) -> None:
+    """Give target `name`, rendered here, the launcher of the layer that can run it: the DSL never imports a
+    backend, so backends.mlx.metal_kernel registers the "metal" launcher when it is imported."""
+    if name not in TARGET_HOOKS:
+        raise ValueError(f"unknown target {name!r} (registered: {', '.join(TARGET_HOOKS)})")
+    TARGET_HOOKS[name] = (TARGET_HOOKS[name][0], build)

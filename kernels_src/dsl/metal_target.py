@@ -1,6 +1,7 @@
-"""The Metal emitter: the SIMT form (simt.py) spelled as the *body* that `mx.fast.metal_kernel` wraps, and a
-launcher (target "metal"). One threadgroup per program; MLX's `grid` counts threads, so it is
-(programs_x * nthreads, programs_y, programs_z) with threadgroup (nthreads, 1, 1).
+"""The Metal emitter: the SIMT form (simt.py) spelled as the *body* that `mx.fast.metal_kernel` wraps (target
+"metal"), with the names of its inputs and outputs (`metal_program`). The launcher, which needs mlx, is the MLX
+backend's (backends/mlx/metal_kernel.py registers it). One threadgroup per program; MLX's `grid` counts threads, so
+it is (programs_x * nthreads, programs_y, programs_z) with threadgroup (nthreads, 1, 1).
 
 MLX arrays are values, so pointers map onto its inputs and outputs thus: a pointer only loaded is an input; a
 pointer written and never loaded is, by default, a fresh output (returned; give `outputs=` to choose); every
@@ -13,16 +14,15 @@ and the write happens when the kernel runs: the launcher returns the array made 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
+from dataclasses import dataclass
 
 from .c_renderer import CRenderer
-from .ir import PtrType
 from .simt import SimtKernel
 
-_MX = {"i1": "bool_", "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "u16": "uint16",
-       "u32": "uint32", "u64": "uint64", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+# DSL scalar type -> mlx dtype name: scalars reach a kernel as 0-d arrays of these.
+MLX_DTYPES = {"i1": "bool_", "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8",
+              "u16": "uint16", "u32": "uint32", "u64": "uint64", "fp16": "float16", "bf16": "bfloat16",
+              "fp32": "float32"}
 
 
 # MLX passes an input of fewer than 8 elements in `constant` memory, others in `device` memory: pointer casts
@@ -97,87 +97,28 @@ def io_names(k: SimtKernel, outputs: set[str]) -> tuple[list[str], list[str]]:
     return inputs, outs or ["dsl_done"]  # MLX wants at least one output
 
 
-class MetalKernel:
-    """`launch(grid, *args, verbose=False) -> {pointer name: mx.array}` for every written pointer."""
+@dataclass(frozen=True)
+class MetalProgram:
+    """One kernel as mx.fast.metal_kernel takes it, and what a launch maps its arguments by. The DSL stops here:
+    running it needs mlx, so the launcher is the MLX backend's (backends/mlx/metal_kernel.py)."""
 
-    def __init__(self, simt: SimtKernel, outputs: set[str] | None = None):
-        from backends.mlx.runtime import mx
-
-        self.simt, self.mx = simt, mx
-        self.outputs = default_outputs(simt) if outputs is None else set(outputs)
-        unknown = self.outputs - simt.written
-        if unknown:
-            raise ValueError(f"{simt.name}: {sorted(unknown)} are not written by the kernel")
-        r = MetalRenderer()
-        self.source, self.header = r.render(simt, self.outputs), r.header()
-        self.input_names, self.output_names = io_names(simt, self.outputs)
-        self.fn = mx.fast.metal_kernel(name=simt.name, input_names=self.input_names, output_names=self.output_names,
-                                       source=self.source, header=self.header, ensure_row_contiguous=True)
-
-    def __call__(self, grid, *args, verbose: bool = False, stream=None) -> dict:
-        mx = self.mx
-        grid = (grid,) if isinstance(grid, int) else tuple(int(g) for g in grid)
-        grid = grid + (1,) * (3 - len(grid))
-        inputs, shapes, dtypes, inplace = [], [], [], []
-        for p, a in zip(self.simt.params, args, strict=True):
-            if not isinstance(p.dtype, PtrType):
-                inputs.append(mx.array(a, dtype=getattr(mx, _MX[p.dtype.name])))
-            elif p.name in self.outputs:
-                shapes.append(tuple(a.shape))
-                dtypes.append(a.dtype)
-            else:
-                inputs.append(a)
-                if p.name in self.simt.written:
-                    inplace.append((p.name, a))
-        if not shapes:
-            shapes, dtypes = [(1,)], [mx.int32]
-        outs = self.fn(inputs=inputs, output_shapes=shapes, output_dtypes=dtypes,
-                       grid=(grid[0] * self.simt.nthreads, grid[1], grid[2]), threadgroup=(self.simt.nthreads, 1, 1),
-                       verbose=verbose, **({} if stream is None else {"stream": stream}))
-        result = dict(zip(self.output_names, outs, strict=True)) if self.outputs else {}
-        for name, a in inplace:
-            result[name] = mx.depends([a], list(outs))[0]
-        return result
+    simt: SimtKernel
+    outputs: frozenset[str]  # pointers that come back as fresh arrays; other written ones are updated in place
+    source: str  # the kernel body
+    header: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
 
 
-def mlx_wrapped_source(kernel: MetalKernel, grid, *args) -> str:
-    """The full Metal source MLX builds for this launch (signature + body), as mlx prints it with verbose=True.
-
-    MLX writes it while tracing the call, which works without a Metal device inside `mx.export_function` (it
-    records the kernel for another machine instead of running it); its stdout (C++) is captured at the fd level.
-    """
-    mx = kernel.mx
-    arrays = [a for p, a in zip(kernel.simt.params, args, strict=True) if isinstance(p.dtype, PtrType)]
-
-    def fn(*arrs):
-        it = iter(arrs)
-        full = [next(it) if isinstance(p.dtype, PtrType) else a for p, a in zip(kernel.simt.params, args, strict=True)]
-        return list(kernel(grid, *full, verbose=True).values())
-
-    with tempfile.TemporaryFile(mode="w+b") as out, _stdout_to(out):
-        mx.export_function(lambda *_: None, fn, *arrays)
-        out.seek(0)
-        text = out.read().decode()
-    start = text.find("```\n")
-    end = text.rfind("```")
-    if start < 0 or end <= start:
-        raise RuntimeError(f"mlx printed no kernel source:\n{text[:2000]}")
-    return text[start + 4:end - 1]  # less the newline mlx prints after the source
-
-
-@contextlib.contextmanager
-def _stdout_to(f):
-    import sys
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(f.fileno(), 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+def metal_program(simt: SimtKernel, outputs: set[str] | None = None) -> MetalProgram:
+    """Render `simt` for mx.fast.metal_kernel; `outputs` as in the module's docstring (None: the default)."""
+    outputs = default_outputs(simt) if outputs is None else set(outputs)
+    unknown = outputs - simt.written
+    if unknown:
+        raise ValueError(f"{simt.name}: {sorted(unknown)} are not written by the kernel")
+    r = MetalRenderer()
+    inputs, outs = io_names(simt, outputs)
+    return MetalProgram(simt, frozenset(outputs), r.render(simt, outputs), r.header(), tuple(inputs), tuple(outs))
 
 
 # MLX's write_signature (mlx/fast.cpp), for checks on machines without mlx; tests compare it with the real one.
@@ -205,7 +146,7 @@ def wrap_like_mlx(simt: SimtKernel, source: str, header: str, outputs: set[str],
         size = 1
         for s in shape:
             size *= s
-        t = _MLX_TYPES[str(a.dtype).rsplit(".", 1)[-1]] if shape else _MLX_TYPES[_MX[p.dtype.name].rstrip("_")]
+        t = _MLX_TYPES[str(a.dtype).rsplit(".", 1)[-1] if shape else MLX_DTYPES[p.dtype.name].rstrip("_")]
         ref, space = ("&" if not shape else "*"), ("constant" if size < 8 else "device")
         name += "_" + t + ("s" if not shape else "c" if size < 8 else "")
         sig.append(f"  const {space} {t}{ref} {in_name} [[buffer({len(sig)})]]")

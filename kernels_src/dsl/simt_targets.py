@@ -1,6 +1,7 @@
 """The SIMT emitters as DSL targets: "simt-cpu" (the C++ oracle, runs here), "cuda" (CUDA C through CuPy) and
-"metal" (Metal through mx.fast.metal_kernel). `compile(fn, target)[grid](*args)` works for each; `.source()`
-gives the rendered text. Lowering and rendering are cached per traced kernel."""
+"metal" (Metal through mx.fast.metal_kernel, launched by backends/mlx/metal_kernel.py once imported).
+`compile(fn, target)[grid](*args)` works for each; `.source()` gives the rendered text. Lowering and rendering are
+cached per traced kernel."""
 
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ def _metal_render(k, num_warps):
 
 
 def _metal_build(k, num_warps):
-    from .metal_target import MetalKernel
-
-    return MetalKernel(lowered(k, num_warps))
+    # Running Metal needs mlx, which is the MLX backend's to import: its launcher replaces this one.
+    raise RuntimeError(f"{k.name}: target 'metal' launches through mlx; import backends.mlx.metal_kernel first, "
+                       "which registers the launcher (the DSL itself only renders the source)")
 
 
 register_target("simt-cpu", _cpu_render, _cpu_build)

@@ -1,4 +1,5 @@
-"""Next-token sampling for a batch in which every request keeps its own parameters and random stream.
+"""Next-token sampling for a batch in which every request keeps its own parameters and random stream: the
+specification every backend's sampler follows (backends.cuda.sampling does the same in torch).
 
 Order (vLLM's): logit_bias, repetition penalty, frequency and presence penalties; then greedy argmax,
 or temperature, top_k, top_p, min_p and one inverse-CDF draw. Logprobs come from the raw logits.
@@ -12,14 +13,14 @@ from typing import Protocol
 
 import numpy as np
 
-from frontend.engine.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams
 
-__all__ = ["SampleResult", "Sampler", "SamplerInput", "TokenHistory", "adjusted_logits", "make_generator",
-           "needs_history", "output_counts", "sampling_probs", "seen_ids"]
+__all__ = ["TOP_P_SLACK", "SampleResult", "Sampler", "SamplerInput", "TokenHistory", "adjusted_logits",
+           "adjusts_logits", "make_generator", "needs_history", "output_counts", "sampling_probs", "seen_ids"]
 
 _SMALL = 4096  # up to this many candidates one cumulative sum is cheapest; above, a two-level draw
 _BLOCK = 256
-_TOP_P_SLACK = 1e-6  # weights are float32: a mass this close to top_p counts as reaching it
+TOP_P_SLACK = 1e-6  # weights are float32: a mass this close to top_p counts as reaching it (on every sampler)
 
 
 @dataclass
@@ -78,7 +79,8 @@ def make_generator(seed: int | None) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(seed))
 
 
-def _adjusts(p: SamplingParams) -> bool:
+def adjusts_logits(p: SamplingParams) -> bool:
+    """Whether `adjusted_logits` changes anything for these parameters (logit_bias or a penalty)."""
     return bool(p.logit_bias) or p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
 
 
@@ -154,7 +156,7 @@ def _top_k_ids(x: np.ndarray, best: float, k: int) -> np.ndarray:
 def _top_p(ids: np.ndarray | None, w: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     """The smallest best-first set (ties broken by lower id) whose mass reaches top_p, as ascending ids."""
     total = float(w.sum(dtype=np.float64))
-    target = top_p * total * (1 - _TOP_P_SLACK)
+    target = top_p * total * (1 - TOP_P_SLACK)
     vals = w
     if len(w) > _SMALL:
         # The set is a best-first prefix, so any threshold whose survivors hold the target mass keeps
@@ -265,7 +267,7 @@ class Sampler:
         if logits.ndim != 2 or logits.shape[0] != len(inputs):
             raise ValueError(f"logits of shape {logits.shape} for {len(inputs)} inputs")
         params = [s.params for s in inputs]
-        plain = [p.greedy and not _adjusts(p) for p in params]
+        plain = [p.greedy and not adjusts_logits(p) for p in params]
         if all(plain) and all(p.logprobs is None for p in params):
             return [SampleResult(int(t)) for t in logits.argmax(axis=1)]
         rows = [i for i, ok in enumerate(plain) if ok]
@@ -283,7 +285,7 @@ class Sampler:
 def _sample_one(row: np.ndarray, inp: SamplerInput, p: SamplingParams, token: int | None) -> SampleResult:
     """One row; `token` is its argmax when the batch already took it (a plain greedy row)."""
     if token is None:
-        x = adjusted_logits(row, inp) if _adjusts(p) else np.asarray(row, dtype=np.float32)
+        x = adjusted_logits(row, inp) if adjusts_logits(p) else np.asarray(row, dtype=np.float32)
         token = int(x.argmax()) if p.greedy else _sample_row(x, p, inp.generator.random())
     if p.logprobs is None:
         return SampleResult(token)
