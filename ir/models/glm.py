@@ -40,7 +40,8 @@ class GlmConfig(ModelConfig):
         if f"{a}.rope.dimension_sections" in meta:
             raise ValueError("M-RoPE sections (GLM-4V's text model, its q/k permuted to neox) are not supported")
         f = gguf_fields(meta, tensors, arch, defaults, freq_factors)
-        qkv_bias = f["qkv_bias"] or "blk.0.attn_qkv.bias" in tensors  # ChatGLM's own weights keep q/k/v fused
+        # ChatGLM's own checkpoints keep q/k/v fused: attn_qkv.
+        qkv_bias = f.get("qkv_bias", False) or "blk.0.attn_qkv.bias" in tensors
         return cls(**f | dict(rope=replace(f["rope"], style="interleaved"), qkv_bias=qkv_bias))
 
 
