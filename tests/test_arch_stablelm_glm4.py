@@ -55,8 +55,9 @@ CASES = {
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-BACKENDS = ["mlx", pytest.param("cuda-cpu", marks=needs_triton),
-            pytest.param("cuda", marks=[needs_triton, needs_cuda])]
+needs_mlx = pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx is not installed")
+MLX = pytest.param("mlx", marks=needs_mlx)
+BACKENDS = [MLX, pytest.param("cuda-cpu", marks=needs_triton), pytest.param("cuda", marks=[needs_triton, needs_cuda])]
 
 
 def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
@@ -365,7 +366,7 @@ def test_gguf_config(gguf_files):
         assert c.qkv_bias and not c.o_bias and (c.rope.style, c.rope.rotary_dim) == ("interleaved", 8)
 
 
-@pytest.mark.parametrize("kind", ["mlx", pytest.param("cuda", marks=[needs_triton, needs_cuda])])
+@pytest.mark.parametrize("kind", [MLX, pytest.param("cuda", marks=[needs_triton, needs_cuda])])
 def test_gguf_glm4_on_backends(kind, gguf_files):
     """Q8_0 halves of the fused gate_up, re-fused by the CUDA plan (blocks concatenated) or kept as MLX groups. Not
     on CPU tensors: Triton's interpreter takes minutes over the quantized kernels (test_cuda_backend's Q8_0 tests
