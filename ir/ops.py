@@ -85,6 +85,22 @@ def _norm(ts, a):
     return x
 
 
+def _layer_norm(ts, a):
+    x, w, b = (ts + [None])[:3]
+    _float(x, "x")
+    # w (and b) cover x's last dim, or its last two: a per-head norm ([heads, head_dim], stablelm's q/k norms).
+    # Either way the statistics run over the last dim only.
+    if not 1 <= len(w.shape) <= min(2, len(x.shape)):
+        raise ValueError(f"layer_norm weight {w} must be [d] or [heads, d] for x {x}")
+    for i in range(1, len(w.shape) + 1):
+        _same_dim(x.shape[-i], w.shape[-i], "norm weight")
+    if b is not None and b.shape != w.shape:
+        raise ValueError(f"layer_norm bias {b} does not match its weight {w}")
+    if "eps" not in a:
+        raise ValueError("norm needs eps")
+    return x
+
+
 def _rope(ts, a):
     x, pos = ts
     _int(pos, "positions")
@@ -157,7 +173,8 @@ OPS: dict[str, OpDef] = {o.name: o for o in [
     _op("embedding", ["table", "ids"], _embedding, "rows of table at ids"),
     _op("linear", ["x", "w", "b?"], _linear, "x @ w.T (+ b); w is [out, in], dense or quantized"),
     _op("rms_norm", ["x", "w"], _norm, "x / rms(x) * (w + offset) over the last dim, in fp32"),
-    _op("layer_norm", ["x", "w", "b?"], _norm, "(x - mean) / std * w + b over the last dim"),
+    _op("layer_norm", ["x", "w", "b?"], _layer_norm,
+        "(x - mean) / std * w + b over the last dim; w, b [d] or per head [heads, d]"),
     _op("rope", ["x", "positions"], _rope, "rotary embedding on the first rotary_dim of each head"),
     _op("attention", ["q", "k", "v", "slot_mapping", "block_tables", "context_lens", "query_start"],
         _attention, "write k, v into the paged cache of `layer`, then causal attention over it"),

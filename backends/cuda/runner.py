@@ -253,7 +253,7 @@ class Runner:
             return rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), args[1], a["eps"], offset=offset == 1.0,
                                      target=self.target, pdl=self.pdl).reshape(x.shape)
         if op == "layer_norm":
-            return F.layer_norm(x := args[0], (x.shape[-1],), args[1], args[2] if len(args) > 2 else None, a["eps"])
+            return _layer_norm(args[0], args[1], args[2] if len(args) > 2 else None, a["eps"])
         if op in ("silu", "gelu", "gelu_tanh"):
             return _act(op, args[0])
         if op == "softcap":
@@ -270,6 +270,13 @@ class Runner:
         if op == "gather_rows":
             return args[0].index_select(0, args[1])
         raise NotImplementedError(f"the CUDA backend has no lowering for IR op {op!r}")
+
+
+def _layer_norm(x, w, b, eps: float):
+    if w.dim() == 1:
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    y = F.layer_norm(x, (x.shape[-1],), None, None, eps) * w  # per head [heads, d]: torch's weight must be [d]
+    return y if b is None else y + b
 
 
 def _rms_norm_torch(x, w, eps: float, offset: float):

@@ -35,7 +35,10 @@ def _rms_norm(x, w, eps, offset=0.0):
 
 
 def _layer_norm(x, w, b=None, *, eps):
-    return mx.fast.layer_norm(x, w, b, eps)
+    if w.ndim == 1:
+        return mx.fast.layer_norm(x, w, b, eps)
+    y = mx.fast.layer_norm(x, None, None, eps) * w  # a per-head weight [heads, d]: mlx's takes [d] only
+    return y if b is None else y + b
 
 
 OPS = {

@@ -1,0 +1,40 @@
+"""The frame a decoder-only graph puts around its layers: the step's inputs (the `core.batch` contract), the token
+embedding, and the logits of the rows asked for (tied to the embedding or not)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.batch import ATTENTION_INPUTS
+from ir.config import ModelConfig
+from ir.graph import Graph, Value
+
+
+@dataclass
+class StepInputs:
+    ids: Value
+    positions: Value
+    attention: list[Value]  # ATTENTION_INPUTS, in order: what every attention node takes after q, k, v
+    logits_rows: Value
+
+
+def step_inputs(g: Graph) -> StepInputs:
+    ids = g.input("token_ids", ("T",), "i32")
+    pos = g.input("positions", ("T",), "i32")
+    meta = [g.input("slot_mapping", ("T",), "i32"), g.input("block_tables", ("B", "M"), "i32"),
+            g.input("context_lens", ("B",), "i32"), g.input("query_start", ("B1",), "i32")]
+    assert [m.name for m in meta] == list(ATTENTION_INPUTS)
+    return StepInputs(ids, pos, meta, g.input("logits_indices", ("N",), "i32"))
+
+
+def embed(g: Graph, cfg: ModelConfig, ids: Value) -> tuple[Value, Value]:
+    """(hidden states, the embedding table)."""
+    table = g.param("embed", (cfg.vocab_size, cfg.hidden_size), shard="column")
+    return g.embedding(table, ids), table
+
+
+def logits(g: Graph, cfg: ModelConfig, h: Value, table: Value, rows: Value) -> None:
+    """The `logits` output: the final hidden states at `rows` through the LM head (the embedding when tied)."""
+    head = table if cfg.tie_word_embeddings else g.param("lm_head", (cfg.vocab_size, cfg.hidden_size),
+                                                         shard="column")
+    g.output("logits", g.linear(g.gather_rows(h, rows), head))
