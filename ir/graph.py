@@ -92,12 +92,14 @@ class Graph:
         return v
 
     def matrix_params(self) -> set[str]:
-        """Parameters used as a linear's weight or an embedding table: the ones a backend may keep quantized."""
+        """Parameters read where an op declares a weight operand (a linear's weight, an embedding table, of any
+        rank): the ones a backend may keep in a quantized format."""
         out = set()
         for node in self.nodes:
-            w = node.inputs[1] if node.op == "linear" else node.inputs[0] if node.op == "embedding" else None
-            if w is not None and w.kind == "param":
-                out.add(w.name)
+            for i in OPS[node.op].weights:
+                w = node.inputs[i] if i < len(node.inputs) else None
+                if w is not None and w.kind == "param":
+                    out.add(w.name)
         return out
 
     def output(self, name: str, value: Value) -> None:

@@ -17,6 +17,7 @@ from ir.formats.errors import ModelFormatError
 from ir.formats.gguf_file import GGUFFile
 from ir.formats.safetensors_file import read_safetensors, shard_files
 from ir.graph import Graph
+from ir.weight_formats import FORMATS
 from ir.weights import StoredTensor, WeightSource, WeightStore
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool) -> LoadedModel:
 
     def fetch(name: str) -> StoredTensor:
         t = tensors[name]
-        if t.dtype not in ("F32", "F16", "BF16"):
+        fmt = FORMATS.get(t.dtype)
+        if fmt is None or fmt.quantized:
             raise ModelFormatError(folder, f"tensor {name!r} has dtype {t.dtype}; expected a float type")
         return StoredTensor(t.data, t.dtype, t.shape, name)
 

@@ -38,6 +38,9 @@ class OpDef:
     operands: tuple[str, ...]  # names; a trailing "?" marks an optional operand
     infer: Infer
     doc: str
+    # Operand positions that read a weight matrix (or a stack of them): parameters there may stay in a quantized
+    # format, whatever their rank; every other parameter is read as plain values.
+    weights: tuple[int, ...] = ()
 
 
 def _same_dim(a: Dim, b: Dim, what: str) -> None:
@@ -165,13 +168,13 @@ def _gather_rows(ts, a):
     return TensorType(idx.shape + x.shape[1:], x.dtype)
 
 
-def _op(name: str, operands: Sequence[str], infer: Infer, doc: str) -> OpDef:
-    return OpDef(name, tuple(operands), infer, doc)
+def _op(name: str, operands: Sequence[str], infer: Infer, doc: str, weights: tuple[int, ...] = ()) -> OpDef:
+    return OpDef(name, tuple(operands), infer, doc, weights)
 
 
 OPS: dict[str, OpDef] = {o.name: o for o in [
-    _op("embedding", ["table", "ids"], _embedding, "rows of table at ids"),
-    _op("linear", ["x", "w", "b?"], _linear, "x @ w.T (+ b); w is [out, in], dense or quantized"),
+    _op("embedding", ["table", "ids"], _embedding, "rows of table at ids", weights=(0,)),
+    _op("linear", ["x", "w", "b?"], _linear, "x @ w.T (+ b); w is [out, in], dense or quantized", weights=(1,)),
     _op("rms_norm", ["x", "w"], _norm, "x / rms(x) * (w + offset) over the last dim, in fp32"),
     _op("layer_norm", ["x", "w", "b?"], _layer_norm,
         "(x - mean) / std * w + b over the last dim; w, b [d] or per head [heads, d]"),

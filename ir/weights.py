@@ -11,9 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ir.formats.errors import ModelFormatError
-from ir.formats.gguf_quants import dequantize
-
-DENSE_KINDS = ("F32", "F16", "BF16")
+from ir.weight_formats import FORMATS, WeightFormat, weight_format
 
 
 @dataclass(frozen=True)
@@ -24,8 +22,13 @@ class StoredTensor:
     source: str = ""  # the tensor's name in its file
 
     @property
+    def format(self) -> WeightFormat:
+        return weight_format(self.kind)
+
+    @property
     def quantized(self) -> bool:
-        return self.kind not in DENSE_KINDS
+        fmt = FORMATS.get(self.kind)  # a kind no reader produces (a ggml type we lack) is not dense either
+        return fmt is None or fmt.quantized
 
     @property
     def nbytes(self) -> int:
@@ -36,7 +39,7 @@ class StoredTensor:
         return self.data if self.data.dtype in (np.float32, np.float16) else self.dequantize()
 
     def dequantize(self) -> np.ndarray:
-        return dequantize(np.ascontiguousarray(self.data), self.kind, self.shape)
+        return self.format.dequantize(self.data, self.shape)
 
     def permute_rows(self, perm: np.ndarray) -> StoredTensor:
         """Reorder output rows; valid for quantized blocks too, since a block never spans two rows."""

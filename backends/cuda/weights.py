@@ -27,11 +27,12 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass
 class QuantWeight:
-    """A GGUF matrix [rows, cols] kept as its blocks: uint8 [rows, row_bytes] on the device."""
+    """A GGUF tensor (a matrix [rows, cols], or a stack of them) kept as its blocks: uint8 [rows, row_bytes] on the
+    device, rows = every dimension but the last."""
 
     data: torch.Tensor
     qtype: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
@@ -69,13 +70,24 @@ def to_device(graph: Graph, weights, dtype: str, device, quantized: bool = True,
     for name, p in tqdm(graph.params.items(), desc="to device", unit="tensor", disable=not progress, leave=False):
         t = weights[name]
         if quantized and t.quantized and name in matrices:
-            if t.kind in KERNEL_QTYPES:
-                blocks = np.ascontiguousarray(t.data).reshape(p.shape[0], -1)
+            keep = KEEP.get(t.format.family)
+            why = keep(t) if keep is not None else f"no CUDA kernel takes {t.format.family} weights"
+            if why is None:
+                blocks = np.ascontiguousarray(t.data).reshape(t.format.stored_shape(p.shape))
                 params[name] = QuantWeight(_host(blocks).to(device), t.kind, p.shape)
                 continue
-            fallbacks[f"{t.kind}: no CUDA kernel for this format"] += 1
+            fallbacks[f"{t.kind}: {why}"] += 1
         params[name] = _dense(t, p.shape, tdtype, device)
     return params, fallbacks
+
+
+def _gguf_kernels(t: StoredTensor) -> str | None:
+    return None if t.kind in KERNEL_QTYPES else "no CUDA kernel for this format"
+
+
+# Quantized format family -> whether the kernels take a tensor as it is stored (None) or why not. The formats
+# themselves are told apart in ir/weight_formats.py; each kernel file lists the formats it decodes.
+KEEP = {"gguf": _gguf_kernels}
 
 
 def fuse(params: dict[str, Param], plan: Plan) -> dict[str, Param]:

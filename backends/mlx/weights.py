@@ -55,7 +55,9 @@ def convert(graph: Graph, weights, dtype: str, quantized: bool, progress: bool =
     for name, p in tqdm(graph.params.items(), desc="to mlx", unit="tensor", disable=not progress, leave=False):
         t = weights[name]
         if quantized and name in matrices and t.quantized:
-            aw = to_affine(t)
+            # Quantized format family -> its MLX form (affine groups) or why it has none.
+            convert_family = {"gguf": to_affine}.get(t.format.family)
+            aw = convert_family(t) if convert_family else f"no MLX form for {t.format.family} weights"
             if isinstance(aw, str):
                 fallbacks[f"{t.kind}: {aw}"] += 1
                 log.info("%s (%s) falls back to dense %s: %s", name, t.kind, dtype, aw)

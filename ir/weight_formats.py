@@ -1,0 +1,58 @@
+"""Every weight format the loader hands out, in one table: what each is (a family: dense floats, GGUF blocks; GPTQ,
+AWQ and FP8 join as families of their own), how it lies in memory (blocks of `block_elems` values in `block_bytes`
+along the last dimension, never across rows), its logical and stored shapes, and how it decodes to fp32. This is the
+only place formats are told apart: a backend asks a tensor's format for its family and keeps the tensor in a form
+its kernels take, or dequantizes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+
+from ir.formats import gguf_quants
+
+__all__ = ["FORMATS", "WeightFormat", "weight_format"]
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str  # a StoredTensor's kind: "F32", "F16", "BF16", "Q4_K", ...
+    family: str  # "dense" | "gguf"
+    block_elems: int  # values per block along the last dimension (1 for dense)
+    block_bytes: int  # bytes per block
+
+    @property
+    def quantized(self) -> bool:
+        return self.family != "dense"
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of one row of n values (n a whole number of blocks)."""
+        if n % self.block_elems:
+            raise ValueError(f"{self.name}: a row of {n} values is not a whole number of {self.block_elems}-value "
+                             "blocks")
+        return n // self.block_elems * self.block_bytes
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The bytes of a tensor of logical `shape` (any rank: a 3-D expert stack too) as [rows, row bytes]."""
+        return (prod(shape[:-1]), self.row_bytes(shape[-1]))
+
+    def dequantize(self, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """fp32 values of logical `shape` from the stored data (typed dense arrays, bf16 bits or raw blocks)."""
+        return gguf_quants.dequantize(np.ascontiguousarray(data), self.name, shape)
+
+
+def _family(name: str) -> str:
+    return "dense" if name in ("F32", "F16", "BF16") else "gguf"
+
+
+FORMATS: dict[str, WeightFormat] = {
+    s.name: WeightFormat(s.name, _family(s.name), s.block_size, s.type_size) for s in gguf_quants.QTYPES.values()}
+
+
+def weight_format(kind: str) -> WeightFormat:
+    try:
+        return FORMATS[kind]
+    except KeyError:
+        raise ValueError(f"unknown weight format {kind!r} (known: {', '.join(FORMATS)})") from None
