@@ -300,7 +300,8 @@ def test_gguf_matches_transformers(case, gguf_files):
 
 
 def test_gguf_config_and_types(gguf_files):
-    """Hyper-parameters as llama.cpp reads them; quantized tensors stay quantized."""
+    """Hyper-parameters as llama.cpp reads them; quantized tensors stay quantized; the SentencePiece vocabulary
+    gives a tokenizer (tests/test_tokenizer_gemma.py checks one against SentencePiece)."""
     cfgs = {c: gguf_files(c)[3].config for c in GGUF_CASES}
     assert all(c.tie_word_embeddings and c.head_dim == 16 and c.attn_scale == 0.25 for c in cfgs.values())
     assert cfgs["gemma"].sliding_window is None and cfgs["gemma"].final_softcap is None
@@ -310,3 +311,8 @@ def test_gguf_config_and_types(gguf_files):
     assert (g3.rope.theta, g3.rope.rope_type, g3.local_rope.theta) == (1e6, "linear", 1e4)
     loaded = gguf_files("gemma2")[3]
     assert loaded.weights["embed"].kind == MIX[1].name and loaded.weights["layers.0.post_attn_norm"].kind == "F32"
+    tok = loaded.tokenizer
+    tokens = spm_vocab(VOCAB)[0]
+    assert tok is not None and tok.bos_id == 2
+    assert tok.encode(" ab") == [2, tokens.index("▁a"), tokens.index("b")]  # ▁a scores above ab
+    assert tok.decode(tok.encode(" ab ja"), skip_special_tokens=True) == " ab ja"
