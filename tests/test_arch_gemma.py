@@ -142,6 +142,24 @@ def test_mlx_backend_matches_reference(case, saved):
     assert tokens == ref_tokens
 
 
+def test_mlx_kernel_wiring_through_the_simt_oracle(saved):
+    """The Metal path's (1 + w) norm kernel and softcapped, windowed paged decode, run through the DSL's CPU
+    execution of the same SIMT programs."""
+    from backend_greedy import backend_greedy
+
+    from backends.mlx.backend import MLXBackend
+
+    loaded = saved("gemma2")[2]
+    backend = MLXBackend(loaded, kernels="simt-cpu", progress=False)
+    prompts = [prompt(1, 2 * WINDOW), prompt(2, 5)]
+    ref = ReferenceRunner(loaded, max_tokens=64, block_size=4)
+    ref_tokens, ref_first = ref.greedy(prompts, 4)
+    tokens, first = backend_greedy(backend, ref, prompts, 4, 4)
+    assert_close(first, ref_first)
+    assert tokens == ref_tokens
+    assert set(backend.kernels.launches) == {"rms_norm", "gated", "paged_decode"}
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("case", list(CASES))
 def test_cuda_backend_on_cpu_matches_reference(case, saved):
@@ -316,3 +334,23 @@ def test_gguf_config_and_types(gguf_files):
     assert tok is not None and tok.bos_id == 2
     assert tok.encode(" ab") == [2, tokens.index("▁a"), tokens.index("b")]  # ▁a scores above ab
     assert tok.decode(tok.encode(" ab ja"), skip_special_tokens=True) == " ab ja"
+
+
+def test_gguf_rules_llama_cpp_fixes():
+    """What llama.cpp decides without metadata: the 27B models' scale (hidden / heads), gemma2's defaults, and a
+    gemma3 file without a window: global layers only, all on the global rope."""
+    from ir.models import by_name
+
+    def meta(arch: str, layers: int, **extra) -> dict:
+        keys = dict(block_count=layers, embedding_length=4608, feed_forward_length=64, **{
+            "attention.head_count": 32, "attention.head_count_kv": 16, "attention.key_length": 128}, **extra)
+        return {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in keys.items()},
+                f"{arch}.vocab_size": VOCAB}
+
+    g2 = by_name("gemma2").config_from_gguf(meta("gemma2", 46), [])
+    assert (g2.attn_scale, g2.sliding_window, g2.attn_softcap, g2.final_softcap) == (144**-0.5, 4096, 50.0, 30.0)
+    assert by_name("gemma2").config_from_gguf(meta("gemma2", 42), []).attn_scale == 128**-0.5
+    g3 = by_name("gemma3").config_from_gguf(meta("gemma3", 62), [])
+    assert g3.attn_scale == 144**-0.5 and g3.window_for(0) is None and g3.rope_for(0) == g3.rope
+    g3 = by_name("gemma3").config_from_gguf(meta("gemma3", 26, **{"attention.sliding_window": 512}), [])
+    assert g3.window_for(0) == 512 and g3.window_for(5) is None and g3.rope_for(0).theta == 1e4

@@ -99,7 +99,7 @@ class GemmaConfig(ModelConfig):
         )
         if arch == "gemma2":
             kw["attn_softcap"] = _cap(get("attn_logit_softcapping", 50.0))
-        else:
+        elif window:  # llama.cpp: a gemma3 file without a window has global layers only, on the global rope
             kw["local_rope"] = RopeSpec(theta=LOCAL_THETA, rotary_dim=kw["rope"].rotary_dim)
         if n == GGUF_27B_LAYERS[arch]:
             kw["query_pre_attn_scalar"] = float(kw["hidden_size"] // kw["num_heads"])
