@@ -57,6 +57,10 @@ _PRE_SPLITS = {
 }
 # llama.cpp: one digit per pre-token, then the GPT-2 regex (StarCoder's tokenizer.json does the same).
 _DIGIT_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
+# Gemma vocabularies whose GGUF form the generic SentencePiece path reads as SentencePiece itself does: no prefix
+# space (the file says so), merges in score order, and the whitespace runs llama.cpp's converter respells with real
+# spaces (user-defined tokens) matched whole, longest first, as llama.cpp does. Later gemmas are unverified.
+_SPM_GEMMAS = frozenset({"gemma", "gemma2", "gemma3"})
 # Turn-ending tokens llama.cpp adds to its end-of-generation set when the vocabulary has them.
 _EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                         "<|eom_id|>", "<EOT>", "_<EOT>", "<|end▁of▁sentence|>", "<｜end▁of▁sentence｜>"})
@@ -116,9 +120,9 @@ def _gguf_backend(meta: dict[str, Any]) -> tuple[_Backend, bool]:
         return backend, False
     if kind != "llama":
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
-    if arch.startswith("gemma"):
-        raise ValueError(f"GGUF SentencePiece vocabulary of architecture {arch!r} is not supported; "
-                         "load the model's tokenizer.json folder instead")
+    if arch.startswith("gemma") and arch not in _SPM_GEMMAS:
+        raise ValueError(f"GGUF SentencePiece vocabulary of architecture {arch!r} is not supported (verified: "
+                         f"{', '.join(sorted(_SPM_GEMMAS))}); load the model's tokenizer.json folder instead")
     scores = meta.get("tokenizer.ggml.scores")
     if file_merges is None and scores is None:
         raise ValueError("GGUF SentencePiece vocabulary has neither merges nor scores")
