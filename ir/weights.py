@@ -48,9 +48,11 @@ class StoredTensor:
     def rows(self, start: int, stop: int) -> StoredTensor:
         """Output rows start:stop (a fused qkv_proj's q, k or v part); quantized blocks split as they lie, since a
         block never spans two rows."""
-        rows = self.data.reshape(self.shape[0], -1)[start:stop]
-        return StoredTensor(np.ascontiguousarray(rows).reshape((stop - start, *self.data.shape[1:])), self.kind,
-                            (stop - start, *self.shape[1:]), self.source)
+        rows = np.ascontiguousarray(self.data.reshape(self.shape[0], -1)[start:stop])
+        # 1-D tensors (a fused bias) arrive from GGUF as one row of bytes: the part stays so
+        data = rows.reshape((stop - start, *self.data.shape[1:])) if self.data.shape[0] == self.shape[0] else \
+            rows.reshape(1, -1)
+        return StoredTensor(data, self.kind, (stop - start, *self.shape[1:]), self.source)
 
     def dense_map(self, fn) -> StoredTensor:
         """fn(values as f32) as an F32 tensor: a per-source fix-up of small dense tensors (gemma's 1 + w norms)."""
