@@ -77,7 +77,7 @@ def load_weights(cfg: PhiConfig, graph: Graph, src: WeightSource) -> dict[str, S
         sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
         for i in range(cfg.num_layers):
             for kind, params in (("weight", ("wq", "wk", "wv")), ("bias", ("bq", "bk", "bv"))):
-                parts = split_rows(src.require(f"blk.{i}.attn_qkv.{kind}", f"layers.{i}.{params[0]}"), sizes)
+                parts = split_rows(src, f"blk.{i}.attn_qkv.{kind}", sizes, f"layers.{i}.{params[0]}")
                 out.update({f"layers.{i}.{p}": t for p, t in zip(params, parts, strict=True)})
     names = layer_names(LAYER_NAMES, TOP_NAMES, cfg.num_layers, src.format)
     out.update({p: src.require(names[p], p) for p in graph.params if p not in out})

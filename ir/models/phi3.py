@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ir.config import ModelConfig, gguf_fields, hf_fields
+from ir.formats.errors import ModelFormatError
 from ir.graph import Graph
 from ir.models import Architecture, llama
 from ir.models._names import layer_names
@@ -32,10 +33,12 @@ FUSED = {
 }
 
 
-def split_rows(t: StoredTensor, sizes: list[int]) -> list[StoredTensor]:
+def split_rows(src: WeightSource, name: str, sizes: list[int], param: str) -> list[StoredTensor]:
     """Consecutive output-row blocks of a fused tensor (weight or bias; quantized blocks split as they lie)."""
+    t = src.require(name, param)
     if sum(sizes) != t.shape[0]:
-        raise ValueError(f"tensor {t.source!r} has {t.shape[0]} rows; the config implies {sum(sizes)} ({sizes})")
+        raise ModelFormatError(src.path, f"tensor {name!r} has {t.shape[0]} rows; the config implies {sum(sizes)} "
+                               f"({' + '.join(map(str, sizes))})")
     starts = [sum(sizes[:j]) for j in range(len(sizes))]
     return [t.rows(s, s + n) for s, n in zip(starts, sizes, strict=True)]
 
@@ -46,12 +49,12 @@ def part_sizes(cfg: ModelConfig, params: tuple[str, ...]) -> list[int]:
 
 
 def load_weights(cfg: ModelConfig, graph: Graph, src: WeightSource) -> dict[str, StoredTensor]:
+    """The fused tensors split into their parameters, the rest by name."""
     which = 0 if src.format == "hf" else 1
     out: dict[str, StoredTensor] = {}
     for i in range(cfg.num_layers):
         for names, params in FUSED.items():
-            parts = split_rows(src.require(names[which].format(i=i), f"layers.{i}.{params[0]}"),
-                               part_sizes(cfg, params))
+            parts = split_rows(src, names[which].format(i=i), part_sizes(cfg, params), f"layers.{i}.{params[0]}")
             out.update({f"layers.{i}.{p}": t for p, t in zip(params, parts, strict=True)})
     names = layer_names(LAYER_NAMES, TOP_NAMES, cfg.num_layers, src.format)
     out.update({p: src.require(names[p], p) for p in graph.params if p not in out})
