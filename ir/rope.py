@@ -45,10 +45,11 @@ def longrope(theta: float, rotary_dim: int, short_factor, long_factor, original_
 
 def long_after(spec: RopeSpec) -> int | None:
     """longrope: the tokens of a sequence longer than this (its length once the step's tokens are in) take the long
-    factors, the others the short ones. transformers' rule (seq_len = max(position_ids) + 1 > original_max_position_
-    embeddings, per forward call): a prompt prefilled in one step is rotated with the table its length picks, and
-    a decode step past the limit switches to the long table for the new tokens only (cached keys stay as they were
-    written). None for every other kind: one table for all tokens."""
+    factors, the others the short ones. transformers' rotary rule (seq_len = max(position_ids) + 1 >
+    original_max_position_embeddings, per forward), per sequence of a varlen batch: a prompt prefilled in one step
+    takes the table its length picks; a decode step past the limit switches to the long table for its new tokens,
+    keys already cached keep theirs. (transformers' generate() for phi3 then also drops the cache once and recomputes
+    the sequence on the long table; that is an engine-level recompute we do not do.) None for every other kind."""
     if spec.rope_type != "longrope":
         return None
     return int(dict(spec.scaling)["original_max_position_embeddings"])
