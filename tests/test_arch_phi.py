@@ -255,14 +255,17 @@ def test_mlx_compiled_decode_longrope(saved):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("case", ["phi2", "phi3_longrope"])  # windows: test_cuda_backend's mistral case
-def test_cuda_matches_reference(case, saved):
-    """CPU tensors, the kernels under Triton's interpreter. Prompts of 24 and 15 tokens, 3 steps: for longrope the
-    15-token one switches tables at its second decode step, inside the fused rope + KV-write kernel."""
+def test_cuda_matches_reference(case, device, saved):
+    """Without a GPU: CPU tensors, the kernels under Triton's interpreter (on a GPU, tools/gpu_check.sh: decode steps
+    from CUDA graphs). Prompts of 24 and 15 tokens, 3 steps: for longrope the 15-token one switches tables at its
+    second decode step, inside the fused rope + KV-write kernel."""
     from backends.cuda.backend import CUDABackend
 
     loaded = saved(case)[2]
-    backend = CUDABackend(loaded, device="cpu", dtype="f32", progress=False)
+    backend = CUDABackend(loaded, device=device, dtype="f32", progress=False)
     _check(backend, loaded, [prompt(1), prompt(2, 15)], 3)
 
 
