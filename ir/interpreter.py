@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ir.graph import Graph, Node, Value
-from ir.rope import RopeSpec, cos_sin
+from ir.rope import RopeSpec, cos_sin, token_seq_lens
 
 
 @dataclass
@@ -50,8 +50,8 @@ def _layer_norm(x, w, b=None, *, eps):
     return y if b is None else y + b
 
 
-def _rope(x, positions, spec: RopeSpec):
-    cos, sin = cos_sin(spec, positions)
+def _rope(x, positions, spec: RopeSpec, seq_lens=None):
+    cos, sin = cos_sin(spec, positions, seq_lens)
     cos, sin = cos[:, None, :], sin[:, None, :]
     d = spec.rotary_dim
     rot, rest = x[..., :d], x[..., d:]
@@ -135,7 +135,8 @@ KERNELS: dict[str, Callable] = {
     "linear": _linear,
     "rms_norm": lambda x, w, eps, offset=0.0: _rms_norm(x, w, eps, offset),
     "layer_norm": _layer_norm,
-    "rope": lambda x, positions, spec: _rope(x, positions, spec),
+    "rope": lambda x, positions, context_lens=None, query_start=None, *, spec: _rope(
+        x, positions, spec, None if context_lens is None else token_seq_lens(context_lens, query_start)),
     "silu": lambda x: x / (1 + np.exp(-x)),
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,

@@ -90,16 +90,17 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
     freqs = f.tensors.get("rope_freqs.weight")
     factors = tuple(float(x) for x in StoredTensor(freqs.data, freqs.qtype, freqs.shape).dequantize()) \
         if freqs is not None else None
-    try:
-        cfg = arch.config_from_gguf(meta, f.tensors.keys(), factors)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelFormatError(path, f"metadata does not describe a {arch.name} model: {e}") from e
 
     def fetch(name: str) -> StoredTensor:
         t = f.tensors[name]
         return StoredTensor(t.data, t.qtype, t.shape, name)
 
-    graph, weights, sources = _bind(arch, cfg, dtype, WeightSource("gguf", path, fetch, f.tensors), progress)
+    src = WeightSource("gguf", path, fetch, f.tensors)
+    try:
+        cfg = arch.config_from_gguf(meta, src, factors)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFormatError(path, f"metadata does not describe a {arch.name} model: {e}") from e
+    graph, weights, sources = _bind(arch, cfg, dtype, src, progress)
     return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path), sources)
 
 

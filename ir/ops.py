@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
+from ir.rope import long_after
+
 Dim = int | str
 DTYPES = ("f32", "f16", "bf16", "i32")
 
@@ -105,7 +107,7 @@ def _layer_norm(ts, a):
 
 
 def _rope(ts, a):
-    x, pos = ts
+    x, pos, *seq = ts
     _int(pos, "positions")
     if len(x.shape) != 3:
         raise ValueError("rope input must be [T, heads, head_dim]")
@@ -113,6 +115,11 @@ def _rope(ts, a):
     spec = a["spec"]
     if isinstance(x.shape[2], int) and spec.rotary_dim > x.shape[2]:
         raise ValueError(f"rotary_dim {spec.rotary_dim} > head_dim {x.shape[2]}")
+    seq = [t for t in seq if t is not None]
+    if long_after(spec) is not None and len(seq) != 2:
+        raise ValueError("longrope picks its table by each sequence's length: rope needs context_lens and query_start")
+    for t in seq:
+        _int(t, "context_lens / query_start")
     return x
 
 
@@ -178,7 +185,8 @@ OPS: dict[str, OpDef] = {o.name: o for o in [
     _op("rms_norm", ["x", "w"], _norm, "x / rms(x) * (w + offset) over the last dim, in fp32"),
     _op("layer_norm", ["x", "w", "b?"], _layer_norm,
         "(x - mean) / std * w + b over the last dim; w, b [d] or per head [heads, d]"),
-    _op("rope", ["x", "positions"], _rope, "rotary embedding on the first rotary_dim of each head"),
+    _op("rope", ["x", "positions", "context_lens?", "query_start?"], _rope,
+        "rotary embedding on the first rotary_dim of each head; longrope's table per token by its sequence's length"),
     _op("attention", ["q", "k", "v", "slot_mapping", "block_tables", "context_lens", "query_start"],
         _attention, "write k, v into the paged cache of `layer`, then causal attention over it"),
     _op("silu", ["x"], _unary, "x * sigmoid(x)"),

@@ -5,7 +5,7 @@ Quantized tensors stay quantized; a consumer that needs dense values calls `dequ
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,16 +63,24 @@ class StoredTensor:
         return StoredTensor(out, "F32", self.shape, self.source)
 
 
-class WeightSource:
+class WeightSource(Collection[str]):
     """The tensors of one model file as an architecture's load_weights sees them: by the file's own names, in its
-    format ("hf": safetensors, "gguf"), each fetched (memory-mapped) on first use."""
+    format ("hf": safetensors, "gguf"), each fetched (memory-mapped) on first use. As a collection of names it is
+    also what a GGUF config reader gets: what is present describes the model, and a few small tensors (Phi-3's
+    rope_factors_long / _short) are read there."""
 
     def __init__(self, fmt: str, path, fetch, names: Iterable[str], on_fetch=None):
         self.format, self.path = fmt, path
         self._fetch, self._names, self.on_fetch = fetch, frozenset(names), on_fetch
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
     def names(self) -> frozenset[str]:
         return self._names

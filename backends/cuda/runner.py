@@ -14,7 +14,7 @@ from backends.cuda.plan import Plan
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
-from ir.rope import RopeSpec, cos_sin
+from ir.rope import RopeSpec, cos_sin, long_after
 from kernels_src import activations, kv_write, paged_attention, paged_prefill, rms_norm, rope, rope_kv_write
 from kernels_src.dequant_gemv import dequant_gemv
 from kernels_src.dequant_gemv_i8 import I8_TARGETS
@@ -81,6 +81,8 @@ class Runner:
         self.target = kernel_target(device)
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_rows = 0  # positions in each table (a longrope table has twice as many rows)
+        self._step_rows: dict[RopeSpec, torch.Tensor] = {}  # this step's rope_rows
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
         self.fuse_rope_kv = True  # plan.rope_kv: rope and the KV write as one kernel
@@ -89,15 +91,37 @@ class Runner:
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
     def set_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], max_positions: int) -> None:
-        """Caches per layer [num_blocks, block_size, Hkv, D]; rope tables for positions below max_positions."""
+        """Caches per layer [num_blocks, block_size, Hkv, D]; rope tables for positions below max_positions. A
+        longrope table holds the short rows, then the long ones: a token of a long sequence reads row
+        max_positions + position (rope_rows), so the kernels need not know."""
         self.kv = kv
         pos = np.arange(max_positions)
         self._rope = {}
+        self._rope_rows = max_positions
         for node in self.graph.nodes:
-            if node.op == "rope" and node.attrs["spec"] not in self._rope:
-                cos, sin = cos_sin(node.attrs["spec"], pos)
-                self._rope[node.attrs["spec"]] = (torch.from_numpy(cos).to(self.device),
-                                                  torch.from_numpy(sin).to(self.device))
+            spec = node.attrs.get("spec")
+            if node.op != "rope" or spec in self._rope:
+                continue
+            if long_after(spec) is None:
+                cos, sin = cos_sin(spec, pos)
+            else:
+                lens = np.concatenate([np.zeros_like(pos), np.full_like(pos, np.iinfo(np.int32).max)])
+                cos, sin = cos_sin(spec, np.concatenate([pos, pos]), lens)
+            self._rope[spec] = (torch.from_numpy(cos).to(self.device), torch.from_numpy(sin).to(self.device))
+
+    def rope_rows(self, spec: RopeSpec, meta: StepMeta) -> torch.Tensor:
+        """Each token's row of `spec`'s table: its position, in the long half for a longrope token whose sequence is
+        longer than the limit (ir.rope.long_after). Device ops only, so a decode step stays capturable."""
+        limit = long_after(spec)
+        if limit is None:
+            return meta.positions
+        if spec not in self._step_rows:
+            t = meta.positions.shape[0]
+            seq = torch.searchsorted(meta.query_start[1:], torch.arange(t, dtype=torch.int32, device=self.device),
+                                     right=True)
+            long = meta.context_lens[seq.clamp(max=meta.context_lens.shape[0] - 1)] > limit
+            self._step_rows[spec] = meta.positions + long.to(torch.int32) * self._rope_rows
+        return self._step_rows[spec]
 
     def decode_partition(self, rows: int) -> int:
         return decode_partition(rows, self.kv_heads, self.decode_partitions)
@@ -119,6 +143,7 @@ class Runner:
             return self.params[v.name] if v.kind == "param" else env[v.id]
 
         fused_rope = plan.rope_kv_ropes if self.fuse_rope_kv else ()
+        self._step_rows = {}
         for node in self.graph.nodes:
             oid = node.out.id
             if oid in env or oid in plan.folded or oid in fused_rope:
@@ -160,7 +185,7 @@ class Runner:
         for n in xs:
             x = get(n.inputs[0])
             ts.append(x if self.plan.in_place_ok(n.inputs[0].id) else x.clone())
-        rope.rope(ts[0], ts[1] if len(ts) > 1 else None, meta.positions, cos, sin,
+        rope.rope(ts[0], ts[1] if len(ts) > 1 else None, self.rope_rows(spec, meta), cos, sin,
                   interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
         for n, t in zip(xs, ts, strict=True):
             env[n.out.id] = t
@@ -178,7 +203,7 @@ class Runner:
             q = q if self.plan.in_place_ok(rq.inputs[0].id) else q.clone()
             spec = rq.attrs["spec"]
             cos, sin = self._rope[spec]
-            rope_kv_write.rope_kv_write(q, k, v, kc, vc, meta.slots, get(rq.inputs[1]), cos, sin,
+            rope_kv_write.rope_kv_write(q, k, v, kc, vc, meta.slots, self.rope_rows(spec, meta), cos, sin,
                                         interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
         out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,

@@ -73,7 +73,7 @@ class MLXBackend(Backend):
             mx.eval(logits, self.kv)
             return np.array(logits, copy=False)
         meta = AttentionMeta.from_batch(batch, self.block_size, self.num_blocks * self.block_size)
-        ctx = StepContext(meta, batch.positions, weights.DTYPES[self.dtype])
+        ctx = StepContext.for_batch(batch, meta, weights.DTYPES[self.dtype])
         inputs = {"token_ids": mx.array(batch.token_ids), "logits_indices": mx.array(batch.logits_indices)}
         out = self.runner.run(inputs, ctx, self.kv)
         logits = out["logits"].astype(mx.float32)

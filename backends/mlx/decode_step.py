@@ -65,10 +65,11 @@ class CompiledDecode:
         masks = [mx.array(decode_visible(lens, width, w)) for w in self.windows]
         pad = lambda a, fill: np.concatenate([a, np.full(bp - b, fill, a.dtype)])  # noqa: E731
         positions = pad(batch.positions, 0)
+        seq_lens = pad(batch.context_lens, 0)  # one token a sequence: its length picks longrope's table
         slots = np.where(batch.slot_mapping < 0, scratch, batch.slot_mapping)
         rope = []
         for spec in self.specs:
-            cos, sin = cos_sin(spec, positions)
+            cos, sin = cos_sin(spec, positions, seq_lens)
             rope += [mx.array(cos[:, None, :]).astype(self.dtype), mx.array(sin[:, None, :]).astype(self.dtype)]
         flat = [a for layer in kv for a in layer]
         kv.clear()  # our references must go, or MLX copies each cache instead of updating it in place

@@ -9,8 +9,9 @@ import numpy as np
 from backends.mlx.attention import AttentionMeta, paged_attention
 from backends.mlx.runtime import mx
 from backends.mlx.weights import QuantLinear
+from core.batch import Batch
 from ir.graph import Graph, Node, Value
-from ir.rope import RopeSpec, cos_sin
+from ir.rope import RopeSpec, cos_sin, token_seq_lens
 
 
 def _linear(x, w, b=None):
@@ -58,17 +59,23 @@ OPS = {
 
 
 class StepContext:
-    """What one forward step shares across layers: attention metadata and rope tables."""
+    """What one forward step shares across layers: attention metadata and rope tables (`seq_lens`, each token's
+    sequence length, picks longrope's table)."""
 
-    def __init__(self, meta: AttentionMeta, positions: np.ndarray, dtype):
+    def __init__(self, meta: AttentionMeta, positions: np.ndarray, dtype, seq_lens: np.ndarray | None = None):
         self.meta = meta
         self.positions = positions
+        self.seq_lens = seq_lens
         self.dtype = dtype
         self._rope: dict[RopeSpec, tuple[mx.array, mx.array]] = {}
 
+    @classmethod
+    def for_batch(cls, batch: Batch, meta: AttentionMeta, dtype) -> StepContext:
+        return cls(meta, batch.positions, dtype, token_seq_lens(batch.context_lens, batch.query_start))
+
     def cos_sin(self, spec: RopeSpec):
         if spec not in self._rope:
-            cos, sin = cos_sin(spec, self.positions)
+            cos, sin = cos_sin(spec, self.positions, self.seq_lens)
             self._rope[spec] = (mx.array(cos[:, None, :]).astype(self.dtype),
                                 mx.array(sin[:, None, :]).astype(self.dtype))
         return self._rope[spec]

@@ -8,6 +8,7 @@ from ir.config import ModelConfig
 from ir.graph import Graph, Value
 from ir.models import Architecture
 from ir.models._names import bind, layer_names, unpermute_qk
+from ir.rope import long_after
 from ir.weights import WeightSource
 
 # IR parameter -> (HF name, GGUF name); "{i}" is the layer index.
@@ -73,8 +74,9 @@ def _attention_block(g: Graph, cfg: ModelConfig, x: Value, i: int, pos: Value,
     if cfg.qk_norm:
         q = g.rms_norm(q, g.param(f"{p}.q_norm", (d,)), eps=cfg.rms_norm_eps)
         k = g.rms_norm(k, g.param(f"{p}.k_norm", (d,)), eps=cfg.rms_norm_eps)
-    q = g.rope(q, pos, spec=cfg.rope)
-    k = g.rope(k, pos, spec=cfg.rope)
+    seq = meta[2:] if long_after(cfg.rope) is not None else ()  # longrope: context_lens, query_start pick its table
+    q = g.rope(q, pos, *seq, spec=cfg.rope)
+    k = g.rope(k, pos, *seq, spec=cfg.rope)
     o = g.attention(q, k, v, *meta, layer=i, scale=d**-0.5 if scale is None else scale,
                     sliding_window=cfg.window_for(i))
     o = g.reshape(o, shape=("T", hq * d))
