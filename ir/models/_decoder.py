@@ -33,8 +33,10 @@ def embed(g: Graph, cfg: ModelConfig, ids: Value) -> tuple[Value, Value]:
     return g.embedding(table, ids), table
 
 
-def logits(g: Graph, cfg: ModelConfig, h: Value, table: Value, rows: Value) -> None:
-    """The `logits` output: the final hidden states at `rows` through the LM head (the embedding when tied)."""
+def logits(g: Graph, cfg: ModelConfig, h: Value, table: Value, rows: Value, bias: bool = False) -> Value:
+    """The final hidden states at `rows` through the LM head (the embedding when tied; phi's has a bias). The
+    builder outputs it as "logits", after whatever its architecture does to logits (a softcap, a scale)."""
     head = table if cfg.tie_word_embeddings else g.param("lm_head", (cfg.vocab_size, cfg.hidden_size),
                                                          shard="column")
-    g.output("logits", g.linear(g.gather_rows(h, rows), head))
+    b = g.param("lm_head_b", (cfg.vocab_size,), shard="column") if bias else None
+    return g.linear(g.gather_rows(h, rows), head, b)

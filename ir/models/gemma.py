@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from core.batch import ATTENTION_INPUTS
 from ir.config import _ACTS, ModelConfig, gguf_fields, hf_fields, hf_rope
 from ir.graph import Graph, Value
 from ir.models import Architecture
+from ir.models._decoder import embed, step_inputs
+from ir.models._decoder import logits as head_logits
 from ir.models._names import bind, layer_names
 from ir.rope import RopeSpec
 from ir.weights import WeightSource
@@ -172,27 +173,20 @@ def _mlp_block(g: Graph, cfg: GemmaConfig, x: Value, i: int) -> Value:
 def build(cfg: GemmaConfig, dtype: str = "f32") -> Graph:
     """One forward step over a flat varlen batch; logits for `logits_indices`."""
     g = Graph(cfg.arch, dtype)
-    ids = g.input("token_ids", ("T",), "i32")
-    pos = g.input("positions", ("T",), "i32")
-    meta = [g.input("slot_mapping", ("T",), "i32"), g.input("block_tables", ("B", "M"), "i32"),
-            g.input("context_lens", ("B",), "i32"), g.input("query_start", ("B1",), "i32")]
-    assert [m.name for m in meta] == list(ATTENTION_INPUTS)
-    rows = g.input("logits_indices", ("N",), "i32")
+    s = step_inputs(g)
+    pos, meta = s.positions, s.attention
 
     def norm(x: Value, name: str) -> Value:
         return g.rms_norm(x, g.param(name, (cfg.hidden_size,)), eps=cfg.rms_norm_eps, offset=1.0)
 
-    embed = g.param("embed", (cfg.vocab_size, cfg.hidden_size), shard="column")
-    h = g.scale(g.embedding(embed, ids), factor=_embed_scale(cfg.hidden_size, dtype))
+    h, table = embed(g, cfg, s.ids)
+    h = g.scale(h, factor=_embed_scale(cfg.hidden_size, dtype))
     for i in range(cfg.num_layers):
         a = _attention_block(g, cfg, norm(h, f"layers.{i}.attn_norm"), i, pos, meta)
         h = g.add(h, norm(a, f"layers.{i}.post_attn_norm") if cfg.sandwich_norms else a)
         m = _mlp_block(g, cfg, norm(h, f"layers.{i}.ffn_norm"), i)
         h = g.add(h, norm(m, f"layers.{i}.post_ffn_norm") if cfg.sandwich_norms else m)
-    h = g.gather_rows(norm(h, "final_norm"), rows)
-    head = embed if cfg.tie_word_embeddings else g.param("lm_head", (cfg.vocab_size, cfg.hidden_size),
-                                                         shard="column")
-    logits = g.linear(h, head)
+    logits = head_logits(g, cfg, norm(h, "final_norm"), table, s.logits_rows)
     g.output("logits", g.softcap(logits, cap=cfg.final_softcap) if cfg.final_softcap else logits)
     return g
 

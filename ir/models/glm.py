@@ -95,7 +95,7 @@ def build(cfg: ModelConfig, dtype: str = "f32", post_norms: bool = True) -> Grap
         h = g.add(h, norm(attn, f"{p}.attn_post_norm") if post_norms else attn)
         mlp = llama._mlp_block(g, cfg, norm(h, f"{p}.ffn_norm"), i)
         h = g.add(h, norm(mlp, f"{p}.ffn_post_norm") if post_norms else mlp)
-    logits(g, cfg, norm(h, "final_norm"), table, s.logits_rows)
+    g.output("logits", logits(g, cfg, norm(h, "final_norm"), table, s.logits_rows))
     return g
 
 

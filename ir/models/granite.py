@@ -9,10 +9,10 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from core.batch import ATTENTION_INPUTS
 from ir.config import ModelConfig, gguf_fields, hf_fields
 from ir.graph import Graph
 from ir.models import Architecture, llama
+from ir.models._decoder import embed, logits, step_inputs
 
 
 @dataclass(frozen=True)
@@ -45,23 +45,17 @@ class GraniteConfig(ModelConfig):
 
 def build(cfg: GraniteConfig, dtype: str = "f32") -> Graph:
     g = Graph(cfg.arch, dtype)
-    ids = g.input("token_ids", ("T",), "i32")
-    pos = g.input("positions", ("T",), "i32")
-    meta = [g.input(name, shape, "i32") for name, shape in zip(
-        ATTENTION_INPUTS, (("T",), ("B", "M"), ("B",), ("B1",)), strict=True)]
-    rows = g.input("logits_indices", ("N",), "i32")
-    embed = g.param("embed", (cfg.vocab_size, cfg.hidden_size), shard="column")
-    h = g.scale(g.embedding(embed, ids), factor=cfg.embedding_multiplier)
+    s = step_inputs(g)
+    h, table = embed(g, cfg, s.ids)
+    h = g.scale(h, factor=cfg.embedding_multiplier)
     for i in range(cfg.num_layers):
         x = g.rms_norm(h, g.param(f"layers.{i}.attn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        o = llama._attention_block(g, cfg, x, i, pos, meta, scale=cfg.attention_multiplier)
+        o = llama._attention_block(g, cfg, x, i, s.positions, s.attention, scale=cfg.attention_multiplier)
         h = g.add(h, g.scale(o, factor=cfg.residual_multiplier))
         x = g.rms_norm(h, g.param(f"layers.{i}.ffn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
         h = g.add(h, g.scale(llama._mlp_block(g, cfg, x, i), factor=cfg.residual_multiplier))
     h = g.rms_norm(h, g.param("final_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-    h = g.gather_rows(h, rows)
-    head = embed if cfg.tie_word_embeddings else g.param("lm_head", (cfg.vocab_size, cfg.hidden_size), shard="column")
-    g.output("logits", g.scale(g.linear(h, head), factor=1.0 / cfg.logits_scaling))
+    g.output("logits", g.scale(logits(g, cfg, h, table, s.logits_rows), factor=1.0 / cfg.logits_scaling))
     return g
 
 

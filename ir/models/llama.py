@@ -3,10 +3,10 @@ decoder with their flags (qkv bias, q/k norms)."""
 
 from __future__ import annotations
 
-from core.batch import ATTENTION_INPUTS
 from ir.config import ModelConfig
 from ir.graph import Graph, Value
 from ir.models import Architecture
+from ir.models._decoder import embed, logits, step_inputs
 from ir.models._names import bind, layer_names, unpermute_qk
 from ir.rope import long_after
 from ir.weights import WeightSource
@@ -94,24 +94,15 @@ def _mlp_block(g: Graph, cfg: ModelConfig, x: Value, i: int) -> Value:
 def build(cfg: ModelConfig, dtype: str = "f32") -> Graph:
     """One forward step of a pre-norm decoder over a flat varlen batch; logits for `logits_indices`."""
     g = Graph(cfg.arch, dtype)
-    ids = g.input("token_ids", ("T",), "i32")
-    pos = g.input("positions", ("T",), "i32")
-    meta = [g.input("slot_mapping", ("T",), "i32"), g.input("block_tables", ("B", "M"), "i32"),
-            g.input("context_lens", ("B",), "i32"), g.input("query_start", ("B1",), "i32")]
-    assert [m.name for m in meta] == list(ATTENTION_INPUTS)
-    rows = g.input("logits_indices", ("N",), "i32")
-    embed = g.param("embed", (cfg.vocab_size, cfg.hidden_size), shard="column")
-    h = g.embedding(embed, ids)
+    s = step_inputs(g)
+    h, table = embed(g, cfg, s.ids)
     for i in range(cfg.num_layers):
         x = g.rms_norm(h, g.param(f"layers.{i}.attn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, _attention_block(g, cfg, x, i, pos, meta))
+        h = g.add(h, _attention_block(g, cfg, x, i, s.positions, s.attention))
         x = g.rms_norm(h, g.param(f"layers.{i}.ffn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
         h = g.add(h, _mlp_block(g, cfg, x, i))
     h = g.rms_norm(h, g.param("final_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-    h = g.gather_rows(h, rows)
-    head = embed if cfg.tie_word_embeddings else g.param(
-        "lm_head", (cfg.vocab_size, cfg.hidden_size), shard="column")
-    g.output("logits", g.linear(h, head))
+    g.output("logits", logits(g, cfg, h, table, s.logits_rows))
     return g
 
 

@@ -8,10 +8,10 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from core.batch import ATTENTION_INPUTS
 from ir.config import ModelConfig, gguf_fields, hf_fields
 from ir.graph import Graph, Value
 from ir.models import Architecture
+from ir.models._decoder import embed, logits, step_inputs
 from ir.models._names import layer_names
 from ir.models.llama import _dense
 from ir.models.phi3 import split_rows
@@ -113,23 +113,14 @@ def _mlp(g: Graph, cfg: PhiConfig, x: Value, i: int) -> Value:
 def build(cfg: PhiConfig, dtype: str = "f32") -> Graph:
     """One forward step over a flat varlen batch; logits for `logits_indices`."""
     g = Graph(cfg.arch, dtype)
-    ids = g.input("token_ids", ("T",), "i32")
-    pos = g.input("positions", ("T",), "i32")
-    meta = [g.input("slot_mapping", ("T",), "i32"), g.input("block_tables", ("B", "M"), "i32"),
-            g.input("context_lens", ("B",), "i32"), g.input("query_start", ("B1",), "i32")]
-    assert [m.name for m in meta] == list(ATTENTION_INPUTS)
-    rows = g.input("logits_indices", ("N",), "i32")
-    embed = g.param("embed", (cfg.vocab_size, cfg.hidden_size), shard="column")
-    h = g.embedding(embed, ids)
+    s = step_inputs(g)
+    h, table = embed(g, cfg, s.ids)
     for i in range(cfg.num_layers):
         x = _layer_norm(g, h, f"layers.{i}.attn_norm", cfg.hidden_size, cfg.layer_norm_eps)
         # transformers' order of the sums: attn + mlp, then the residual
-        h = g.add(g.add(_attention(g, cfg, x, i, pos, meta), _mlp(g, cfg, x, i)), h)
+        h = g.add(g.add(_attention(g, cfg, x, i, s.positions, s.attention), _mlp(g, cfg, x, i)), h)
     h = _layer_norm(g, h, "final_norm", cfg.hidden_size, cfg.layer_norm_eps)
-    h = g.gather_rows(h, rows)
-    head = embed if cfg.tie_word_embeddings else g.param(
-        "lm_head", (cfg.vocab_size, cfg.hidden_size), shard="column")
-    g.output("logits", g.linear(h, head, g.param("lm_head_b", (cfg.vocab_size,), shard="column")))
+    g.output("logits", logits(g, cfg, h, table, s.logits_rows, bias=True))
     return g
 
 

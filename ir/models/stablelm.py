@@ -117,7 +117,7 @@ def build(cfg: StableLmConfig, dtype: str = "f32") -> Graph:
         else:
             h = g.add(h, attn)
             h = g.add(h, llama._mlp_block(g, cfg, _norm(g, cfg, h, f"layers.{i}.ffn_norm"), i))
-    logits(g, cfg, _norm(g, cfg, h, "final_norm"), table, s.logits_rows)
+    g.output("logits", logits(g, cfg, _norm(g, cfg, h, "final_norm"), table, s.logits_rows))
     return g
 
 
