@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from test_tiny_models import hf_greedy
-from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
+from gguf_write import add_tensor, finish
+from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig
 
 from ir.loader import load_model
@@ -253,16 +253,9 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
         qtype = Q.F32
         if data.ndim == 2:
             qtype, n_mat = MIX[n_mat % len(MIX)], n_mat + 1
-        if qtype == Q.F16:
-            data = data.astype(np.float16)
-        elif qtype == Q.Q8_0:
-            data = gguf.quants.quantize(data, qtype)
-        w.add_tensor(name, data, raw_dtype=qtype if qtype == Q.Q8_0 else None)
+        add_tensor(w, name, data, qtype)
         kinds[hf] = qtype
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return kinds
 
 

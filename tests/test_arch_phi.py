@@ -26,6 +26,7 @@ import pytest
 import torch
 from backend_greedy import backend_greedy
 from gguf import GGMLQuantizationType as Q
+from gguf_write import add_tensor, finish
 from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import Phi3Config, PhiConfig
 
@@ -342,16 +343,9 @@ def write_gguf(model: torch.nn.Module, path: Path, fuse_qkv: bool) -> dict[str, 
         qtype = Q.F32
         if data.ndim == 2:
             qtype, n_mat = MIX[n_mat % len(MIX)], n_mat + 1
-        if qtype == Q.F16:
-            data = data.astype(np.float16)
-        elif qtype == Q.Q8_0:
-            data = gguf.quants.quantize(data, qtype)
-        w.add_tensor(name, data, raw_dtype=qtype if qtype == Q.Q8_0 else None)
+        add_tensor(w, name, data, qtype)
         kinds[name] = qtype
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return kinds
 
 

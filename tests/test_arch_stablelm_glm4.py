@@ -30,6 +30,7 @@ import pytest
 import torch
 from backend_greedy import backend_greedy, host
 from gguf import GGMLQuantizationType as Q
+from gguf_write import add_tensor, finish
 from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import AutoModelForCausalLM, Glm4Config, GlmConfig, StableLmConfig
 
@@ -288,16 +289,9 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
         if data.ndim == 2 and "norm" not in name:  # llama.cpp's quantize leaves norms as they are
             fused = name.endswith(("ffn_up.weight", "attn_qkv.weight")) and arch != "stablelm"
             qtype, n = (Q.Q8_0 if fused else MIX[n % len(MIX)]), n + 1
-        if qtype == Q.F16:
-            data = data.astype(np.float16)
-        elif qtype == Q.Q8_0:
-            data = gguf.quants.quantize(data, qtype)
-        w.add_tensor(name, data, raw_dtype=qtype if qtype == Q.Q8_0 else None)
+        add_tensor(w, name, data, qtype)
         kinds[name] = qtype
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return kinds
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf_write import add_tensor, finish
 from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -134,16 +135,9 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
         qtype = Q.F32
         if data.ndim == 2:
             qtype, n_mat = MIX[n_mat % len(MIX)], n_mat + 1
-        if qtype == Q.F16:
-            data = data.astype(np.float16)
-        elif qtype == Q.Q8_0:
-            data = gguf.quants.quantize(data, qtype)
-        w.add_tensor(name, data, raw_dtype=qtype if qtype == Q.Q8_0 else None)
+        add_tensor(w, name, data, qtype)
         kinds[name] = qtype
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return kinds
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
+from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -53,16 +53,6 @@ MAIN = ["llama3_rope", "llama_bias_tied", "mistral_window", "qwen2", "qwen3"]
 def make_hf(case: str, seed: int = 0) -> torch.nn.Module:
     cls, extra = CASES[case]
     return random_causal_lm(cls(**{**TINY, **extra}), seed)
-
-
-def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    new = out[0, len(ids):].tolist()
-    assert len(new) == n, "transformers stopped early"
-    return new
 
 
 def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:

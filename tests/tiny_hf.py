@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tools.tiny_hf import hf_logits, random_causal_lm, random_prompt
+from tools.tiny_hf import hf_greedy, hf_logits, random_causal_lm, random_prompt
 
-__all__ = ["assert_close", "hf_logits", "random_causal_lm", "random_prompt"]
+__all__ = ["assert_close", "hf_greedy", "hf_logits", "random_causal_lm", "random_prompt"]
 
 
 def assert_close(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4) -> None:

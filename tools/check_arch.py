@@ -108,21 +108,15 @@ def check(spec: str, engines: list[str], layers: int = 2, new: int = 8, seed: in
     from transformers.utils import logging as hf_logging
 
     from ir.loader import load_model
-    from tools.tiny_hf import hf_logits, random_causal_lm, random_prompt
+    from tools.tiny_hf import hf_greedy, hf_logits, random_causal_lm, random_prompt
 
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     cfg = hf_config(spec, layers)
     model = random_causal_lm(cfg, seed)
     prompts = [random_prompt(seed + i, n, cfg.vocab_size) for i, n in enumerate(PROMPT_LENS)]
-    refs, ref_tokens = [], []
-    with torch.no_grad():
-        for p in prompts:
-            refs.append(hf_logits(model, p)[-1])
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-            ref_tokens.append(out[0, len(p):].tolist())
+    refs = [hf_logits(model, p)[-1] for p in prompts]
+    ref_tokens = [hf_greedy(model, p, new) for p in prompts]
     rows = []
     with tempfile.TemporaryDirectory(prefix="check_arch-") as folder:
         model.save_pretrained(folder)

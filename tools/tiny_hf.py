@@ -36,6 +36,16 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
+def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens from transformers' generate(), EOS ignored (exactly n)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    new = out[0, len(ids):].tolist()
+    assert len(new) == n, "transformers stopped early"
+    return new
+
+
 def random_prompt(seed: int, n: int, vocab: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
