@@ -122,6 +122,9 @@ step tests_cuda gpu 240 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$C
 step server_cuda smol 420 env TEST_SERVER_BACKEND=cuda "$PY" -m pytest -q -p no:cacheprovider --tb=short \
     "${SERVER_TESTS[@]}"
 step bench_gpu gpu 300 "$PY" -m tools.bench_gpu
+# The zoo issue's check: new architectures at full size decode at the fraction of the roofline llama's does.
+step bench_arch gpu 300 bash -c "for s in gemma2-9b phi3-mini; do '$PY' -m tools.bench_gpu --shape \$s --batches 1,16 \
+    --ablate '' --profile '' --no-quant --prefill 1024 --json '$OUT'/bench_\$s.json || exit 1; done"
 step tests_gpu gpu 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "${GPU_CHECK_K:-not nothing}" \
     tests/test_kernels_gpu.py tests/test_kernels_dequantize.py
 step tests_cpu any 120 "$PY" -m pytest -q -p no:cacheprovider --tb=line "${KERNEL_TESTS_CPU[@]}"
