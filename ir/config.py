@@ -82,6 +82,8 @@ def hf_rope(cfg: Mapping[str, Any], head_dim: int) -> RopeSpec:
     theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     partial = float(params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+    # Lists (longrope's factors, an mrope_section) become tuples: a RopeSpec is hashed (attrs, graph caches).
+    params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
     scaling = () if kind == "default" else tuple(sorted({"rope_type": kind, **params}.items()))
     return RopeSpec(theta=float(theta), rotary_dim=int(head_dim * partial), scaling=scaling)
 

@@ -152,3 +152,14 @@ def test_paged_attention_matches_dense_across_chunks(window):
     for b in range(len(lens)):
         ref = _dense_attention(*qkv[b], d**-0.5, window)
         np.testing.assert_allclose(outs[b], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_specs_with_list_parameters_hash():
+    """HF rope parameters that are lists (longrope's factors, an mrope section) must not make the spec unhashable."""
+    from ir.config import hf_rope
+
+    spec = hf_rope({"rope_theta": 1e4, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 2.0],
+                                                        "long_factor": [3.0, 4.0], "factor": 2.0}}, 4)
+    assert hash(spec) == hash(hf_rope({"rope_theta": 1e4, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0], "factor": 2.0}}, 4))
+    assert dict(spec.scaling)["long_factor"] == (3.0, 4.0)
