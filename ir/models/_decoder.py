@@ -40,3 +40,8 @@ def logits(g: Graph, cfg: ModelConfig, h: Value, table: Value, rows: Value, bias
                                                          shard="column")
     b = g.param("lm_head_b", (cfg.vocab_size,), shard="column") if bias else None
     return g.linear(g.gather_rows(h, rows), head, b)
+
+
+def layer_norm(g: Graph, x: Value, name: str, size: int, eps: float) -> Value:
+    """A LayerNorm with its weight `name` and bias `name_b` (phi's, stablelm's)."""
+    return g.layer_norm(x, g.param(name, (size,)), g.param(f"{name}_b", (size,)), eps=eps)

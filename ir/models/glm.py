@@ -91,9 +91,9 @@ def build(cfg: ModelConfig, dtype: str = "f32", post_norms: bool = True) -> Grap
 
     for i in range(cfg.num_layers):
         p = f"layers.{i}"
-        attn = llama._attention_block(g, cfg, norm(h, f"{p}.attn_norm"), i, s.positions, s.attention)
+        attn = llama.attention_block(g, cfg, norm(h, f"{p}.attn_norm"), i, s.positions, s.attention)
         h = g.add(h, norm(attn, f"{p}.attn_post_norm") if post_norms else attn)
-        mlp = llama._mlp_block(g, cfg, norm(h, f"{p}.ffn_norm"), i)
+        mlp = llama.mlp_block(g, cfg, norm(h, f"{p}.ffn_norm"), i)
         h = g.add(h, norm(mlp, f"{p}.ffn_post_norm") if post_norms else mlp)
     g.output("logits", logits(g, cfg, norm(h, "final_norm"), table, s.logits_rows))
     return g

@@ -50,10 +50,10 @@ def build(cfg: GraniteConfig, dtype: str = "f32") -> Graph:
     h = g.scale(h, factor=cfg.embedding_multiplier)
     for i in range(cfg.num_layers):
         x = g.rms_norm(h, g.param(f"layers.{i}.attn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        o = llama._attention_block(g, cfg, x, i, s.positions, s.attention, scale=cfg.attention_multiplier)
+        o = llama.attention_block(g, cfg, x, i, s.positions, s.attention, scale=cfg.attention_multiplier)
         h = g.add(h, g.scale(o, factor=cfg.residual_multiplier))
         x = g.rms_norm(h, g.param(f"layers.{i}.ffn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, g.scale(llama._mlp_block(g, cfg, x, i), factor=cfg.residual_multiplier))
+        h = g.add(h, g.scale(llama.mlp_block(g, cfg, x, i), factor=cfg.residual_multiplier))
     h = g.rms_norm(h, g.param("final_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
     g.output("logits", g.scale(logits(g, cfg, h, table, s.logits_rows), factor=1.0 / cfg.logits_scaling))
     return g

@@ -52,7 +52,7 @@ def load_weights_unpermuted(cfg: ModelConfig, graph: Graph, src: WeightSource) -
     return load_weights(cfg, graph, src, permuted_qk=False)
 
 
-def _dense(g: Graph, x: Value, prefix: str, out: int, inp: int, bias: bool, shard: str,
+def dense(g: Graph, x: Value, prefix: str, out: int, inp: int, bias: bool, shard: str,
            w: str, b: str) -> Value:
     weight = g.param(f"{prefix}.{w}", (out, inp), shard=shard)
     # A row-split layer's bias is added once, after the reduction: it is not sharded.
@@ -60,14 +60,14 @@ def _dense(g: Graph, x: Value, prefix: str, out: int, inp: int, bias: bool, shar
     return g.linear(x, weight, bias_v)
 
 
-def _attention_block(g: Graph, cfg: ModelConfig, x: Value, i: int, pos: Value,
+def attention_block(g: Graph, cfg: ModelConfig, x: Value, i: int, pos: Value,
                      meta: list[Value], scale: float | None = None) -> Value:
     """q/k/v, optional q/k norms, rope, paged attention (scale: head_dim ** -0.5 unless the arch says), o."""
     p, d = f"layers.{i}", cfg.head_dim
     hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
-    q = _dense(g, x, p, hq * d, h, cfg.qkv_bias, "column", "wq", "bq")
-    k = _dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wk", "bk")
-    v = _dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wv", "bv")
+    q = dense(g, x, p, hq * d, h, cfg.qkv_bias, "column", "wq", "bq")
+    k = dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wk", "bk")
+    v = dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wv", "bv")
     q = g.reshape(q, shape=("T", hq, d))
     k = g.reshape(k, shape=("T", hkv, d))
     v = g.reshape(v, shape=("T", hkv, d))
@@ -80,15 +80,15 @@ def _attention_block(g: Graph, cfg: ModelConfig, x: Value, i: int, pos: Value,
     o = g.attention(q, k, v, *meta, layer=i, scale=d**-0.5 if scale is None else scale,
                     sliding_window=cfg.window_for(i))
     o = g.reshape(o, shape=("T", hq * d))
-    return _dense(g, o, p, h, hq * d, cfg.o_bias, "row", "wo", "bo")
+    return dense(g, o, p, h, hq * d, cfg.o_bias, "row", "wo", "bo")
 
 
-def _mlp_block(g: Graph, cfg: ModelConfig, x: Value, i: int) -> Value:
+def mlp_block(g: Graph, cfg: ModelConfig, x: Value, i: int) -> Value:
     p, h, f = f"layers.{i}", cfg.hidden_size, cfg.intermediate_size
-    gate = _dense(g, x, p, f, h, cfg.mlp_bias, "column", "w_gate", "b_gate")
-    up = _dense(g, x, p, f, h, cfg.mlp_bias, "column", "w_up", "b_up")
+    gate = dense(g, x, p, f, h, cfg.mlp_bias, "column", "w_gate", "b_gate")
+    up = dense(g, x, p, f, h, cfg.mlp_bias, "column", "w_up", "b_up")
     act = g.op(cfg.hidden_act, gate)
-    return _dense(g, g.mul(act, up), p, h, f, cfg.mlp_bias, "row", "w_down", "b_down")
+    return dense(g, g.mul(act, up), p, h, f, cfg.mlp_bias, "row", "w_down", "b_down")
 
 
 def build(cfg: ModelConfig, dtype: str = "f32") -> Graph:
@@ -98,9 +98,9 @@ def build(cfg: ModelConfig, dtype: str = "f32") -> Graph:
     h, table = embed(g, cfg, s.ids)
     for i in range(cfg.num_layers):
         x = g.rms_norm(h, g.param(f"layers.{i}.attn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, _attention_block(g, cfg, x, i, s.positions, s.attention))
+        h = g.add(h, attention_block(g, cfg, x, i, s.positions, s.attention))
         x = g.rms_norm(h, g.param(f"layers.{i}.ffn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, _mlp_block(g, cfg, x, i))
+        h = g.add(h, mlp_block(g, cfg, x, i))
     h = g.rms_norm(h, g.param("final_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
     g.output("logits", logits(g, cfg, h, table, s.logits_rows))
     return g

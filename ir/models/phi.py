@@ -11,9 +11,9 @@ from typing import Any
 from ir.config import ModelConfig, gguf_fields, hf_fields
 from ir.graph import Graph, Value
 from ir.models import Architecture
-from ir.models._decoder import embed, logits, step_inputs
+from ir.models._decoder import embed, layer_norm, logits, step_inputs
 from ir.models._names import layer_names
-from ir.models.llama import _dense
+from ir.models.llama import dense
 from ir.models.phi3 import split_rows
 from ir.rope import long_after
 from ir.weights import StoredTensor, WeightSource
@@ -84,30 +84,26 @@ def load_weights(cfg: PhiConfig, graph: Graph, src: WeightSource) -> dict[str, S
     return out
 
 
-def _layer_norm(g: Graph, x: Value, name: str, size: int, eps: float) -> Value:
-    return g.layer_norm(x, g.param(name, (size,)), g.param(f"{name}_b", (size,)), eps=eps)
-
-
 def _attention(g: Graph, cfg: PhiConfig, x: Value, i: int, pos: Value, meta: list[Value]) -> Value:
     p, d = f"layers.{i}", cfg.head_dim
     hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
-    q = g.reshape(_dense(g, x, p, hq * d, h, True, "column", "wq", "bq"), shape=("T", hq, d))
-    k = g.reshape(_dense(g, x, p, hkv * d, h, True, "column", "wk", "bk"), shape=("T", hkv, d))
-    v = g.reshape(_dense(g, x, p, hkv * d, h, True, "column", "wv", "bv"), shape=("T", hkv, d))
+    q = g.reshape(dense(g, x, p, hq * d, h, True, "column", "wq", "bq"), shape=("T", hq, d))
+    k = g.reshape(dense(g, x, p, hkv * d, h, True, "column", "wk", "bk"), shape=("T", hkv, d))
+    v = g.reshape(dense(g, x, p, hkv * d, h, True, "column", "wv", "bv"), shape=("T", hkv, d))
     if cfg.qk_norm:
-        q = _layer_norm(g, q, f"{p}.q_norm", d, cfg.layer_norm_eps)
-        k = _layer_norm(g, k, f"{p}.k_norm", d, cfg.layer_norm_eps)
+        q = layer_norm(g, q, f"{p}.q_norm", d, cfg.layer_norm_eps)
+        k = layer_norm(g, k, f"{p}.k_norm", d, cfg.layer_norm_eps)
     seq = meta[2:] if long_after(cfg.rope) is not None else ()
     q = g.rope(q, pos, *seq, spec=cfg.rope)
     k = g.rope(k, pos, *seq, spec=cfg.rope)
     o = g.attention(q, k, v, *meta, layer=i, scale=d**-0.5, sliding_window=cfg.window_for(i))
-    return _dense(g, g.reshape(o, shape=("T", hq * d)), p, h, hq * d, True, "row", "wo", "bo")
+    return dense(g, g.reshape(o, shape=("T", hq * d)), p, h, hq * d, True, "row", "wo", "bo")
 
 
 def _mlp(g: Graph, cfg: PhiConfig, x: Value, i: int) -> Value:
     p, h, f = f"layers.{i}", cfg.hidden_size, cfg.intermediate_size
-    up = _dense(g, x, p, f, h, True, "column", "w_up", "b_up")
-    return _dense(g, g.op(cfg.hidden_act, up), p, h, f, True, "row", "w_down", "b_down")
+    up = dense(g, x, p, f, h, True, "column", "w_up", "b_up")
+    return dense(g, g.op(cfg.hidden_act, up), p, h, f, True, "row", "w_down", "b_down")
 
 
 def build(cfg: PhiConfig, dtype: str = "f32") -> Graph:
@@ -116,10 +112,10 @@ def build(cfg: PhiConfig, dtype: str = "f32") -> Graph:
     s = step_inputs(g)
     h, table = embed(g, cfg, s.ids)
     for i in range(cfg.num_layers):
-        x = _layer_norm(g, h, f"layers.{i}.attn_norm", cfg.hidden_size, cfg.layer_norm_eps)
+        x = layer_norm(g, h, f"layers.{i}.attn_norm", cfg.hidden_size, cfg.layer_norm_eps)
         # transformers' order of the sums: attn + mlp, then the residual
         h = g.add(g.add(_attention(g, cfg, x, i, s.positions, s.attention), _mlp(g, cfg, x, i)), h)
-    h = _layer_norm(g, h, "final_norm", cfg.hidden_size, cfg.layer_norm_eps)
+    h = layer_norm(g, h, "final_norm", cfg.hidden_size, cfg.layer_norm_eps)
     g.output("logits", logits(g, cfg, h, table, s.logits_rows, bias=True))
     return g
 

@@ -14,7 +14,7 @@ import numpy as np
 from ir.config import ModelConfig, gguf_fields, hf_fields, hf_rope
 from ir.graph import Graph, Value
 from ir.models import Architecture, llama
-from ir.models._decoder import embed, logits, step_inputs
+from ir.models._decoder import embed, layer_norm, logits, step_inputs
 from ir.models._names import layer_names
 from ir.weights import StoredTensor, WeightSource
 
@@ -86,23 +86,22 @@ def load_weights(cfg: ModelConfig, graph: Graph, src: WeightSource) -> dict[str,
 
 
 def _norm(g: Graph, cfg: StableLmConfig, x: Value, name: str) -> Value:
-    h = cfg.hidden_size
-    return g.layer_norm(x, g.param(name, (h,)), g.param(f"{name}_b", (h,)), eps=cfg.layer_norm_eps)
+    return layer_norm(g, x, name, cfg.hidden_size, cfg.layer_norm_eps)
 
 
 def _attention(g: Graph, cfg: StableLmConfig, x: Value, i: int, pos: Value, meta: list[Value]) -> Value:
     p, d = f"layers.{i}", cfg.head_dim
     hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
-    q = g.reshape(llama._dense(g, x, p, hq * d, h, cfg.qkv_bias, "column", "wq", "bq"), shape=("T", hq, d))
-    k = g.reshape(llama._dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wk", "bk"), shape=("T", hkv, d))
-    v = g.reshape(llama._dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wv", "bv"), shape=("T", hkv, d))
+    q = g.reshape(llama.dense(g, x, p, hq * d, h, cfg.qkv_bias, "column", "wq", "bq"), shape=("T", hq, d))
+    k = g.reshape(llama.dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wk", "bk"), shape=("T", hkv, d))
+    v = g.reshape(llama.dense(g, x, p, hkv * d, h, cfg.qkv_bias, "column", "wv", "bv"), shape=("T", hkv, d))
     if cfg.qk_norm:  # a LayerNorm of each head's own weights, before rope
         q = g.layer_norm(q, g.param(f"{p}.q_norm", (hq, d), shard="column"), eps=cfg.layer_norm_eps)
         k = g.layer_norm(k, g.param(f"{p}.k_norm", (hkv, d), shard="column"), eps=cfg.layer_norm_eps)
     q = g.rope(q, pos, spec=cfg.rope)
     k = g.rope(k, pos, spec=cfg.rope)
     o = g.attention(q, k, v, *meta, layer=i, scale=d**-0.5, sliding_window=cfg.window_for(i))
-    return llama._dense(g, g.reshape(o, shape=("T", hq * d)), p, h, hq * d, False, "row", "wo", "bo")
+    return llama.dense(g, g.reshape(o, shape=("T", hq * d)), p, h, hq * d, False, "row", "wo", "bo")
 
 
 def build(cfg: StableLmConfig, dtype: str = "f32") -> Graph:
@@ -113,10 +112,10 @@ def build(cfg: StableLmConfig, dtype: str = "f32") -> Graph:
         x = _norm(g, cfg, h, f"layers.{i}.attn_norm")
         attn = _attention(g, cfg, x, i, s.positions, s.attention)
         if cfg.parallel_residual:  # transformers adds (h + attn) + mlp, in that order
-            h = g.add(g.add(h, attn), llama._mlp_block(g, cfg, x, i))
+            h = g.add(g.add(h, attn), llama.mlp_block(g, cfg, x, i))
         else:
             h = g.add(h, attn)
-            h = g.add(h, llama._mlp_block(g, cfg, _norm(g, cfg, h, f"layers.{i}.ffn_norm"), i))
+            h = g.add(h, llama.mlp_block(g, cfg, _norm(g, cfg, h, f"layers.{i}.ffn_norm"), i))
     g.output("logits", logits(g, cfg, _norm(g, cfg, h, "final_norm"), table, s.logits_rows))
     return g
 
