@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_write import add_tensor, finish
-from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt
+from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt, saved_models
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig
 
 from ir.loader import load_model
@@ -62,16 +62,7 @@ def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """case -> (fp32 HF model, its save_pretrained folder, our loaded model); built once per module."""
-    cache: dict[str, tuple] = {}
-
-    def get(case: str):
-        if case not in cache:
-            model, folder = make_hf(case), tmp_path_factory.mktemp(case)
-            model.save_pretrained(folder)
-            cache[case] = (model, folder, load_model(folder, progress=False))
-        return cache[case]
-
-    return get
+    return saved_models(tmp_path_factory, make_hf, load=True)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -23,11 +23,10 @@ import numpy as np
 import pytest
 import torch
 from backend_greedy import backend_greedy
-from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
+from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt, saved_models
 from transformers import Phi3Config, PhiConfig
 
 from core.batch import make_batch
-from ir.loader import load_model
 from ir.reference import ReferenceRunner
 from ir.rope import inv_freq
 
@@ -77,17 +76,7 @@ def hf_generate(model: torch.nn.Module, ids: list[int], n: int, logits: bool = F
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """case -> (fp32 HF model, folder with its safetensors save, our loaded model); built once per module."""
-    cache: dict[str, tuple] = {}
-
-    def get(case: str):
-        if case not in cache:
-            model = make_hf(case)
-            folder = tmp_path_factory.mktemp(case)
-            model.save_pretrained(folder)
-            cache[case] = (model, folder, load_model(folder, progress=False))
-        return cache[case]
-
-    return get
+    return saved_models(tmp_path_factory, make_hf, load=True)
 
 
 # --- the HF path, through the reference interpreter ---------------------------------------------------------------

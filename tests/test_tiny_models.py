@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt
+from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt, saved_models
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -62,17 +62,7 @@ def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """case -> (fp32 HF model, folder with its safetensors save); built once per module."""
-    cache: dict[str, tuple] = {}
-
-    def get(case: str):
-        if case not in cache:
-            model = make_hf(case)
-            folder = tmp_path_factory.mktemp(case)
-            model.save_pretrained(folder)
-            cache[case] = (model, folder)
-        return cache[case]
-
-    return get
+    return saved_models(tmp_path_factory, make_hf, load=False)
 
 
 @pytest.mark.parametrize("case", MAIN)

@@ -7,7 +7,7 @@ import numpy as np
 
 from tools.tiny_hf import hf_greedy, hf_logits, random_causal_lm, random_prompt
 
-__all__ = ["assert_close", "hf_greedy", "hf_logits", "random_causal_lm", "random_prompt"]
+__all__ = ["assert_close", "hf_greedy", "hf_logits", "random_causal_lm", "random_prompt", "saved_models"]
 
 
 def assert_close(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4) -> None:
@@ -16,3 +16,23 @@ def assert_close(ours: np.ndarray, ref: np.ndarray, rtol: float = 1e-4) -> None:
     err, scale = float(np.abs(ours - ref).max()), float(np.abs(ref).max())
     assert scale > 1.0, f"reference logits are nearly zero (max {scale}); the test would prove little"
     assert err <= rtol * scale, f"max abs err {err:.3g} > {rtol:g} * max|ref| {scale:.3g}"
+
+
+def saved_models(tmp_path_factory, make_hf, load: bool = False):
+    """For a module fixture: case -> (fp32 HF model from make_hf(case), its save_pretrained folder[, our model loaded
+    from it]), each built once."""
+    cache: dict[str, tuple] = {}
+
+    def get(case: str):
+        if case not in cache:
+            model, folder = make_hf(case), tmp_path_factory.mktemp(case)
+            model.save_pretrained(folder)
+            if load:
+                from ir.loader import load_model
+
+                cache[case] = (model, folder, load_model(folder, progress=False))
+            else:
+                cache[case] = (model, folder)
+        return cache[case]
+
+    return get
