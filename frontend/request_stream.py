@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 from core.sampling_params import SamplingParams
@@ -15,16 +16,16 @@ from frontend.engine.engine import RequestOutput
 Queue = asyncio.Queue  # of RequestOutput | BaseException
 
 
-class RequestStreams:
+class RequestStreams(ABC):
     active: int  # generate() calls not yet returned; set to 0 by the subclass
 
+    @abstractmethod
     def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> Queue:
         """Hands the request over (or raises, e.g. EngineDeadError); returns the queue its outputs arrive on."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _abandon(self, request_id: str) -> None:
         """The handler left before the finished output: abort the request."""
-        raise NotImplementedError
 
     async def generate(self, prompt: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
