@@ -8,6 +8,16 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 
+def add_decoder_sizes(w: gguf.GGUFWriter, cfg) -> None:
+    """The keys every llama.cpp decoder reads, from a transformers config: layers, context, widths, heads."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
 def add_tensor(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q = Q.F32) -> Q:
     """fp32 `data` stored as `qtype` (F32, F16 or Q8_0); returns qtype."""
     if qtype == Q.F16:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_write import add_tensor, finish
+from gguf_write import add_decoder_sizes, add_tensor, finish
 from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt, saved_models
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig
 
@@ -206,12 +206,7 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
     """`model` as a GGUF file with convert_hf_to_gguf.py's metadata and tensor names; returns each tensor's type."""
     cfg, arch = model.config, GGUF_ARCH[case]
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_sizes(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)

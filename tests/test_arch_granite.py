@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gguf_write import finish
+from gguf_write import add_decoder_sizes, finish
 from test_tiny_gguf import gguf_name, llama_permute
 from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt
 from transformers import GraniteConfig
@@ -30,12 +30,7 @@ def hf():
 def write_gguf(model, path: Path) -> None:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "granite")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_sizes(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)

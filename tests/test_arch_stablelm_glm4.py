@@ -30,7 +30,7 @@ import pytest
 import torch
 from backend_greedy import backend_greedy, host
 from gguf import GGMLQuantizationType as Q
-from gguf_write import add_tensor, finish
+from gguf_write import add_decoder_sizes, add_tensor, finish
 from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import AutoModelForCausalLM, Glm4Config, GlmConfig, StableLmConfig
 
@@ -266,12 +266,7 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
     cfg, arch = model.config, GGUF_CASES[case][1]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_sizes(w, cfg)
     w.add_vocab_size(cfg.vocab_size)
     w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
     if arch == "stablelm":  # StableLMModel.set_gguf_parameters: no rope base (llama.cpp's default 10000 applies)

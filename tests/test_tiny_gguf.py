@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_write import add_tensor, finish
+from gguf_write import add_decoder_sizes, add_tensor, finish
 from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -107,12 +107,7 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
     """Write `model` as a GGUF file; returns the type given to each tensor."""
     cfg, arch = model.config, CASES[case][2]
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_sizes(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(cfg.head_dim)
