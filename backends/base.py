@@ -52,10 +52,9 @@ class Backend(ABC):
     def kv_shapes(self) -> list[tuple[int, int, int]]:
         """(kv heads, key dim, value dim) of each attention layer's cache, from the graph."""
         out = []
-        for node in self.model.graph.nodes:
-            if node.op == "attention":
-                _, hkv, dk = node.inputs[1].shape
-                out.append((hkv, dk, node.inputs[2].shape[2]))
+        for node in self.model.graph.attention_nodes():
+            _, hkv, dk = node.inputs[1].shape
+            out.append((hkv, dk, node.inputs[2].shape[2]))
         return out
 
     def kv_bytes(self, block_size: int, itemsize: int) -> int:

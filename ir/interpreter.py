@@ -27,9 +27,7 @@ class KVCache:
     @classmethod
     def for_graph(cls, graph: Graph, num_blocks: int, block_size: int) -> KVCache:
         k, v = [], []
-        for node in graph.nodes:
-            if node.op != "attention":
-                continue
+        for node in graph.attention_nodes():
             _, hkv, dk = node.inputs[1].shape
             dv = node.inputs[2].shape[2]
             assert node.attrs["layer"] == len(k), "attention layers must be numbered in order"
@@ -130,13 +128,33 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
+def _seq_lens(context_lens, query_start):
+    return None if context_lens is None else token_seq_lens(context_lens, query_start)
+
+
+def _add_rms_norm(x, y, w, *, eps, offset=0.0):
+    s = x + y
+    return s, _rms_norm(s, w, eps, offset)
+
+
+def _rope_pair(q, k, positions, context_lens=None, query_start=None, *, spec):
+    lens = _seq_lens(context_lens, query_start)
+    return _rope(q, positions, spec, lens), _rope(k, positions, spec, lens)
+
+
+def rope_attention(q, k, v, positions, slots, tables, ctx, qstart, *, cache: KVCache, spec: RopeSpec, **attrs):
+    lens = token_seq_lens(ctx, qstart)
+    return paged_attention(_rope(q, positions, spec, lens), _rope(k, positions, spec, lens), v, slots, tables, ctx,
+                           qstart, cache=cache, **attrs)
+
+
 KERNELS: dict[str, Callable] = {
     "embedding": lambda table, ids, **a: table[ids],
     "linear": _linear,
     "rms_norm": lambda x, w, eps, offset=0.0: _rms_norm(x, w, eps, offset),
     "layer_norm": _layer_norm,
     "rope": lambda x, positions, context_lens=None, query_start=None, *, spec: _rope(
-        x, positions, spec, None if context_lens is None else token_seq_lens(context_lens, query_start)),
+        x, positions, spec, _seq_lens(context_lens, query_start)),
     "silu": lambda x: x / (1 + np.exp(-x)),
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,
@@ -145,6 +163,11 @@ KERNELS: dict[str, Callable] = {
     "add": lambda x, y: x + y,
     "mul": lambda x, y: x * y,
     "gather_rows": lambda x, indices: x[indices],
+    # the fused ops (ir.fusion): each what its plainer ops computed
+    "slice": lambda x, start, size: x[..., start:start + size],
+    "gated": lambda gate, up, act: KERNELS[act](gate) * up,
+    "add_rms_norm": _add_rms_norm,
+    "rope_pair": _rope_pair,
 }
 
 
@@ -181,15 +204,22 @@ class Interpreter:
             return self.param(v.name) if v.kind == "param" else env[v.id]
 
         for node in self.graph.nodes:
-            env[node.out.id] = self._eval(node, [get(i) for i in node.inputs], cache)
+            out = self._eval(node, [get(i) for i in node.inputs], cache)
+            for v, a in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
+                env[v.id] = a
         return {k: env[v.id] for k, v in self.graph.outputs.items()}
 
-    def _eval(self, node: Node, args: list, cache: KVCache) -> np.ndarray:
+    def _eval(self, node: Node, args: list, cache: KVCache):
         if node.op == "attention":
             return paged_attention(*args, cache=cache, **node.attrs)
+        if node.op == "rope_attention":
+            return rope_attention(*args, cache=cache, **node.attrs)
         if node.op == "reshape":
             sizes = {d: n for d, n in zip(node.inputs[0].shape, args[0].shape, strict=True)}
             return args[0].reshape([sizes[d] if isinstance(d, str) else d for d in node.attrs["shape"]])
         while args and args[-1] is None:  # absent optional operands (a bias)
             args = args[:-1]
-        return np.asarray(KERNELS[node.op](*args, **node.attrs), dtype=np.float32)
+        out = KERNELS[node.op](*args, **node.attrs)
+        if len(node.outs) > 1:
+            return tuple(np.asarray(a, dtype=np.float32) for a in out)
+        return np.asarray(out, dtype=np.float32)

@@ -31,7 +31,7 @@ class TensorType:
         return f"{self.dtype}[{','.join(str(d) for d in self.shape)}]"
 
 
-Infer = Callable[[list[TensorType | None], dict[str, Any]], TensorType]
+Infer = Callable[[list[TensorType | None], dict[str, Any]], TensorType | tuple[TensorType, ...]]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class OpDef:
     # Operand positions that read a weight matrix (or a stack of them): parameters there may stay in a quantized
     # format, whatever their rank; every other parameter is read as plain values.
     weights: tuple[int, ...] = ()
+    kv_cache: bool = False  # writes this step's k and v into the paged cache of attrs["layer"], then attends
+    fused: bool = False  # made by ir.fusion from plainer ops, never by a model builder
 
 
 def _same_dim(a: Dim, b: Dim, what: str) -> None:
@@ -143,6 +145,39 @@ def _attention(ts, a):
     return TensorType(q.shape[:2] + (v.shape[2],), q.dtype)
 
 
+def _rope_attention(ts, a):
+    q, k, v, pos, *rest = ts
+    _rope([q, pos, *rest[2:]], a)
+    _rope([k, pos, *rest[2:]], a)
+    return _attention([q, k, v, *rest], a)
+
+
+def _rope_pair(ts, a):
+    q, k, *rest = ts
+    return _rope([q, *rest], a), _rope([k, *rest], a)
+
+
+def _add_rms_norm(ts, a):
+    x, y, w = ts
+    s = _binary([x, y], a)
+    return s, _norm([s, w], a)
+
+
+def _gated(ts, a):
+    if a.get("act") not in GATED_ACTS:
+        raise ValueError(f"gated needs act in {GATED_ACTS}, got {a.get('act')!r}")
+    return _binary(ts, a)
+
+
+def _slice(ts, a):
+    x = ts[0]
+    start, size = a["start"], a["size"]
+    last = x.shape[-1]
+    if start < 0 or size <= 0 or (isinstance(last, int) and start + size > last):
+        raise ValueError(f"slice [{start}:{start + size}] of a last dim of {last}")
+    return TensorType(x.shape[:-1] + (size,), x.dtype)
+
+
 def _unary(ts, a):
     _float(ts[0], "x")
     return ts[0]
@@ -175,8 +210,12 @@ def _gather_rows(ts, a):
     return TensorType(idx.shape + x.shape[1:], x.dtype)
 
 
-def _op(name: str, operands: Sequence[str], infer: Infer, doc: str, weights: tuple[int, ...] = ()) -> OpDef:
-    return OpDef(name, tuple(operands), infer, doc, weights)
+GATED_ACTS = ("silu", "gelu", "gelu_tanh")
+
+
+def _op(name: str, operands: Sequence[str], infer: Infer, doc: str, weights: tuple[int, ...] = (),
+        **flags: bool) -> OpDef:
+    return OpDef(name, tuple(operands), infer, doc, weights, **flags)
 
 
 OPS: dict[str, OpDef] = {o.name: o for o in [
@@ -188,7 +227,7 @@ OPS: dict[str, OpDef] = {o.name: o for o in [
     _op("rope", ["x", "positions", "context_lens?", "query_start?"], _rope,
         "rotary embedding on the first rotary_dim of each head; longrope's table per token by its sequence's length"),
     _op("attention", ["q", "k", "v", "slot_mapping", "block_tables", "context_lens", "query_start"],
-        _attention, "write k, v into the paged cache of `layer`, then causal attention over it"),
+        _attention, "write k, v into the paged cache of `layer`, then causal attention over it", kv_cache=True),
     _op("silu", ["x"], _unary, "x * sigmoid(x)"),
     _op("gelu", ["x"], _unary, "exact (erf) gelu"),
     _op("gelu_tanh", ["x"], _unary, "tanh-approximated gelu"),
@@ -198,4 +237,13 @@ OPS: dict[str, OpDef] = {o.name: o for o in [
     _op("mul", ["x", "y"], _binary, "x * y"),
     _op("reshape", ["x"], _reshape, "same elements, new shape (symbols must be kept)"),
     _op("gather_rows", ["x", "indices"], _gather_rows, "x[indices] along the first dim"),
+    # Fused ops: ir.fusion rewrites plainer ops into these, and each means exactly what those ops computed.
+    _op("slice", ["x"], _slice, "x[..., start:start + size]: one part of a fused linear's output", fused=True),
+    _op("gated", ["gate", "up"], _gated, "act(gate) * up", fused=True),
+    _op("add_rms_norm", ["x", "y", "w"], _add_rms_norm, "(x + y, rms_norm(x + y, w)): two results", fused=True),
+    _op("rope_pair", ["q", "k", "positions", "context_lens?", "query_start?"], _rope_pair,
+        "(rope(q), rope(k)) with one spec: two results", fused=True),
+    _op("rope_attention", ["q", "k", "v", "positions", "slot_mapping", "block_tables", "context_lens", "query_start"],
+        _rope_attention, "attention(rope(q), rope(k), v, ...): k is rotated on its way into the cache",
+        kv_cache=True, fused=True),
 ]}

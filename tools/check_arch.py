@@ -1,12 +1,13 @@
 """Our IR against transformers on a tiny random model of any architecture: builds the model with transformers from
 a `model_type`, a config.json (or its folder) or a hub id in the local cache, shrunk to a few layers of width 64,
 saves it with save_pretrained, loads it through ir.loader and compares, for each prompt, the prompt's logits and
-greedy tokens on every engine asked for (the numpy interpreter, the MLX backend, the CUDA backend on CPU tensors or
-a GPU). Prints a table of logit error and token agreement per prompt; exits 1 if any row fails.
+greedy tokens on every engine asked for (the numpy interpreter on the plain graph and on ir.fusion's, the MLX
+backend, the CUDA backend on CPU tensors or a GPU). Prints a table of logit error and token agreement per prompt;
+exits 1 if any row fails.
 
     python -m tools.check_arch llama
     python -m tools.check_arch path/to/config.json --engines interp,mlx,cuda --new 16
-    python -m tools.check_arch --all             (every model_type the registry knows, interpreter only)
+    python -m tools.check_arch --all             (every model_type the registry knows, interpreters only)
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def run_engine(engine: str, loaded, prompts: list[list[int]], new: int):
     from tools.tiny_hf import backend_greedy
 
     ref = ReferenceRunner(loaded, max_tokens=max(map(len, prompts)) + new + 8, block_size=4)
-    if engine == "interp":
+    if engine in ("interp", "fused"):  # the plain graph, or ir.fusion's (the one the backends run)
+        if engine == "fused":
+            ref = ReferenceRunner(loaded, max_tokens=ref.blocks_per_seq * 4, block_size=4, fused=True)
         tokens, first = ref.greedy(prompts, new)
         return first, tokens
     if engine == "mlx":
@@ -98,7 +101,7 @@ def run_engine(engine: str, loaded, prompts: list[list[int]], new: int):
         backend = CUDABackend(loaded, device="cuda" if torch.cuda.is_available() else "cpu", dtype="f32",
                               progress=False)
     else:
-        raise ValueError(f"unknown engine {engine!r} (interp, mlx, cuda)")
+        raise ValueError(f"unknown engine {engine!r} (interp, fused, mlx, cuda)")
     tokens, first = backend_greedy(backend, ref, prompts, new, 4)
     return first, tokens
 
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("spec", nargs="?", help="a model_type, a config.json (or its folder) or a cached hub id")
     ap.add_argument("--all", action="store_true", help="every model_type the registry knows")
-    ap.add_argument("--engines", default="interp", help="of interp, mlx, cuda (comma-separated)")
+    ap.add_argument("--engines", default="interp,fused",
+                    help="of interp, fused (the interpreter on ir.fusion's graph), mlx, cuda (comma-separated)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--new", type=int, default=8, help="greedy tokens compared per prompt")
     ap.add_argument("--seed", type=int, default=0)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.cuda.plan import Plan
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
@@ -76,8 +75,13 @@ def _act(op: str, x):
 
 
 class Runner:
-    def __init__(self, graph: Graph, plan: Plan, params: dict[str, Param], dtype, device: torch.device):
-        self.graph, self.plan, self.params, self.dtype, self.device = graph, plan, params, dtype, device
+    def __init__(self, graph: Graph, params: dict[str, Param], dtype, device: torch.device):
+        """`graph` is ir.fusion's output: its fused ops are this runner's fused kernels."""
+        self.graph, self.params, self.dtype, self.device = graph, params, dtype, device
+        uses = graph.uses()
+        outputs = {v.id for v in graph.outputs.values()}
+        # values one node reads and nothing else: a rope may rotate them in place
+        self._sole = {vid for vid, readers in uses.items() if len(readers) == 1 and vid not in outputs}
         self.target = kernel_target(device)
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -85,9 +89,8 @@ class Runner:
         self._step_rows: dict[RopeSpec, torch.Tensor] = {}  # this step's rope_rows
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
-        self.fuse_rope_kv = True  # plan.rope_kv: rope and the KV write as one kernel
         self.decode_partitions = DECODE_PARTITIONS  # () : LONG_PARTITION at every batch size
-        self.kv_heads = max((n.inputs[1].shape[1] for n in graph.nodes if n.op == "attention"), default=1)
+        self.kv_heads = max((n.inputs[1].shape[1] for n in graph.attention_nodes()), default=1)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
     def set_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], max_positions: int) -> None:
@@ -98,10 +101,7 @@ class Runner:
         pos = np.arange(max_positions)
         self._rope = {}
         self._rope_rows = max_positions
-        for node in self.graph.nodes:
-            spec = node.attrs.get("spec")
-            if node.op != "rope" or spec in self._rope:
-                continue
+        for spec in self.graph.rope_specs():
             if long_after(spec) is None:
                 cos, sin = cos_sin(spec, pos)
             else:
@@ -132,7 +132,7 @@ class Runner:
     # -- the graph ----------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, logits_indices: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """fp32 logits [len(logits_indices), vocab]."""
-        plan, env = self.plan, {}
+        env = {}
         for name, v in self.graph.inputs.items():
             env[v.id] = {"token_ids": token_ids, "logits_indices": logits_indices, "positions": meta.positions}.get(
                 name)
@@ -142,66 +142,56 @@ class Runner:
                 return None
             return self.params[v.name] if v.kind == "param" else env[v.id]
 
-        fused_rope = plan.rope_kv_ropes if self.fuse_rope_kv else ()
         self._step_rows = {}
         for node in self.graph.nodes:
-            oid = node.out.id
-            if oid in env or oid in plan.folded or oid in fused_rope:
-                continue
-            if oid in plan.group_of:
-                self._group(plan.group_of[oid][0], env, get)
-            elif oid in plan.gated:
-                act, gate = plan.gated[oid]
-                env[oid] = activations.gated_act(env[gate], get(node.inputs[1]), act, target=self.target,
-                                                 pdl=self.pdl)
-            elif oid in plan.add_norm:
-                norm = plan.add_norm[oid]
-                x, r = get(node.inputs[0]), get(node.inputs[1])
-                env[oid], env[norm.out.id] = rms_norm.add_rms_norm(
-                    x, r, self.params[norm.inputs[1].name], norm.attrs["eps"],
-                    offset=norm.attrs.get("offset", 0.0) == 1.0, target=self.target, pdl=self.pdl)
-            elif node.op == "rope":
-                self._rope_op(node, env, get, meta)
-            elif node.op == "attention":
-                env[oid] = self._attention(node, get, meta)
+            op, args = node.op, [get(i) for i in node.inputs]
+            if op in ("attention", "rope_attention"):
+                out = self._attention(node, args, meta)
+            elif op in ("rope", "rope_pair"):
+                out = self._rope_op(node, args, meta)
+            elif op == "add_rms_norm":
+                out = self._add_rms_norm(node, args)
+            elif op == "gated":
+                out = activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
+            elif op == "slice":
+                out = args[0][..., node.attrs["start"]:node.attrs["start"] + node.attrs["size"]]
             else:
-                env[oid] = self._eval(node, [get(i) for i in node.inputs])
+                out = self._eval(node, args)
+            for v, t in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
+                env[v.id] = t
         return env[self.graph.outputs["logits"].id].float()
 
-    def _group(self, group, env, get) -> None:
-        x = get(group.nodes[0].inputs[0])
-        y = self.linear(x, self.params[group.name], self.params.get(group.name + ".bias"))
-        start = 0
-        for node, size in zip(group.nodes, group.sizes, strict=True):
-            env[node.out.id] = y[..., start:start + size]
-            start += size
+    def _own(self, value: Value, t: torch.Tensor) -> torch.Tensor:
+        """`t` itself where this node is its only reader (a kernel may write it in place), else a copy."""
+        return t if value.id in self._sole else t.clone()
 
-    def _rope_op(self, node: Node, env, get, meta: StepMeta) -> None:
+    def _rope_op(self, node: Node, args, meta: StepMeta):
         spec = node.attrs["spec"]
         cos, sin = self._rope[spec]
-        pair = self.plan.rope_pair.get(node.out.id)
-        xs = [node] + ([pair] if pair is not None and pair.inputs[0].id in env else [])
-        ts = []
-        for n in xs:
-            x = get(n.inputs[0])
-            ts.append(x if self.plan.in_place_ok(n.inputs[0].id) else x.clone())
-        rope.rope(ts[0], ts[1] if len(ts) > 1 else None, self.rope_rows(spec, meta), cos, sin,
+        pair = node.op == "rope_pair"
+        ts = [self._own(v, t) for v, t in zip(node.inputs[:1 + pair], args[:1 + pair], strict=True)]
+        rope.rope(ts[0], ts[1] if pair else None, self.rope_rows(spec, meta), cos, sin,
                   interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
-        for n, t in zip(xs, ts, strict=True):
-            env[n.out.id] = t
+        return tuple(ts) if pair else ts[0]
 
-    def _attention(self, node: Node, get, meta: StepMeta):
+    def _add_rms_norm(self, node: Node, args):
+        x, r, w = args
+        offset = node.attrs["offset"]
+        if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
+            s = x + r
+            return s, _rms_norm_torch(s, w, node.attrs["eps"], offset)
+        return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
+                                     pdl=self.pdl)
+
+    def _attention(self, node: Node, args, meta: StepMeta):
         a = node.attrs
         kc, vc = self.kv[a["layer"]]
-        fused = self.plan.rope_kv.get(node.out.id) if self.fuse_rope_kv else None
-        if fused is None:
-            q, k, v = (get(i) for i in node.inputs[:3])
+        q, k, v = args[:3]
+        if node.op == "attention":
             kv_write.kv_write(k, v, kc, vc, meta.slots, target=self.target, pdl=self.pdl)
-        else:
-            rq, rk = fused
-            q, k, v = get(rq.inputs[0]), get(rk.inputs[0]), get(node.inputs[2])
-            q = q if self.plan.in_place_ok(rq.inputs[0].id) else q.clone()
-            spec = rq.attrs["spec"]
+        else:  # rope_attention: q rotated in place, k rotated on its way into the cache, one kernel
+            q = self._own(node.inputs[0], q)
+            spec = a["spec"]
             cos, sin = self._rope[spec]
             rope_kv_write.rope_kv_write(q, k, v, kc, vc, meta.slots, self.rope_rows(spec, meta), cos, sin,
                                         interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)

@@ -33,9 +33,8 @@ class CompiledDecode:
     def __init__(self, runner: GraphRunner, dtype):
         self.runner = runner
         self.dtype = dtype
-        nodes = runner.graph.nodes
-        self.specs = sorted({n.attrs["spec"] for n in nodes if n.op == "rope"}, key=str)
-        self.windows = sorted({n.attrs.get("sliding_window") for n in nodes if n.op == "attention"},
+        self.specs = sorted(runner.graph.rope_specs(), key=str)
+        self.windows = sorted({n.attrs.get("sliding_window") for n in runner.graph.attention_nodes()},
                               key=lambda w: -1 if w is None else w)
         self._fn = mx.compile(self._step)
 

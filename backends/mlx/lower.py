@@ -95,21 +95,14 @@ def _rope(x, ctx: StepContext, spec: RopeSpec):
 
 
 class GraphRunner:
-    """Evaluates `graph` on mlx arrays. `kv` holds per-layer [k_cache, v_cache], updated in place."""
+    """Evaluates `graph` (ir.fusion's output) on mlx arrays. `kv` holds per-layer [k_cache, v_cache], updated in
+    place."""
 
     def __init__(self, graph: Graph, params: dict, dtype, kernels=None):
         self.graph = graph
         self.params = params
         self.dtype = dtype
         self.kernels = kernels  # backends.mlx.metal_ops.KernelOps, or None for plain mlx ops
-        # value id -> (activation, its input) for activations whose only use is a mul: a gated kernel
-        uses: dict[int, int] = {}
-        for node in graph.nodes:
-            for v in node.inputs:
-                if v is not None:
-                    uses[v.id] = uses.get(v.id, 0) + 1
-        self.gate_of = {n.out.id: (n.op, n.inputs[0]) for n in graph.nodes
-                        if n.op in ("silu", "gelu", "gelu_tanh") and uses.get(n.out.id) == 1}
 
     def run(self, inputs: dict[str, mx.array], ctx: StepContext, kv: list[list[mx.array]]) -> dict[str, mx.array]:
         # Positions and the attention inputs reach their ops through `ctx`, already prepared.
@@ -121,28 +114,45 @@ class GraphRunner:
             return self.params[v.name] if v.kind == "param" else env[v.id]
 
         for node in self.graph.nodes:
-            if self.kernels is not None and node.op == "mul" and node.inputs[0].id in self.gate_of:
-                act, gate = self.gate_of[node.inputs[0].id]
-                env[node.out.id] = self.kernels.gated(act, env[gate.id], env[node.inputs[1].id])
-                continue
-            env[node.out.id] = self._eval(node, [get(i) for i in node.inputs], ctx, kv)
+            out = self._eval(node, [get(i) for i in node.inputs], ctx, kv)
+            for v, a in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
+                env[v.id] = a
         return {k: env[v.id] for k, v in self.graph.outputs.items()}
 
     def _eval(self, node: Node, args: list, ctx: StepContext, kv):
-        a = node.attrs
-        if node.op == "attention":
+        a, op = node.attrs, node.op
+        if op in ("attention", "rope_attention"):
+            q, k, v = args[:3]
+            if op == "rope_attention":
+                q, k = _rope(q, ctx, a["spec"]), _rope(k, ctx, a["spec"])
             layer = a["layer"]
             out, kv[layer][0], kv[layer][1] = paged_attention(
-                args[0], args[1], args[2], kv[layer][0], kv[layer][1], ctx.meta, scale=a["scale"],
+                q, k, v, kv[layer][0], kv[layer][1], ctx.meta, scale=a["scale"],
                 sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), kernels=self.kernels)
             return out
-        if node.op == "rope":
+        if op == "rope":
             return _rope(args[0], ctx, a["spec"])
-        if node.op == "rms_norm" and self.kernels is not None and a.get("offset", 0.0) in (0.0, 1.0):
-            return self.kernels.rms_norm(args[0], args[1], a["eps"], a.get("offset", 0.0))
+        if op == "rope_pair":
+            return _rope(args[0], ctx, a["spec"]), _rope(args[1], ctx, a["spec"])
+        if op == "slice":
+            return args[0][..., a["start"]:a["start"] + a["size"]]
+        if op == "gated":
+            if self.kernels is not None:
+                return self.kernels.gated(a["act"], args[0], args[1])
+            return OPS[a["act"]](args[0]) * args[1]
+        if op == "add_rms_norm":
+            s = args[0] + args[1]
+            return s, self._rms_norm(s, args[2], a["eps"], a.get("offset", 0.0))
+        if op == "rms_norm":
+            return self._rms_norm(args[0], args[1], a["eps"], a.get("offset", 0.0))
         if node.op == "reshape":
             shape = [-1 if isinstance(d, str) else d for d in a["shape"]]
             return args[0].reshape(shape)
         while args and args[-1] is None:  # absent optional operands (a bias)
             args = args[:-1]
-        return OPS[node.op](*args, **a)
+        return OPS[op](*args, **a)
+
+    def _rms_norm(self, x, w, eps: float, offset: float):
+        if self.kernels is not None and offset in (0.0, 1.0):
+            return self.kernels.rms_norm(x, w, eps, offset)
+        return _rms_norm(x, w, eps, offset)
