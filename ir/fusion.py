@@ -158,7 +158,7 @@ def _gated(g: Graph) -> None:
             for i in (0, 1):
                 act = made.get(node.inputs[i].id)
                 if act is not None and act.op in GATED_ACTS and _only_reader(g, uses, act.out, node) \
-                        and node.inputs[1 - i].id != act.out.id:
+                        and node.inputs[1 - i].id != act.out.id and node.inputs[1 - i].shape == act.out.shape:
                     node = Node("gated", (act.inputs[0], node.inputs[1 - i]), {"act": act.op}, node.outs)
                     dropped.add(id(act))
                     break

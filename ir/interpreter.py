@@ -128,6 +128,30 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
+def moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
+              routed_scaling: float = 1.0):
+    """Each token's top_k experts and their weights: scores by softmax (over all experts) or sigmoid; a correction
+    bias (DeepSeek-V3's) moves the choice, not the weights."""
+    x = logits.astype(np.float32)
+    scores = _softmax(x) if scoring == "softmax" else 1 / (1 + np.exp(-x))
+    choice = scores if bias is None else scores + bias
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+    w = np.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        w = w / w.sum(-1, keepdims=True)
+    return (w * np.float32(routed_scaling)).astype(np.float32), ids.astype(np.int32)
+
+
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, *, act: str):
+    """Every (token, slot) through its expert's gated MLP, weighted and summed; one expert at a time."""
+    out = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
+    for e in np.unique(ids):
+        tok, slot = np.nonzero(ids == e)
+        h = KERNELS[act](x[tok] @ w_gate[e].T) * (x[tok] @ w_up[e].T)
+        np.add.at(out, tok, weights[tok, slot, None] * (h @ w_down[e].T))
+    return out
+
+
 def _seq_lens(context_lens, query_start):
     return None if context_lens is None else token_seq_lens(context_lens, query_start)
 
@@ -156,6 +180,7 @@ KERNELS: dict[str, Callable] = {
     "rope": lambda x, positions, context_lens=None, query_start=None, *, spec: _rope(
         x, positions, spec, _seq_lens(context_lens, query_start)),
     "silu": lambda x: x / (1 + np.exp(-x)),
+    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,
     "softcap": lambda x, cap: cap * np.tanh(x / cap),
@@ -163,12 +188,17 @@ KERNELS: dict[str, Callable] = {
     "add": lambda x, y: x + y,
     "mul": lambda x, y: x * y,
     "gather_rows": lambda x, indices: x[indices],
+    "moe_route": moe_route,
+    "moe_experts": moe_experts,
     # the fused ops (ir.fusion): each what its plainer ops computed
     "slice": lambda x, start, size: x[..., start:start + size],
     "gated": lambda gate, up, act: KERNELS[act](gate) * up,
     "add_rms_norm": _add_rms_norm,
     "rope_pair": _rope_pair,
 }
+
+
+_NP = {"f32": np.float32, "f16": np.float32, "bf16": np.float32, "i32": np.int32}
 
 
 class Interpreter:
@@ -220,6 +250,6 @@ class Interpreter:
         while args and args[-1] is None:  # absent optional operands (a bias)
             args = args[:-1]
         out = KERNELS[node.op](*args, **node.attrs)
-        if len(node.outs) > 1:
-            return tuple(np.asarray(a, dtype=np.float32) for a in out)
+        if len(node.outs) > 1:  # each result in its declared dtype (a router's expert ids are i32)
+            return tuple(np.asarray(a, dtype=_NP[v.dtype]) for a, v in zip(out, node.outs, strict=True))
         return np.asarray(out, dtype=np.float32)

@@ -192,6 +192,49 @@ def _binary(ts, a):
     return x
 
 
+def _broadcast(ts, a):
+    """Same shapes, or y 1 along a dim x has (a per-token gate [T, 1] on [T, H])."""
+    x, y = ts
+    if len(x.shape) != len(y.shape):
+        raise ValueError(f"rank mismatch {x} vs {y}")
+    for i, (p, q) in enumerate(zip(x.shape, y.shape, strict=True)):
+        if q != 1:
+            _same_dim(p, q, f"dim {i}")
+    return x
+
+
+def _moe_route(ts, a):
+    logits, bias = (ts + [None])[:2]
+    _float(logits, "router logits")
+    if len(logits.shape) != 2:
+        raise ValueError("router logits must be [T, experts]")
+    experts, k = logits.shape[1], a.get("top_k")
+    if not isinstance(k, int) or k < 1 or (isinstance(experts, int) and k > experts):
+        raise ValueError(f"top_k {k!r} must be 1..{experts}")
+    if a.get("scoring", "softmax") not in ("softmax", "sigmoid"):
+        raise ValueError(f"router scoring {a.get('scoring')!r}: softmax or sigmoid")
+    if bias is not None:
+        _same_dim(bias.shape[0], experts, "router correction bias")
+    return TensorType((logits.shape[0], k), "f32"), TensorType((logits.shape[0], k), "i32")
+
+
+def _moe_experts(ts, a):
+    x, weights, ids, gate, up, down = ts
+    _float(x, "x")
+    _int(ids, "expert ids")
+    if any(len(w.shape) != 3 for w in (gate, up, down)):
+        raise ValueError("expert weights must be stacks [experts, out, in]")
+    _same_dim(weights.shape[1], ids.shape[1], "top_k")
+    _same_dim(gate.shape[2], x.shape[-1], "expert in-features")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {gate} and up {up} stacks differ")
+    _same_dim(down.shape[2], gate.shape[1], "expert inner size")
+    _same_dim(down.shape[0], gate.shape[0], "experts")
+    if a.get("act") not in GATED_ACTS:
+        raise ValueError(f"moe_experts needs act in {GATED_ACTS}, got {a.get('act')!r}")
+    return TensorType(x.shape[:-1] + (down.shape[1],), x.dtype)
+
+
 def _reshape(ts, a):
     x = ts[0]
     shape = tuple(a["shape"])
@@ -229,14 +272,21 @@ OPS: dict[str, OpDef] = {o.name: o for o in [
     _op("attention", ["q", "k", "v", "slot_mapping", "block_tables", "context_lens", "query_start"],
         _attention, "write k, v into the paged cache of `layer`, then causal attention over it", kv_cache=True),
     _op("silu", ["x"], _unary, "x * sigmoid(x)"),
+    _op("sigmoid", ["x"], _unary, "1 / (1 + exp(-x))"),
     _op("gelu", ["x"], _unary, "exact (erf) gelu"),
     _op("gelu_tanh", ["x"], _unary, "tanh-approximated gelu"),
     _op("softcap", ["x"], _unary, "cap * tanh(x / cap)"),
     _op("scale", ["x"], _unary, "x * factor"),
     _op("add", ["x", "y"], _binary, "x + y"),
-    _op("mul", ["x", "y"], _binary, "x * y"),
+    _op("mul", ["x", "y"], _broadcast, "x * y; y may be 1 along a dim of x (a per-token gate)"),
     _op("reshape", ["x"], _reshape, "same elements, new shape (symbols must be kept)"),
     _op("gather_rows", ["x", "indices"], _gather_rows, "x[indices] along the first dim"),
+    _op("moe_route", ["logits", "bias?"], _moe_route,
+        "(weights f32 [T, k], expert ids i32 [T, k]): each token's top_k experts by softmax (or sigmoid) score, "
+        "bias added for the choice only; weights renormalized (norm_topk_prob), times routed_scaling"),
+    _op("moe_experts", ["x", "weights", "ids", "w_gate", "w_up", "w_down"], _moe_experts,
+        "sum over k of weights[t, k] * down[e](act(gate[e] x) * up[e] x), e = ids[t, k]; stacks [E, out, in]",
+        weights=(3, 4, 5)),
     # Fused ops: ir.fusion rewrites plainer ops into these, and each means exactly what those ops computed.
     _op("slice", ["x"], _slice, "x[..., start:start + size]: one part of a fused linear's output", fused=True),
     _op("gated", ["gate", "up"], _gated, "act(gate) * up", fused=True),

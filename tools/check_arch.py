@@ -26,6 +26,9 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
             pad_token_id=None)
 WINDOW = 8
+# Experts at TINY's width: enough of them, top_k of them, that routing chooses; the expert counts keep their key.
+TINY_MOE = dict(num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48)
 PROMPT_LENS = (5, 19, 33)
 RTOL = 1e-4  # of max |logit|: fp32 on both sides
 
@@ -64,6 +67,9 @@ def shrink(cfg, layers: int):
     patterns (layer_types) keep their order, cut or cycled to the new depth; a window becomes WINDOW."""
     for key, value in TINY.items():
         if hasattr(cfg, key) or key in ("num_key_value_heads", "head_dim"):
+            setattr(cfg, key, value)
+    for key, value in TINY_MOE.items():
+        if getattr(cfg, key, None):
             setattr(cfg, key, value)
     cfg.num_hidden_layers = layers
     types = getattr(cfg, "layer_types", None)

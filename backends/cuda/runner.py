@@ -242,6 +242,28 @@ class Runner:
                 y[:, r0:r0 + len(rows)] = x2 @ wd.T
         return y.reshape(*x.shape[:-1], n)
 
+    def _moe_experts(self, x, weights, ids, w_gate, w_up, w_down, *, act: str):
+        """Tokens grouped by expert, each expert's rows through its matrices (dense, or its rows of a quantized
+        stack through the quantized kernels). The grouping reads the counts back to the host, so a step with experts
+        cannot be captured: CUDABackend runs such graphs eagerly until the DSL's fused MoE kernel takes this."""
+        t, k = ids.shape
+        flat = ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=w_gate.shape[0]).tolist()
+        out = torch.zeros((t, w_down.shape[1]), dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            slots = order[start:start + n]
+            start += n
+            tok = slots // k
+            xe = x.index_select(0, tok)
+            h = _act(act, self.linear(xe, _expert(w_gate, e))) * self.linear(xe, _expert(w_up, e))
+            y = self.linear(h, _expert(w_down, e)) * weights.reshape(-1)[slots, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+        return out
+
     def _row_ids(self, r0: int, r1: int) -> torch.Tensor:
         if (r0, r1) not in self._rows:
             self._rows[(r0, r1)] = torch.arange(r0, r1, dtype=torch.int32, device=self.device)
@@ -271,6 +293,12 @@ class Runner:
             return _layer_norm(args[0], args[1], args[2] if len(args) > 2 else None, a["eps"])
         if op in ("silu", "gelu", "gelu_tanh"):
             return _act(op, args[0])
+        if op == "sigmoid":
+            return torch.sigmoid(args[0])
+        if op == "moe_route":
+            return _moe_route(*args, **a)
+        if op == "moe_experts":
+            return self._moe_experts(*args, **a)
         if op == "softcap":
             return a["cap"] * torch.tanh(args[0] / a["cap"])
         if op == "scale":
@@ -285,6 +313,26 @@ class Runner:
         if op == "gather_rows":
             return args[0].index_select(0, args[1])
         raise NotImplementedError(f"the CUDA backend has no lowering for IR op {op!r}")
+
+
+def _expert(stack: Param, e: int) -> Param:
+    """Expert e's matrix of a stack [E, out, in]: a view (dense), or its rows of blocks (quantized)."""
+    if isinstance(stack, QuantWeight):
+        _, rows, cols = stack.shape
+        return QuantWeight(stack.data[e * rows:(e + 1) * rows], stack.qtype, (rows, cols))
+    return stack[e]
+
+
+def _moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
+               routed_scaling: float = 1.0):
+    x = logits.float()
+    scores = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    choice = scores if bias is None else scores + bias.float()
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    w = scores.gather(-1, ids)
+    if norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    return w * routed_scaling, ids.to(torch.int32)
 
 
 def _layer_norm(x, w, b, eps: float):

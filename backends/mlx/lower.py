@@ -42,12 +42,41 @@ def _layer_norm(x, w, b=None, *, eps):
     return y if b is None else y + b
 
 
+def _moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
+               routed_scaling: float = 1.0):
+    x = logits.astype(mx.float32)
+    scores = mx.softmax(x, axis=-1) if scoring == "softmax" else mx.sigmoid(x)
+    choice = scores if bias is None else scores + bias
+    ids = mx.argpartition(-choice, kth=top_k - 1, axis=-1)[..., :top_k]  # the top k, in no order: a sum follows
+    w = mx.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        w = w / w.sum(-1, keepdims=True)
+    return w * routed_scaling, ids.astype(mx.int32)
+
+
+def _expert_mm(x, w, ids):
+    """x [T, k, 1, in] (or [T, 1, 1, in]) through each slot's expert of the stack w [E, out, in]: [T, k, 1, out]."""
+    if isinstance(w, QuantLinear):
+        return mx.gather_qmm(x, w.wq, w.scales, w.biases, rhs_indices=ids, transpose=True, group_size=w.group_size,
+                             bits=w.bits)
+    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=ids)
+
+
+def _moe_experts(x, weights, ids, w_gate, w_up, w_down, *, act: str):
+    """mlx-lm's switch-GLU: gather_mm picks each (token, slot)'s expert matrix, no per-expert loop."""
+    xe = x[:, None, None, :]
+    h = OPS[act](_expert_mm(xe, w_gate, ids)) * _expert_mm(xe, w_up, ids)
+    y = _expert_mm(h, w_down, ids)[:, :, 0, :]  # [T, k, hidden]
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=1)
+
+
 OPS = {
     "embedding": _embedding,
     "linear": _linear,
     "rms_norm": _rms_norm,
     "layer_norm": _layer_norm,
     "silu": lambda x: x * mx.sigmoid(x),
+    "sigmoid": mx.sigmoid,
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,
     "softcap": lambda x, cap: cap * mx.tanh(x / cap),
@@ -55,6 +84,8 @@ OPS = {
     "add": lambda x, y: x + y,
     "mul": lambda x, y: x * y,
     "gather_rows": lambda x, indices: x[indices],
+    "moe_route": _moe_route,
+    "moe_experts": _moe_experts,
 }
 
 
