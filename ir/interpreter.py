@@ -129,16 +129,25 @@ def _linear(x, w, b=None):
 
 
 def moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
-              routed_scaling: float = 1.0):
+              routed_scaling: float = 1.0, n_group: int = 1, topk_group: int = 1, group_score: str = "max"):
     """Each token's top_k experts and their weights: scores by softmax (over all experts) or sigmoid; a correction
-    bias (DeepSeek-V3's) moves the choice, not the weights."""
+    bias (DeepSeek-V3's) moves the choice, not the weights. With groups (DeepSeek's), experts are chosen only from
+    the topk_group groups of n_group whose score (their best expert's, or their best two's sum) is highest."""
     x = logits.astype(np.float32)
     scores = _softmax(x) if scoring == "softmax" else 1 / (1 + np.exp(-x))
     choice = scores if bias is None else scores + bias
+    if n_group > 1:
+        grouped = choice.reshape(len(choice), n_group, -1)
+        top = -np.sort(-grouped, axis=-1)
+        g = top[..., 0] if group_score == "max" else top[..., :2].sum(-1)
+        keep = np.argsort(-g, axis=-1, kind="stable")[:, :topk_group]
+        mask = np.zeros(g.shape, bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        choice = np.where(np.repeat(mask, grouped.shape[-1], axis=-1), choice, -np.inf)
     ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
     w = np.take_along_axis(scores, ids, axis=-1)
     if norm_topk_prob:
-        w = w / w.sum(-1, keepdims=True)
+        w = w / (w.sum(-1, keepdims=True) + np.float32(1e-20))
     return (w * np.float32(routed_scaling)).astype(np.float32), ids.astype(np.int32)
 
 
@@ -150,6 +159,12 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, *, act: str):
         h = KERNELS[act](x[tok] @ w_gate[e].T) * (x[tok] @ w_up[e].T)
         np.add.at(out, tok, weights[tok, slot, None] * (h @ w_down[e].T))
     return out
+
+
+def _bcast(x, y):
+    """x and y broadcast on every dim but the last (for concat)."""
+    lead = np.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+    return np.broadcast_to(x, (*lead, x.shape[-1])), np.broadcast_to(y, (*lead, y.shape[-1]))
 
 
 def _seq_lens(context_lens, query_start):
@@ -190,8 +205,9 @@ KERNELS: dict[str, Callable] = {
     "gather_rows": lambda x, indices: x[indices],
     "moe_route": moe_route,
     "moe_experts": moe_experts,
-    # the fused ops (ir.fusion): each what its plainer ops computed
     "slice": lambda x, start, size: x[..., start:start + size],
+    "concat": lambda x, y: np.concatenate(_bcast(x, y), axis=-1),
+    # the fused ops (ir.fusion): each what its plainer ops computed
     "gated": lambda gate, up, act: KERNELS[act](gate) * up,
     "add_rms_norm": _add_rms_norm,
     "rope_pair": _rope_pair,

@@ -169,6 +169,24 @@ def _gated(ts, a):
     return _binary(ts, a)
 
 
+def _concat(ts, a):
+    """x and y joined along the last dim; either may be 1 along another dim (one rope key for every head)."""
+    x, y = ts
+    if len(x.shape) != len(y.shape):
+        raise ValueError(f"rank mismatch {x} vs {y}")
+    if x.dtype != y.dtype:
+        raise ValueError(f"concat of {x} and {y}")
+    shape = []
+    for i, (p, q) in enumerate(zip(x.shape[:-1], y.shape[:-1], strict=True)):
+        if p != 1 and q != 1:
+            _same_dim(p, q, f"dim {i}")
+        shape.append(q if p == 1 else p)
+    last = x.shape[-1] + y.shape[-1] if isinstance(x.shape[-1], int) and isinstance(y.shape[-1], int) else None
+    if last is None:
+        raise ValueError("concat needs known last dims")
+    return TensorType((*shape, last), x.dtype)
+
+
 def _slice(ts, a):
     x = ts[0]
     start, size = a["start"], a["size"]
@@ -215,6 +233,10 @@ def _moe_route(ts, a):
         raise ValueError(f"router scoring {a.get('scoring')!r}: softmax or sigmoid")
     if bias is not None:
         _same_dim(bias.shape[0], experts, "router correction bias")
+    groups, keep = a.get("n_group", 1), a.get("topk_group", 1)
+    if groups > 1 and (not isinstance(experts, int) or experts % groups or not 1 <= keep <= groups
+                       or a.get("group_score", "max") not in ("max", "top2_sum")):
+        raise ValueError(f"{experts} experts in {groups} groups, {keep} kept, scored by {a.get('group_score')!r}")
     return TensorType((logits.shape[0], k), "f32"), TensorType((logits.shape[0], k), "i32")
 
 
@@ -281,14 +303,16 @@ OPS: dict[str, OpDef] = {o.name: o for o in [
     _op("mul", ["x", "y"], _broadcast, "x * y; y may be 1 along a dim of x (a per-token gate)"),
     _op("reshape", ["x"], _reshape, "same elements, new shape (symbols must be kept)"),
     _op("gather_rows", ["x", "indices"], _gather_rows, "x[indices] along the first dim"),
+    _op("slice", ["x"], _slice, "x[..., start:start + size] (a fused linear's part; MLA's rope and nope parts)"),
+    _op("concat", ["x", "y"], _concat, "x and y along the last dim, a size-1 dim of either broadcast"),
     _op("moe_route", ["logits", "bias?"], _moe_route,
         "(weights f32 [T, k], expert ids i32 [T, k]): each token's top_k experts by softmax (or sigmoid) score, "
-        "bias added for the choice only; weights renormalized (norm_topk_prob), times routed_scaling"),
+        "bias added for the choice only, within the best topk_group of n_group groups; weights renormalized "
+        "(norm_topk_prob), times routed_scaling"),
     _op("moe_experts", ["x", "weights", "ids", "w_gate", "w_up", "w_down"], _moe_experts,
         "sum over k of weights[t, k] * down[e](act(gate[e] x) * up[e] x), e = ids[t, k]; stacks [E, out, in]",
         weights=(3, 4, 5)),
     # Fused ops: ir.fusion rewrites plainer ops into these, and each means exactly what those ops computed.
-    _op("slice", ["x"], _slice, "x[..., start:start + size]: one part of a fused linear's output", fused=True),
     _op("gated", ["gate", "up"], _gated, "act(gate) * up", fused=True),
     _op("add_rms_norm", ["x", "y", "w"], _add_rms_norm, "(x + y, rms_norm(x + y, w)): two results", fused=True),
     _op("rope_pair", ["q", "k", "positions", "context_lens?", "query_start?"], _rope_pair,

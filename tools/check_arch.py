@@ -27,8 +27,10 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
             pad_token_id=None)
 WINDOW = 8
 # Experts at TINY's width: enough of them, top_k of them, that routing chooses; the expert counts keep their key.
-TINY_MOE = dict(num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                shared_expert_intermediate_size=48)
+TINY_MOE = dict(num_local_experts=8, num_experts=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, n_group=4, topk_group=2, first_k_dense_replace=1)
+# Latent attention (DeepSeek's MLA) at that width: every head its own key (MLA has no KV groups), rope on 8 dims.
+TINY_MLA = dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 PROMPT_LENS = (5, 19, 33)
 RTOL = 1e-4  # of max |logit|: fp32 on both sides
 
@@ -68,9 +70,15 @@ def shrink(cfg, layers: int):
     for key, value in TINY.items():
         if hasattr(cfg, key) or key in ("num_key_value_heads", "head_dim"):
             setattr(cfg, key, value)
-    for key, value in TINY_MOE.items():
+    for key, value in (TINY_MOE | TINY_MLA).items():
         if getattr(cfg, key, None):
             setattr(cfg, key, value)
+    if any(getattr(cfg, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        cfg.num_experts_per_tok = TINY_MOE["num_experts_per_tok"]  # DeepSeek-V2's default is None
+    if getattr(cfg, "kv_lora_rank", None):
+        cfg.num_key_value_heads = cfg.num_attention_heads
+        cfg.head_dim = cfg.qk_rope_head_dim  # what transformers sizes the rope by
+        cfg.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     cfg.num_hidden_layers = layers
     types = getattr(cfg, "layer_types", None)
     if types:

@@ -295,6 +295,10 @@ class Runner:
             return _act(op, args[0])
         if op == "sigmoid":
             return torch.sigmoid(args[0])
+        if op == "concat":
+            x, y = args
+            lead = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+            return torch.cat([x.expand(*lead, x.shape[-1]), y.expand(*lead, y.shape[-1])], dim=-1)
         if op == "moe_route":
             return _moe_route(*args, **a)
         if op == "moe_experts":
@@ -324,14 +328,19 @@ def _expert(stack: Param, e: int) -> Param:
 
 
 def _moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
-               routed_scaling: float = 1.0):
+               routed_scaling: float = 1.0, n_group: int = 1, topk_group: int = 1, group_score: str = "max"):
     x = logits.float()
     scores = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
     choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:  # only the best topk_group groups' experts may be chosen
+        grouped = choice.view(choice.shape[0], n_group, -1)
+        top = grouped.topk(1 if group_score == "max" else 2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(top).scatter_(1, top.topk(topk_group, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(keep.repeat_interleave(grouped.shape[-1], dim=-1) == 0, float("-inf"))
     ids = torch.topk(choice, top_k, dim=-1).indices
     w = scores.gather(-1, ids)
     if norm_topk_prob:
-        w = w / w.sum(-1, keepdim=True)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return w * routed_scaling, ids.to(torch.int32)
 
 

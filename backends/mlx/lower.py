@@ -43,15 +43,27 @@ def _layer_norm(x, w, b=None, *, eps):
 
 
 def _moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
-               routed_scaling: float = 1.0):
+               routed_scaling: float = 1.0, n_group: int = 1, topk_group: int = 1, group_score: str = "max"):
     x = logits.astype(mx.float32)
     scores = mx.softmax(x, axis=-1) if scoring == "softmax" else mx.sigmoid(x)
     choice = scores if bias is None else scores + bias
+    if topk_group < n_group:  # only the best topk_group groups' experts may be chosen
+        grouped = choice.reshape(choice.shape[0], n_group, -1)
+        top = mx.sort(grouped, axis=-1)
+        g = top[..., -1] if group_score == "max" else top[..., -2:].sum(-1)
+        drop = mx.argpartition(g, kth=n_group - topk_group - 1, axis=-1)[..., :n_group - topk_group]
+        mask = mx.put_along_axis(mx.zeros(g.shape), drop, mx.array(1.0), axis=-1)
+        choice = mx.where(mx.repeat(mask, grouped.shape[-1], axis=-1) > 0, -mx.inf, choice)
     ids = mx.argpartition(-choice, kth=top_k - 1, axis=-1)[..., :top_k]  # the top k, in no order: a sum follows
     w = mx.take_along_axis(scores, ids, axis=-1)
     if norm_topk_prob:
-        w = w / w.sum(-1, keepdims=True)
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
     return w * routed_scaling, ids.astype(mx.int32)
+
+
+def _bcast(x, y):
+    lead = tuple(max(a, b) for a, b in zip(x.shape[:-1], y.shape[:-1], strict=True))
+    return mx.broadcast_to(x, (*lead, x.shape[-1])), mx.broadcast_to(y, (*lead, y.shape[-1]))
 
 
 def _expert_mm(x, w, ids):
@@ -84,6 +96,7 @@ OPS = {
     "add": lambda x, y: x + y,
     "mul": lambda x, y: x * y,
     "gather_rows": lambda x, indices: x[indices],
+    "concat": lambda x, y: mx.concatenate(_bcast(x, y), axis=-1),
     "moe_route": _moe_route,
     "moe_experts": _moe_experts,
 }
