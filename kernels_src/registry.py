@@ -19,6 +19,7 @@ from kernels_src import (
     dequantize,
     gguf_mmq,
     kv_write,
+    moe,
     paged_attention,
     paged_prefill,
     rms_norm,
@@ -236,3 +237,21 @@ for _q in gguf_mmq.MMQ_QTYPES:
         launcher=gguf_mmq.mmq,
         notes="the launcher runs quantize_x_kernel (x to int8 per 32, with block sums) first, and split-K's reduce "
               "(dequant_gemm_reduce_kernel) after"))
+
+
+# --- fused MoE: a decode batch of 16 through a Qwen3-30B-A3B layer's experts (128 of 768 x 2048, top 8) -------------
+
+def moe_bytes(tokens, hidden, inner, experts, top_k, dtype) -> int:
+    """The experts a random routing reads (expected distinct ones), x, and the output."""
+    active = experts * (1 - (1 - top_k / experts) ** tokens)
+    return int(ITEMSIZE[dtype] * (3 * active * inner * hidden + 2 * tokens * hidden))
+
+
+register(KernelEntry(
+    "moe_gemm", moe.moe_gemm_kernel,
+    dict(TOP_K=8, GATED=True, ACT="silu", BLOCK_M=moe.BLOCK_M, BLOCK_N=moe.BLOCK_N, BLOCK_K=moe.BLOCK_K, PDL=True),
+    _ptrs(BF16, "x", "w_a", "w_b", "y", rows="*i32", block_expert="*i32", weights="*fp32"),
+    dict(tokens=16, hidden=2048, inner=768, experts=128, top_k=8, dtype=BF16), moe_bytes,
+    flops=lambda tokens, hidden, inner, top_k, **_: 6 * tokens * top_k * hidden * inner, launcher=moe.moe_experts,
+    notes="the launcher runs it twice (gate and up with the activation, then down times the routing weights) "
+          "after moe_align's array ops, and sums each token's top_k rows"))

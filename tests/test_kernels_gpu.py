@@ -52,7 +52,10 @@ SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m9_padded", dict(m=9, n=77, 
               ("m64_split", dict(m=64, n=520, k=14336)), ("m256", dict(m=256, n=200, k=1024)),
               ("m33_noswap", dict(m=33, n=130, k=2048, swap=False))]
           for n in REGISTRY if n.startswith("dequant_gemm_")}
-TRITON_ONLY = ("dequant_gemm_",)  # its SIMT lowering is checked on the CPU (tests/test_kernels_gemm.py, simt-cpu)
+# decode batches of 1 and 16, and a prefill whose experts take many blocks each
+SIZES["moe_gemm"] = [("t16", dict(tokens=16)), ("t1", dict(tokens=1)), ("t300", dict(tokens=300, experts=16))]
+# their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
+TRITON_ONLY = ("dequant_gemm_", "moe_gemm")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim")}

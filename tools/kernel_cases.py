@@ -18,6 +18,7 @@ from kernels_src import (
     dequant_gemv_i8,
     dequantize,
     kv_write,
+    moe,
     rms_norm,
     rope,
     rope_kv_write,
@@ -258,11 +259,36 @@ def _dequantize(d: Dev, p: dict) -> Case:
                 lambda target: out.fill_(float("nan")))
 
 
+def _moe(d: Dev, p: dict) -> Case:
+    """Routed tokens through a stack of experts: distinct experts per token (a router's top_k), weights that sum to 1;
+    the reference on a sample of tokens in float64."""
+    t, h, inner, e, k, dt = p["tokens"], p["hidden"], p["inner"], p["experts"], p["top_k"], d.dtype(p["dtype"])
+    torch = d.torch
+    x = d.randn((t, h), dt)
+    ids = torch.stack([d.perm(e)[:k] for _ in range(t)]).to(torch.int32)
+    weights = torch.softmax(torch.randn((t, k), device=d.dev, generator=d.gen), -1)
+    gate, up = d.randn((e, inner, h), dt, h ** -0.5), d.randn((e, inner, h), dt, h ** -0.5)
+    down = d.randn((e, h, inner), dt, inner ** -0.5)
+    out = d.nan((t, h), dt)
+
+    def check():
+        i = d.sample(t, 32)
+        used = sorted(set(host(ids[i]).ravel().tolist()))
+        remap = {ex: j for j, ex in enumerate(used)}  # the reference reads only the experts these tokens use
+        sub = [host(w[used]) for w in (gate, up, down)]
+        ids_i = np.vectorize(remap.get)(host(ids[i]))
+        want = moe.moe_experts_ref(host(x[i]), host(weights[i]), ids_i, *sub)
+        return combine(written("out", out), compare("out", host(out[i]), want, p["dtype"]))
+
+    return Case("moe_gemm", p, lambda target: moe.moe_experts(x, weights, ids, gate, up, down, out=out, target=target),
+                check, lambda target: out.fill_(float("nan")))
+
+
 BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rms_norm": lambda d, p: _rms_norm(d, p, False), "add_rms_norm": lambda d, p: _rms_norm(d, p, True),
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
-    "paged_prefill": paged_prefill_case,
+    "paged_prefill": paged_prefill_case, "moe_gemm": _moe,
 }
 
 

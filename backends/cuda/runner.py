@@ -14,7 +14,7 @@ from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
 from ir.rope import RopeSpec, cos_sin, long_after
-from kernels_src import activations, kv_write, paged_attention, paged_prefill, rms_norm, rope, rope_kv_write
+from kernels_src import activations, kv_write, moe, paged_attention, paged_prefill, rms_norm, rope, rope_kv_write
 from kernels_src.dequant_gemv import dequant_gemv
 from kernels_src.dequant_gemv_i8 import I8_TARGETS
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
@@ -243,9 +243,11 @@ class Runner:
         return y.reshape(*x.shape[:-1], n)
 
     def _moe_experts(self, x, weights, ids, w_gate, w_up, w_down, *, act: str):
-        """Tokens grouped by expert, each expert's rows through its matrices (dense, or its rows of a quantized
-        stack through the quantized kernels). The grouping reads the counts back to the host, so a step with experts
-        cannot be captured: CUDABackend runs such graphs eagerly until the DSL's fused MoE kernel takes this."""
+        """Dense stacks: the DSL's fused MoE (kernels_src/moe.py: grouped on the device, capturable). Quantized
+        stacks: tokens grouped by expert here, each expert's rows of blocks through the quantized kernels; that
+        grouping reads counts back to the host, so CUDABackend runs such graphs eagerly."""
+        if not any(isinstance(w, QuantWeight) for w in (w_gate, w_up, w_down)):
+            return moe.moe_experts(x, weights, ids, w_gate, w_up, w_down, act, target=self.target, pdl=self.pdl)
         t, k = ids.shape
         flat = ids.reshape(-1).long()
         order = torch.argsort(flat, stable=True)

@@ -1,0 +1,162 @@
+"""Fused mixture-of-experts over dense expert stacks [E, out, in]: DSL kernels, host launcher, reference.
+
+Each token's top_k (expert, weight) slots are grouped by expert (`moe_align`, fixed-shape array ops, so a step with
+experts stays capturable in a CUDA graph): slot ids sorted by expert, each expert's run padded to BLOCK_M with the
+out-of-range id S = tokens * top_k, and the expert of every BLOCK_M block. The grid is the bound on blocks,
+cdiv(S, BLOCK_M) + E, whatever the routing; blocks past the used ones hold padding only and store nothing.
+- moe_gemm_kernel(GATED): program (block, n tile) reads its expert once, gathers its slots' token rows of x and
+  computes act(x @ gate[e].T) * (x @ up[e].T) for BLOCK_N columns of both in one pass over K: h [S, I], by slot.
+- moe_gemm_kernel(not GATED): h's rows through down[e], each scaled by its slot's routing weight: y [S, H].
+The tokens' outputs are the sums of their top_k rows of y (an array op after the launch).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels_src.activations import _act
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.paged_attention import empty
+
+__all__ = ["moe_align", "moe_experts", "moe_experts_ref"]
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+
+
+def moe_gemm_kernel(x, w_a, w_b, y, rows, block_expert, weights, n_slots, n_cols, k_dim, n_steps, x_stride,
+                    w_e_stride, w_stride, y_stride, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (b, j): slots rows[b * BLOCK_M ..] (all of expert block_expert[b]), columns BLOCK_N j.. of y.
+    GATED: y = act(x[tok] @ w_a[e].T) * (x[tok] @ w_b[e].T), tok = slot // TOP_K; else y = (x[slot] @ w_a[e].T) *
+    weights[slot]. Rows past n_cols of W are clamped (read again, never stored); padding slots store nothing."""
+    if PDL:  # x and the routing come from earlier kernels
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    e = tl.load(block_expert + tl.program_id(0)).to(tl.int64)
+    slot = tl.load(rows + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slot < n_slots
+    src = tl.where(valid, slot // TOP_K if GATED else slot, 0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    xrow = x + src.to(tl.int64)[:, None] * x_stride
+    wrow = e * w_e_stride + tl.minimum(n, n_cols - 1).to(tl.int64)[:, None] * w_stride
+    kk = tl.arange(0, BLOCK_K)[None, :]
+    all_m = tl.arange(0, BLOCK_M)[:, None] >= 0  # masks spelled out at each load's full shape
+    all_n = tl.arange(0, BLOCK_N)[:, None] >= 0
+
+    def step(it, acc_a, acc_b):
+        k0 = it * BLOCK_K
+        kmask = (k0 + kk) < k_dim
+        xv = tl.load(xrow + k0 + kk, mask=kmask & all_m, other=0.0)
+        a = tl.load(w_a + wrow + k0 + kk, mask=kmask & all_n, other=0.0).to(xv.dtype)
+        acc_a = tl.dot(xv, tl.trans(a), acc_a)
+        if GATED:
+            b = tl.load(w_b + wrow + k0 + kk, mask=kmask & all_n, other=0.0).to(xv.dtype)
+            acc_b = tl.dot(xv, tl.trans(b), acc_b)
+        return acc_a, acc_b
+
+    zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_a, acc_b = tl.fori_loop(0, n_steps, step, (zero, zero))
+    if GATED:
+        out = _act(acc_a, ACT) * acc_b
+    else:
+        out = acc_a * tl.load(weights + src, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(y + slot.to(tl.int64)[:, None] * y_stride + n[None, :], out,
+             mask=valid[:, None] & (n[None, :] < n_cols))
+
+
+# --- host side -------------------------------------------------------------------------------------------------
+
+def max_blocks(slots: int, experts: int, block_m: int) -> int:
+    """Blocks of block_m slots any routing of `slots` slots over `experts` experts needs at most."""
+    return tl.cdiv(slots, block_m) + experts
+
+
+def moe_align(ids, experts: int, block_m: int):
+    """(rows [max_blocks * block_m] int32: slot ids grouped by expert, each run padded with S; block_expert
+    [max_blocks] int32) for expert ids [T, top_k], in numpy or torch (the same fixed-shape ops: no host sync)."""
+    if isinstance(ids, np.ndarray):
+        return _align(np, ids.reshape(-1).astype(np.int64), experts, block_m)
+    import torch
+
+    return _align(torch, ids.reshape(-1).long(), experts, block_m)
+
+
+def _align(xp, flat, experts: int, block_m: int):
+    s = int(flat.shape[0])
+    nblocks = max_blocks(s, experts, block_m)
+    if xp is np:
+        counts = np.bincount(flat, minlength=experts)
+        order = np.argsort(flat, kind="stable")
+        arange = np.arange
+        rows = np.full(nblocks * block_m, s, np.int64)
+    else:
+        counts = xp.zeros(experts, dtype=xp.int64, device=flat.device).scatter_add_(0, flat, xp.ones_like(flat))
+        order = xp.argsort(flat, stable=True)
+        arange = lambda n: xp.arange(n, device=flat.device)  # noqa: E731
+        rows = xp.full((nblocks * block_m,), s, dtype=xp.int64, device=flat.device)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = xp.cumsum(padded, 0)
+    first = xp.cumsum(counts, 0) - counts  # each expert's first position in sorted order
+    expert_of = flat[order]
+    dest = (ends - padded)[expert_of] + arange(s) - first[expert_of]
+    rows[dest] = order
+    starts = arange(nblocks) * block_m
+    if xp is np:
+        block_expert = np.minimum(np.searchsorted(ends, starts, side="right"), experts - 1)
+        return rows.astype(np.int32), block_expert.astype(np.int32)
+    block_expert = xp.searchsorted(ends, starts, right=True).clamp(max=experts - 1)
+    return rows.to(xp.int32), block_expert.to(xp.int32)
+
+
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out=None, target: str = "numpy",
+                pdl: bool | None = None, block_m: int = BLOCK_M, block_n: int = BLOCK_N, block_k: int = BLOCK_K):
+    """sum over k of weights[t, k] * w_down[e] @ (act(w_gate[e] @ x[t]) * (w_up[e] @ x[t])), e = ids[t, k], for x
+    [T, H] (rows contiguous), weights [T, k] fp32, ids [T, k], stacks [E, I, H] / [E, H, I] with contiguous rows;
+    out [T, H] (made in x's dtype when not given)."""
+    t, h = x.shape
+    k = ids.shape[1]
+    e, inner = w_gate.shape[:2]
+    if tuple(w_up.shape) != tuple(w_gate.shape) or tuple(w_down.shape) != (e, h, inner) or w_gate.shape[2] != h:
+        raise ValueError(f"expert stacks {tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)} do not fit "
+                         f"x [{t}, {h}]")
+    if any(elem_stride(w, 2) != 1 for w in (w_gate, w_up, w_down)) or \
+            [elem_stride(w_up, i) for i in (0, 1)] != [elem_stride(w_gate, i) for i in (0, 1)]:
+        raise ValueError("expert stacks need contiguous rows, gate and up one layout")
+    if elem_stride(x, 1) != 1:
+        x = x.contiguous() if hasattr(x, "contiguous") else np.ascontiguousarray(x)
+    rows, block_expert = moe_align(ids, e, block_m)
+    s = t * k
+    nblocks = block_expert.shape[0]
+    flat_w = weights.reshape(-1)
+    pdl = use_pdl(target, pdl)
+    hidden = empty(x, (s, inner))
+    y = empty(x, (s, h))
+    for gated, (a, b, src, dst, n_cols, k_dim) in ((True, (w_gate, w_up, x, hidden, inner, h)),
+                                                  (False, (w_down, w_down, hidden, y, h, inner))):
+        kern = compile(moe_gemm_kernel, target, launch_pdl=pdl, TOP_K=k, GATED=gated, ACT=act, BLOCK_M=block_m,
+                       BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl)
+        kern[nblocks, tl.cdiv(n_cols, block_n)](src, a, b, dst, rows, block_expert, flat_w, s, n_cols, k_dim,
+                                                 tl.cdiv(k_dim, block_k), elem_stride(src, 0), elem_stride(a, 0),
+                                                 elem_stride(a, 1), elem_stride(dst, 0))
+    out = empty(x, (t, h)) if out is None else out
+    if isinstance(y, np.ndarray):
+        np.sum(y.reshape(t, k, h), axis=1, out=out)
+    else:
+        import torch
+
+        torch.sum(y.view(t, k, h), dim=1, out=out)
+    return out
+
+
+def moe_experts_ref(x, weights, ids, w_gate, w_up, w_down, act: str = "silu") -> np.ndarray:
+    """The same in float64, token by token, slot by slot."""
+    from ir.interpreter import KERNELS
+
+    x, weights = np.asarray(x, np.float64), np.asarray(weights, np.float64)
+    gate, up, down = (np.asarray(w, np.float64) for w in (w_gate, w_up, w_down))
+    out = np.zeros((x.shape[0], down.shape[1]))
+    for t in range(x.shape[0]):
+        for j, e in enumerate(np.asarray(ids)[t]):
+            h = KERNELS[act](gate[e] @ x[t]) * (up[e] @ x[t])
+            out[t] += weights[t, j] * (down[e] @ h)
+    return out
