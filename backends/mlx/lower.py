@@ -62,6 +62,9 @@ class StepContext:
     """What one forward step shares across layers: attention metadata and rope tables (`seq_lens`, each token's
     sequence length, picks longrope's table)."""
 
+    group_metas: list[AttentionMeta] = []  # one per KV group (core.kv_layout) when there are several
+    group_of: tuple[int, ...] = ()  # layer -> its KV group
+
     def __init__(self, meta: AttentionMeta, positions: np.ndarray, dtype, seq_lens: np.ndarray | None = None):
         self.meta = meta
         self.positions = positions
@@ -72,6 +75,10 @@ class StepContext:
     @classmethod
     def for_batch(cls, batch: Batch, meta: AttentionMeta, dtype) -> StepContext:
         return cls(meta, batch.positions, dtype, token_seq_lens(batch.context_lens, batch.query_start))
+
+    def attention_meta(self, layer: int) -> AttentionMeta:
+        """The metadata of `layer`'s KV group (`meta` for a model of one group)."""
+        return self.group_metas[self.group_of[layer]] if self.group_of else self.meta
 
     def cos_sin(self, spec: RopeSpec):
         if spec not in self._rope:
@@ -133,7 +140,7 @@ class GraphRunner:
         if node.op == "attention":
             layer = a["layer"]
             out, kv[layer][0], kv[layer][1] = paged_attention(
-                args[0], args[1], args[2], kv[layer][0], kv[layer][1], ctx.meta, scale=a["scale"],
+                args[0], args[1], args[2], kv[layer][0], kv[layer][1], ctx.attention_meta(layer), scale=a["scale"],
                 sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), kernels=self.kernels)
             return out
         if node.op == "rope":
