@@ -37,10 +37,17 @@ class Value:
 
 @dataclass(eq=False)
 class Node:
+    """One op applied to its inputs. Most ops have one result; a fused op (ir.fusion) may have several, each a
+    value of its own (`outs`), so that every consumer still reads one value."""
+
     op: str
     inputs: tuple[Value | None, ...]
     attrs: dict[str, Any]
-    out: Value
+    outs: tuple[Value, ...]
+
+    @property
+    def out(self) -> Value:
+        return self.outs[0]
 
 
 @dataclass
@@ -52,6 +59,8 @@ class Param:
     shape: tuple[int, ...]
     dtype: str
     shard: str | None = None
+    # A parameter the fusion pass made: these parameters' rows, concatenated (q, k and v as one matrix).
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -105,8 +114,9 @@ class Graph:
     def output(self, name: str, value: Value) -> None:
         self.outputs[name] = value
 
-    def op(self, op: str, *inputs: Value | None, **attrs: Any) -> Value:
-        """Append a node; its result type comes from the op's shape and dtype inference."""
+    def op(self, op: str, *inputs: Value | None, **attrs: Any) -> Value | tuple[Value, ...]:
+        """Append a node; its result type comes from the op's shape and dtype inference (a tuple of values for an
+        op with several results)."""
         if op not in OPS:
             raise KeyError(f"unknown IR op {op!r}")
         try:
@@ -114,9 +124,28 @@ class Graph:
         except (ValueError, IndexError) as e:
             shapes = ", ".join(str(i.type) if i is not None else "None" for i in inputs)
             raise ValueError(f"{op}({shapes}) {attrs}: {e}") from e
-        out = self._new_value(out_type, "node")
-        self.nodes.append(Node(op, tuple(inputs), dict(attrs), out))
+        types = out_type if isinstance(out_type, tuple) else (out_type,)
+        outs = tuple(self._new_value(t, "node") for t in types)
+        self.nodes.append(Node(op, tuple(inputs), dict(attrs), outs))
+        return outs if isinstance(out_type, tuple) else outs[0]
+
+    def uses(self) -> dict[int, list[Node]]:
+        """Value id -> the nodes that read it (in graph order); graph outputs are not counted."""
+        out: dict[int, list[Node]] = {}
+        for node in self.nodes:
+            for v in node.inputs:
+                if v is not None:
+                    out.setdefault(v.id, []).append(node)
         return out
+
+    def attention_nodes(self) -> list[Node]:
+        """The nodes that read and write a layer's KV cache, in layer order."""
+        return [n for n in self.nodes if OPS[n.op].kv_cache]
+
+    def rope_specs(self) -> list:
+        """Every rope spec some node applies (a rope, a fused rope pair or an attention that rotates q and k)."""
+        specs = {n.attrs["spec"]: None for n in self.nodes if "spec" in n.attrs}
+        return list(specs)
 
     def __getattr__(self, op: str):
         # g.linear(x, w) == g.op("linear", x, w): the builder API is the op table itself.

@@ -151,14 +151,74 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
+def moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
+              routed_scaling: float = 1.0, n_group: int = 1, topk_group: int = 1, group_score: str = "max"):
+    """Each token's top_k experts and their weights: scores by softmax (over all experts) or sigmoid; a correction
+    bias (DeepSeek-V3's) moves the choice, not the weights. With groups (DeepSeek's), experts are chosen only from
+    the topk_group groups of n_group whose score (their best expert's, or their best two's sum) is highest."""
+    x = logits.astype(np.float32)
+    scores = _softmax(x) if scoring == "softmax" else 1 / (1 + np.exp(-x))
+    choice = scores if bias is None else scores + bias
+    if n_group > 1:
+        grouped = choice.reshape(len(choice), n_group, -1)
+        top = -np.sort(-grouped, axis=-1)
+        g = top[..., 0] if group_score == "max" else top[..., :2].sum(-1)
+        keep = np.argsort(-g, axis=-1, kind="stable")[:, :topk_group]
+        mask = np.zeros(g.shape, bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        choice = np.where(np.repeat(mask, grouped.shape[-1], axis=-1), choice, -np.inf)
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+    w = np.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + np.float32(1e-20))
+    return (w * np.float32(routed_scaling)).astype(np.float32), ids.astype(np.int32)
+
+
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, *, act: str):
+    """Every (token, slot) through its expert's gated MLP, weighted and summed; one expert at a time."""
+    out = np.zeros((x.shape[0], w_down.shape[1]), np.float32)
+    for e in np.unique(ids):
+        tok, slot = np.nonzero(ids == e)
+        h = KERNELS[act](x[tok] @ w_gate[e].T) * (x[tok] @ w_up[e].T)
+        np.add.at(out, tok, weights[tok, slot, None] * (h @ w_down[e].T))
+    return out
+
+
+def _bcast(x, y):
+    """x and y broadcast on every dim but the last (for concat)."""
+    lead = np.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+    return np.broadcast_to(x, (*lead, x.shape[-1])), np.broadcast_to(y, (*lead, y.shape[-1]))
+
+
+def _seq_lens(context_lens, query_start):
+    return None if context_lens is None else token_seq_lens(context_lens, query_start)
+
+
+def _add_rms_norm(x, y, w, *, eps, offset=0.0):
+    s = x + y
+    return s, _rms_norm(s, w, eps, offset)
+
+
+def _rope_pair(q, k, positions, context_lens=None, query_start=None, *, spec):
+    lens = _seq_lens(context_lens, query_start)
+    return _rope(q, positions, spec, lens), _rope(k, positions, spec, lens)
+
+
+def rope_attention(q, k, v, positions, slots, tables, ctx, qstart, *, cache: KVCache, spec: RopeSpec, **attrs):
+    lens = token_seq_lens(ctx, qstart)
+    return paged_attention(_rope(q, positions, spec, lens), _rope(k, positions, spec, lens), v, slots, tables, ctx,
+                           qstart, cache=cache, **attrs)
+
+
 KERNELS: dict[str, Callable] = {
     "embedding": lambda table, ids, **a: table[ids],
     "linear": _linear,
     "rms_norm": lambda x, w, eps, offset=0.0: _rms_norm(x, w, eps, offset),
     "layer_norm": _layer_norm,
     "rope": lambda x, positions, context_lens=None, query_start=None, *, spec: _rope(
-        x, positions, spec, None if context_lens is None else token_seq_lens(context_lens, query_start)),
+        x, positions, spec, _seq_lens(context_lens, query_start)),
     "silu": lambda x: x / (1 + np.exp(-x)),
+    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,
     "softcap": lambda x, cap: cap * np.tanh(x / cap),
@@ -166,7 +226,18 @@ KERNELS: dict[str, Callable] = {
     "add": lambda x, y: x + y,
     "mul": lambda x, y: x * y,
     "gather_rows": lambda x, indices: x[indices],
+    "moe_route": moe_route,
+    "moe_experts": moe_experts,
+    "slice": lambda x, start, size: x[..., start:start + size],
+    "concat": lambda x, y: np.concatenate(_bcast(x, y), axis=-1),
+    # the fused ops (ir.fusion): each what its plainer ops computed
+    "gated": lambda gate, up, act: KERNELS[act](gate) * up,
+    "add_rms_norm": _add_rms_norm,
+    "rope_pair": _rope_pair,
 }
+
+
+_NP = {"f32": np.float32, "f16": np.float32, "bf16": np.float32, "i32": np.int32}
 
 
 class Interpreter:
@@ -203,15 +274,22 @@ class Interpreter:
             return self.param(v.name) if v.kind == "param" else env[v.id]
 
         for node in self.graph.nodes:
-            env[node.out.id] = self._eval(node, [get(i) for i in node.inputs], cache)
+            out = self._eval(node, [get(i) for i in node.inputs], cache)
+            for v, a in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
+                env[v.id] = a
         return {k: env[v.id] for k, v in self.graph.outputs.items()}
 
-    def _eval(self, node: Node, args: list, cache: KVCache) -> np.ndarray:
+    def _eval(self, node: Node, args: list, cache: KVCache):
         if node.op == "attention":
             return paged_attention(*args, cache=cache, **node.attrs)
+        if node.op == "rope_attention":
+            return rope_attention(*args, cache=cache, **node.attrs)
         if node.op == "reshape":
             sizes = {d: n for d, n in zip(node.inputs[0].shape, args[0].shape, strict=True)}
             return args[0].reshape([sizes[d] if isinstance(d, str) else d for d in node.attrs["shape"]])
         while args and args[-1] is None:  # absent optional operands (a bias)
             args = args[:-1]
-        return np.asarray(KERNELS[node.op](*args, **node.attrs), dtype=np.float32)
+        out = KERNELS[node.op](*args, **node.attrs)
+        if len(node.outs) > 1:  # each result in its declared dtype (a router's expert ids are i32)
+            return tuple(np.asarray(a, dtype=_NP[v.dtype]) for a, v in zip(out, node.outs, strict=True))
+        return np.asarray(out, dtype=np.float32)

@@ -86,7 +86,7 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
     meta = f.metadata
     if "general.architecture" not in meta:
         raise ModelFormatError(path, "metadata has no general.architecture")
-    arch = models.for_gguf(meta["general.architecture"])
+    arch = models.for_gguf(meta["general.architecture"], meta)
     freqs = f.tensors.get("rope_freqs.weight")
     factors = tuple(float(x) for x in StoredTensor(freqs.data, freqs.qtype, freqs.shape).dequantize()) \
         if freqs is not None else None

@@ -31,7 +31,7 @@ class TensorType:
         return f"{self.dtype}[{','.join(str(d) for d in self.shape)}]"
 
 
-Infer = Callable[[list[TensorType | None], dict[str, Any]], TensorType]
+Infer = Callable[[list[TensorType | None], dict[str, Any]], TensorType | tuple[TensorType, ...]]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class OpDef:
     # Operand positions that read a weight matrix (or a stack of them): parameters there may stay in a quantized
     # format, whatever their rank; every other parameter is read as plain values.
     weights: tuple[int, ...] = ()
+    kv_cache: bool = False  # writes this step's k and v into the paged cache of attrs["layer"], then attends
+    fused: bool = False  # made by ir.fusion from plainer ops, never by a model builder
 
 
 def _same_dim(a: Dim, b: Dim, what: str) -> None:
@@ -143,6 +145,57 @@ def _attention(ts, a):
     return TensorType(q.shape[:2] + (v.shape[2],), q.dtype)
 
 
+def _rope_attention(ts, a):
+    q, k, v, pos, *rest = ts
+    _rope([q, pos, *rest[2:]], a)
+    _rope([k, pos, *rest[2:]], a)
+    return _attention([q, k, v, *rest], a)
+
+
+def _rope_pair(ts, a):
+    q, k, *rest = ts
+    return _rope([q, *rest], a), _rope([k, *rest], a)
+
+
+def _add_rms_norm(ts, a):
+    x, y, w = ts
+    s = _binary([x, y], a)
+    return s, _norm([s, w], a)
+
+
+def _gated(ts, a):
+    if a.get("act") not in GATED_ACTS:
+        raise ValueError(f"gated needs act in {GATED_ACTS}, got {a.get('act')!r}")
+    return _binary(ts, a)
+
+
+def _concat(ts, a):
+    """x and y joined along the last dim; either may be 1 along another dim (one rope key for every head)."""
+    x, y = ts
+    if len(x.shape) != len(y.shape):
+        raise ValueError(f"rank mismatch {x} vs {y}")
+    if x.dtype != y.dtype:
+        raise ValueError(f"concat of {x} and {y}")
+    shape = []
+    for i, (p, q) in enumerate(zip(x.shape[:-1], y.shape[:-1], strict=True)):
+        if p != 1 and q != 1:
+            _same_dim(p, q, f"dim {i}")
+        shape.append(q if p == 1 else p)
+    last = x.shape[-1] + y.shape[-1] if isinstance(x.shape[-1], int) and isinstance(y.shape[-1], int) else None
+    if last is None:
+        raise ValueError("concat needs known last dims")
+    return TensorType((*shape, last), x.dtype)
+
+
+def _slice(ts, a):
+    x = ts[0]
+    start, size = a["start"], a["size"]
+    last = x.shape[-1]
+    if start < 0 or size <= 0 or (isinstance(last, int) and start + size > last):
+        raise ValueError(f"slice [{start}:{start + size}] of a last dim of {last}")
+    return TensorType(x.shape[:-1] + (size,), x.dtype)
+
+
 def _unary(ts, a):
     _float(ts[0], "x")
     return ts[0]
@@ -155,6 +208,53 @@ def _binary(ts, a):
     for i, (p, q) in enumerate(zip(x.shape, y.shape, strict=True)):
         _same_dim(p, q, f"dim {i}")
     return x
+
+
+def _broadcast(ts, a):
+    """Same shapes, or y 1 along a dim x has (a per-token gate [T, 1] on [T, H])."""
+    x, y = ts
+    if len(x.shape) != len(y.shape):
+        raise ValueError(f"rank mismatch {x} vs {y}")
+    for i, (p, q) in enumerate(zip(x.shape, y.shape, strict=True)):
+        if q != 1:
+            _same_dim(p, q, f"dim {i}")
+    return x
+
+
+def _moe_route(ts, a):
+    logits, bias = (ts + [None])[:2]
+    _float(logits, "router logits")
+    if len(logits.shape) != 2:
+        raise ValueError("router logits must be [T, experts]")
+    experts, k = logits.shape[1], a.get("top_k")
+    if not isinstance(k, int) or k < 1 or (isinstance(experts, int) and k > experts):
+        raise ValueError(f"top_k {k!r} must be 1..{experts}")
+    if a.get("scoring", "softmax") not in ("softmax", "sigmoid"):
+        raise ValueError(f"router scoring {a.get('scoring')!r}: softmax or sigmoid")
+    if bias is not None:
+        _same_dim(bias.shape[0], experts, "router correction bias")
+    groups, keep = a.get("n_group", 1), a.get("topk_group", 1)
+    if groups > 1 and (not isinstance(experts, int) or experts % groups or not 1 <= keep <= groups
+                       or a.get("group_score", "max") not in ("max", "top2_sum")):
+        raise ValueError(f"{experts} experts in {groups} groups, {keep} kept, scored by {a.get('group_score')!r}")
+    return TensorType((logits.shape[0], k), "f32"), TensorType((logits.shape[0], k), "i32")
+
+
+def _moe_experts(ts, a):
+    x, weights, ids, gate, up, down = ts
+    _float(x, "x")
+    _int(ids, "expert ids")
+    if any(len(w.shape) != 3 for w in (gate, up, down)):
+        raise ValueError("expert weights must be stacks [experts, out, in]")
+    _same_dim(weights.shape[1], ids.shape[1], "top_k")
+    _same_dim(gate.shape[2], x.shape[-1], "expert in-features")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {gate} and up {up} stacks differ")
+    _same_dim(down.shape[2], gate.shape[1], "expert inner size")
+    _same_dim(down.shape[0], gate.shape[0], "experts")
+    if a.get("act") not in GATED_ACTS:
+        raise ValueError(f"moe_experts needs act in {GATED_ACTS}, got {a.get('act')!r}")
+    return TensorType(x.shape[:-1] + (down.shape[1],), x.dtype)
 
 
 def _reshape(ts, a):
@@ -175,8 +275,12 @@ def _gather_rows(ts, a):
     return TensorType(idx.shape + x.shape[1:], x.dtype)
 
 
-def _op(name: str, operands: Sequence[str], infer: Infer, doc: str, weights: tuple[int, ...] = ()) -> OpDef:
-    return OpDef(name, tuple(operands), infer, doc, weights)
+GATED_ACTS = ("silu", "gelu", "gelu_tanh")
+
+
+def _op(name: str, operands: Sequence[str], infer: Infer, doc: str, weights: tuple[int, ...] = (),
+        **flags: bool) -> OpDef:
+    return OpDef(name, tuple(operands), infer, doc, weights, **flags)
 
 
 OPS: dict[str, OpDef] = {o.name: o for o in [
@@ -188,14 +292,32 @@ OPS: dict[str, OpDef] = {o.name: o for o in [
     _op("rope", ["x", "positions", "context_lens?", "query_start?"], _rope,
         "rotary embedding on the first rotary_dim of each head; longrope's table per token by its sequence's length"),
     _op("attention", ["q", "k", "v", "slot_mapping", "block_tables", "context_lens", "query_start"],
-        _attention, "write k, v into the paged cache of `layer`, then causal attention over it"),
+        _attention, "write k, v into the paged cache of `layer`, then causal attention over it", kv_cache=True),
     _op("silu", ["x"], _unary, "x * sigmoid(x)"),
+    _op("sigmoid", ["x"], _unary, "1 / (1 + exp(-x))"),
     _op("gelu", ["x"], _unary, "exact (erf) gelu"),
     _op("gelu_tanh", ["x"], _unary, "tanh-approximated gelu"),
     _op("softcap", ["x"], _unary, "cap * tanh(x / cap)"),
     _op("scale", ["x"], _unary, "x * factor"),
     _op("add", ["x", "y"], _binary, "x + y"),
-    _op("mul", ["x", "y"], _binary, "x * y"),
+    _op("mul", ["x", "y"], _broadcast, "x * y; y may be 1 along a dim of x (a per-token gate)"),
     _op("reshape", ["x"], _reshape, "same elements, new shape (symbols must be kept)"),
     _op("gather_rows", ["x", "indices"], _gather_rows, "x[indices] along the first dim"),
+    _op("slice", ["x"], _slice, "x[..., start:start + size] (a fused linear's part; MLA's rope and nope parts)"),
+    _op("concat", ["x", "y"], _concat, "x and y along the last dim, a size-1 dim of either broadcast"),
+    _op("moe_route", ["logits", "bias?"], _moe_route,
+        "(weights f32 [T, k], expert ids i32 [T, k]): each token's top_k experts by softmax (or sigmoid) score, "
+        "bias added for the choice only, within the best topk_group of n_group groups; weights renormalized "
+        "(norm_topk_prob), times routed_scaling"),
+    _op("moe_experts", ["x", "weights", "ids", "w_gate", "w_up", "w_down"], _moe_experts,
+        "sum over k of weights[t, k] * down[e](act(gate[e] x) * up[e] x), e = ids[t, k]; stacks [E, out, in]",
+        weights=(3, 4, 5)),
+    # Fused ops: ir.fusion rewrites plainer ops into these, and each means exactly what those ops computed.
+    _op("gated", ["gate", "up"], _gated, "act(gate) * up", fused=True),
+    _op("add_rms_norm", ["x", "y", "w"], _add_rms_norm, "(x + y, rms_norm(x + y, w)): two results", fused=True),
+    _op("rope_pair", ["q", "k", "positions", "context_lens?", "query_start?"], _rope_pair,
+        "(rope(q), rope(k)) with one spec: two results", fused=True),
+    _op("rope_attention", ["q", "k", "v", "positions", "slot_mapping", "block_tables", "context_lens", "query_start"],
+        _rope_attention, "attention(rope(q), rope(k), v, ...): k is rotated on its way into the cache",
+        kv_cache=True, fused=True),
 ]}

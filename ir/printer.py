@@ -19,7 +19,9 @@ def format_node(node: Node) -> str:
     args = ", ".join(i.ref() if i is not None else "_" for i in node.inputs)
     attrs = " ".join(f"{k}={_attr(v)}" for k, v in node.attrs.items())
     attrs = f" {{{attrs}}}" if attrs else ""
-    return f"  %{node.out.id} = {node.op}({args}){attrs} : {node.out.type}"
+    outs = ", ".join(f"%{v.id}" for v in node.outs)
+    types = ", ".join(str(v.type) for v in node.outs)
+    return f"  {outs} = {node.op}({args}){attrs} : {types}"
 
 
 def format_graph(graph: Graph) -> str:

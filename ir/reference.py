@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from core.batch import Batch, make_batch
+from ir.fusion import FusedWeights, fuse
 from ir.interpreter import Interpreter, KVCache
 from ir.kv_groups import kv_layout
 from ir.loader import LoadedModel
@@ -16,11 +17,13 @@ class ReferenceRunner:
     """Runs one or more sequences through the interpreter with a simple contiguous block layout (in every KV group's
     pool: nothing is let go)."""
 
-    def __init__(self, model: LoadedModel, max_tokens: int = 512, block_size: int = 16):
+    def __init__(self, model: LoadedModel, max_tokens: int = 512, block_size: int = 16, fused: bool = False):
+        """`fused`: run ir.fusion's graph, as the backends do (the plain graph is the reference)."""
         self.model = model
         self.block_size = block_size
         self.blocks_per_seq = -(-max_tokens // block_size)
-        self.interp = Interpreter(model.graph, model.weights)
+        graph = fuse(model.graph) if fused else model.graph
+        self.interp = Interpreter(graph, FusedWeights(graph, model.weights) if fused else model.weights)
         self.num_groups = kv_layout(model.graph).num_groups
 
     def _cache(self, n_seqs: int) -> KVCache:

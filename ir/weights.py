@@ -57,10 +57,42 @@ class StoredTensor:
             rows.reshape(1, -1)
         return StoredTensor(data, self.kind, (stop - start, *self.shape[1:]), self.source)
 
+    def rows_of_each(self, start: int, count: int) -> StoredTensor:
+        """Rows start:start+count of every matrix of a stack [n, rows, cols] (a fused gate_up stack's halves)."""
+        n, rows = self.shape[0], self.shape[1]
+        data = self.data.reshape(n, rows, -1)[:, start:start + count]
+        out = np.ascontiguousarray(data).reshape((n * count, -1) if self.quantized else (n, count, *self.shape[2:]))
+        return StoredTensor(out, self.kind, (n, count, *self.shape[2:]), self.source)
+
+    def reshaped(self, shape: tuple[int, ...]) -> StoredTensor:
+        """The same values under another logical shape with the same last dimension (blocks stay whole)."""
+        if np.prod(shape) != np.prod(self.shape) or shape[-1] != self.shape[-1]:
+            raise ValueError(f"cannot view {self.shape} as {shape}")
+        # Typed values take the shape; raw bytes (blocks, or a GGUF vector's one row) decode by the logical shape.
+        data = self.data.reshape(shape) if self.data.size == np.prod(shape) else self.data
+        return StoredTensor(data, self.kind, tuple(shape), self.source)
+
     def dense_map(self, fn) -> StoredTensor:
         """fn(values as f32) as an F32 tensor: a per-source fix-up of small dense tensors (gemma's 1 + w norms)."""
         out = np.ascontiguousarray(fn(self.values().astype(np.float32)), dtype=np.float32)
         return StoredTensor(out, "F32", self.shape, self.source)
+
+
+def stack(parts: list[StoredTensor]) -> StoredTensor:
+    """Tensors of one shape as a stack [n, ...] (an MoE layer's experts): quantized blocks row after row, as a
+    GGUF expert stack lies; parts of different formats meet as F32."""
+    first = parts[0]
+    if any(p.shape != first.shape for p in parts):
+        raise ValueError(f"cannot stack shapes {sorted({p.shape for p in parts})}")
+    shape = (len(parts), *first.shape)
+    if any(p.kind != first.kind for p in parts):
+        return StoredTensor(np.stack([p.values().astype(np.float32).reshape(p.shape) for p in parts]), "F32", shape,
+                            first.source)
+    if first.quantized:
+        data = np.concatenate([p.data.reshape(-1, p.data.shape[-1]) for p in parts])
+    else:
+        data = np.stack([p.data.reshape(p.shape) for p in parts])
+    return StoredTensor(data, first.kind, shape, first.source)
 
 
 class WeightSource(Collection[str]):

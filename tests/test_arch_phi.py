@@ -255,12 +255,15 @@ def test_cuda_matches_reference(case, device, saved):
     _check(backend, loaded, [prompt(1), prompt(2, 15)], 3)
 
 
-def test_cuda_plan_on_the_parallel_block(saved):
-    """phi-2's q, k, v and fc1 read the same LayerNorm: one GEMM with four parts and their biases; the partial
-    rope still fuses with the KV write; no add + rms_norm (LayerNorms)."""
-    from backends.cuda.plan import Plan
+def test_fusion_on_the_parallel_block(saved):
+    """phi-2's q, k, v and fc1 read the same LayerNorm: one linear with four parts and their biases; the partial
+    rope still goes into the attention; no add + rms_norm (LayerNorms), no gated activation."""
+    from collections import Counter
 
-    plan = Plan.build(saved("phi2")[2].graph)
-    assert sorted(g.name for g in plan.linear_groups) == ["layers.0.wq+wk+wv+w_up", "layers.1.wq+wk+wv+w_up"]
-    assert all(len(g.biases) == 4 for g in plan.linear_groups)
-    assert len(plan.rope_kv) == 2 and not plan.add_norm and not plan.gated
+    from ir.fusion import fuse
+
+    g = fuse(saved("phi2")[2].graph)
+    fused = {n: len(p.parts) for n, p in g.params.items() if p.parts}
+    assert fused == {f"layers.{i}.{w}": 4 for i in range(2) for w in ("wq+wk+wv+w_up", "bq+bk+bv+b_up")}
+    ops = Counter(n.op for n in g.nodes)
+    assert ops["rope_attention"] == 2 and not ops["add_rms_norm"] and not ops["gated"]

@@ -20,6 +20,7 @@ general oracle is the HF model the file was written from, its weights rounded as
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -203,22 +204,25 @@ def test_configs_that_leave_defaults_unsaid():
     assert (glm.rope.rotary_dim, glm.rope.theta, glm.qkv_bias, glm.o_bias) == (8, 5e5, True, False)
 
 
-@needs_triton
-def test_cuda_plan_fuses_these_layouts(loaded):
-    """Fusions are read off the graph: the parallel residual's five projections of one LayerNorm are one GEMM; glm4's
-    post norms are plain norms, its residual adds still fuse with the next pre-norm; every layer's q/k rope goes
-    into the KV write (after the per-head LayerNorms, in stablelm's case)."""
-    from backends.cuda.plan import Plan
+def test_fusion_pass_on_these_layouts(loaded):
+    """Fusions are read off the graph: the parallel residual's five projections of one LayerNorm are one linear;
+    glm4's post norms are plain norms, its residual adds still fuse with the next pre-norm; every layer's q/k rope goes
+    into the attention (after the per-head LayerNorms, in stablelm's case)."""
+    from ir.fusion import fuse
 
-    a = Plan.build(loaded("stablelm_qk_norm_parallel").graph)
-    assert sorted(g.name for g in a.linear_groups) == [f"layers.{i}.wq+wk+wv+w_gate+w_up" for i in range(2)]
-    assert len(a.gated) == 2 and len(a.rope_kv) == 2 and not a.add_norm
-    g4 = Plan.build(loaded("glm4").graph)
-    assert sorted(g.name for g in g4.linear_groups) == [f"layers.{i}.{w}" for i in range(2)
-                                                        for w in ("w_gate+w_up", "wq+wk+wv")]
-    assert len(g4.rope_kv) == 2 and len(g4.gated) == 2
+    def fused(graph):
+        g = fuse(graph)
+        matrices = sorted(p.name for p in g.params.values() if p.parts and len(p.shape) == 2)
+        return g, matrices, Counter(n.op for n in g.nodes)
+
+    _, names, ops = fused(loaded("stablelm_qk_norm_parallel").graph)
+    assert names == [f"layers.{i}.wq+wk+wv+w_gate+w_up" for i in range(2)]
+    assert ops["gated"] == 2 and ops["rope_attention"] == 2 and not ops["attention"] and not ops["add_rms_norm"]
+    g4, names, ops = fused(loaded("glm4").graph)
+    assert names == [f"layers.{i}.{w}" for i in range(2) for w in ("w_gate+w_up", "wq+wk+wv")]
+    assert ops["rope_attention"] == 2 and ops["gated"] == 2
     # Norms after an add: layer 0's ffn_norm, layer 1's attn_norm and ffn_norm, the final norm.
-    assert sorted(n.inputs[1].name for n in g4.add_norm.values()) == [
+    assert sorted(n.inputs[2].name for n in g4.nodes if n.op == "add_rms_norm") == [
         "final_norm", "layers.0.ffn_norm", "layers.1.attn_norm", "layers.1.ffn_norm"]
 
 
@@ -357,7 +361,7 @@ def test_gguf_config(gguf_files):
 
 @pytest.mark.parametrize("kind", [MLX, pytest.param("cuda", marks=[needs_triton, needs_cuda])])
 def test_gguf_glm4_on_backends(kind, gguf_files):
-    """Q8_0 halves of the fused gate_up, re-fused by the CUDA plan (blocks concatenated) or kept as MLX groups. Not
+    """Q8_0 halves of the fused gate_up, fused again by the fusion pass (blocks or MLX groups concatenated). Not
     on CPU tensors: Triton's interpreter takes minutes over the quantized kernels (test_cuda_backend's Q8_0 tests
     cover those there)."""
     model = load_model(gguf_files("glm4")[0], progress=False)

@@ -108,32 +108,25 @@ def test_gguf_batch_through_the_gemm(device, files, monkeypatch):  # noqa: F811
     assert set(calls) == {10, 29} and runner.GEMV_MAX_ROWS < 10 <= runner.GEMM_MAX_ROWS
 
 
-def test_plan_fuses_projections_and_norms(saved):  # noqa: F811
-    from backends.cuda.plan import Plan
-
-    model = load_model(saved("qwen2")[1], progress=False)
-    plan = Plan.build(model.graph)
-    names = sorted(g.name for g in plan.linear_groups)
-    assert names == ["layers.0.w_gate+w_up", "layers.0.wq+wk+wv", "layers.1.w_gate+w_up", "layers.1.wq+wk+wv"]
-    assert all(len(g.biases) == 3 for g in plan.linear_groups if "wq" in g.name)  # qwen2's qkv biases
-    assert len(plan.gated) == 2 and len(plan.rope_pair) == 2
-    assert len(plan.rope_kv) == 2  # each layer: rope q & k, then write the cache in one kernel
-    assert len(plan.add_norm) == 4  # ffn norms, layer 1's attention norm and the final norm follow an add
-
-
 @pytest.mark.parametrize("case", ["llama3_rope", "qwen3"])
-def test_rope_and_kv_write_unfused_match_fused(case, saved):  # noqa: F811
-    """The runner may decline the fused rope + KV write (bench_gpu's ablation): both paths give the same logits."""
+def test_fusions_off_match_fused(case, saved):  # noqa: F811
+    """The fused kernels and the plain ones give the same logits: no fusion at all, and rope and the KV write as
+    separate kernels (bench_gpu's ablation, switched after loading)."""
+    from ir.fusion import Fusions
+
     model = load_model(saved(case)[1], progress=False)
     prompts = [prompt(1), prompt(2, 9)]
     ref = ReferenceRunner(model, max_tokens=256, block_size=4)
-    runs = []
-    for fused in (True, False):
-        backend = make_backend(model, "cpu")
-        backend.runner.fuse_rope_kv = fused
-        runs.append(backend_greedy(backend, ref, prompts, 3, 4))
-    assert runs[0][0] == runs[1][0]
-    np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=1e-5, atol=1e-5)
+    fused = make_backend(model, "cpu")
+    runs = [backend_greedy(fused, ref, prompts, 3, 4),
+            backend_greedy(make_backend(model, "cpu", fusions=Fusions.none()), ref, prompts, 3, 4)]
+    assert {n.op for n in fused.graph.nodes} >= {"rope_attention", "gated", "add_rms_norm", "slice"}
+    fused.set_fusions(Fusions(rope_attention=False))
+    assert {n.op for n in fused.graph.nodes} >= {"rope_pair", "attention"}
+    runs.append(backend_greedy(fused, ref, prompts, 3, 4))
+    for tokens, first in runs[1:]:
+        assert tokens == runs[0][0]
+        np.testing.assert_allclose(first, runs[0][1], rtol=1e-5, atol=1e-5)
 
 
 def test_engine_end_to_end_with_seeded_sampling(saved):  # noqa: F811

@@ -154,18 +154,22 @@ def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, bac
     return LLMEngine(backend, config)
 
 
-ABLATIONS = {  # name -> (runner attribute changes, engine overlap): each switches one thing off
-    "no async scheduling": ({}, False),
-    "no PDL": ({"pdl": False}, True),
-    "no fused rope+KV write": ({"fuse_rope_kv": False}, True),
-    "no small decode partitions": ({"decode_partitions": ()}, True),
+ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): each switches one thing off
+    "no async scheduling": ({}, None, False),
+    "no PDL": ({"pdl": False}, None, True),
+    "no fused rope+KV write": ({}, {"rope_attention": False}, True),
+    "no small decode partitions": ({"decode_partitions": ()}, None, True),
 }
 
 
 def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int) -> dict[str, dict[int, float]]:
     """Decode tok/s with one optimisation off at a time, on the same backend (graphs captured again each time)."""
+    from ir.fusion import Fusions
+
     backend, out = engine.backend, {}
-    for name, (attrs, overlap) in ABLATIONS.items():
+    for name, (attrs, fusions, overlap) in ABLATIONS.items():
+        if fusions:
+            backend.set_fusions(Fusions(**fusions))
         saved = {k: getattr(backend.runner, k) for k in attrs}
         for k, v in attrs.items():
             setattr(backend.runner, k, v)
@@ -174,6 +178,8 @@ def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int) -> 
         say(f"  {name}: " + ", ".join(f"batch {b} {v:,.0f} tok/s" for b, v in out[name].items()))
         for k, v in saved.items():
             setattr(backend.runner, k, v)
+        if fusions:
+            backend.set_fusions(Fusions())
         del eng
         gc.collect()
     return out

@@ -1,12 +1,13 @@
 """Our IR against transformers on a tiny random model of any architecture: builds the model with transformers from
 a `model_type`, a config.json (or its folder) or a hub id in the local cache, shrunk to a few layers of width 64,
 saves it with save_pretrained, loads it through ir.loader and compares, for each prompt, the prompt's logits and
-greedy tokens on every engine asked for (the numpy interpreter, the MLX backend, the CUDA backend on CPU tensors or
-a GPU). Prints a table of logit error and token agreement per prompt; exits 1 if any row fails.
+greedy tokens on every engine asked for (the numpy interpreter on the plain graph and on ir.fusion's, the MLX
+backend, the CUDA backend on CPU tensors or a GPU). Prints a table of logit error and token agreement per prompt;
+exits 1 if any row fails.
 
     python -m tools.check_arch llama
     python -m tools.check_arch path/to/config.json --engines interp,mlx,cuda --new 16
-    python -m tools.check_arch --all             (every model_type the registry knows, interpreter only)
+    python -m tools.check_arch --all             (every model_type the registry knows, interpreters only)
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
             pad_token_id=None)
 WINDOW = 8
+# Experts at TINY's width: enough of them, top_k of them, that routing chooses; the expert counts keep their key.
+TINY_MOE = dict(num_local_experts=8, num_experts=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, n_group=4, topk_group=2, first_k_dense_replace=1)
+# Latent attention (DeepSeek's MLA) at that width: every head its own key (MLA has no KV groups), rope on 8 dims.
+TINY_MLA = dict(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 PROMPT_LENS = (5, 19, 33)
 RTOL = 1e-4  # of max |logit|: fp32 on both sides
 
@@ -64,6 +70,15 @@ def shrink(cfg, layers: int):
     for key, value in TINY.items():
         if hasattr(cfg, key) or key in ("num_key_value_heads", "head_dim"):
             setattr(cfg, key, value)
+    for key, value in (TINY_MOE | TINY_MLA).items():
+        if getattr(cfg, key, None):
+            setattr(cfg, key, value)
+    if any(getattr(cfg, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        cfg.num_experts_per_tok = TINY_MOE["num_experts_per_tok"]  # DeepSeek-V2's default is None
+    if getattr(cfg, "kv_lora_rank", None):
+        cfg.num_key_value_heads = cfg.num_attention_heads
+        cfg.head_dim = cfg.qk_rope_head_dim  # what transformers sizes the rope by
+        cfg.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     cfg.num_hidden_layers = layers
     types = getattr(cfg, "layer_types", None)
     if types:
@@ -83,7 +98,9 @@ def run_engine(engine: str, loaded, prompts: list[list[int]], new: int):
     from tools.tiny_hf import backend_greedy
 
     ref = ReferenceRunner(loaded, max_tokens=max(map(len, prompts)) + new + 8, block_size=4)
-    if engine == "interp":
+    if engine in ("interp", "fused"):  # the plain graph, or ir.fusion's (the one the backends run)
+        if engine == "fused":
+            ref = ReferenceRunner(loaded, max_tokens=ref.blocks_per_seq * 4, block_size=4, fused=True)
         tokens, first = ref.greedy(prompts, new)
         return first, tokens
     if engine == "mlx":
@@ -98,7 +115,7 @@ def run_engine(engine: str, loaded, prompts: list[list[int]], new: int):
         backend = CUDABackend(loaded, device="cuda" if torch.cuda.is_available() else "cpu", dtype="f32",
                               progress=False)
     else:
-        raise ValueError(f"unknown engine {engine!r} (interp, mlx, cuda)")
+        raise ValueError(f"unknown engine {engine!r} (interp, fused, mlx, cuda)")
     tokens, first = backend_greedy(backend, ref, prompts, new, 4)
     return first, tokens
 
@@ -162,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("spec", nargs="?", help="a model_type, a config.json (or its folder) or a cached hub id")
     ap.add_argument("--all", action="store_true", help="every model_type the registry knows")
-    ap.add_argument("--engines", default="interp", help="of interp, mlx, cuda (comma-separated)")
+    ap.add_argument("--engines", default="interp,fused",
+                    help="of interp, fused (the interpreter on ir.fusion's graph), mlx, cuda (comma-separated)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--new", type=int, default=8, help="greedy tokens compared per prompt")
     ap.add_argument("--seed", type=int, default=0)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.cuda.plan import Plan
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
@@ -82,8 +81,13 @@ def _act(op: str, x):
 
 
 class Runner:
-    def __init__(self, graph: Graph, plan: Plan, params: dict[str, Param], dtype, device: torch.device):
-        self.graph, self.plan, self.params, self.dtype, self.device = graph, plan, params, dtype, device
+    def __init__(self, graph: Graph, params: dict[str, Param], dtype, device: torch.device):
+        """`graph` is ir.fusion's output: its fused ops are this runner's fused kernels."""
+        self.graph, self.params, self.dtype, self.device = graph, params, dtype, device
+        uses = graph.uses()
+        outputs = {v.id for v in graph.outputs.values()}
+        # values one node reads and nothing else: a rope may rotate them in place
+        self._sole = {vid for vid, readers in uses.items() if len(readers) == 1 and vid not in outputs}
         self.target = kernel_target(device)
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -91,9 +95,8 @@ class Runner:
         self._step_rows: dict[RopeSpec, torch.Tensor] = {}  # this step's rope_rows
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
-        self.fuse_rope_kv = True  # plan.rope_kv: rope and the KV write as one kernel
         self.decode_partitions = DECODE_PARTITIONS  # () : LONG_PARTITION at every batch size
-        self.kv_heads = max((n.inputs[1].shape[1] for n in graph.nodes if n.op == "attention"), default=1)
+        self.kv_heads = max((n.inputs[1].shape[1] for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -105,10 +108,7 @@ class Runner:
         pos = np.arange(max_positions)
         self._rope = {}
         self._rope_rows = max_positions
-        for node in self.graph.nodes:
-            spec = node.attrs.get("spec")
-            if node.op != "rope" or spec in self._rope:
-                continue
+        for spec in self.graph.rope_specs():
             if long_after(spec) is None:
                 cos, sin = cos_sin(spec, pos)
             else:
@@ -139,7 +139,7 @@ class Runner:
     # -- the graph ----------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, logits_indices: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """fp32 logits [len(logits_indices), vocab]."""
-        plan, env = self.plan, {}
+        env = {}
         for name, v in self.graph.inputs.items():
             env[v.id] = {"token_ids": token_ids, "logits_indices": logits_indices, "positions": meta.positions}.get(
                 name)
@@ -149,67 +149,57 @@ class Runner:
                 return None
             return self.params[v.name] if v.kind == "param" else env[v.id]
 
-        fused_rope = plan.rope_kv_ropes if self.fuse_rope_kv else ()
         self._step_rows = {}
         for node in self.graph.nodes:
-            oid = node.out.id
-            if oid in env or oid in plan.folded or oid in fused_rope:
-                continue
-            if oid in plan.group_of:
-                self._group(plan.group_of[oid][0], env, get)
-            elif oid in plan.gated:
-                act, gate = plan.gated[oid]
-                env[oid] = activations.gated_act(env[gate], get(node.inputs[1]), act, target=self.target,
-                                                 pdl=self.pdl)
-            elif oid in plan.add_norm:
-                norm = plan.add_norm[oid]
-                x, r = get(node.inputs[0]), get(node.inputs[1])
-                env[oid], env[norm.out.id] = rms_norm.add_rms_norm(
-                    x, r, self.params[norm.inputs[1].name], norm.attrs["eps"],
-                    offset=norm.attrs.get("offset", 0.0) == 1.0, target=self.target, pdl=self.pdl)
-            elif node.op == "rope":
-                self._rope_op(node, env, get, meta)
-            elif node.op == "attention":
-                env[oid] = self._attention(node, get, meta)
+            op, args = node.op, [get(i) for i in node.inputs]
+            if op in ("attention", "rope_attention"):
+                out = self._attention(node, args, meta)
+            elif op in ("rope", "rope_pair"):
+                out = self._rope_op(node, args, meta)
+            elif op == "add_rms_norm":
+                out = self._add_rms_norm(node, args)
+            elif op == "gated":
+                out = activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
+            elif op == "slice":
+                out = args[0][..., node.attrs["start"]:node.attrs["start"] + node.attrs["size"]]
             else:
-                env[oid] = self._eval(node, [get(i) for i in node.inputs])
+                out = self._eval(node, args)
+            for v, t in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
+                env[v.id] = t
         return env[self.graph.outputs["logits"].id].float()
 
-    def _group(self, group, env, get) -> None:
-        x = get(group.nodes[0].inputs[0])
-        y = self.linear(x, self.params[group.name], self.params.get(group.name + ".bias"))
-        start = 0
-        for node, size in zip(group.nodes, group.sizes, strict=True):
-            env[node.out.id] = y[..., start:start + size]
-            start += size
+    def _own(self, value: Value, t: torch.Tensor) -> torch.Tensor:
+        """`t` itself where this node is its only reader (a kernel may write it in place), else a copy."""
+        return t if value.id in self._sole else t.clone()
 
-    def _rope_op(self, node: Node, env, get, meta: StepMeta) -> None:
+    def _rope_op(self, node: Node, args, meta: StepMeta):
         spec = node.attrs["spec"]
         cos, sin = self._rope[spec]
-        pair = self.plan.rope_pair.get(node.out.id)
-        xs = [node] + ([pair] if pair is not None and pair.inputs[0].id in env else [])
-        ts = []
-        for n in xs:
-            x = get(n.inputs[0])
-            ts.append(x if self.plan.in_place_ok(n.inputs[0].id) else x.clone())
-        rope.rope(ts[0], ts[1] if len(ts) > 1 else None, self.rope_rows(spec, meta), cos, sin,
+        pair = node.op == "rope_pair"
+        ts = [self._own(v, t) for v, t in zip(node.inputs[:1 + pair], args[:1 + pair], strict=True)]
+        rope.rope(ts[0], ts[1] if pair else None, self.rope_rows(spec, meta), cos, sin,
                   interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
-        for n, t in zip(xs, ts, strict=True):
-            env[n.out.id] = t
+        return tuple(ts) if pair else ts[0]
 
-    def _attention(self, node: Node, get, meta: StepMeta):
+    def _add_rms_norm(self, node: Node, args):
+        x, r, w = args
+        offset = node.attrs["offset"]
+        if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
+            s = x + r
+            return s, _rms_norm_torch(s, w, node.attrs["eps"], offset)
+        return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
+                                     pdl=self.pdl)
+
+    def _attention(self, node: Node, args, meta: StepMeta):
         a = node.attrs
         kc, vc = self.kv[a["layer"]]
         slots, tables = meta.kv_group(self.group_of[a["layer"]])
-        fused = self.plan.rope_kv.get(node.out.id) if self.fuse_rope_kv else None
-        if fused is None:
-            q, k, v = (get(i) for i in node.inputs[:3])
+        q, k, v = args[:3]
+        if node.op == "attention":
             kv_write.kv_write(k, v, kc, vc, slots, target=self.target, pdl=self.pdl)
-        else:
-            rq, rk = fused
-            q, k, v = get(rq.inputs[0]), get(rk.inputs[0]), get(node.inputs[2])
-            q = q if self.plan.in_place_ok(rq.inputs[0].id) else q.clone()
-            spec = rq.attrs["spec"]
+        else:  # rope_attention: q rotated in place, k rotated on its way into the cache, one kernel
+            q = self._own(node.inputs[0], q)
+            spec = a["spec"]
             cos, sin = self._rope[spec]
             rope_kv_write.rope_kv_write(q, k, v, kc, vc, slots, self.rope_rows(spec, meta), cos, sin,
                                         interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
@@ -260,6 +250,28 @@ class Runner:
                 y[:, r0:r0 + len(rows)] = x2 @ wd.T
         return y.reshape(*x.shape[:-1], n)
 
+    def _moe_experts(self, x, weights, ids, w_gate, w_up, w_down, *, act: str):
+        """Tokens grouped by expert, each expert's rows through its matrices (dense, or its rows of a quantized
+        stack through the quantized kernels). The grouping reads the counts back to the host, so a step with experts
+        cannot be captured: CUDABackend runs such graphs eagerly until the DSL's fused MoE kernel takes this."""
+        t, k = ids.shape
+        flat = ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=w_gate.shape[0]).tolist()
+        out = torch.zeros((t, w_down.shape[1]), dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            slots = order[start:start + n]
+            start += n
+            tok = slots // k
+            xe = x.index_select(0, tok)
+            h = _act(act, self.linear(xe, _expert(w_gate, e))) * self.linear(xe, _expert(w_up, e))
+            y = self.linear(h, _expert(w_down, e)) * weights.reshape(-1)[slots, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+        return out
+
     def _row_ids(self, r0: int, r1: int) -> torch.Tensor:
         if (r0, r1) not in self._rows:
             self._rows[(r0, r1)] = torch.arange(r0, r1, dtype=torch.int32, device=self.device)
@@ -289,6 +301,16 @@ class Runner:
             return _layer_norm(args[0], args[1], args[2] if len(args) > 2 else None, a["eps"])
         if op in ("silu", "gelu", "gelu_tanh"):
             return _act(op, args[0])
+        if op == "sigmoid":
+            return torch.sigmoid(args[0])
+        if op == "concat":
+            x, y = args
+            lead = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
+            return torch.cat([x.expand(*lead, x.shape[-1]), y.expand(*lead, y.shape[-1])], dim=-1)
+        if op == "moe_route":
+            return _moe_route(*args, **a)
+        if op == "moe_experts":
+            return self._moe_experts(*args, **a)
         if op == "softcap":
             return a["cap"] * torch.tanh(args[0] / a["cap"])
         if op == "scale":
@@ -303,6 +325,31 @@ class Runner:
         if op == "gather_rows":
             return args[0].index_select(0, args[1])
         raise NotImplementedError(f"the CUDA backend has no lowering for IR op {op!r}")
+
+
+def _expert(stack: Param, e: int) -> Param:
+    """Expert e's matrix of a stack [E, out, in]: a view (dense), or its rows of blocks (quantized)."""
+    if isinstance(stack, QuantWeight):
+        _, rows, cols = stack.shape
+        return QuantWeight(stack.data[e * rows:(e + 1) * rows], stack.qtype, (rows, cols))
+    return stack[e]
+
+
+def _moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
+               routed_scaling: float = 1.0, n_group: int = 1, topk_group: int = 1, group_score: str = "max"):
+    x = logits.float()
+    scores = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:  # only the best topk_group groups' experts may be chosen
+        grouped = choice.view(choice.shape[0], n_group, -1)
+        top = grouped.topk(1 if group_score == "max" else 2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(top).scatter_(1, top.topk(topk_group, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(keep.repeat_interleave(grouped.shape[-1], dim=-1) == 0, float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    w = scores.gather(-1, ids)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * routed_scaling, ids.to(torch.int32)
 
 
 def _layer_norm(x, w, b, eps: float):

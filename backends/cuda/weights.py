@@ -1,7 +1,7 @@
 """IR parameters as torch tensors on the device: dense in the compute dtype, GGUF blocks kept as raw bytes.
 
-Linear layers that read the same input (q/k/v, gate/up) are concatenated into one weight here (see
-`backends.cuda.plan`), so one GEMM or GEMV streams them together.
+A fused parameter (ir.fusion: q/k/v or gate/up as one matrix, so that one GEMM or GEMV streams them together) is
+its parts concatenated here, on the device, in the form the parts already have.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
-from backends.cuda.plan import Plan
 from backends.cuda.runtime import torch
 from ir.graph import Graph
 from ir.weights import StoredTensor
@@ -90,26 +89,14 @@ def _gguf_kernels(t: StoredTensor) -> str | None:
 KEEP = {"gguf": _gguf_kernels}
 
 
-def fuse(params: dict[str, Param], plan: Plan) -> dict[str, Param]:
-    """Adds each fused group's concatenated weight (and bias) under the group's name; drops the parts no other
-    node reads. Groups whose parts differ in format (a Q4_K_M model's Q6_K attn_v) stay unfused."""
-    out = dict(params)
-    for group in list(plan.linear_groups):  # unfuse() edits the list
-        parts = [params[n] for n in group.weights]
-        if isinstance(parts[0], QuantWeight):
-            if any(not isinstance(p, QuantWeight) or p.qtype != parts[0].qtype for p in parts):
-                plan.unfuse(group)
-                continue
-            data = torch.cat([p.data for p in parts], dim=0)
-            out[group.name] = QuantWeight(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
-        elif any(isinstance(p, QuantWeight) for p in parts):
-            plan.unfuse(group)
-            continue
-        else:
-            out[group.name] = torch.cat(parts, dim=0)
-        if group.biases:
-            out[group.name + ".bias"] = torch.cat([params[b] for b in group.biases], dim=0)
-        for n in group.weights + group.biases:
-            if n not in plan.other_uses:
-                out.pop(n, None)
-    return out
+def format_of(p: Param) -> str:
+    """What the fusion pass compares: parts of one format may be concatenated."""
+    return p.qtype if isinstance(p, QuantWeight) else f"dense {p.dtype}"
+
+
+def concat(parts: list[Param]) -> Param:
+    """Parts of one format, concatenated by rows (quantized blocks too: a block never spans two rows)."""
+    if isinstance(parts[0], QuantWeight):
+        data = torch.cat([p.data for p in parts], dim=0)
+        return QuantWeight(data, parts[0].qtype, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+    return torch.cat(parts, dim=0)

@@ -15,6 +15,7 @@ from backends.mlx.lower import GraphRunner, StepContext
 from backends.mlx.metal_ops import KernelOps
 from backends.mlx.runtime import metal_available, mx
 from core.batch import Batch
+from ir.fusion import Fusions, concat_parts, fuse
 from ir.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -24,14 +25,20 @@ class MLXBackend(Backend):
     name = "mlx"
 
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
-                 compile: bool | None = None, kernels: str | None = None, progress: bool = True):
+                 compile: bool | None = None, kernels: str | None = None, progress: bool = True,
+                 fusions: Fusions | None = None):
         self.model = model
         self.metal = metal_available()
         # MLX's CPU quantized_matmul and its half-precision GEMMs are several times slower than fp32
         # through OpenBLAS (docs/BENCHMARKS.md), so the CPU default is dense fp32.
         self.dtype = dtype or ("f16" if self.metal else "f32")
         self.quantized = self.metal if quantized is None else quantized
-        self.params, fallbacks = weights.convert(model.graph, model.weights, self.dtype, self.quantized, progress)
+        params, fallbacks = weights.convert(model.graph, model.weights, self.dtype, self.quantized, progress)
+        # The fusion pass decides what runs fused, by the forms the weights now have.
+        self.graph = fuse(model.graph, {name: weights.format_of(p) for name, p in params.items()}, fusions or Fusions())
+        self.params = concat_parts(self.graph, params, weights.concat)
+        mx.eval([x for v in self.params.values() for x in weights.arrays(v)])
+        del params
         for reason, count in fallbacks.items():
             log.warning("%d tensor(s) kept dense instead of MLX-quantized: %s", count, reason)
         self.fallbacks = dict(fallbacks)
@@ -39,7 +46,7 @@ class MLXBackend(Backend):
         # through the DSL's CPU oracle (slow: for checking the wiring without a Mac).
         kernels = kernels or ("metal" if self.metal else None)
         self.kernels = KernelOps(kernels) if kernels else None
-        self.runner = GraphRunner(model.graph, self.params, weights.DTYPES[self.dtype], self.kernels)
+        self.runner = GraphRunner(self.graph, self.params, weights.DTYPES[self.dtype], self.kernels)
         # On MLX's CPU build the compiled step measured slower at batch 16 and no faster at batch 1
         # (docs/BENCHMARKS.md), so it is the Metal default only. The CPU oracle reads its inputs on
         # the host, which a traced (compiled) step cannot give it.

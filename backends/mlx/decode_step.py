@@ -15,7 +15,7 @@ from backends.mlx.attention import AttentionMeta, _bucket, decode_layout, decode
 from backends.mlx.lower import GraphRunner, StepContext
 from backends.mlx.runtime import mx
 from core.batch import Batch
-from ir.kv_groups import attention_nodes, kv_layout
+from ir.kv_groups import kv_layout
 from ir.rope import RopeSpec, cos_sin
 
 # Contexts shorter than this share one compiled shape: padding keys costs far less than a retrace.
@@ -34,9 +34,8 @@ class CompiledDecode:
     def __init__(self, runner: GraphRunner, dtype):
         self.runner = runner
         self.dtype = dtype
-        nodes = runner.graph.nodes
-        self.specs = sorted({n.attrs["spec"] for n in nodes if n.op == "rope"}, key=str)
-        self.windows = sorted({n.attrs.get("sliding_window") for n in attention_nodes(runner.graph)},
+        self.specs = sorted(runner.graph.rope_specs(), key=str)
+        self.windows = sorted({n.attrs.get("sliding_window") for n in runner.graph.attention_nodes()},
                               key=lambda w: -1 if w is None else w)
         layout = kv_layout(runner.graph)
         self.num_groups, self.group_of = layout.num_groups, layout.group_of

@@ -130,14 +130,16 @@ def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def to_affine(t: StoredTensor) -> AffineWeight | str:
-    """The MLX affine form of a GGUF-quantized matrix, or the reason it must fall back to dense."""
+    """The MLX affine form of a GGUF-quantized matrix (or stack of them: experts [E, out, in], as gather_qmm takes),
+    or the reason it must fall back to dense."""
     if not t.quantized:
         return f"{t.kind}: not quantized"
     if t.kind not in _DECODERS:
         return f"{t.kind}: " + _UNMAPPABLE.get(t.kind, "no exact MLX affine form")
-    if len(t.shape) != 2:
+    if len(t.shape) < 2:
         return f"{t.kind}: shape {t.shape} is not a matrix"
-    rows, cols = t.shape
+    *lead, cols = t.shape
+    rows = int(np.prod(lead))
     if cols % GROUP_SIZE:
         return f"{t.kind}: row length {cols} is not a multiple of {GROUP_SIZE}"
     bits, decode = _DECODERS[t.kind]
@@ -157,5 +159,5 @@ def to_affine(t: StoredTensor) -> AffineWeight | str:
         scales[i : i + step] = sc
         biases[i : i + step] = bi
     per_row = cols // GROUP_SIZE
-    return AffineWeight(wq.reshape(rows, cols * bits // 32), scales.reshape(rows, per_row),
-                        biases.reshape(rows, per_row), GROUP_SIZE, bits)
+    return AffineWeight(wq.reshape(*lead, cols * bits // 32), scales.reshape(*lead, per_row),
+                        biases.reshape(*lead, per_row), GROUP_SIZE, bits)

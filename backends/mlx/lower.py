@@ -42,12 +42,53 @@ def _layer_norm(x, w, b=None, *, eps):
     return y if b is None else y + b
 
 
+def _moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
+               routed_scaling: float = 1.0, n_group: int = 1, topk_group: int = 1, group_score: str = "max"):
+    x = logits.astype(mx.float32)
+    scores = mx.softmax(x, axis=-1) if scoring == "softmax" else mx.sigmoid(x)
+    choice = scores if bias is None else scores + bias
+    if topk_group < n_group:  # only the best topk_group groups' experts may be chosen
+        grouped = choice.reshape(choice.shape[0], n_group, -1)
+        top = mx.sort(grouped, axis=-1)
+        g = top[..., -1] if group_score == "max" else top[..., -2:].sum(-1)
+        drop = mx.argpartition(g, kth=n_group - topk_group - 1, axis=-1)[..., :n_group - topk_group]
+        mask = mx.put_along_axis(mx.zeros(g.shape), drop, mx.array(1.0), axis=-1)
+        choice = mx.where(mx.repeat(mask, grouped.shape[-1], axis=-1) > 0, -mx.inf, choice)
+    ids = mx.argpartition(-choice, kth=top_k - 1, axis=-1)[..., :top_k]  # the top k, in no order: a sum follows
+    w = mx.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return w * routed_scaling, ids.astype(mx.int32)
+
+
+def _bcast(x, y):
+    lead = tuple(max(a, b) for a, b in zip(x.shape[:-1], y.shape[:-1], strict=True))
+    return mx.broadcast_to(x, (*lead, x.shape[-1])), mx.broadcast_to(y, (*lead, y.shape[-1]))
+
+
+def _expert_mm(x, w, ids):
+    """x [T, k, 1, in] (or [T, 1, 1, in]) through each slot's expert of the stack w [E, out, in]: [T, k, 1, out]."""
+    if isinstance(w, QuantLinear):
+        return mx.gather_qmm(x, w.wq, w.scales, w.biases, rhs_indices=ids, transpose=True, group_size=w.group_size,
+                             bits=w.bits)
+    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=ids)
+
+
+def _moe_experts(x, weights, ids, w_gate, w_up, w_down, *, act: str):
+    """mlx-lm's switch-GLU: gather_mm picks each (token, slot)'s expert matrix, no per-expert loop."""
+    xe = x[:, None, None, :]
+    h = OPS[act](_expert_mm(xe, w_gate, ids)) * _expert_mm(xe, w_up, ids)
+    y = _expert_mm(h, w_down, ids)[:, :, 0, :]  # [T, k, hidden]
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=1)
+
+
 OPS = {
     "embedding": _embedding,
     "linear": _linear,
     "rms_norm": _rms_norm,
     "layer_norm": _layer_norm,
     "silu": lambda x: x * mx.sigmoid(x),
+    "sigmoid": mx.sigmoid,
     "gelu": _gelu,
     "gelu_tanh": _gelu_tanh,
     "softcap": lambda x, cap: cap * mx.tanh(x / cap),
@@ -55,6 +96,9 @@ OPS = {
     "add": lambda x, y: x + y,
     "mul": lambda x, y: x * y,
     "gather_rows": lambda x, indices: x[indices],
+    "concat": lambda x, y: mx.concatenate(_bcast(x, y), axis=-1),
+    "moe_route": _moe_route,
+    "moe_experts": _moe_experts,
 }
 
 
@@ -102,21 +146,14 @@ def _rope(x, ctx: StepContext, spec: RopeSpec):
 
 
 class GraphRunner:
-    """Evaluates `graph` on mlx arrays. `kv` holds per-layer [k_cache, v_cache], updated in place."""
+    """Evaluates `graph` (ir.fusion's output) on mlx arrays. `kv` holds per-layer [k_cache, v_cache], updated in
+    place."""
 
     def __init__(self, graph: Graph, params: dict, dtype, kernels=None):
         self.graph = graph
         self.params = params
         self.dtype = dtype
         self.kernels = kernels  # backends.mlx.metal_ops.KernelOps, or None for plain mlx ops
-        # value id -> (activation, its input) for activations whose only use is a mul: a gated kernel
-        uses: dict[int, int] = {}
-        for node in graph.nodes:
-            for v in node.inputs:
-                if v is not None:
-                    uses[v.id] = uses.get(v.id, 0) + 1
-        self.gate_of = {n.out.id: (n.op, n.inputs[0]) for n in graph.nodes
-                        if n.op in ("silu", "gelu", "gelu_tanh") and uses.get(n.out.id) == 1}
 
     def run(self, inputs: dict[str, mx.array], ctx: StepContext, kv: list[list[mx.array]]) -> dict[str, mx.array]:
         # Positions and the attention inputs reach their ops through `ctx`, already prepared.
@@ -128,28 +165,45 @@ class GraphRunner:
             return self.params[v.name] if v.kind == "param" else env[v.id]
 
         for node in self.graph.nodes:
-            if self.kernels is not None and node.op == "mul" and node.inputs[0].id in self.gate_of:
-                act, gate = self.gate_of[node.inputs[0].id]
-                env[node.out.id] = self.kernels.gated(act, env[gate.id], env[node.inputs[1].id])
-                continue
-            env[node.out.id] = self._eval(node, [get(i) for i in node.inputs], ctx, kv)
+            out = self._eval(node, [get(i) for i in node.inputs], ctx, kv)
+            for v, a in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
+                env[v.id] = a
         return {k: env[v.id] for k, v in self.graph.outputs.items()}
 
     def _eval(self, node: Node, args: list, ctx: StepContext, kv):
-        a = node.attrs
-        if node.op == "attention":
+        a, op = node.attrs, node.op
+        if op in ("attention", "rope_attention"):
+            q, k, v = args[:3]
+            if op == "rope_attention":
+                q, k = _rope(q, ctx, a["spec"]), _rope(k, ctx, a["spec"])
             layer = a["layer"]
             out, kv[layer][0], kv[layer][1] = paged_attention(
-                args[0], args[1], args[2], kv[layer][0], kv[layer][1], ctx.attention_meta(layer), scale=a["scale"],
+                q, k, v, kv[layer][0], kv[layer][1], ctx.attention_meta(layer), scale=a["scale"],
                 sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), kernels=self.kernels)
             return out
-        if node.op == "rope":
+        if op == "rope":
             return _rope(args[0], ctx, a["spec"])
-        if node.op == "rms_norm" and self.kernels is not None and a.get("offset", 0.0) in (0.0, 1.0):
-            return self.kernels.rms_norm(args[0], args[1], a["eps"], a.get("offset", 0.0))
+        if op == "rope_pair":
+            return _rope(args[0], ctx, a["spec"]), _rope(args[1], ctx, a["spec"])
+        if op == "slice":
+            return args[0][..., a["start"]:a["start"] + a["size"]]
+        if op == "gated":
+            if self.kernels is not None:
+                return self.kernels.gated(a["act"], args[0], args[1])
+            return OPS[a["act"]](args[0]) * args[1]
+        if op == "add_rms_norm":
+            s = args[0] + args[1]
+            return s, self._rms_norm(s, args[2], a["eps"], a.get("offset", 0.0))
+        if op == "rms_norm":
+            return self._rms_norm(args[0], args[1], a["eps"], a.get("offset", 0.0))
         if node.op == "reshape":
             shape = [-1 if isinstance(d, str) else d for d in a["shape"]]
             return args[0].reshape(shape)
         while args and args[-1] is None:  # absent optional operands (a bias)
             args = args[:-1]
-        return OPS[node.op](*args, **a)
+        return OPS[op](*args, **a)
+
+    def _rms_norm(self, x, w, eps: float, offset: float):
+        if self.kernels is not None and offset in (0.0, 1.0):
+            return self.kernels.rms_norm(x, w, eps, offset)
+        return _rms_norm(x, w, eps, offset)

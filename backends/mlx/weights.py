@@ -66,5 +66,22 @@ def convert(graph: Graph, weights, dtype: str, quantized: bool, progress: bool =
                                            mx.array(aw.biases).astype(mdtype), aw.group_size, aw.bits)
                 continue
         params[name] = dense_array(t, p.shape, mdtype)
-    mx.eval([x for v in params.values() for x in ((v,) if isinstance(v, mx.array) else (v.wq, v.scales, v.biases))])
+    mx.eval([x for v in params.values() for x in arrays(v)])
     return params, fallbacks
+
+
+def arrays(p) -> tuple:
+    return (p,) if isinstance(p, mx.array) else (p.wq, p.scales, p.biases)
+
+
+def format_of(p) -> str:
+    """What the fusion pass compares: parts of one format may be concatenated."""
+    return f"affine {p.bits}-bit, groups of {p.group_size}" if isinstance(p, QuantLinear) else f"dense {p.dtype}"
+
+
+def concat(parts: list):
+    """Parts of one format, concatenated by rows (affine groups never span two rows)."""
+    if isinstance(parts[0], QuantLinear):
+        cat = lambda name: mx.concatenate([getattr(p, name) for p in parts], axis=0)  # noqa: E731
+        return QuantLinear(cat("wq"), cat("scales"), cat("biases"), parts[0].group_size, parts[0].bits)
+    return mx.concatenate(parts, axis=0)

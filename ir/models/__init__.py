@@ -29,6 +29,9 @@ class Architecture:
     load_weights: LoadWeights
     config_cls: type[ModelConfig] = ModelConfig  # from_hf / from_gguf
     defaults: Mapping[str, Any] = field(default_factory=dict)  # config flags implied by the arch
+    # Claims a GGUF file of one of gguf_archs by its metadata (llama.cpp converts Mixtral as "llama" with an expert
+    # count): an architecture that matches wins over one that has no test.
+    gguf_match: Callable[[Mapping[str, Any]], bool] | None = None
 
     def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
         return self.config_cls.from_hf(hf, self.name, self.defaults)
@@ -69,9 +72,10 @@ def for_hf(model_type: str) -> Architecture:
     raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(known)}")
 
 
-def for_gguf(general_arch: str) -> Architecture:
-    for a in registry().values():
-        if general_arch in a.gguf_archs:
+def for_gguf(general_arch: str, meta: Mapping[str, Any] | None = None) -> Architecture:
+    candidates = [a for a in registry().values() if general_arch in a.gguf_archs]
+    for a in sorted(candidates, key=lambda a: a.gguf_match is None):
+        if a.gguf_match is None or (meta is not None and a.gguf_match(meta)):
             return a
     known = sorted(t for a in registry().values() for t in a.gguf_archs)
     raise ValueError(f"unsupported GGUF architecture {general_arch!r}; supported: {', '.join(known)}")

@@ -83,12 +83,15 @@ def attention_block(g: Graph, cfg: ModelConfig, x: Value, i: int, pos: Value,
     return dense(g, o, p, h, hq * d, cfg.o_bias, "row", "wo", "bo")
 
 
-def mlp_block(g: Graph, cfg: ModelConfig, x: Value, i: int) -> Value:
+def mlp_block(g: Graph, cfg: ModelConfig, x: Value, i: int,
+              names: tuple[str, str, str] = ("w_gate", "w_up", "w_down")) -> Value:
+    """act(gate x) * up x, then down; `names` of its three weights (a MoE layer's shared expert has its own)."""
     p, h, f = f"layers.{i}", cfg.hidden_size, cfg.intermediate_size
-    gate = dense(g, x, p, f, h, cfg.mlp_bias, "column", "w_gate", "b_gate")
-    up = dense(g, x, p, f, h, cfg.mlp_bias, "column", "w_up", "b_up")
+    wg, wu, wd = names
+    gate = dense(g, x, p, f, h, cfg.mlp_bias, "column", wg, wg.replace("w_", "b_", 1))
+    up = dense(g, x, p, f, h, cfg.mlp_bias, "column", wu, wu.replace("w_", "b_", 1))
     act = g.op(cfg.hidden_act, gate)
-    return dense(g, g.mul(act, up), p, h, f, cfg.mlp_bias, "row", "w_down", "b_down")
+    return dense(g, g.mul(act, up), p, h, f, cfg.mlp_bias, "row", wd, wd.replace("w_", "b_", 1))
 
 
 def build(cfg: ModelConfig, dtype: str = "f32") -> Graph:
