@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from core.batch import Batch
+from core.kv_layout import KVLayout
+from ir.kv_groups import kv_layout
 from ir.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -49,25 +52,31 @@ class Backend(ABC):
         """The engine's limits, given before the KV cache is sized: a backend may size per-step buffers by them."""
         return None  # the MLX backend sizes everything per step
 
+    def kv_layout(self) -> KVLayout:
+        """Which attention layers share a KV pool (core.kv_layout), from the graph (read once)."""
+        if getattr(self, "_kv_layout", None) is None:
+            self._kv_layout = kv_layout(self.model.graph)
+        return self._kv_layout
+
     def kv_shapes(self) -> list[tuple[int, int, int]]:
         """(kv heads, key dim, value dim) of each attention layer's cache, from the graph."""
-        out = []
-        for node in self.model.graph.attention_nodes():
-            _, hkv, dk = node.inputs[1].shape
-            out.append((hkv, dk, node.inputs[2].shape[2]))
-        return out
+        return list(self.kv_layout().shapes)
 
-    def kv_bytes(self, block_size: int, itemsize: int) -> int:
-        """Bytes of K and V, all layers, for one block of `block_size` tokens of `itemsize`-byte elements."""
-        return block_size * itemsize * sum(hkv * (dk + dv) for hkv, dk, dv in self.kv_shapes())
-
-    @abstractmethod
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of K and V, all layers, for one block of `block_size` tokens."""
+    def kv_bytes(self, block_size: int, itemsize: int, group: int | None = None) -> int:
+        """Bytes of K and V for one block of `block_size` tokens of `itemsize`-byte elements: of every layer, or
+        of the layers of one KV group (one block of its pool)."""
+        layout = self.kv_layout()
+        groups = range(layout.num_groups) if group is None else (group,)
+        return sum(layout.group_bytes(g, block_size, itemsize) for g in groups)
 
     @abstractmethod
-    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        """(Re)allocate the paged cache; the engine owns which block belongs to whom."""
+    def kv_bytes_per_block(self, block_size: int, group: int | None = None) -> int:
+        """Bytes of K and V for one block of `block_size` tokens: all layers, or one KV group's."""
+
+    @abstractmethod
+    def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int) -> None:
+        """(Re)allocate the paged cache: `num_blocks` blocks in every KV group's pool, or one count per group. The
+        engine owns which block belongs to whom."""
 
     @abstractmethod
     def forward(self, batch: Batch) -> np.ndarray:

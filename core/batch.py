@@ -5,6 +5,12 @@ has `context_lens[b]` tokens in the cache; its i-th query token sits at cache in
 `context_lens[b] - q_len_b + i` and attends causally to cache indices `0..` that index. Cache index j of
 sequence b lives in slot `block_tables[b, j // block_size] * block_size + j % block_size`. Each new
 token's k and v are written to `slot_mapping[t]` (a negative slot means padding: nothing is written).
+
+KV groups (`core.kv_layout`): a model whose layers form several groups has one pool, so one slot mapping and one
+set of block tables, per group. `slot_mapping` and `block_tables` are group 0's (a one-group model has nothing
+else); `group_slots[g - 1]` and `group_tables[g - 1]` are group g's, with the same meaning over its own pool. A
+sliding group's tables keep every entry positional (index j // block_size); the entries of blocks that no query of
+the step reads hold the pool's null block.
 """
 
 from __future__ import annotations
@@ -16,6 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 ATTENTION_INPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start")
+
+
+def group_input_names(group: int) -> tuple[str, str]:
+    """The names Batch.inputs() gives group g's (g >= 1) slot mapping and block tables."""
+    return f"slot_mapping.{group}", f"block_tables.{group}"
 
 
 @dataclass
@@ -30,10 +41,24 @@ class Batch:
     # Overlapped steps (backends with `chains_steps`): token t is the one the previous step sampled for its row
     # prev_rows[t], still on the device (token_ids holds a placeholder there); -1: token_ids holds it.
     prev_rows: np.ndarray | None = None
+    group_slots: tuple[np.ndarray, ...] = ()  # [T] int32 each: groups 1.. (see the module docstring)
+    group_tables: tuple[np.ndarray, ...] = ()  # [B, M] int32 each
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.group_slots)
+
+    def kv_group(self, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """(slot mapping, block tables) of one KV group."""
+        if group == 0:
+            return self.slot_mapping, self.block_tables
+        return self.group_slots[group - 1], self.group_tables[group - 1]
 
     def inputs(self) -> dict[str, np.ndarray]:
-        return {k: getattr(self, k) for k in (
-            "token_ids", "positions", "logits_indices", *ATTENTION_INPUTS)}
+        out = {k: getattr(self, k) for k in ("token_ids", "positions", "logits_indices", *ATTENTION_INPUTS)}
+        for g in range(1, self.num_groups):
+            out.update(zip(group_input_names(g), self.kv_group(g), strict=True))
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -51,8 +76,10 @@ def make_batch(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     all_logits: bool = False,
+    group_tables: Sequence[Sequence[Sequence[int]]] = (),
 ) -> Batch:
-    """Build a batch from each sequence's new tokens, the count already in its cache, and its blocks.
+    """Build a batch from each sequence's new tokens, the count already in its cache, and its blocks (group 0's;
+    `group_tables[g - 1]` holds every sequence's table of group g, for a model of several KV groups).
     Logits are requested for each sequence's last new token (or for every token with all_logits).
 
     Vectorized: the engine builds one of these every step, and a per-token Python loop cost ~1 us a token."""
@@ -64,19 +91,27 @@ def make_batch(
     np.cumsum(lens, out=starts[1:])
     total = int(starts[-1])
     ids = np.fromiter(itertools.chain.from_iterable(chunks), np.int64, total)
-    owned = np.fromiter((len(t) for t in block_tables), np.int64, n_seqs)
-    tables = np.full((n_seqs, max(int(owned.max(initial=0)), 1)), -1, dtype=np.int32)
-    for b, t in enumerate(block_tables):
-        tables[b, : len(t)] = t
     n_cached = np.asarray(cached, dtype=np.int64).reshape(n_seqs)
     seq_of = np.repeat(np.arange(n_seqs), lens)
     pos = n_cached[seq_of] + np.arange(total) - starts[:-1][seq_of]
     blk = pos // block_size
-    short = np.flatnonzero(blk >= owned[seq_of])
-    if len(short):
-        t = short[0]
-        raise ValueError(f"sequence needs block {blk[t]} but owns {owned[seq_of[t]]}")
-    slots = tables[seq_of, blk].astype(np.int64) * block_size + pos % block_size
-    want = np.arange(total) if all_logits else starts[1:] - 1
     i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
-    return Batch(i32(ids), i32(pos), i32(slots), tables, i32(n_cached + lens), i32(starts), i32(want))
+
+    def place(seq_tables: Sequence[Sequence[int]], group: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(seq_tables) != n_seqs:
+            raise ValueError(f"{n_seqs} chunks but {len(seq_tables)} block tables of KV group {group}")
+        owned = np.fromiter((len(t) for t in seq_tables), np.int64, n_seqs)
+        tables = np.full((n_seqs, max(int(owned.max(initial=0)), 1)), -1, dtype=np.int32)
+        for b, t in enumerate(seq_tables):
+            tables[b, : len(t)] = t
+        short = np.flatnonzero(blk >= owned[seq_of])
+        if len(short):
+            t = short[0]
+            raise ValueError(f"sequence needs block {blk[t]} but owns {owned[seq_of[t]]} (KV group {group})")
+        return i32(tables[seq_of, blk].astype(np.int64) * block_size + pos % block_size), tables
+
+    slots, tables = place(block_tables, 0)
+    groups = [place(t, g) for g, t in enumerate(group_tables, 1)]
+    want = np.arange(total) if all_logits else starts[1:] - 1
+    return Batch(i32(ids), i32(pos), slots, tables, i32(n_cached + lens), i32(starts), i32(want),
+                 group_slots=tuple(s for s, _ in groups), group_tables=tuple(t for _, t in groups))

@@ -34,7 +34,7 @@ def serve(args: argparse.Namespace, model_id: str, spec: EngineSpec, engine: LLM
     metrics = Metrics(handle.stats, model_id)
     handle.on_step = metrics.after_step
     model = ServedModel(model_id, info.max_model_len, info.vocab_size, int(time.time()),
-                        info.num_blocks * info.block_size)
+                        info.kv_tokens)
     serving = OpenAIServing(handle, metrics, tokenizer, model, args.defaults, args.max_waiting,
                             ServingLimits.from_args(args))
     app = build_app(serving, args.api_key)
@@ -97,7 +97,7 @@ class _OnDeath:
             loop.create_task(self._exit())
 
     def ready(self, info) -> None:
-        self.model.kv_tokens = info.num_blocks * info.block_size
+        self.model.kv_tokens = info.kv_tokens
 
     async def _restart(self) -> None:
         try:

@@ -7,33 +7,54 @@ a 135M model in seconds, so weights are dequantized once and kept.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from core.batch import group_input_names
 from ir.graph import Graph, Node, Value
+from ir.kv_groups import kv_layout
 from ir.rope import RopeSpec, cos_sin, token_seq_lens
 
 
 @dataclass
 class KVCache:
-    """Per-layer paged key and value caches, each [num_blocks, block_size, kv_heads, head_dim]."""
+    """Per-layer paged key and value caches, each [num_blocks, block_size, kv_heads, head_dim], a layer's blocks
+    those of its KV group's pool (core.kv_layout). `steps` holds the running step's slot mappings and block tables
+    of groups 1.. (group 0's are the graph's own inputs), bound by Interpreter.run."""
 
     k: list[np.ndarray]
     v: list[np.ndarray]
     block_size: int
+    group_of: tuple[int, ...] = ()  # layer -> KV group; () : one group
+    steps: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     @classmethod
-    def for_graph(cls, graph: Graph, num_blocks: int, block_size: int) -> KVCache:
+    def for_graph(cls, graph: Graph, num_blocks: int | Sequence[int], block_size: int) -> KVCache:
+        """`num_blocks`: every pool's size, or one per KV group."""
+        layout = kv_layout(graph)
+        pools = [num_blocks] * layout.num_groups if isinstance(num_blocks, int) else list(num_blocks)
+        if len(pools) != layout.num_groups:
+            raise ValueError(f"{len(pools)} pool sizes for {layout.num_groups} KV groups")
         k, v = [], []
-        for node in graph.attention_nodes():
-            _, hkv, dk = node.inputs[1].shape
-            dv = node.inputs[2].shape[2]
-            assert node.attrs["layer"] == len(k), "attention layers must be numbered in order"
-            k.append(np.zeros((num_blocks, block_size, hkv, dk), np.float32))
-            v.append(np.zeros((num_blocks, block_size, hkv, dv), np.float32))
-        return cls(k, v, block_size)
+        for (hkv, dk, dv), g in zip(layout.shapes, layout.group_of, strict=True):
+            k.append(np.zeros((pools[g], block_size, hkv, dk), np.float32))
+            v.append(np.zeros((pools[g], block_size, hkv, dv), np.float32))
+        return cls(k, v, block_size, layout.group_of if layout.num_groups > 1 else ())
+
+    def bind(self, inputs: Mapping[str, np.ndarray]) -> None:
+        """Takes the step's tables of groups 1.. from Batch.inputs()."""
+        groups = 1 + max(self.group_of, default=0)
+        missing = [n for g in range(1, groups) for n in group_input_names(g) if n not in inputs]
+        if missing:
+            raise KeyError(f"this model has {groups} KV groups: the step lacks {', '.join(missing)}")
+        self.steps = [tuple(np.asarray(inputs[n]) for n in group_input_names(g)) for g in range(1, groups)]
+
+    def tables(self, layer: int, slots: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slot mapping, block tables) of `layer`'s group, given group 0's."""
+        g = self.group_of[layer] if self.group_of else 0
+        return (slots, tables) if g == 0 else self.steps[g - 1]
 
 
 def _rms_norm(x, w, eps, offset=0.0):
@@ -72,8 +93,10 @@ def _softmax(x, axis=-1):
 
 def paged_attention(q, k, v, slots, tables, ctx, qstart, *, cache: KVCache, layer: int, scale: float,
                     sliding_window: int | None = None, softcap: float | None = None):
-    """The contract of `core.batch`, written as plainly as possible: write this step's k/v, then attend."""
+    """The contract of `core.batch`, written as plainly as possible: write this step's k/v, then attend (through
+    the tables of the layer's KV group)."""
     kc, vc = cache.k[layer], cache.v[layer]
+    slots, tables = cache.tables(layer, slots, tables)
     flat_k = kc.reshape(-1, *kc.shape[2:])
     flat_v = vc.reshape(-1, *vc.shape[2:])
     keep = slots >= 0
@@ -243,6 +266,7 @@ class Interpreter:
             if name not in inputs:
                 raise KeyError(f"graph input {name!r} not supplied")
             env[v.id] = np.asarray(inputs[name])
+        cache.bind(inputs)
 
         def get(v: Value | None):
             if v is None:

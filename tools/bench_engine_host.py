@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.base import Backend, MemoryReport
+from core.kv_layout import KVLayout
 from core.sampling_params import SamplingParams
 from frontend.engine.engine import EngineConfig, LLMEngine
 from frontend.engine.scheduler import SchedulerConfig
@@ -46,7 +47,10 @@ class StubBackend(Backend):
             words = [i for i in range(300, VOCAB) if tokenizer.decode([i]).strip().isalpha()]
             self.logits[np.arange(1024), np.resize(words, 1024)] = 1.0
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
+    def kv_layout(self) -> KVLayout:
+        return KVLayout.from_layers([None], [(1, 64, 64)])  # one layer, one group (the stub has no graph)
+
+    def kv_bytes_per_block(self, block_size: int, group: int | None = None) -> int:
         return 1
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:

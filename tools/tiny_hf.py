@@ -7,7 +7,6 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from core.batch import make_batch
 from ir.reference import ReferenceRunner
 
 
@@ -57,11 +56,12 @@ def host(logits) -> np.ndarray:
 
 def backend_greedy(backend, ref: ReferenceRunner, prompts, n: int, block_size: int):
     """(tokens per prompt, first step's logits [len(prompts), vocab]) of n greedy steps of all prompts together."""
-    tables = [ref._table(i) for i in range(len(prompts))]
-    backend.allocate_kv(len(prompts) * ref.blocks_per_seq, block_size)
+    assert block_size == ref.block_size, "the reference runner's tables are of its own block size"
+    pools = len(prompts) * ref.blocks_per_seq
+    backend.allocate_kv(pools if ref.num_groups == 1 else [pools] * ref.num_groups, block_size)
     chunks, cached, outs, first = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts], None
     for _ in range(n):
-        logits = host(backend.forward(make_batch(chunks, cached, tables, block_size)))
+        logits = host(backend.forward(ref.batch(chunks, cached)))
         first = logits.copy() if first is None else first
         for i, t in enumerate(logits.argmax(-1)):
             outs[i].append(int(t))

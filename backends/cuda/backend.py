@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -110,8 +111,8 @@ class CUDABackend(Backend):
         """Graphs are captured for decode batches up to max_num_seqs; rope tables cover max_model_len positions."""
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return self.kv_bytes(block_size, weights.DTYPES[self.dtype].itemsize)
+    def kv_bytes_per_block(self, block_size: int, group: int | None = None) -> int:
+        return self.kv_bytes(block_size, weights.DTYPES[self.dtype].itemsize, group)
 
     def default_kv_bytes(self) -> int:
         return self.kv_budget(DEFAULT_KV_FRACTION) if self.device.type == "cuda" else super().default_kv_bytes()
@@ -140,32 +141,37 @@ class CUDABackend(Backend):
         n = min(tokens, self.model.config.vocab_size)
         ids = np.arange(tokens, dtype=np.int32) % n
         positions = (np.arange(tokens) % min(tokens, self.max_model_len)).astype(np.int32)  # within the rope table
-        self.forward(Batch(ids, positions, np.arange(tokens, dtype=np.int32),
-                           np.arange(blocks, dtype=np.int32)[None], np.array([tokens], np.int32),
-                           np.array([0, tokens], np.int32), np.array([tokens - 1], np.int32)))
+        slots, tables = np.arange(tokens, dtype=np.int32), np.arange(blocks, dtype=np.int32)[None]
+        more = self.kv_layout().num_groups - 1  # every KV group's pool gets the same scratch blocks
+        self.forward(Batch(ids, positions, slots, tables, np.array([tokens], np.int32),
+                           np.array([0, tokens], np.int32), np.array([tokens - 1], np.int32),
+                           group_slots=(slots,) * more, group_tables=(tables,) * more))
         torch.cuda.synchronize(self.device)
         self.kv = self.runner.kv = []
 
-    def allocate_kv(self, num_blocks: int, block_size: int, _graphs: bool = True) -> None:
+    def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int, _graphs: bool = True) -> None:
         self.kv, self.graphs, self.runner.kv = [], None, []  # the old cache goes before the new one comes
-        dt = weights.DTYPES[self.dtype]
-        want = num_blocks * self.kv_bytes_per_block(block_size)
+        dt, layout = weights.DTYPES[self.dtype], self.kv_layout()
+        pools = [num_blocks] * layout.num_groups if isinstance(num_blocks, int) else list(num_blocks)
+        if len(pools) != layout.num_groups:
+            raise ValueError(f"{len(pools)} pool sizes for {layout.num_groups} KV groups")
+        want = sum(n * self.kv_bytes_per_block(block_size, g) for g, n in enumerate(pools))
         try:
-            self.kv = [(torch.zeros((num_blocks, block_size, hkv, dk), dtype=dt, device=self.device),
-                        torch.zeros((num_blocks, block_size, hkv, dv), dtype=dt, device=self.device))
-                       for hkv, dk, dv in self.kv_shapes()]
+            self.kv = [(torch.zeros((pools[g], block_size, hkv, dk), dtype=dt, device=self.device),
+                        torch.zeros((pools[g], block_size, hkv, dv), dtype=dt, device=self.device))
+                       for (hkv, dk, dv), g in zip(layout.shapes, layout.group_of, strict=True)]
         except torch.OutOfMemoryError as e:
             self.kv = []
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # what was allocated before the failure is held for this stream only
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-            raise MemoryError(f"the KV cache ({num_blocks} blocks, {_mib(want)}) does not fit: {_mib(free)} free "
-                              f"after {_mib(self.memory().weights_bytes)} of weights; lower --mem or "
+            raise MemoryError(f"the KV cache ({'/'.join(map(str, pools))} blocks, {_mib(want)}) does not fit: "
+                              f"{_mib(free)} free after {_mib(self.memory().weights_bytes)} of weights; lower --mem or "
                               f"--kv-fraction") from e
         self.block_size = block_size
         # No position reaches past the longest context: a 0.9-of-the-GPU cache for a small model holds millions
-        # of tokens, and rope tables that long would waste a GiB.
-        longest = min(num_blocks * block_size, self.max_model_len)
+        # of tokens, and rope tables that long would waste a GiB. Group 0's pool bounds a context (core.kv_layout).
+        longest = min(pools[0] * block_size, self.max_model_len)
         self.runner.set_cache(self.kv, longest)
         chain = max(1, self.max_num_seqs)
         if self.use_graphs and _graphs:
@@ -180,6 +186,9 @@ class CUDABackend(Backend):
         """fp32 logits [len(batch.logits_indices), vocab] on the device (the sampler reads them there)."""
         if not self.kv:
             raise RuntimeError("allocate_kv must be called before forward")
+        groups = self.kv_layout().num_groups
+        if batch.num_groups != groups:
+            raise ValueError(f"this model has {groups} KV groups; the batch has {batch.num_groups}")
         if self.graphs is not None and self.graphs.applies(batch):
             logits = self.graphs(batch)
             if logits is not None:
@@ -189,9 +198,12 @@ class CUDABackend(Backend):
         def up(a: np.ndarray, dtype=torch.int32) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype, non_blocking=True)
 
+        more = tuple((up(s, torch.int64), up(np.maximum(t, 0)))
+                     for s, t in zip(batch.group_slots, batch.group_tables, strict=True))
         meta = StepMeta(up(batch.positions), up(batch.slot_mapping, torch.int64), up(np.maximum(batch.block_tables, 0)),
                         up(batch.context_lens), up(batch.query_start), batch.is_decode,
-                        int(np.diff(batch.query_start).max(initial=0)), int(batch.context_lens.max(initial=1)))
+                        int(np.diff(batch.query_start).max(initial=0)), int(batch.context_lens.max(initial=1)),
+                        more)
         ids = up(batch.token_ids)
         if batch.prev_rows is not None:
             prev = up(batch.prev_rows)

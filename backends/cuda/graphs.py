@@ -2,12 +2,13 @@
 
 A decode step of an 8B model launches some 300 kernels; replaying them as one graph removes the host's launch
 cost, which at batch 1 would otherwise exceed the GPU time. Inputs live in static device buffers: a step copies its
-batch in (padding rows: token 0, slot -1 so nothing is written, context 0 so nothing is read), replays, and reads
-the static logits. The decode kernel's grid depends on the longest context, so graphs are also keyed by the number
-of split-K partitions, a power of two up to `Runner.max_partitions` of the batch: the kernel lengthens the
-partitions of a longer context, so the largest key serves every context up to max_model_len, and every key is
-captured at start-up (a few per batch bucket). All share one memory pool. A capture never reads the live step's
-inputs (it runs on padding rows of its own), and one that fails leaves that key to eager steps, logged once.
+batch in (padding rows: token 0, slot -1 so nothing is written, context 0 so nothing is read; each KV group of
+core.kv_layout has slot and table buffers of its own), replays, and reads the static logits. The decode kernel's
+grid depends on the longest context, so graphs are also keyed by the number of split-K partitions, a power of two
+up to `Runner.max_partitions` of the batch: the kernel lengthens the partitions of a longer context, so the largest
+key serves every context up to max_model_len, and every key is captured at start-up (a few per batch bucket). All
+share one memory pool. A capture never reads the live step's inputs (it runs on padding rows of its own), and one
+that fails leaves that key to eager steps, logged once.
 
 Input tokens are gathered on the device from one buffer: its head (`chain`) holds the tokens the last step
 sampled, its tail the tokens copied from the host, so a step launched before the last one's tokens reached the
@@ -73,6 +74,9 @@ class DecodeGraphs:
 
         shapes = {"tokens": ((b,), torch.int32), "src": ((b,), torch.int32), "positions": ((b,), torch.int32),
                   "slots": ((b,), torch.int64), "tables": ((b, m), torch.int32), "ctx": ((b,), torch.int32)}
+        self.num_groups = 1 + max(runner.group_of, default=0)  # KV groups (core.kv_layout): slots, tables each
+        for g in range(1, self.num_groups):
+            shapes |= {f"slots{g}": ((b,), torch.int64), f"tables{g}": ((b, m), torch.int32)}
         self._host = [{k: pinned(s, d) for k, (s, d) in shapes.items()} for _ in range(2)]
         self._copied = [torch.cuda.Event(), torch.cuda.Event()]  # per host set: recorded after its copies
         self._turn = 0
@@ -89,8 +93,14 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
 
     def applies(self, batch: Batch) -> bool:
+        width = self._host[0]["tables"][1].shape[1]
         return (batch.is_decode and batch.num_tokens <= self.buckets[-1]
-                and batch.block_tables.shape[1] <= self._host[0]["tables"][1].shape[1])
+                and all(batch.kv_group(g)[1].shape[1] <= width for g in range(self.num_groups)))
+
+    @staticmethod
+    def _keys(group: int) -> tuple[str, str]:
+        """The buffers of a KV group's slots and block tables."""
+        return ("slots", "tables") if group == 0 else (f"slots{group}", f"tables{group}")
 
     def capture_all(self) -> None:
         """Every graph up front, largest first so that smaller ones reuse the pool's memory."""
@@ -103,8 +113,10 @@ class DecodeGraphs:
 
     def _meta(self, b: int, parts: int) -> StepMeta:
         d = self._dev
+        groups = tuple((d[f"slots{g}"][:b], d[f"tables{g}"][:b]) for g in range(1, self.num_groups))
         return StepMeta(d["positions"][:b], d["slots"][:b], d["tables"][:b], d["ctx"][:b], self._qstart[:b + 1],
-                        decode=True, max_query_len=1, max_context=parts * self.runner.decode_partition(b))
+                        decode=True, max_query_len=1, max_context=parts * self.runner.decode_partition(b),
+                        groups=groups)
 
     def _step(self, b: int, meta: StepMeta) -> torch.Tensor:
         tokens = self.token_buf.index_select(0, self._dev["src"][:b])
@@ -131,9 +143,11 @@ class DecodeGraphs:
         self._dev["tokens"][:b].zero_()
         self._dev["src"][:b].copy_(torch.from_numpy(self._own[:b]), non_blocking=False)
         self._dev["positions"][:b].zero_()
-        self._dev["slots"][:b].fill_(-1)
         self._dev["ctx"][:b].zero_()
-        self._dev["tables"][:b].zero_()
+        for g in range(self.num_groups):
+            slots, tables = self._keys(g)
+            self._dev[slots][:b].fill_(-1)
+            self._dev[tables][:b].zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # the warm-up compiles the kernels; capture must not
@@ -162,11 +176,12 @@ class DecodeGraphs:
             chained = batch.prev_rows >= 0
             h["src"][:n][chained] = batch.prev_rows[chained]
         h["positions"][:n], h["positions"][n:b] = batch.positions, 0
-        h["slots"][:n], h["slots"][n:b] = batch.slot_mapping, -1
         h["ctx"][:n], h["ctx"][n:b] = batch.context_lens, 0
-        w = batch.block_tables.shape[1]
-        h["tables"][:n, :w] = np.maximum(batch.block_tables, 0)
-        h["tables"][n:b] = 0
+        for g in range(self.num_groups):
+            (slots, tables), (sk, tk) = batch.kv_group(g), self._keys(g)
+            h[sk][:n], h[sk][n:b] = slots, -1
+            h[tk][:n, :tables.shape[1]] = np.maximum(tables, 0)
+            h[tk][n:b] = 0
         for k, (t, _) in host.items():
             self._dev[k][:b].copy_(t[:b], non_blocking=True)
         self._copied[self._turn].record()

@@ -13,6 +13,7 @@ import numpy as np
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
+from ir.kv_groups import kv_layout
 from ir.rope import RopeSpec, cos_sin, long_after
 from kernels_src import activations, kv_write, moe, paged_attention, paged_prefill, rms_norm, rope, rope_kv_write
 from kernels_src.dequant_gemv import dequant_gemv
@@ -43,6 +44,11 @@ class StepMeta:
     decode: bool  # every sequence adds one token: the split-K decode kernel
     max_query_len: int
     max_context: int  # fixes the decode kernel's grid (with Runner.max_partitions); longer contexts still work
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # (slots, block_tables) of KV groups 1.. (core.batch)
+
+    def kv_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, block tables) of one KV group (core.kv_layout)."""
+        return (self.slots, self.block_tables) if group == 0 else self.groups[group - 1]
 
 
 def decode_partition(rows: int, kv_heads: int, table=DECODE_PARTITIONS) -> int:
@@ -91,6 +97,7 @@ class Runner:
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
         self.decode_partitions = DECODE_PARTITIONS  # () : LONG_PARTITION at every batch size
         self.kv_heads = max((n.inputs[1].shape[1] for n in graph.attention_nodes()), default=1)
+        self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
     def set_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], max_positions: int) -> None:
@@ -186,24 +193,25 @@ class Runner:
     def _attention(self, node: Node, args, meta: StepMeta):
         a = node.attrs
         kc, vc = self.kv[a["layer"]]
+        slots, tables = meta.kv_group(self.group_of[a["layer"]])
         q, k, v = args[:3]
         if node.op == "attention":
-            kv_write.kv_write(k, v, kc, vc, meta.slots, target=self.target, pdl=self.pdl)
+            kv_write.kv_write(k, v, kc, vc, slots, target=self.target, pdl=self.pdl)
         else:  # rope_attention: q rotated in place, k rotated on its way into the cache, one kernel
             q = self._own(node.inputs[0], q)
             spec = a["spec"]
             cos, sin = self._rope[spec]
-            rope_kv_write.rope_kv_write(q, k, v, kc, vc, meta.slots, self.rope_rows(spec, meta), cos, sin,
+            rope_kv_write.rope_kv_write(q, k, v, kc, vc, slots, self.rope_rows(spec, meta), cos, sin,
                                         interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
         out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
                   pdl=self.pdl)
         if meta.decode:
             rows = q.shape[0]
-            return paged_attention.paged_decode(q, kc, vc, meta.block_tables, meta.context_lens, a["scale"],
+            return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
                                                 max_context=meta.max_context, partition=self.decode_partition(rows),
                                                 max_parts=self.max_partitions(rows), **kw)
-        return paged_prefill.paged_prefill(q, kc, vc, meta.block_tables, meta.context_lens, meta.query_start,
+        return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start,
                                            a["scale"], max_query_len=meta.max_query_len, **kw)
 
     # -- single ops ---------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The per-step metadata (which cache slots each sequence reads, masks) is computed once in numpy and
 shared by every layer. Decodes (one query token) are batched into one padded attention call;
 prefill chunks run one call each. Cache layout per layer: [num_slots, kv_heads, head_dim], where
-slot = block * block_size + offset; one extra block at the end is scratch for padding writes.
+slot = block * block_size + offset; one extra block at the end is scratch for padding writes. A model of several
+KV groups (core.kv_layout) gets one AttentionMeta per group, each over its own pool's tables and scratch slot.
 """
 
 from __future__ import annotations
@@ -72,11 +73,13 @@ class AttentionMeta:
     _masks: dict = field(default_factory=dict)
 
     @classmethod
-    def from_batch(cls, batch: Batch, block_size: int, scratch_slot: int) -> AttentionMeta:
-        tables = batch.block_tables.astype(np.int64)
+    def from_batch(cls, batch: Batch, block_size: int, scratch_slot: int, group: int = 0) -> AttentionMeta:
+        """The metadata of one KV group's layers (its tables, its pool's scratch slot)."""
+        slot_mapping, block_tables = batch.kv_group(group)
+        tables = block_tables.astype(np.int64)
         qs, ctx = batch.query_start, batch.context_lens
         q_lens = np.diff(qs)
-        slots = np.where(batch.slot_mapping < 0, scratch_slot, batch.slot_mapping)
+        slots = np.where(slot_mapping < 0, scratch_slot, slot_mapping)
         dec = np.flatnonzero(q_lens == 1)
         pre = np.flatnonzero(q_lens > 1)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class MLXBackend(Backend):
         self.decode = CompiledDecode(self.runner, weights.DTYPES[self.dtype]) if compile else None
         self.kv: list[list[mx.array]] = []
         self.block_size = 0
-        self.num_blocks = 0
+        self.pools: list[int] = []  # blocks of each KV group's pool (core.kv_layout)
         log.info("mlx backend: %s; norms, gated activations and decode attention through %s", self.describe(),
                  f"the DSL's {kernels} kernels" if kernels else "mlx ops (no Metal device)")
 
@@ -61,26 +62,35 @@ class MLXBackend(Backend):
         where = "metal" if self.metal else f"cpu, GEMMs via {fast_blas.status}"
         return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}"
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return self.kv_bytes(block_size, mx.zeros((1,), weights.DTYPES[self.dtype]).itemsize)
+    def kv_bytes_per_block(self, block_size: int, group: int | None = None) -> int:
+        return self.kv_bytes(block_size, mx.zeros((1,), weights.DTYPES[self.dtype]).itemsize, group)
 
-    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        dt = weights.DTYPES[self.dtype]
-        slots = (num_blocks + 1) * block_size  # the extra block is scratch for padding writes
-        self.kv = [[mx.zeros((slots, hkv, dk), dt), mx.zeros((slots, hkv, dv), dt)]
-                   for hkv, dk, dv in self.kv_shapes()]
+    def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int) -> None:
+        dt, layout = weights.DTYPES[self.dtype], self.kv_layout()
+        pools = [num_blocks] * layout.num_groups if isinstance(num_blocks, int) else list(num_blocks)
+        if len(pools) != layout.num_groups:
+            raise ValueError(f"{len(pools)} pool sizes for {layout.num_groups} KV groups")
+        self.kv = []
+        for (hkv, dk, dv), g in zip(layout.shapes, layout.group_of, strict=True):
+            slots = (pools[g] + 1) * block_size  # the extra block is scratch for padding writes
+            self.kv.append([mx.zeros((slots, hkv, dk), dt), mx.zeros((slots, hkv, dv), dt)])
         mx.eval(self.kv)
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.pools = block_size, pools
 
     def forward(self, batch: Batch) -> np.ndarray:
         if not self.kv:
             raise RuntimeError("allocate_kv must be called before forward")
+        if batch.num_groups != len(self.pools):
+            raise ValueError(f"this model has {len(self.pools)} KV groups; the batch has {batch.num_groups}")
+        scratch = [n * self.block_size for n in self.pools]  # each pool's scratch slot
         if self.decode is not None and CompiledDecode.applies(batch):
-            logits = self.decode(batch, self.kv, self.block_size, self.num_blocks * self.block_size)
+            logits = self.decode(batch, self.kv, self.block_size, scratch)
             mx.eval(logits, self.kv)
             return np.array(logits, copy=False)
-        meta = AttentionMeta.from_batch(batch, self.block_size, self.num_blocks * self.block_size)
-        ctx = StepContext.for_batch(batch, meta, weights.DTYPES[self.dtype])
+        metas = [AttentionMeta.from_batch(batch, self.block_size, scratch[g], g) for g in range(len(self.pools))]
+        ctx = StepContext.for_batch(batch, metas[0], weights.DTYPES[self.dtype])
+        if len(metas) > 1:
+            ctx.group_metas, ctx.group_of = metas, self.kv_layout().group_of
         inputs = {"token_ids": mx.array(batch.token_ids), "logits_indices": mx.array(batch.logits_indices)}
         out = self.runner.run(inputs, ctx, self.kv)
         logits = out["logits"].astype(mx.float32)

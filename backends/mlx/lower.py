@@ -106,6 +106,9 @@ class StepContext:
     """What one forward step shares across layers: attention metadata and rope tables (`seq_lens`, each token's
     sequence length, picks longrope's table)."""
 
+    group_metas: list[AttentionMeta] = []  # one per KV group (core.kv_layout) when there are several
+    group_of: tuple[int, ...] = ()  # layer -> its KV group
+
     def __init__(self, meta: AttentionMeta, positions: np.ndarray, dtype, seq_lens: np.ndarray | None = None):
         self.meta = meta
         self.positions = positions
@@ -116,6 +119,10 @@ class StepContext:
     @classmethod
     def for_batch(cls, batch: Batch, meta: AttentionMeta, dtype) -> StepContext:
         return cls(meta, batch.positions, dtype, token_seq_lens(batch.context_lens, batch.query_start))
+
+    def attention_meta(self, layer: int) -> AttentionMeta:
+        """The metadata of `layer`'s KV group (`meta` for a model of one group)."""
+        return self.group_metas[self.group_of[layer]] if self.group_of else self.meta
 
     def cos_sin(self, spec: RopeSpec):
         if spec not in self._rope:
@@ -171,7 +178,7 @@ class GraphRunner:
                 q, k = _rope(q, ctx, a["spec"]), _rope(k, ctx, a["spec"])
             layer = a["layer"]
             out, kv[layer][0], kv[layer][1] = paged_attention(
-                q, k, v, kv[layer][0], kv[layer][1], ctx.meta, scale=a["scale"],
+                q, k, v, kv[layer][0], kv[layer][1], ctx.attention_meta(layer), scale=a["scale"],
                 sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), kernels=self.kernels)
             return out
         if op == "rope":

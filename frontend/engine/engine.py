@@ -11,10 +11,12 @@ import numpy as np
 
 from backends.base import Backend
 from core.batch import make_batch
+from core.kv_layout import KVLimits
 from core.sampler import TokenHistory, make_generator, needs_history
 from core.sampling_params import SamplingParams
 from frontend.engine.block_manager import BlockManager
 from frontend.engine.detokenizer import IncrementalDetokenizer
+from frontend.engine.group_blocks import GroupedBlockManager
 from frontend.engine.outputs import CompletionOutput, RequestOutput, TokenView
 from frontend.engine.request_bounds import RequestBounds
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class EngineConfig:
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: from kv_cache_bytes
+    num_kv_blocks: int | None = None  # None: from kv_cache_bytes (several KV groups: group 0's; core.kv_layout)
     kv_cache_bytes: int | None = None  # None: kv_fraction, else the backend's default budget
     kv_fraction: float | None = None  # share of the memory free after loading
     max_model_len: int | None = None  # None: the model's context length
@@ -107,19 +109,7 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         backend.set_limits(config.scheduler.max_num_seqs, self.max_model_len)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            if config.kv_cache_bytes:
-                budget = config.kv_cache_bytes
-            elif config.kv_fraction:
-                budget = backend.kv_budget(config.kv_fraction, config.scheduler.max_num_batched_tokens,
-                                           config.block_size)
-            else:
-                budget = backend.default_kv_bytes()
-            num_blocks = max(1, budget // backend.kv_bytes_per_block(config.block_size))
-        backend.allocate_kv(num_blocks, config.block_size)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+        self.blocks = self._make_blocks(backend, config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}
         self.eos_ids = set(getattr(self.tokenizer, "eos_ids", ())) | set(model.config.eos_token_ids)
@@ -127,8 +117,37 @@ class LLMEngine:
         self.overlap = config.async_scheduling and backend.chains_steps
         self._inflight: _Launched | None = None
         self._seeds = np.random.SeedSequence(config.seed) if config.seed is not None else None
-        log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size,
-                 num_blocks * config.block_size)
+
+    def _make_blocks(self, backend: Backend, config: EngineConfig) -> BlockManager | GroupedBlockManager:
+        """Sizes the KV pools (one per KV group, split as core.kv_layout says), allocates them, and returns their
+        block manager."""
+        bs, sched = config.block_size, config.scheduler
+        layout = backend.kv_layout()
+        self._more_groups = range(1, layout.num_groups)  # the KV groups past the first (core.batch)
+        limits = KVLimits(bs, sched.max_num_seqs, self.max_model_len, sched.step_tokens)
+        if config.num_kv_blocks is not None:  # group 0's pool; the others follow the split rule
+            pools = layout.pools(config.num_kv_blocks, limits)
+        else:
+            if config.kv_cache_bytes:
+                budget = config.kv_cache_bytes
+            elif config.kv_fraction:
+                budget = backend.kv_budget(config.kv_fraction, sched.max_num_batched_tokens, bs)
+            else:
+                budget = backend.default_kv_bytes()
+            if layout.num_groups == 1:
+                pools = [max(1, budget // backend.kv_bytes_per_block(bs))]
+            else:
+                pools = layout.pools_for_budget(
+                    budget, [backend.kv_bytes_per_block(bs, g) for g in range(layout.num_groups)], limits)
+        if layout.num_groups == 1:
+            backend.allocate_kv(pools[0], bs)
+            log.info("KV cache: %d blocks of %d tokens (%d tokens)", pools[0], bs, pools[0] * bs)
+            return BlockManager(pools[0], bs, config.prefix_caching)
+        backend.allocate_kv(pools, bs)
+        log.info("KV cache: %s blocks of %d tokens for KV groups of %s", "/".join(map(str, pools)), bs,
+                 ", ".join(f"{len(g.layers)} layers {'window ' + str(g.window) if g.slides else 'full'}"
+                           for g in layout.groups))
+        return GroupedBlockManager(layout, pools, bs, config.prefix_caching, sched.step_tokens)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -158,8 +177,7 @@ class LLMEngine:
 
     @property
     def bounds(self) -> RequestBounds:
-        return RequestBounds(self.backend.model.config.vocab_size, self.max_model_len,
-                             self.blocks.num_blocks * self.blocks.block_size)
+        return RequestBounds(self.backend.model.config.vocab_size, self.max_model_len, self.blocks.token_capacity)
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         self.bounds.check(prompt, params)
@@ -206,7 +224,7 @@ class LLMEngine:
         needs its tokens on the host, and some sequence will not stop by length anyway."""
         sched = self.scheduler
         running = sched.running
-        if sched.waiting or self.blocks.num_free_blocks < len(running):
+        if sched.waiting or not self.blocks.has_room_for(len(running)):
             return False
         live = False
         for seq in running:
@@ -220,7 +238,8 @@ class LLMEngine:
         batch = make_batch([s.seq.tokens(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new)
                             for s in scheduled],
                            [s.seq.num_computed_tokens for s in scheduled],
-                           [s.seq.block_array() for s in scheduled], self.config.block_size)
+                           [s.seq.block_array() for s in scheduled], self.config.block_size,
+                           group_tables=[[s.seq.kv[g].array() for s in scheduled] for g in self._more_groups])
         batch.logits_indices = batch.logits_indices[keep]
         if self.overlap and any(s.seq.pending for s in scheduled):
             batch.prev_rows = np.array([s.seq.chain_row if s.seq.pending else -1 for s in scheduled], np.int32)

@@ -1,8 +1,8 @@
 """Continuous batching: each step mixes running decodes with new (possibly chunked) prefills.
 
-A request is admitted when its blocks are free. When a running sequence needs a block and none is
-free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
-(its generated tokens are kept, so nothing is lost and greedy output is unchanged).
+A request is admitted when its blocks are free (in every KV group's pool, for a model of several). When a running
+sequence needs a block and none is free, the newest running sequence is preempted: its blocks are freed and it is
+recomputed later (its generated tokens are kept, so nothing is lost and greedy output is unchanged).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from frontend.engine.block_manager import BlockManager
+from frontend.engine.group_blocks import GroupedBlockManager
 from frontend.engine.sequence import Sequence, Status
 
 
@@ -19,6 +20,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one sequence computes in one step."""
+        return min(self.max_num_batched_tokens, self.prefill_chunk_size)
 
 
 @dataclass
@@ -33,7 +39,7 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager | GroupedBlockManager):
         self.config = config
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
@@ -88,8 +94,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, parent: Sequence | None) -> bool:
         if parent is not None:
-            need = self.blocks.blocks_for(seq.num_tokens) - parent.num_computed_tokens // self.blocks.block_size
-            if need > self.blocks.num_free_blocks:
+            if not self.blocks.can_fork(parent, seq):
                 return False
             self.blocks.fork(parent, seq)
             return True

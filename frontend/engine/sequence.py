@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from core.kv_layout import NULL_BLOCK
 from core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,6 +30,40 @@ class TokenLogprob:
     top: list[tuple[int, float]] | None
 
 
+@dataclass(eq=False)
+class GroupBlocks:
+    """A sequence's blocks in one KV group's pool (core.kv_layout): its block table, positional (entry i holds cache
+    indices i * block_size ..), and what the block manager knows of it."""
+
+    table: list[int] = field(default_factory=list)
+    num_committed: int = 0  # leading entries known to carry their hash (BlockManager.commit)
+    num_freed: int = 0  # leading entries let go (out of every future query's window): they hold the null block
+    # array()'s mirror of table: which list it mirrors, how many of its entries, how many of those nulled since
+    _arr: np.ndarray | None = field(default=None, repr=False)
+    _of: list[int] | None = field(default=None, repr=False)
+    _len: int = field(default=0, repr=False)
+    _freed: int = field(default=0, repr=False)
+
+    def array(self) -> np.ndarray:
+        """The table as int32, mirrored incrementally: a step then copies each table at memcpy speed instead of
+        converting every Python int of it (a long sequence holds hundreds of blocks). The block manager only ever
+        appends to a table, nulls its leading entries, or replaces it with a new list, which is what the mirror
+        relies on."""
+        table, arr, n = self.table, self._arr, len(self.table)
+        if self._of is not table or n < self._len:  # a new table (freed, or set by a test)
+            arr, self._of, self._len, self._freed = np.empty(max(n, 16), np.int32), table, 0, 0
+        elif n > len(arr):
+            arr = np.concatenate([arr, np.empty(max(n, 2 * len(arr)) - len(arr), np.int32)])
+        if n > self._len:
+            arr[self._len:n] = table[self._len:]
+            self._len = n
+        if self.num_freed > self._freed:
+            arr[self._freed:self.num_freed] = NULL_BLOCK
+            self._freed = self.num_freed
+        self._arr = arr
+        return arr[:n]
+
+
 _ids = itertools.count()
 
 
@@ -44,10 +79,9 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    kv: list[GroupBlocks] = field(default_factory=lambda: [GroupBlocks()])  # its blocks in each KV group
     block_hashes: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # of full blocks, chained
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    num_committed_blocks: int = 0  # leading blocks of block_table known to carry their hash (BlockManager.commit)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -63,10 +97,6 @@ class Sequence:
     needs_history: bool = False  # its sampling reads its tokens (penalties): never sampled blind
     history: TokenHistory | None = None  # then its tokens' counts, kept as they come
     min_tokens_params: SamplingParams | None = None  # params with the stop tokens banned, while under min_tokens
-    # block_array's mirror of block_table: which list it mirrors, and how many of its entries
-    _blocks: np.ndarray | None = field(default=None, repr=False)
-    _blocks_of: list[int] | None = field(default=None, repr=False)
-    _blocks_len: int = field(default=0, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -84,20 +114,18 @@ class Sequence:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's block table (a one-group model's only one)."""
+        return self.kv[0].table
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.kv[0].table = table
+
     def block_array(self) -> np.ndarray:
-        """block_table as int32, mirrored incrementally: a step then copies each table at memcpy speed instead of
-        converting every Python int of it (a long sequence holds hundreds of blocks). The block manager only ever
-        appends to a table or replaces it with a new list, which is what the mirror relies on."""
-        table, arr, n = self.block_table, self._blocks, len(self.block_table)
-        if self._blocks_of is not table or n < self._blocks_len:  # a new table (freed, or set by a test)
-            arr, self._blocks_of, self._blocks_len = np.empty(max(n, 16), np.int32), table, 0
-        elif n > len(arr):
-            arr = np.concatenate([arr, np.empty(max(n, 2 * len(arr)) - len(arr), np.int32)])
-        if n > self._blocks_len:
-            arr[self._blocks_len:n] = table[self._blocks_len:]
-            self._blocks_len = n
-        self._blocks = arr
-        return arr[:n]
+        """Group 0's block table as int32 (GroupBlocks.array)."""
+        return self.kv[0].array()
 
     @property
     def finished(self) -> bool:

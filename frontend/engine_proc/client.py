@@ -66,7 +66,7 @@ class EngineClient(RequestStreams):
         self._process = process
         ready = process.ready
         self.info = ready
-        self.bounds = RequestBounds(ready.vocab_size, ready.max_model_len, ready.num_blocks * ready.block_size)
+        self.bounds = RequestBounds(ready.vocab_size, ready.max_model_len, ready.kv_tokens)
         self._stats = EngineStats(free_blocks=ready.num_blocks, total_blocks=ready.num_blocks)
 
     @property

@@ -70,8 +70,9 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     pid: int
     vocab_size: int
     max_model_len: int
-    num_blocks: int
+    num_blocks: int  # in every KV group's pool together
     block_size: int
+    kv_tokens: int  # the longest sequence the KV cache holds (RequestBounds.kv_tokens)
 
 
 class LoadFailed(msgspec.Struct, tag="load_failed", array_like=True):
