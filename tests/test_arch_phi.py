@@ -128,6 +128,9 @@ def test_longrope_picks_its_factors_by_length(saved):
     assert np.abs(hf_logits(plain, short_ids) - hf_logits(model, short_ids)).max() > 1e-2
 
 
+@pytest.mark.skipif(tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2]) < (5, 24),
+                    reason="the behaviour pinned is transformers 5.24's (CI's); 5.17 (the H200's) steps phi3's "
+                           "longrope cache differently (logits 5.18 apart there)")
 def test_longrope_switch_while_decoding_matches_transformers(saved):
     """A 12-token prompt starts on the short factors; transformers' rotary embedding takes the long ones in the
     forward whose sequence passes 16 tokens, for that forward's tokens (cached keys keep their rotation). Every

@@ -79,3 +79,25 @@ def test_chat_poisson_over_sharegpt(server, tmp_path):
     assert level["request_rate"] == 20
     check_level(level, 2, 5)
     assert not (tmp_path / "chat_latency.png").exists()  # one level: nothing to plot
+
+
+def test_sse_lines_split_only_where_sse_does():
+    """Text with U+2028 and \\x1c inside a JSON event (random token ids decode to such characters) stays one line,
+    across chunk boundaries and whichever of LF, CRLF or CR ends it; httpx's aiter_lines would cut it."""
+    import asyncio
+
+    from tools.bench_serving_client import sse_lines
+
+    event = json.dumps({"choices": [{"text": "a\u2028b\x1cc\x85d"}]}, ensure_ascii=False)
+    body = f"data: {event}\r\n\r\ndata: {event}\n\ndata: [DONE]\r\r".encode()
+
+    async def lines(step):
+        async def chunks():
+            for i in range(0, len(body), step):
+                yield body[i:i + step]
+        return [line async for line in sse_lines(chunks())]
+
+    for step in (1, 7, len(body)):
+        data = [line[5:].strip() for line in asyncio.run(lines(step)) if line.startswith("data:")]
+        assert data == [event, event, "[DONE]"]
+        assert json.loads(data[0])["choices"][0]["text"] == "a\u2028b\x1cc\x85d"

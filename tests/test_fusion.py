@@ -130,7 +130,7 @@ def test_a_rope_read_before_its_partner_is_not_paired():
     assert ops(fuse(g))["rope"] == 2
 
 
-def test_ir_dump_prints_the_fused_graph(smollm_path, capsys):
+def test_ir_dump_prints_smollm_fused_graph(smollm_path, capsys):
     """The default SmolLM2 file (Q4_1 everywhere but its F16/F32 norms): q/k/v and gate/up of every layer fuse, the
     table shows what each fused parameter was made of."""
     from tools import ir_dump

@@ -84,6 +84,20 @@ def _chunk_text(choice: dict, chat: bool) -> str:
     return choice.get("text") or ""
 
 
+async def sse_lines(chunks):
+    """The lines of an event stream, split where SSE splits them (LF, CRLF or CR) and nowhere else: httpx's
+    aiter_lines follows str.splitlines, which also breaks at U+2028, U+0085, \x1c-\x1e and the like, characters
+    that a JSON event's text may hold unescaped (random token ids decode to them)."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if buf:
+        yield buf.decode("utf-8", errors="replace")
+
+
 async def send_one(client: httpx.AsyncClient, target: Target, p: BenchPrompt) -> RequestResult:
     """One streamed request, timed at each server-sent event."""
     res = RequestResult(prompt_tokens=p.input_len)
@@ -95,7 +109,7 @@ async def send_one(client: httpx.AsyncClient, target: Target, p: BenchPrompt) ->
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_bytes()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
