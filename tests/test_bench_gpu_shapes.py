@@ -8,7 +8,7 @@ import pytest
 from tools.bench_gpu import SHAPES, loaded_model, model_config
 
 FULL = {"llama3-8b": ("llama", 32, 4096, 128, None), "gemma2-9b": ("gemma2", 42, 3584, 256, 4096),
-        "phi3-mini": ("phi3", 32, 3072, 96, 2047)}
+        "phi3-mini": ("phi3", 32, 3072, 96, 2047), "qwen3-30b-a3b": ("qwen3_moe", 48, 2048, 128, None)}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -21,3 +21,18 @@ def test_shapes_build_at_full_width(shape):
     assert one.arch.name == arch and one.config.num_layers == 1
     assert one.graph.params["embed"].shape == (cfg.vocab_size, hidden)
     assert sum(n.op == "attention" for n in one.graph.nodes) == 1
+
+
+def test_moe_roofline_counts_the_routed_experts_only():
+    """Qwen3-30B-A3B reads 8 of its 128 experts a token: the batch-1 bytes are the dense part and 1/16 of the
+    stacks (3.3 B active parameters of 30.5 B, in bf16), a batch of 16 most of them."""
+    import torch
+
+    from tools.bench_gpu import active_bytes
+
+    graph = loaded_model(model_config(2, "qwen3-30b-a3b")).graph
+    params = {n: torch.empty(p.shape, dtype=torch.bfloat16, device="meta") for n, p in graph.params.items()}
+    stacks = sum(p.numel() * 2 for n, p in params.items() if p.dim() == 3)
+    dense = sum(p.numel() * 2 for n, p in params.items() if p.dim() != 3)
+    assert active_bytes(graph, params) == pytest.approx(dense + stacks / 16, rel=1e-6)
+    assert active_bytes(graph, params, 16) == pytest.approx(dense + stacks * (1 - (15 / 16) ** 16), rel=1e-6)
