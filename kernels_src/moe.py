@@ -23,6 +23,14 @@ __all__ = ["moe_align", "moe_experts", "moe_experts_ref"]
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
 
+def default_tiles(slots: int, experts: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): a decode batch has a slot or two per expert, so its programs are few and each streams
+    whole weight rows; narrow N tiles give the GPU more of them. Many slots per expert (prefill) take taller tiles."""
+    block_m = 64 if slots >= 64 * experts else BLOCK_M
+    block_n = 16 if slots <= 32 else 32 if slots <= 256 else BLOCK_N
+    return block_m, block_n
+
+
 def moe_gemm_kernel(x, w_a, w_b, y, rows, block_expert, weights, n_slots, n_cols, k_dim, n_steps, x_stride,
                     w_e_stride, w_stride, y_stride, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
@@ -55,7 +63,10 @@ def moe_gemm_kernel(x, w_a, w_b, y, rows, block_expert, weights, n_slots, n_cols
         return acc_a, acc_b
 
     zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_a, acc_b = tl.fori_loop(0, n_steps, step, (zero, zero))
+    # A block's real slots come first (padding ends each expert's run): a block of padding only, most of the grid
+    # at small batches, skips the loop instead of streaming an expert's weights for nothing.
+    steps = tl.where(tl.load(rows + tl.program_id(0) * BLOCK_M) < n_slots, n_steps, 0)
+    acc_a, acc_b = tl.fori_loop(0, steps, step, (zero, zero))
     if GATED:
         out = _act(acc_a, ACT) * acc_b
     else:
@@ -109,7 +120,8 @@ def _align(xp, flat, experts: int, block_m: int):
 
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out=None, target: str = "numpy",
-                pdl: bool | None = None, block_m: int = BLOCK_M, block_n: int = BLOCK_N, block_k: int = BLOCK_K):
+                pdl: bool | None = None, block_m: int | None = None, block_n: int | None = None,
+                block_k: int = BLOCK_K):
     """sum over k of weights[t, k] * w_down[e] @ (act(w_gate[e] @ x[t]) * (w_up[e] @ x[t])), e = ids[t, k], for x
     [T, H] (rows contiguous), weights [T, k] fp32, ids [T, k], stacks [E, I, H] / [E, H, I] with contiguous rows;
     out [T, H] (made in x's dtype when not given)."""
@@ -124,8 +136,10 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
         raise ValueError("expert stacks need contiguous rows, gate and up one layout")
     if elem_stride(x, 1) != 1:
         x = x.contiguous() if hasattr(x, "contiguous") else np.ascontiguousarray(x)
-    rows, block_expert = moe_align(ids, e, block_m)
     s = t * k
+    tiles = default_tiles(s, e)
+    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
+    rows, block_expert = moe_align(ids, e, block_m)
     nblocks = block_expert.shape[0]
     flat_w = weights.reshape(-1)
     pdl = use_pdl(target, pdl)

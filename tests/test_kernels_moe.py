@@ -60,6 +60,14 @@ def test_moe_experts(target, dtype, tokens, crowd, rng):
     close(run(target, args, act), moe.moe_experts_ref(*args, act), TOL[dtype])
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_moe_experts_prefill_tiles(target, rng):
+    """The prefill's tiles (64 slots a block, 64 columns), which default_tiles picks at 64 slots an expert."""
+    args = problem(rng, 96, 72, 40, 3, 2, np.float32)
+    assert moe.default_tiles(96 * 2, 3) == (64, 64)
+    close(run(target, args, "silu"), moe.moe_experts_ref(*args, "silu"), TOL[np.float32])
+
+
 def test_moe_experts_simt_cpu(rng):
     """The SIMT lowering (Metal's and CUDA C's) through the CPU fiber oracle, at small tiles."""
     args = problem(rng, 5, 40, 24, 4, 2, np.float32)
