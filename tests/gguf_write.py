@@ -18,6 +18,13 @@ def add_decoder_sizes(w: gguf.GGUFWriter, cfg) -> None:
     w.add_head_count_kv(cfg.num_key_value_heads)
 
 
+def add_rms_decoder(w: gguf.GGUFWriter, cfg) -> None:
+    """add_decoder_sizes, and the RMSNorm epsilon and rope base a llama-like decoder's GGUF carries."""
+    add_decoder_sizes(w, cfg)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+
+
 def add_tensor(w: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: Q = Q.F32) -> Q:
     """fp32 `data` stored as `qtype` (F32, F16 or Q8_0); returns qtype."""
     if qtype == Q.F16:

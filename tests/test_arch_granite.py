@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from gguf_write import add_decoder_sizes, finish
+from gguf_write import add_rms_decoder, finish
 from test_tiny_gguf import gguf_name, llama_permute
 from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt
 from transformers import GraniteConfig
@@ -30,9 +30,7 @@ def hf():
 def write_gguf(model, path: Path) -> None:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "granite")
-    add_decoder_sizes(w, cfg)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    add_rms_decoder(w, cfg)
     w.add_vocab_size(cfg.vocab_size)
     w.add_attention_scale(cfg.attention_multiplier)
     w.add_embedding_scale(cfg.embedding_multiplier)

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf_write import add_decoder_sizes, add_tensor, finish
+from gguf_write import add_rms_decoder, add_tensor, finish
 from safetensors.numpy import load_file
 from test_tiny_gguf import add_gpt2_vocab, gguf_name, llama_permute
 from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt
@@ -75,9 +75,7 @@ def write_gguf(case: str, model, folder: Path, path: Path, experts: Q) -> None:
     stacks' type."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), GGUF_ARCH[case])
-    add_decoder_sizes(w, cfg)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    add_rms_decoder(w, cfg)
     w.add_vocab_size(cfg.vocab_size)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)

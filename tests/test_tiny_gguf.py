@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_write import add_decoder_sizes, add_tensor, finish
+from gguf_write import add_rms_decoder, add_tensor, finish
 from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -107,9 +107,7 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
     """Write `model` as a GGUF file; returns the type given to each tensor."""
     cfg, arch = model.config, CASES[case][2]
     w = gguf.GGUFWriter(str(path), arch)
-    add_decoder_sizes(w, cfg)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    add_rms_decoder(w, cfg)
     w.add_rope_dimension_count(cfg.head_dim)
     if arch == "qwen3":
         w.add_key_length(cfg.head_dim)

@@ -23,7 +23,6 @@ from typing import Any
 from ir.config import ModelConfig, hf_fields, hf_rope
 from ir.graph import Graph, Value
 from ir.models import Architecture, llama
-from ir.models._decoder import embed, logits, step_inputs
 from ir.models._names import layer_names
 from ir.models.moe import QWEN as MOE_NAMES
 from ir.models.moe import _hf_experts
@@ -129,17 +128,11 @@ def moe_block(g: Graph, cfg: DeepseekConfig, x: Value, i: int) -> Value:
 
 
 def build(cfg: DeepseekConfig, dtype: str = "f32") -> Graph:
-    g = Graph(cfg.arch, dtype)
-    s = step_inputs(g)
-    h, table = embed(g, cfg, s.ids)
-    for i in range(cfg.num_layers):
-        x = g.rms_norm(h, g.param(f"layers.{i}.attn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, mla_block(g, cfg, x, i, s.positions, s.attention))
-        x = g.rms_norm(h, g.param(f"layers.{i}.ffn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, llama.mlp_block(g, cfg, x, i) if i in cfg.dense_layers else moe_block(g, cfg, x, i))
-    h = g.rms_norm(h, g.param("final_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-    g.output("logits", logits(g, cfg, h, table, s.logits_rows))
-    return g
+    def mlp(g, c, x, i):
+        return llama.mlp_block(g, c, x, i) if i in c.dense_layers else moe_block(g, c, x, i)
+
+    return llama.prenorm_decoder(cfg, dtype, lambda g, c, x, i, s: mla_block(g, c, x, i, s.positions, s.attention),
+                                 mlp)
 
 
 HF_NAMES = {

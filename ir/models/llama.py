@@ -94,19 +94,27 @@ def mlp_block(g: Graph, cfg: ModelConfig, x: Value, i: int,
     return dense(g, g.mul(act, up), p, h, f, cfg.mlp_bias, "row", wd, wd.replace("w_", "b_", 1))
 
 
-def build(cfg: ModelConfig, dtype: str = "f32") -> Graph:
-    """One forward step of a pre-norm decoder over a flat varlen batch; logits for `logits_indices`."""
+def prenorm_decoder(cfg: ModelConfig, dtype: str, attention=None, mlp=None) -> Graph:
+    """One forward step of a pre-norm decoder over a flat varlen batch (logits for `logits_indices`): each layer
+    h += attention(norm(h)), h += mlp(norm(h)). `attention(g, cfg, x, i, step_inputs)` and `mlp(g, cfg, x, i)`
+    default to llama's; a MoE or latent-attention decoder passes its own."""
+    attention = attention or (lambda g, c, x, i, s: attention_block(g, c, x, i, s.positions, s.attention))
+    mlp = mlp or mlp_block
     g = Graph(cfg.arch, dtype)
     s = step_inputs(g)
     h, table = embed(g, cfg, s.ids)
     for i in range(cfg.num_layers):
         x = g.rms_norm(h, g.param(f"layers.{i}.attn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, attention_block(g, cfg, x, i, s.positions, s.attention))
+        h = g.add(h, attention(g, cfg, x, i, s))
         x = g.rms_norm(h, g.param(f"layers.{i}.ffn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, mlp_block(g, cfg, x, i))
+        h = g.add(h, mlp(g, cfg, x, i))
     h = g.rms_norm(h, g.param("final_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
     g.output("logits", logits(g, cfg, h, table, s.logits_rows))
     return g
+
+
+def build(cfg: ModelConfig, dtype: str = "f32") -> Graph:
+    return prenorm_decoder(cfg, dtype)
 
 
 ARCH = Architecture(

@@ -17,7 +17,6 @@ from typing import Any
 from ir.config import ModelConfig, gguf_fields, hf_fields
 from ir.graph import Graph, Value
 from ir.models import Architecture, llama
-from ir.models._decoder import embed, logits, step_inputs
 from ir.models._names import layer_names, unpermute_qk
 from ir.weights import StoredTensor, WeightSource, stack
 
@@ -79,17 +78,10 @@ def moe_block(g: Graph, cfg: MoEConfig, x: Value, i: int) -> Value:
 
 
 def build(cfg: MoEConfig, dtype: str = "f32") -> Graph:
-    g = Graph(cfg.arch, dtype)
-    s = step_inputs(g)
-    h, table = embed(g, cfg, s.ids)
-    for i in range(cfg.num_layers):
-        x = g.rms_norm(h, g.param(f"layers.{i}.attn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, llama.attention_block(g, cfg, x, i, s.positions, s.attention))
-        x = g.rms_norm(h, g.param(f"layers.{i}.ffn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-        h = g.add(h, moe_block(g, cfg, x, i) if cfg.is_moe(i) else llama.mlp_block(g, cfg, x, i))
-    h = g.rms_norm(h, g.param("final_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-    g.output("logits", logits(g, cfg, h, table, s.logits_rows))
-    return g
+    def mlp(g, c, x, i):
+        return moe_block(g, c, x, i) if c.is_moe(i) else llama.mlp_block(g, c, x, i)
+
+    return llama.prenorm_decoder(cfg, dtype, mlp=mlp)
 
 
 # IR parameter -> (HF name, GGUF name) of a MoE layer; HF experts per expert ("{e}"), GGUF as stacks.
