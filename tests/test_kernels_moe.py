@@ -62,9 +62,9 @@ def test_moe_experts(target, dtype, tokens, crowd, rng):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_moe_experts_prefill_tiles(target, rng):
-    """The prefill's tiles (64 slots a block, 64 columns), which default_tiles picks at 64 slots an expert."""
+    """The prefill's tall tiles (64 slots a block), which default_tiles picks at 64 slots an expert."""
     args = problem(rng, 96, 72, 40, 3, 2, np.float32)
-    assert moe.default_tiles(96 * 2, 3) == (64, 64)
+    assert moe.default_tiles(96 * 2, 3) == (64, 32) and moe.default_tiles(4096, 16) == (64, 64)
     close(run(target, args, "silu"), moe.moe_experts_ref(*args, "silu"), TOL[np.float32])
 
 
