@@ -83,3 +83,14 @@ def test_group_routing_differs_from_plain_top_k():
     assert (np.sort(plain[1]) != np.sort(unbiased[1])).any(axis=1).sum() > 5
     scores = 1 / (1 + np.exp(-logits))
     np.testing.assert_allclose(plain[0], np.take_along_axis(scores, plain[1], -1), rtol=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_cuda_backend_says_latent_attention_is_not_there_yet(tmp_path):
+    """Until the latent cache lands, the CUDA backend refuses MLA's narrower values with a readable message (not a
+    kernel's shape error at the first step)."""
+    from backends.cuda.backend import CUDABackend
+
+    hf_model("deepseek_v3").save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match="latent attention.*--backend mlx"):
+        CUDABackend(load_model(tmp_path, progress=False), device="cpu", progress=False)

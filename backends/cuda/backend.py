@@ -43,6 +43,11 @@ class CUDABackend(Backend):
                                       "is_available() is False); use --backend mlx")
         if importlib.util.find_spec("triton") is None:
             raise NotImplementedError("the CUDA backend needs triton (pip install triton); use --backend mlx")
+        widths = {(n.inputs[1].shape[2], n.inputs[2].shape[2]) for n in model.graph.attention_nodes()}
+        if any(dk != dv for dk, dv in widths):
+            # The DSL's KV write and attention kernels take one head width for keys and values.
+            raise NotImplementedError(f"{model.arch.name}: keys and values of different widths {sorted(widths)} "
+                                      "(latent attention) are not on the CUDA backend yet; use --backend mlx")
         self.device = torch.device(device or "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
