@@ -86,11 +86,18 @@ def test_group_routing_differs_from_plain_top_k():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_cuda_backend_says_latent_attention_is_not_there_yet(tmp_path):
-    """Until the latent cache lands, the CUDA backend refuses MLA's narrower values with a readable message (not a
-    kernel's shape error at the first step)."""
+def test_cuda_backend_caches_values_at_the_keys_width(tmp_path):
+    """MLA's expanded form on the CUDA backend (CPU tensors here, the H200 in gpu_check): values (16 wide) cached at
+    the keys' width (24), the DSL's kernels taking one head width; ours against transformers as above."""
     from backends.cuda.backend import CUDABackend
 
-    hf_model("deepseek_v3").save_pretrained(tmp_path)
-    with pytest.raises(NotImplementedError, match="latent attention.*--backend mlx"):
-        CUDABackend(load_model(tmp_path, progress=False), device="cpu", progress=False)
+    model = hf_model("deepseek_v3")
+    model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, progress=False)
+    assert set(CUDABackend(loaded, device="cpu", progress=False).kv_shapes()) == {(4, 24, 24)}
+    prompts = [random_prompt(i, n, model.config.vocab_size) for i, n in ((0, 5), (1, 19))]
+    refs = [hf_logits(model, p)[-1] for p in prompts]
+    first, tokens = check_arch.run_engine("cuda", loaded, prompts, 4)
+    for i, p in enumerate(prompts):
+        assert float(np.abs(np.asarray(first[i]) - refs[i]).max()) <= 1e-4 * float(np.abs(refs[i]).max())
+        assert tokens[i] == hf_greedy(model, p, 4)

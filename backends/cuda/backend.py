@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from backends.cuda.graphs import DecodeGraphs
 from backends.cuda.runner import Runner, StepMeta
 from backends.cuda.runtime import torch
 from core.batch import Batch
+from core.kv_layout import KVLayout
 from ir.fusion import Fusions, concat_parts, fuse
 from ir.loader import LoadedModel
 
@@ -44,10 +46,9 @@ class CUDABackend(Backend):
         if importlib.util.find_spec("triton") is None:
             raise NotImplementedError("the CUDA backend needs triton (pip install triton); use --backend mlx")
         widths = {(n.inputs[1].shape[2], n.inputs[2].shape[2]) for n in model.graph.attention_nodes()}
-        if any(dk != dv for dk, dv in widths):
-            # The DSL's KV write and attention kernels take one head width for keys and values.
-            raise NotImplementedError(f"{model.arch.name}: keys and values of different widths {sorted(widths)} "
-                                      "(latent attention) are not on the CUDA backend yet; use --backend mlx")
+        if any(dv > dk for dk, dv in widths):
+            raise NotImplementedError(f"{model.arch.name}: values wider than keys {sorted(widths)} are not on the "
+                                      "CUDA backend; use --backend mlx")
         self.device = torch.device(device or "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -80,6 +81,14 @@ class CUDABackend(Backend):
         self._sampler = None
         self._chain: torch.Tensor | None = None  # the last sample_async's tokens, for Batch.prev_rows
         log.info("cuda backend: %s", self.describe())
+
+    def kv_layout(self) -> KVLayout:
+        """The graph's layout, but a value narrower than its key (MLA's expanded form) cached at the key's width:
+        the DSL's KV write and attention kernels take one head width (runner._attention pads v and cuts the output)."""
+        layout = super().kv_layout()
+        if any(dv < dk for _, dk, dv in layout.shapes):
+            self._kv_layout = layout = replace(layout, shapes=tuple((h, dk, dk) for h, dk, _ in layout.shapes))
+        return layout
 
     def set_fusions(self, fusions: Fusions) -> None:
         """Runs the graph with other fusions (a benchmark's ablation), on the same parameters: only a change that

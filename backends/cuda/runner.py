@@ -195,6 +195,9 @@ class Runner:
         kc, vc = self.kv[a["layer"]]
         slots, tables = meta.kv_group(self.group_of[a["layer"]])
         q, k, v = args[:3]
+        dv = v.shape[2]
+        if dv < kc.shape[3]:  # MLA's narrower values, cached at the keys' width (CUDABackend.kv_layout)
+            v = F.pad(v, (0, kc.shape[3] - dv))
         if node.op == "attention":
             kv_write.kv_write(k, v, kc, vc, slots, target=self.target, pdl=self.pdl)
         else:  # rope_attention: q rotated in place, k rotated on its way into the cache, one kernel
@@ -208,11 +211,13 @@ class Runner:
                   pdl=self.pdl)
         if meta.decode:
             rows = q.shape[0]
-            return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
-                                                max_context=meta.max_context, partition=self.decode_partition(rows),
-                                                max_parts=self.max_partitions(rows), **kw)
-        return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start,
-                                           a["scale"], max_query_len=meta.max_query_len, **kw)
+            out = paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
+                                               max_context=meta.max_context, partition=self.decode_partition(rows),
+                                               max_parts=self.max_partitions(rows), **kw)
+        else:
+            out = paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start,
+                                              a["scale"], max_query_len=meta.max_query_len, **kw)
+        return out if out.shape[2] == dv else out[..., :dv]
 
     # -- single ops ---------------------------------------------------------------------------------
     def linear(self, x, w: Param, b=None):
