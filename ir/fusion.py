@@ -149,40 +149,52 @@ def _fused_linear(g: Graph, nodes: list[Node]) -> list[Node]:
 
 # -- elementwise ------------------------------------------------------------------------------------------------
 
-def _gated(g: Graph) -> None:
-    uses, made = g.uses(), {n.out.id: n for n in g.nodes}
+def _replace_each(g: Graph, rewrite) -> None:
+    """Each node in order through rewrite(node, defined): None keeps it, (fused node, nodes it absorbs) puts the
+    fused one in its place and drops those; `defined` holds the ids of the values computed before it."""
+    defined = {v.id for v in g.inputs.values()}
     dropped: set[int] = set()
     out = []
     for node in g.nodes:
-        if node.op == "mul":
-            for i in (0, 1):
-                act = made.get(node.inputs[i].id)
-                if act is not None and act.op in GATED_ACTS and _only_reader(g, uses, act.out, node) \
-                        and node.inputs[1 - i].id != act.out.id and node.inputs[1 - i].shape == act.out.shape:
-                    node = Node("gated", (act.inputs[0], node.inputs[1 - i]), {"act": act.op}, node.outs)
-                    dropped.add(id(act))
-                    break
+        hit = rewrite(node, defined)
+        if hit is not None:
+            node, absorbed = hit
+            dropped.update(id(n) for n in absorbed)
         out.append(node)
+        defined.update(v.id for v in node.outs)
     g.nodes = [n for n in out if id(n) not in dropped]
+
+
+def _gated(g: Graph) -> None:
+    uses, made = g.uses(), {n.out.id: n for n in g.nodes}
+
+    def rewrite(node, defined):
+        if node.op != "mul":
+            return None
+        for i in (0, 1):
+            act, up = made.get(node.inputs[i].id), node.inputs[1 - i]
+            if act is not None and act.op in GATED_ACTS and _only_reader(g, uses, act.out, node) \
+                    and up.id != act.out.id and up.shape == act.out.shape:
+                return Node("gated", (act.inputs[0], up), {"act": act.op}, node.outs), (act,)
+        return None
+
+    _replace_each(g, rewrite)
 
 
 def _add_norm(g: Graph) -> None:
     uses = g.uses()
-    defined: set[int] = {v.id for v in g.inputs.values()}
-    dropped: set[int] = set()
-    out = []
-    for node in g.nodes:
-        if node.op == "add":
-            for norm in uses.get(node.out.id, []):
-                w = norm.inputs[1] if norm.op == "rms_norm" else None
-                if w is not None and norm.inputs[0].id == node.out.id and (w.kind == "param" or w.id in defined):
-                    attrs = {"eps": norm.attrs["eps"], "offset": norm.attrs.get("offset", 0.0)}
-                    node = Node("add_rms_norm", (*node.inputs, w), attrs, (node.out, norm.out))
-                    dropped.add(id(norm))
-                    break
-        out.append(node)
-        defined.update(v.id for v in node.outs)
-    g.nodes = [n for n in out if id(n) not in dropped]
+
+    def rewrite(node, defined):
+        if node.op != "add":
+            return None
+        for norm in uses.get(node.out.id, []):
+            w = norm.inputs[1] if norm.op == "rms_norm" else None
+            if w is not None and norm.inputs[0].id == node.out.id and (w.kind == "param" or w.id in defined):
+                attrs = {"eps": norm.attrs["eps"], "offset": norm.attrs.get("offset", 0.0)}
+                return Node("add_rms_norm", (*node.inputs, w), attrs, (node.out, norm.out)), (norm,)
+        return None
+
+    _replace_each(g, rewrite)
 
 
 # -- ropes ------------------------------------------------------------------------------------------------------
@@ -194,21 +206,21 @@ def _rope_key(node: Node) -> tuple:
 
 def _rope_attention(g: Graph) -> None:
     uses, made = g.uses(), {n.out.id: n for n in g.nodes}
-    dropped: set[int] = set()
-    out = []
-    for node in g.nodes:
-        if node.op == "attention":
-            rq, rk = (made.get(v.id) for v in node.inputs[:2])
-            ctx_q = node.inputs[5:7]
-            if (rq is not None and rk is not None and rq.op == rk.op == "rope" and rq is not rk
-                    and _rope_key(rq) == _rope_key(rk) and _only_reader(g, uses, rq.out, node)
-                    and _only_reader(g, uses, rk.out, node)
-                    and all(a is None or a.id == b.id for a, b in zip(rq.inputs[2:4], ctx_q, strict=False))):
-                inputs = (rq.inputs[0], rk.inputs[0], node.inputs[2], rq.inputs[1], *node.inputs[3:])
-                node = Node("rope_attention", inputs, {**node.attrs, "spec": rq.attrs["spec"]}, node.outs)
-                dropped.update((id(rq), id(rk)))
-        out.append(node)
-    g.nodes = [n for n in out if id(n) not in dropped]
+
+    def rewrite(node, defined):
+        if node.op != "attention":
+            return None
+        rq, rk = (made.get(v.id) for v in node.inputs[:2])
+        ctx_q = node.inputs[5:7]
+        if (rq is not None and rk is not None and rq.op == rk.op == "rope" and rq is not rk
+                and _rope_key(rq) == _rope_key(rk) and _only_reader(g, uses, rq.out, node)
+                and _only_reader(g, uses, rk.out, node)
+                and all(a is None or a.id == b.id for a, b in zip(rq.inputs[2:4], ctx_q, strict=False))):
+            inputs = (rq.inputs[0], rk.inputs[0], node.inputs[2], rq.inputs[1], *node.inputs[3:])
+            return Node("rope_attention", inputs, {**node.attrs, "spec": rq.attrs["spec"]}, node.outs), (rq, rk)
+        return None
+
+    _replace_each(g, rewrite)
 
 
 def _rope_pairs(g: Graph) -> None:
