@@ -7,6 +7,22 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+# Matrices cycle through these, so one file holds every kind the tests read (and quantized splits of fused tensors).
+MIX = (Q.F32, Q.F16, Q.Q8_0)
+
+
+class TypeCycle:
+    """The type each tensor of a file is written in: matrices take `types` in turn from `start`, 1-D tensors F32."""
+
+    def __init__(self, types: tuple[Q, ...] = MIX, start: int = 0):
+        self.types, self.n = types, start
+
+    def __call__(self, data: np.ndarray) -> Q:
+        if data.ndim != 2:
+            return Q.F32
+        self.n += 1
+        return self.types[(self.n - 1) % len(self.types)]
+
 
 def add_decoder_sizes(w: gguf.GGUFWriter, cfg) -> None:
     """The keys every llama.cpp decoder reads, from a transformers config: layers, context, widths, heads."""

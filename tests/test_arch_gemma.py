@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_write import add_decoder_sizes, add_tensor, finish
+from gguf_write import MIX, TypeCycle, add_decoder_sizes, add_tensor, finish
 from tiny_hf import assert_close, hf_greedy, hf_logits, random_causal_lm, random_prompt, saved_models
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig
 
@@ -187,7 +187,6 @@ GGUF_ARCH = {"gemma": gguf.MODEL_ARCH.GEMMA, "gemma2": gguf.MODEL_ARCH.GEMMA2, "
 # assumes query_pre_attn_scalar 256: only those are supplied.
 HF_GGUF_CONFIG = {"gemma2": dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=16),
                   "gemma3": dict(query_pre_attn_scalar=16, rope_parameters=GEMMA3_ROPE)}
-MIX = (Q.F32, Q.F16, Q.Q8_0)  # matrices cycle through these; 1-D tensors are F32
 
 
 def spm_vocab(n: int) -> tuple[list[str], list[float], list[int]]:
@@ -230,18 +229,14 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    kinds, n_mat = {}, list(GGUF_CASES).index(case)
+    kinds, cycle = {}, TypeCycle(start=list(GGUF_CASES).index(case))
     for hf, t in model.state_dict().items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         name, data = names.get_name(hf, try_suffixes=(".weight",)), t.float().numpy()
         if hf.endswith("norm.weight"):
             data = data + np.float32(1.0)
-        qtype = Q.F32
-        if data.ndim == 2:
-            qtype, n_mat = MIX[n_mat % len(MIX)], n_mat + 1
-        add_tensor(w, name, data, qtype)
-        kinds[hf] = qtype
+        kinds[hf] = add_tensor(w, name, data, cycle(data))
     finish(w)
     return kinds
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_write import add_tensor, finish
+from gguf_write import TypeCycle, add_tensor, finish
 from test_arch_phi import _check, hf_generate, make_hf, prompt, saved  # noqa: F401  (saved: a fixture)
 from tiny_hf import assert_close, hf_logits
 
@@ -19,7 +19,6 @@ from ir.loader import load_model
 from ir.reference import ReferenceRunner
 from ir.rope import inv_freq
 
-MIX = (Q.F32, Q.F16, Q.Q8_0)  # matrices cycle through these, so every kind (and quantized fused splits) occurs
 RENAMES = {
     "model.embed_tokens.": "token_embd.", "model.final_layernorm.": "output_norm.", "model.norm.": "output_norm.",
     "lm_head.": "output.", "input_layernorm.": "attn_norm.", "post_attention_layernorm.": "ffn_norm.",
@@ -73,14 +72,10 @@ def write_gguf(model: torch.nn.Module, path: Path, fuse_qkv: bool) -> dict[str, 
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(cfg.max_position_embeddings / orig) / np.log(orig))))
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
-    state, kinds, n_mat = model.state_dict(), {}, 0
+    state, kinds, cycle = model.state_dict(), {}, TypeCycle()
     for name, parts in gguf_tensors(model, fuse_qkv).items():
         data = np.concatenate([state[p].float().numpy() for p in parts])
-        qtype = Q.F32
-        if data.ndim == 2:
-            qtype, n_mat = MIX[n_mat % len(MIX)], n_mat + 1
-        add_tensor(w, name, data, qtype)
-        kinds[name] = qtype
+        kinds[name] = add_tensor(w, name, data, cycle(data))
     finish(w)
     return kinds
 

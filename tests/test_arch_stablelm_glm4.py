@@ -31,7 +31,7 @@ import pytest
 import torch
 from backend_greedy import backend_greedy, host
 from gguf import GGMLQuantizationType as Q
-from gguf_write import add_decoder_sizes, add_tensor, finish
+from gguf_write import TypeCycle, add_decoder_sizes, add_tensor, finish
 from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import AutoModelForCausalLM, Glm4Config, GlmConfig, StableLmConfig
 
@@ -282,14 +282,13 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
         if arch == "glm4":
             w.add_key_length(head_dim)
             w.add_value_length(head_dim)
-    kinds, n = {}, 0
+    kinds, cycle = {}, TypeCycle(MIX)
     for name, (data, _) in _tensors(case, model).items():
-        qtype = Q.F32
-        if data.ndim == 2 and "norm" not in name:  # llama.cpp's quantize leaves norms as they are
-            fused = name.endswith(("ffn_up.weight", "attn_qkv.weight")) and arch != "stablelm"
-            qtype, n = (Q.Q8_0 if fused else MIX[n % len(MIX)]), n + 1
-        add_tensor(w, name, data, qtype)
-        kinds[name] = qtype
+        matrix = data.ndim == 2 and "norm" not in name  # llama.cpp's quantize leaves norms as they are
+        qtype = cycle(data) if matrix else Q.F32
+        if matrix and name.endswith(("ffn_up.weight", "attn_qkv.weight")) and arch != "stablelm":
+            qtype = Q.Q8_0
+        kinds[name] = add_tensor(w, name, data, qtype)
     finish(w)
     return kinds
 

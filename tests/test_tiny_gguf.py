@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_write import add_rms_decoder, add_tensor, finish
+from gguf_write import MIX, TypeCycle, add_rms_decoder, add_tensor, finish
 from tiny_hf import assert_close, hf_logits, random_causal_lm, random_prompt
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -54,9 +54,8 @@ TRANSFORMERS_CASES = ["llama", "qwen2_tied", "qwen3"]
 # transformers 5.24 maps attention.key_length to head_dim only for qwen3_moe, not qwen3, so a qwen3
 # GGUF gets Qwen3Config's default head_dim 128 and mis-shaped weights. Only that value is supplied.
 REF_CONFIG = {"qwen3": dict(head_dim=32)}
-# Matrices cycle through these in state-dict order, starting at the case's index, so the embedding
+# Matrices cycle through gguf_write.MIX in state-dict order, starting at the case's index, so the embedding
 # (the first matrix) is F32 for llama, F16 for the tied qwen2 (its output layer too) and Q8_0 for qwen3.
-MIX = (Q.F32, Q.F16, Q.Q8_0)
 
 # HF tensor name -> GGUF tensor name (llama.cpp's tensor_mapping for these architectures).
 RENAMES = [
@@ -118,18 +117,14 @@ def write_gguf(case: str, model: torch.nn.Module, path: Path) -> dict[str, Q]:
         w.add_vocab_size(cfg.vocab_size)
     kinds: dict[str, Q] = {}
     tied = cfg.tie_word_embeddings
-    n_mat = list(CASES).index(case)
+    cycle = TypeCycle(start=list(CASES).index(case))
     for hf, t in model.state_dict().items():
         if tied and hf == "lm_head.weight":
             continue
         name, data = gguf_name(hf), t.float().numpy()
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             data = llama_permute(data, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
-        qtype = Q.F32
-        if data.ndim == 2:
-            qtype, n_mat = MIX[n_mat % len(MIX)], n_mat + 1
-        add_tensor(w, name, data, qtype)
-        kinds[name] = qtype
+        kinds[name] = add_tensor(w, name, data, cycle(data))
     finish(w)
     return kinds
 
