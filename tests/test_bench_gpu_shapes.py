@@ -1,11 +1,11 @@
-"""tools/bench_gpu's synthetic shapes (the GPU run is gpu_check's): each builds its architecture's graph at full
-width from its checkpoint's config.json, with the real model's sizes."""
+"""tools/bench_gpu's synthetic shapes (tools/bench_gpu_model; the GPU run is gpu_check's): each builds its
+architecture's graph at full width from its checkpoint's config.json, with the real model's sizes."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.bench_gpu import SHAPES, loaded_model, model_config
+from tools.bench_gpu_model import SHAPES, loaded_model, model_config
 
 FULL = {"llama3-8b": ("llama", 32, 4096, 128, None), "gemma2-9b": ("gemma2", 42, 3584, 256, 4096),
         "phi3-mini": ("phi3", 32, 3072, 96, 2047), "qwen3-30b-a3b": ("qwen3_moe", 48, 2048, 128, None)}
@@ -28,7 +28,7 @@ def test_moe_roofline_counts_the_routed_experts_only():
     stacks (3.3 B active parameters of 30.5 B, in bf16), a batch of 16 most of them."""
     import torch
 
-    from tools.bench_gpu import active_bytes
+    from tools.bench_gpu_model import active_bytes
 
     graph = loaded_model(model_config(2, "qwen3-30b-a3b")).graph
     params = {n: torch.empty(p.shape, dtype=torch.bfloat16, device="meta") for n, p in graph.params.items()}

@@ -1,11 +1,11 @@
-"""The CUDA backend on a synthetic Llama-3-8B (or gemma2-9b / phi3-mini with --shape; random weights made on the GPU:
-nothing to download), through the engine: decode tok/s at several batch sizes (128-token prompts, 128 new tokens,
-EOS ignored), prefill tok/s at 2048 tokens, and the same decode with GGUF Q4_K/Q6_K blocks laid out as Q4_K_M. The
-ceilings (copy bandwidth, bf16 GEMM rate) and the transformers peer (llama's shape) are measured in the same run;
-every figure is printed with its ratios.
+"""The CUDA backend on a synthetic Llama-3-8B (or gemma2-9b / phi3-mini / qwen3-30b-a3b with --shape; random
+weights made on the GPU by tools/bench_gpu_model: nothing to download), through the engine: decode tok/s at several
+batch sizes (128-token prompts, 128 new tokens, EOS ignored), prefill tok/s at 2048 tokens, and the same decode with
+GGUF Q4_K/Q6_K blocks laid out as Q4_K_M. The ceilings (copy bandwidth, bf16 GEMM rate) and the transformers peer
+(llama's shape) are measured in the same run; every figure is printed with its ratios.
 
-    python -m tools.bench_gpu [--shape llama3-8b|gemma2-9b|phi3-mini] [--batches 1,16,64] [--layers N] [--no-peer]
-        [--no-quant] [--json FILE]
+    python -m tools.bench_gpu [--shape llama3-8b|gemma2-9b|phi3-mini|qwen3-30b-a3b] [--batches 1,16,64] [--layers N]
+        [--no-peer] [--no-quant] [--json FILE]
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ import numpy as np
 import torch
 
 from ir.config import ModelConfig
-from ir.rope import RopeSpec
+from tools.bench_gpu_model import SHAPES, active_bytes, dense_params, loaded_model, model_config, q4_k_m_params
 
 GB = 1e9
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
-                 head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=8192)
 
 
 def say(*a) -> None:
@@ -63,95 +61,6 @@ def gemm_rate() -> float:
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     t = _time_cuda(lambda: a @ b, 10)
     return 2 * n**3 / t / 1e12
-
-
-# --- the synthetic model ---------------------------------------------------------------------------------------
-
-# Other shapes, from their checkpoints' config.json (tests/data/hf_configs), read by their architecture's config
-# class: the issue's check that a new architecture decodes at the same fraction of the roofline as llama's.
-SHAPES = {"llama3-8b": None, "gemma2-9b": "gemma-2-9b-it.json", "phi3-mini": "phi-3-mini-4k-instruct.json",
-          "qwen3-30b-a3b": "qwen3-30b-a3b.json"}
-CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "hf_configs"
-
-
-def model_config(layers: int | None, shape: str = "llama3-8b") -> ModelConfig:
-    if SHAPES[shape] is None:
-        return ModelConfig(arch="llama", num_layers=layers or 32, rope=RopeSpec(theta=500000.0, rotary_dim=128),
-                           **LLAMA3_8B)
-    from ir.models import for_hf
-
-    hf = json.loads((CONFIGS / SHAPES[shape]).read_text())
-    cfg = for_hf(hf["model_type"]).config_from_hf(hf)
-    return cfg.with_(num_layers=layers) if layers else cfg
-
-
-def loaded_model(cfg: ModelConfig):
-    from ir.loader import LoadedModel
-    from ir.models import by_name
-    from ir.weights import WeightStore
-
-    arch = by_name(cfg.arch)
-    return LoadedModel(Path(f"synthetic-{cfg.arch}"), arch, cfg, arch.build(cfg, "bf16"), WeightStore(), None, {})
-
-
-def active_bytes(graph, params, tokens: int = 1) -> int:
-    """The bytes a decode step of `tokens` tokens reads at least: every parameter, but of an expert stack only the
-    experts a random routing picks (expected distinct ones: top_k of E for one token)."""
-    from backends.cuda.weights import nbytes
-
-    top_k = {v.name: n.inputs[2].shape[1] for n in graph.nodes if n.op == "moe_experts" for v in n.inputs[3:]}
-    total = 0
-    for name, p in params.items():
-        share = 1.0
-        if name in top_k:
-            share = 1 - (1 - top_k[name] / graph.params[name].shape[0]) ** tokens
-        total += int(nbytes(p) * share)
-    return total
-
-
-def dense_params(graph) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    out = {}
-    for name, p in graph.params.items():
-        if len(p.shape) == 1:
-            out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device="cuda")
-        else:
-            out[name] = torch.randn(p.shape, dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
-    return out
-
-
-def _q6_layer(i: int, n: int) -> bool:
-    """llama.cpp's Q4_K_M gives attn_v and ffn_down Q6_K in these layers ("use_more_bits")."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-def random_blocks(rows: int, cols: int, qtype: str, gen) -> torch.Tensor:
-    """Random but valid GGUF blocks [rows, row_bytes]: random quants, small finite fp16 scales."""
-    from ir.formats.gguf_quants import row_bytes
-
-    per, size, scale_at = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}[qtype]
-    blocks = torch.randint(0, 256, (rows, cols // per, size), dtype=torch.uint8, device="cuda", generator=gen)
-    for off in scale_at:
-        d = (torch.rand((rows, cols // per), device="cuda", generator=gen) * 1e-3 + 1e-4).half()
-        blocks[:, :, off:off + 2] = d.view(torch.uint8).reshape(rows, cols // per, 2)
-    assert blocks.shape[1] * size == row_bytes(qtype, cols)
-    return blocks.reshape(rows, -1)
-
-
-def q4_k_m_params(graph, layers: int) -> dict:
-    from backends.cuda.weights import QuantWeight
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    out = {}
-    for name, p in graph.params.items():
-        if len(p.shape) == 1:
-            out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device="cuda")
-            continue
-        parts = name.split(".")
-        six = name == "lm_head" or (parts[-1] in ("wv", "w_down") and _q6_layer(int(parts[1]), layers))
-        q = "Q6_K" if six else "Q4_K"
-        out[name] = QuantWeight(random_blocks(p.shape[0], p.shape[1], q, gen), q, p.shape)
-    return out
 
 
 # --- our engine ------------------------------------------------------------------------------------------------
