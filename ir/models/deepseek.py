@@ -25,7 +25,7 @@ from ir.graph import Graph, Value
 from ir.models import Architecture, llama
 from ir.models._names import layer_names
 from ir.models.moe import QWEN as MOE_NAMES
-from ir.models.moe import _hf_experts
+from ir.models.moe import hf_experts
 from ir.weights import StoredTensor, WeightSource
 
 
@@ -50,7 +50,7 @@ class DeepseekConfig(ModelConfig):
     routed_scaling: float = 1.0
     score_bias: bool = False  # V3's e_score_correction_bias
 
-    # The MoE block's reader (ir.models.moe.load_weights' helpers) knows these names.
+    # The shared experts' width: all of them as one MLP (transformers builds them so).
     @property
     def shared_expert_intermediate_size(self) -> int:
         return self.moe_intermediate_size * self.n_shared_experts
@@ -156,7 +156,7 @@ def load_weights(cfg: DeepseekConfig, graph: Graph, src: WeightSource) -> dict[s
         if head.startswith("layers.") and key in HF_NAMES:
             i = int(head.split(".")[1])
             name = HF_NAMES[key]
-            out[p] = _hf_experts(src, cfg, i, key, name) if "{e}" in name else src.require(f"model.{head}.{name}", p)
+            out[p] = hf_experts(src, cfg, i, key, name) if "{e}" in name else src.require(f"model.{head}.{name}", p)
         else:
             out[p] = src.require(names.get(p, p), p)
     return out

@@ -96,7 +96,7 @@ GGUF = {"router": "ffn_gate_inp", "exp_gate": "ffn_gate_exps", "exp_up": "ffn_up
         "sh_router": "ffn_gate_inp_shexp"}
 
 
-def _hf_experts(src: WeightSource, cfg: MoEConfig, i: int, key: str, name: str) -> StoredTensor:
+def hf_experts(src: WeightSource, cfg: MoEConfig, i: int, key: str, name: str) -> StoredTensor:
     """One expert stack from per-expert tensors, or from transformers 5's fused stacks (gate_up_proj rows split)."""
     base = f"model.layers.{i}."
     per_expert = base + name.format(e=0)
@@ -122,7 +122,7 @@ def load_weights(cfg: MoEConfig, graph: Graph, src: WeightSource) -> dict[str, S
             t = src.require(f"blk.{layer}.{GGUF[key]}.weight", p)
             out[p] = t.reshaped(graph.params[p].shape) if key == "sh_router" else t  # GGUF's is [hidden]
         elif "{e}" in moe_names[key]:
-            out[p] = _hf_experts(src, cfg, layer, key, moe_names[key])
+            out[p] = hf_experts(src, cfg, layer, key, moe_names[key])
         else:
             out[p] = src.require(f"model.layers.{layer}.{moe_names[key]}", p)
     names = layer_names(llama.LAYER_NAMES, llama.TOP_NAMES, cfg.num_layers, src.format)
