@@ -315,3 +315,22 @@ def test_reshape(target):
     np.testing.assert_allclose(out[64:128], want, rtol=1e-6)
     np.testing.assert_allclose(out[128:], want.reshape(8, 8).sum(1), rtol=1e-5)
     np.testing.assert_allclose(x[200:264], x[:64] + 1.0, rtol=1e-6)
+
+
+@needs_triton
+def test_direct_key_is_as_fine_as_tritons_specialization():
+    """A compiled kernel is reused through its C launcher only for arguments that Triton would have compiled the
+    same binary for: the key must tell apart what Triton specializes on (an address off 16 bytes, an integer equal
+    to 1, divisible by 16, or past 32 bits) and dtypes."""
+    import torch
+
+    from kernels_src.dsl.triton_target import direct_key
+
+    x = torch.zeros(64, dtype=torch.float16)
+    base = direct_key((x, 16, 2.0))
+    assert direct_key((torch.zeros(64, dtype=torch.float16), 32, 3.0)) == base  # same specialization
+    assert direct_key((x[1:], 16, 2.0)) != base  # 2 bytes off alignment
+    assert direct_key((x.float(), 16, 2.0)) != base
+    assert len({direct_key((x, n, 2.0)) for n in (1, 2, 16, 17, 2**31, -16)}) == 4  # 1 | odd | x16 | 64-bit
+    assert direct_key((x, 1, 2.0)) != direct_key((x, True, 2.0))
+    assert direct_key((x, 16, np.float32(2.0))) != direct_key((x, 16, np.float32(3.0)))  # unknown: by value

@@ -107,3 +107,37 @@ def test_kernel_on_gpu(target, name, params, request):
     torch.cuda.synchronize()
     err, problem = case.check()
     assert problem is None, f"{problem} (worst rel err {err:.2e})"
+
+
+def test_direct_launch_follows_specialization():
+    """Launches through the compiled kernel's C launcher (dsl.launch.DIRECT_LAUNCH) compute what Triton's own
+    launcher does, as the arguments move between specializations (an unaligned row view, sizes that are and are not
+    multiples of 16) on one Kernel, and each specialization gets its own binary."""
+    import torch
+
+    from kernels_src import rms_norm
+    from kernels_src.dsl import compile as dsl_compile
+    from kernels_src.dsl import launch as dsl_launch
+
+    assert dsl_launch.DIRECT_LAUNCH
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n in (64, 50, 64, 50):
+        base = torch.randn(3, n + 1, device="cuda", generator=gen)
+        w = torch.randn(n + 1, device="cuda", generator=gen)
+        for x in (base[:, :n], base[:, 1:]):  # aligned rows, then rows 4 bytes off
+            for _ in range(2):  # the second launch of a specialization goes through its C launcher
+                out = rms_norm.rms_norm(x, w[:n], 1e-5, target="triton")
+                want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w[:n]
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    k = dsl_compile(rms_norm.rms_norm_kernel, "triton", launch_pdl=True, BLOCK=64, OFFSET=False, PDL=True)
+    assert len(k._direct) >= 3, k._direct.keys()  # (n 64 | 50) x (aligned | not), as Triton specialized them
+    # and once compiled, no launch goes through Triton's Python launcher any more
+    from triton.runtime.jit import JITFunction
+
+    calls, run = [], JITFunction.run
+    JITFunction.run = lambda self, *a, **kw: calls.append(1) or run(self, *a, **kw)
+    try:
+        rms_norm.rms_norm(base[:, 1:], w[:n], 1e-5, target="triton")
+    finally:
+        JITFunction.run = run
+    assert not calls

@@ -17,6 +17,9 @@ from .printer import format_kernel
 from .tracer import split_params, trace
 
 TARGETS = ("numpy", "triton", "triton-interpret")
+# Target "triton": launch compiled kernels through their C launcher (False: always through Triton's JITFunction.run,
+# for comparison: tools/bench_launch)
+DIRECT_LAUNCH = True
 _compiled: dict[tuple, Callable] = {}
 _kernels: dict[tuple, Kernel] = {}
 
@@ -80,6 +83,7 @@ class Kernel:
         self.runtime_params = split_params(fn)[0]
         self._traces: dict[tuple, KernelIR] = {}
         self._launchers: dict[tuple, Callable] = {}  # signature -> launch: a launch must not re-render
+        self._direct: dict[tuple, Callable] = {}  # triton_target.direct_key -> C launch of its compiled kernel
 
     def trace(self, *args, signature: dict | None = None) -> KernelIR:
         """The IR for these launch arguments (or an explicit {name: "*fp32" | "i32" ...} signature)."""
@@ -133,7 +137,23 @@ class Kernel:
 
     def __getitem__(self, grid) -> Callable:
         grid = (grid,) if isinstance(grid, int) else tuple(int(g) for g in grid)
-        return lambda *args: self.compiled(*args)(grid, *args)
+        return lambda *args: self.launch(grid, args)
+
+    def launch(self, grid: tuple, args: tuple):
+        """Launch on `grid`. On CUDA a kernel already compiled for these arguments' specialization is launched
+        through its C launcher (triton_target.direct_launcher): the host cost of an eager step's launches."""
+        if self.target != "triton" or not DIRECT_LAUNCH:
+            return self.compiled(*args)(grid, *args)
+        from .triton_target import direct_key, direct_launcher
+
+        key = direct_key(args)
+        fast = self._direct.get(key)
+        if fast is not None and fast(grid, args):
+            return None
+        compiled = self.compiled(*args)(grid, *args)  # Triton's launcher: compiles once, returns the kernel
+        if fast is None and compiled is not None:
+            self._direct[key] = direct_launcher(compiled) or (lambda grid, args: False)
+        return compiled
 
 
 PDL_TARGETS = ("triton",)  # targets that launch kernels as programmatic dependent launches (Hopper and later)

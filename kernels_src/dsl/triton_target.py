@@ -164,6 +164,65 @@ def build(source: str, name: str, interpret: bool = False):
     return triton.jit(fn)
 
 
+# --- launching a compiled kernel without Triton's Python launcher -----------------------------------------------
+# An eager decode step of an 8B model launches ~200 kernels; Triton's `JITFunction.run` binds and specializes every
+# argument and builds its cache key in Python on each launch (tens of microseconds of host time), which is what made
+# eager steps 10x slower than the GPU. Once a kernel is compiled for a specialization, the launch itself is one call
+# into the CompiledKernel's C launcher: `direct_key` reproduces what Triton specializes on (pointer alignment to 16
+# bytes; integers equal to 1, divisible by 16, or wider than 32 bits) so that a cached kernel is only ever reused for
+# arguments Triton would have given the same binary.
+
+def direct_key(args) -> tuple:
+    """What selects a compiled binary for these launch arguments, at least as finely as Triton's own key (each
+    launch computes it: written for speed)."""
+    key = []
+    add = key.append
+    for a in args:
+        t = type(a)
+        if t is int:  # 1 | a multiple of 16 | other, and past 32 bits
+            add(1 if a == 1 else (a % 16 == 0) * 16 + (not -2**31 <= a < 2**31) * 64)
+        elif t is float:
+            add(2.5)
+        elif t is bool:
+            add(3 + a)
+        elif (ptr := getattr(a, "data_ptr", None)) is not None:  # a tensor: its dtype, its address 16-byte aligned
+            add(a.dtype if ptr() % 16 == 0 else (a.dtype,))
+        else:  # anything else (a numpy scalar): its exact value, finer than any specialization
+            add((t, a))
+    return tuple(key)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: None, or (Triton 3.5+) an empty HookChain, is not."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def direct_launcher(compiled):
+    """`launch(grid, args)` for a CompiledKernel that Triton's launcher returned, calling its C launcher directly;
+    None when this Triton's CompiledKernel does not have the interface (the caller keeps Triton's launcher)."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    try:
+        run = compiled.run  # loads the module: `function` exists only after this
+        function, metadata = compiled.function, compiled.packed_metadata
+        active = driver.active
+        stream_of, device = active.get_current_stream, active.get_current_device
+    except AttributeError:
+        return None
+    runtime = knobs.runtime
+
+    def launch(grid, args):
+        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+            return False  # a profiler's hooks (proton) expect Triton's launcher: let it launch
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream_of(device()), function, metadata,
+            None, None, None, *args)
+        return True
+
+    return launch
+
+
 class _Interpreted:
     """Triton's interpreter in-process, whatever TRITON_INTERPRET said when triton was imported.
 
