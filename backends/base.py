@@ -48,8 +48,9 @@ class Backend(ABC):
     # the engine can launch a step before reading the last one's tokens back.
     chains_steps: bool = False
 
-    def set_limits(self, max_num_seqs: int, max_model_len: int) -> None:
-        """The engine's limits, given before the KV cache is sized: a backend may size per-step buffers by them."""
+    def set_limits(self, max_num_seqs: int, max_model_len: int, max_step_tokens: int | None = None) -> None:
+        """The engine's limits, given before the KV cache is sized: a backend may size per-step buffers by them
+        (max_step_tokens: the most tokens one step computes, the scheduler's max_num_batched_tokens)."""
         return None  # the MLX backend sizes everything per step
 
     def kv_layout(self) -> KVLayout:

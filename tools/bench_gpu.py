@@ -141,8 +141,9 @@ def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, 
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
-    for _ in range(3):
-        engine.step()
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()  # every prefill done (a long prompt takes several steps): the profile sees decode steps only
+    engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -247,6 +248,8 @@ def main() -> None:
         raise SystemExit("bench_gpu needs a CUDA GPU")
     batches = [int(b) for b in args.batches.split(",")]
     cfg = model_config(args.layers, args.shape)
+    if args.prompt + args.gen > cfg.max_position_embeddings:  # random weights: any context the rope table covers
+        cfg = cfg.with_(max_position_embeddings=args.prompt + args.gen)
     args.layers = cfg.num_layers
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
                  "shape": args.shape}

@@ -6,7 +6,9 @@ CUDA graphs). Three figures, each in microseconds of host time:
   `torch.empty` for scale;
 - an eager decode step of a synthetic Llama-3-8B-shaped model (`--layers`) at batch 1, both launch paths, beside the
   same engine's CUDA-graph step (the peer: the issue's target is eager within 1.5x of it);
-- a Python profile of the eager steps (the 25 largest by own time), for where the rest goes.
+- a Python profile of the eager steps (the 25 largest by own time), for where the rest goes;
+- a step that prefills one prompt of 16 / 128 / 512 tokens, replayed in pieces (backends.cuda.piecewise) against
+  the same step run eagerly.
 
     python -m tools.bench_launch [--layers 8] [--steps 32] [--json FILE]
 """
@@ -89,6 +91,30 @@ def step_ms(engine, steps: int, vocab: int, profile: bool = False) -> tuple[floa
     return ms, text
 
 
+def prefill_steps(engine, vocab: int, sizes=(16, 128, 512), reps: int = 5) -> dict[str, float]:
+    """ms of a step that prefills one prompt of n tokens, replayed in pieces (backends.cuda.piecewise) and eager."""
+    from core.sampling_params import SamplingParams
+
+    backend, pieces, out = engine.backend, engine.backend.pieces, {}
+    rng = np.random.default_rng(1)
+    for n in sizes:
+        for mode in ("pieces", "eager"):
+            backend.pieces = pieces if mode == "pieces" else None
+            times = []
+            for _ in range(reps + 1):
+                engine.add_request(rng.integers(0, vocab, n).tolist(), SamplingParams(temperature=0, max_tokens=1))
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                while engine.has_unfinished():
+                    engine.step()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t) * 1e3)
+            out[f"prefill {n}, {mode}"] = float(np.median(times[1:]))
+            print(f"{out[f'prefill {n}, {mode}']:8.2f} ms  prefill step of {n} tokens, {mode}", flush=True)
+    backend.pieces = pieces
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -119,6 +145,8 @@ def main() -> None:
             dsl_launch.DIRECT_LAUNCH = True
             _, res["profile"] = step_ms(engine, args.steps, cfg.vocab_size, profile=True)
             print(res["profile"], flush=True)
+        else:
+            res["prefill_ms"] = prefill_steps(engine, cfg.vocab_size)
         del engine
     g = res["step_ms"]["CUDA graphs"]
     for name, ms in res["step_ms"].items():

@@ -139,34 +139,40 @@ class Runner:
     # -- the graph ----------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, logits_indices: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """fp32 logits [len(logits_indices), vocab]."""
-        env = {}
-        for name, v in self.graph.inputs.items():
-            env[v.id] = {"token_ids": token_ids, "logits_indices": logits_indices, "positions": meta.positions}.get(
-                name)
-
-        def get(v: Value | None):
-            if v is None:
-                return None
-            return self.params[v.name] if v.kind == "param" else env[v.id]
-
+        env = self.input_env(token_ids, logits_indices, meta.positions)
         self._step_rows = {}
-        for node in self.graph.nodes:
-            op, args = node.op, [get(i) for i in node.inputs]
-            if op in ("attention", "rope_attention"):
-                out = self._attention(node, args, meta)
-            elif op in ("rope", "rope_pair"):
-                out = self._rope_op(node, args, meta)
-            elif op == "add_rms_norm":
-                out = self._add_rms_norm(node, args)
-            elif op == "gated":
-                out = activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
-            elif op == "slice":
-                out = args[0][..., node.attrs["start"]:node.attrs["start"] + node.attrs["size"]]
-            else:
-                out = self._eval(node, args)
+        self.run_nodes(self.graph.nodes, env, meta)
+        return env[self.graph.outputs["logits"].id].float()
+
+    def input_env(self, token_ids, logits_indices, positions) -> dict:
+        """The graph's inputs by value id: the start of the environment `run_nodes` fills."""
+        given = {"token_ids": token_ids, "logits_indices": logits_indices, "positions": positions}
+        return {v.id: given.get(name) for name, v in self.graph.inputs.items()}
+
+    def args(self, node: Node, env: dict) -> list:
+        return [None if v is None else self.params[v.name] if v.kind == "param" else env[v.id] for v in node.inputs]
+
+    def run_nodes(self, nodes, env: dict, meta: StepMeta) -> None:
+        """Run `nodes` in order, reading and writing their values in `env` (backends.cuda.piecewise runs a graph's
+        pieces through this, with attention between them)."""
+        for node in nodes:
+            out = self.run_node(node, self.args(node, env), meta)
             for v, t in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
                 env[v.id] = t
-        return env[self.graph.outputs["logits"].id].float()
+
+    def run_node(self, node: Node, args: list, meta: StepMeta, out=None):
+        op = node.op
+        if op in ("attention", "rope_attention"):
+            return self._attention(node, args, meta, out)
+        if op in ("rope", "rope_pair"):
+            return self._rope_op(node, args, meta)
+        if op == "add_rms_norm":
+            return self._add_rms_norm(node, args)
+        if op == "gated":
+            return activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
+        if op == "slice":
+            return args[0][..., node.attrs["start"]:node.attrs["start"] + node.attrs["size"]]
+        return self._eval(node, args)
 
     def _own(self, value: Value, t: torch.Tensor) -> torch.Tensor:
         """`t` itself where this node is its only reader (a kernel may write it in place), else a copy."""
@@ -190,7 +196,8 @@ class Runner:
         return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
                                      pdl=self.pdl)
 
-    def _attention(self, node: Node, args, meta: StepMeta):
+    def _attention(self, node: Node, args, meta: StepMeta, out=None):
+        """`out`: where to write the result [T, Hq, Dv] (default: a new tensor)."""
         a = node.attrs
         kc, vc = self.kv[a["layer"]]
         slots, tables = meta.kv_group(self.group_of[a["layer"]])
@@ -206,7 +213,11 @@ class Runner:
             cos, sin = self._rope[spec]
             rope_kv_write.rope_kv_write(q, k, v, kc, vc, slots, self.rope_rows(spec, meta), cos, sin,
                                         interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
-        out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+        if out is None or out.shape[2] != v.shape[2]:
+            result = out
+            out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+        else:
+            result = None
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
                   pdl=self.pdl)
         if meta.decode:
@@ -217,7 +228,10 @@ class Runner:
         else:
             out = paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start,
                                               a["scale"], max_query_len=meta.max_query_len, **kw)
-        return out if out.shape[2] == dv else out[..., :dv]
+        out = out if out.shape[2] == dv else out[..., :dv]
+        if result is not None:  # the caller's buffer, of another width than the kernels write (MLA's values)
+            return result.copy_(out)
+        return out
 
     # -- single ops ---------------------------------------------------------------------------------
     def linear(self, x, w: Param, b=None):

@@ -108,7 +108,7 @@ class LLMEngine:
         model = backend.model
         self.tokenizer = model.tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        backend.set_limits(config.scheduler.max_num_seqs, self.max_model_len)
+        backend.set_limits(config.scheduler.max_num_seqs, self.max_model_len, config.scheduler.max_num_batched_tokens)
         self.blocks = self._make_blocks(backend, config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}

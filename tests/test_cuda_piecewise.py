@@ -1,0 +1,84 @@
+"""Steps with prefill tokens replayed in pieces (backends.cuda.piecewise) give the eager steps' logits.
+
+On CPU tensors the pieces run eagerly on their static buffers (`capture=False`): the bookkeeping of which values
+are held, padded and sliced, with the DSL's kernels under Triton's interpreter. On a GPU (tools/gpu_check.sh) the
+pieces are CUDA graphs, captured by the backend itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from test_tiny_models import prompt, saved  # noqa: F401  (saved is a fixture)
+
+from core.batch import make_batch
+from ir.loader import load_model
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+torch = pytest.importorskip("torch")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+def _backends(model, device: str, max_tokens: int):
+    from backends.cuda.backend import CUDABackend
+    from backends.cuda.piecewise import PiecewiseGraphs
+
+    pieced, eager = (CUDABackend(model, device=device, dtype="f32", progress=False, cuda_graph=g)
+                     for g in (True, False))
+    for b in (pieced, eager):
+        b.set_limits(4, 256, max_tokens)
+        b.allocate_kv(48, 4)
+    if device == "cpu":  # no graphs on CPU tensors: the same pieces, run eagerly
+        pieced.pieces = PiecewiseGraphs(pieced.runner, max_tokens, capture=False)
+        pieced.pieces.capture_all()
+    return pieced, eager
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window"])
+def test_pieces_match_eager_steps(case, device, saved):  # noqa: F811
+    """A prefill of two prompts, then a mixed step (two decodes and a third prompt's first chunk), then its second
+    chunk with the decodes: token counts between buckets, so every step runs on padding rows too."""
+    model = load_model(saved(case)[1], progress=False)
+    pieced, eager = _backends(model, device, 32)
+    assert pieced.pieces is not None and sorted(pieced.pieces.captured) == [8, 16, 32]
+    tables = [list(range(i * 16, (i + 1) * 16))[::-1] for i in range(3)]
+    a, b, c = prompt(1, 7), prompt(2, 12), prompt(3, 11)
+    steps = [make_batch([a, b], [0, 0], tables[:2], 4),  # 19 tokens: the 32 bucket
+             make_batch([[5], [6], c[:6]], [7, 12, 0], tables, 4),  # 8 tokens
+             make_batch([[7], [8], c[6:]], [8, 13, 6], tables, 4)]  # 7 tokens
+    for step in steps:
+        got, want = (be.forward(step).cpu().numpy() for be in (pieced, eager))
+        assert got.shape == want.shape == (len(step.logits_indices), model.config.vocab_size)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_plan_cuts_at_attention_and_keeps_the_logits_tail_eager(saved):  # noqa: F811
+    from backends.cuda.piecewise import plan
+    from ir.fusion import Fusions, fuse
+
+    model = load_model(saved("llama3_rope")[1], progress=False)
+    p = plan(fuse(model.graph, {}, Fusions()))
+    kinds = [k for k, _ in p.steps]
+    layers = model.config.num_layers
+    assert kinds == ["graph", "attention"] * layers + ["graph"]
+    assert p.tail and p.tail[0].op == "gather_rows"  # the rows that need logits: a count that varies
+    attention = [n for k, nodes in p.steps if k == "attention" for n in nodes]
+    assert all(v.id in p.attention_reads for n in attention for v in n.inputs if v.kind != "param")
+
+
+def test_plan_refuses_a_longrope_graph():
+    """A longrope table is picked per token by its sequence's length, which a piece cannot read."""
+    from backends.cuda.piecewise import plan
+    from ir.graph import Graph
+    from ir.rope import longrope
+
+    g = Graph("longrope")
+    x = g.reshape(g.embedding(g.param("e", (10, 8)), g.input("token_ids", ("T",), "i32")), shape=("T", 2, 4))
+    seq = g.input("context_lens", ("B",), "i32"), g.input("query_start", ("B+1",), "i32")
+    g.output("x", g.rope(x, g.input("positions", ("T",), "i32"), *seq, spec=longrope(1e4, 4, [1, 1], [2, 2], 8, 1.0)))
+    assert "longrope" in plan(g)
