@@ -172,3 +172,12 @@ def test_mlx_compiled_decode_runs_the_latent_cache(tmp_path):
     tokens, _ = backend_greedy(backend, ReferenceRunner(loaded, max_tokens=32, block_size=4), prompts, 4, 4)
     assert backend.decode is not None and tokens == [hf_greedy(model, p, 4) for p in prompts]
 
+
+def test_ir_dump_shows_the_latent_cache(tmp_path, capsys):
+    from tools import ir_dump
+
+    saved("deepseek_v3", tmp_path)
+    assert ir_dump.main([str(tmp_path), "--graph-only"]) == 0
+    out = capsys.readouterr().out
+    assert f"layers 0-1: latent 1x{LATENT} (values: its first 32) = {LATENT} elements a token and layer" in out
+    assert out.count("= latent_attention(") == 2 and out.count("= head_linear(") == 4 and "= attention(" not in out
