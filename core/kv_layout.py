@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 NULL_BLOCK = 0  # a sliding pool's reserved block: the table entries a sequence has let go point at it
 
@@ -61,15 +62,32 @@ class KVGroup:
         return min(whole, -(-(self.window + limits.step_tokens) // bs) + 1)
 
 
+class LayerCache(NamedTuple):
+    """What one attention layer caches per token: `heads` keys of key_dim and as many values of value_dim; or, with
+    values_in_keys (multi-head latent attention's latent), the keys alone, each key's first value_dim elements
+    being its value: one tensor, kv_lora_rank + rope dims a token."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    values_in_keys: bool = False
+
+    @property
+    def elements(self) -> int:
+        """Cached elements per token."""
+        return self.heads * (self.key_dim + (0 if self.values_in_keys else self.value_dim))
+
+
 @dataclass(frozen=True)
 class KVLayout:
     groups: tuple[KVGroup, ...]
     group_of: tuple[int, ...]  # layer -> its group
-    shapes: tuple[tuple[int, int, int], ...]  # layer -> (kv heads, key dim, value dim) of its cache
+    shapes: tuple[LayerCache, ...]  # layer -> what its cache holds
 
     @classmethod
-    def from_layers(cls, windows: Sequence[int | None], shapes: Sequence[tuple[int, int, int]]) -> KVLayout:
-        """The layout of attention layers 0..n-1 with these windows (None: full attention) and cache shapes."""
+    def from_layers(cls, windows: Sequence[int | None], shapes: Sequence[tuple]) -> KVLayout:
+        """The layout of attention layers 0..n-1 with these windows (None: full attention) and cache shapes
+        (LayerCache, or its fields as a tuple)."""
         if len(windows) != len(shapes):
             raise ValueError(f"{len(windows)} windows for {len(shapes)} attention layers")
         distinct = set(windows)
@@ -80,16 +98,15 @@ class KVLayout:
             order = sorted(distinct, key=lambda w: (w is not None, -(w or 0)))  # full first, then widest
             group_of = tuple(order.index(w) for w in windows)
         groups = tuple(KVGroup(w, tuple(i for i, g in enumerate(group_of) if g == n)) for n, w in enumerate(order))
-        return cls(groups, group_of, tuple(tuple(s) for s in shapes))
+        return cls(groups, group_of, tuple(LayerCache(*s) for s in shapes))
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
 
     def group_bytes(self, group: int, block_size: int, itemsize: int) -> int:
-        """Bytes of K and V of one block of `group`'s pool (every layer of the group)."""
-        return block_size * itemsize * sum(hkv * (dk + dv) for hkv, dk, dv in
-                                           (self.shapes[i] for i in self.groups[group].layers))
+        """Bytes of K and V (or a latent) of one block of `group`'s pool (every layer of the group)."""
+        return block_size * itemsize * sum(self.shapes[i].elements for i in self.groups[group].layers)
 
     def pools(self, blocks0: int, limits: KVLimits) -> list[int]:
         """Each pool's size in blocks (a sliding pool's null block included) when group 0 has `blocks0` usable

@@ -53,7 +53,8 @@ class Node:
 @dataclass
 class Param:
     """A weight the graph reads. `shard` annotates tensor-parallel splitting: "column" splits the
-    output rows, "row" splits the input columns, None replicates."""
+    output rows, "row" splits the input columns, "heads" the first dim of a per-head stack (head_linear's),
+    None replicates."""
 
     name: str
     shape: tuple[int, ...]

@@ -21,11 +21,12 @@ from ir.rope import RopeSpec, cos_sin, token_seq_lens
 @dataclass
 class KVCache:
     """Per-layer paged key and value caches, each [num_blocks, block_size, kv_heads, head_dim], a layer's blocks
-    those of its KV group's pool (core.kv_layout). `steps` holds the running step's slot mappings and block tables
-    of groups 1.. (group 0's are the graph's own inputs), bound by Interpreter.run."""
+    those of its KV group's pool (core.kv_layout); a latent layer's values are its keys' leading part (v None).
+    `steps` holds the running step's slot mappings and block tables of groups 1.. (group 0's are the graph's own
+    inputs), bound by Interpreter.run."""
 
     k: list[np.ndarray]
-    v: list[np.ndarray]
+    v: list[np.ndarray | None]
     block_size: int
     group_of: tuple[int, ...] = ()  # layer -> KV group; () : one group
     steps: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
@@ -38,9 +39,9 @@ class KVCache:
         if len(pools) != layout.num_groups:
             raise ValueError(f"{len(pools)} pool sizes for {layout.num_groups} KV groups")
         k, v = [], []
-        for (hkv, dk, dv), g in zip(layout.shapes, layout.group_of, strict=True):
-            k.append(np.zeros((pools[g], block_size, hkv, dk), np.float32))
-            v.append(np.zeros((pools[g], block_size, hkv, dv), np.float32))
+        for s, g in zip(layout.shapes, layout.group_of, strict=True):
+            k.append(np.zeros((pools[g], block_size, s.heads, s.key_dim), np.float32))
+            v.append(None if s.values_in_keys else np.zeros((pools[g], block_size, s.heads, s.value_dim), np.float32))
         return cls(k, v, block_size, layout.group_of if layout.num_groups > 1 else ())
 
     def bind(self, inputs: Mapping[str, np.ndarray]) -> None:
@@ -103,6 +104,19 @@ def paged_attention(q, k, v, slots, tables, ctx, qstart, *, cache: KVCache, laye
     flat_k[slots[keep]] = k[keep]
     flat_v[slots[keep]] = v[keep]
     return attend_cached(q, kc, vc, tables, ctx, qstart, scale=scale, sliding_window=sliding_window,
+                         softcap=softcap)
+
+
+def latent_attention(q, kv, slots, tables, ctx, qstart, *, cache: KVCache, layer: int, scale: float, value_dim: int,
+                     sliding_window: int | None = None, softcap: float | None = None):
+    """MLA over its latent cache: this step's latents kv [T, Hkv, D] written as keys, then attention whose values are
+    the cached keys' first value_dim elements."""
+    kc = cache.k[layer]
+    slots, tables = cache.tables(layer, slots, tables)
+    flat = kc.reshape(-1, *kc.shape[2:])
+    keep = slots >= 0
+    flat[slots[keep]] = kv[keep]
+    return attend_cached(q, kc, kc[..., :value_dim], tables, ctx, qstart, scale=scale, sliding_window=sliding_window,
                          softcap=softcap)
 
 
@@ -226,6 +240,7 @@ KERNELS: dict[str, Callable] = {
     "add": lambda x, y: x + y,
     "mul": lambda x, y: x * y,
     "gather_rows": lambda x, indices: x[indices],
+    "head_linear": lambda x, w: np.einsum("thi,hoi->tho", x, w),
     "moe_route": moe_route,
     "moe_experts": moe_experts,
     "slice": lambda x, start, size: x[..., start:start + size],
@@ -284,6 +299,8 @@ class Interpreter:
             return paged_attention(*args, cache=cache, **node.attrs)
         if node.op == "rope_attention":
             return rope_attention(*args, cache=cache, **node.attrs)
+        if node.op == "latent_attention":
+            return latent_attention(*args, cache=cache, **node.attrs)
         if node.op == "reshape":
             sizes = {d: n for d, n in zip(node.inputs[0].shape, args[0].shape, strict=True)}
             return args[0].reshape([sizes[d] if isinstance(d, str) else d for d in node.attrs["shape"]])

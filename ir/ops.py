@@ -43,7 +43,7 @@ class OpDef:
     # Operand positions that read a weight matrix (or a stack of them): parameters there may stay in a quantized
     # format, whatever their rank; every other parameter is read as plain values.
     weights: tuple[int, ...] = ()
-    kv_cache: bool = False  # writes this step's k and v into the paged cache of attrs["layer"], then attends
+    kv_cache: bool = False  # writes this step's k and v (or latent) into the paged cache of attrs["layer"], attends
     fused: bool = False  # made by ir.fusion from plainer ops, never by a model builder
 
 
@@ -143,6 +143,36 @@ def _attention(ts, a):
         if key not in a:
             raise ValueError(f"attention needs {key}")
     return TensorType(q.shape[:2] + (v.shape[2],), q.dtype)
+
+
+def _latent_attention(ts, a):
+    q, kv, *meta = ts
+    for t, n in ((q, "q"), (kv, "kv")):
+        if len(t.shape) != 3:
+            raise ValueError(f"latent_attention {n} must be [T, heads, dim]")
+    for t, n in zip(meta, ("slot_mapping", "block_tables", "context_lens", "query_start"), strict=True):
+        _int(t, n)
+    hq, hkv = q.shape[1], kv.shape[1]
+    if isinstance(hq, int) and isinstance(hkv, int) and hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of latent heads {hkv}")
+    _same_dim(q.shape[2], kv.shape[2], "q/latent dim")
+    for key in ("layer", "scale", "value_dim"):
+        if key not in a:
+            raise ValueError(f"latent_attention needs {key}")
+    dv = a["value_dim"]
+    if not isinstance(dv, int) or dv < 1 or (isinstance(kv.shape[2], int) and dv > kv.shape[2]):
+        raise ValueError(f"value_dim {dv!r} must be 1..{kv.shape[2]} (the latent's leading part)")
+    return TensorType(q.shape[:2] + (dv,), q.dtype)
+
+
+def _head_linear(ts, a):
+    x, w = ts
+    _float(x, "x")
+    if len(x.shape) != 3 or len(w.shape) != 3:
+        raise ValueError(f"head_linear takes x [T, heads, in] and w [heads, out, in], not {x} and {w}")
+    _same_dim(x.shape[1], w.shape[0], "heads")
+    _same_dim(x.shape[2], w.shape[2], "head_linear in-features")
+    return TensorType((x.shape[0], x.shape[1], w.shape[1]), x.dtype)
 
 
 def _rope_attention(ts, a):
@@ -293,6 +323,11 @@ OPS: dict[str, OpDef] = {o.name: o for o in [
         "rotary embedding on the first rotary_dim of each head; longrope's table per token by its sequence's length"),
     _op("attention", ["q", "k", "v", "slot_mapping", "block_tables", "context_lens", "query_start"],
         _attention, "write k, v into the paged cache of `layer`, then causal attention over it", kv_cache=True),
+    _op("latent_attention", ["q", "kv", "slot_mapping", "block_tables", "context_lens", "query_start"],
+        _latent_attention, "write kv [T, Hkv, D] into the paged cache of `layer` (keys only), then causal attention "
+        "over it whose values are each key's first value_dim elements (MLA's latent): out [T, Hq, value_dim]",
+        kv_cache=True),
+    _op("head_linear", ["x", "w"], _head_linear, "x[t, h] @ w[h].T per head: x [T, H, in], w [H, out, in]"),
     _op("silu", ["x"], _unary, "x * sigmoid(x)"),
     _op("sigmoid", ["x"], _unary, "1 / (1 + exp(-x))"),
     _op("gelu", ["x"], _unary, "exact (erf) gelu"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from core.kv_layout import KVLayout
 from ir.graph import Graph, Node
 
 
@@ -51,3 +52,31 @@ def format_params(graph: Graph, storage: Mapping[str, str] | None = None,
     out = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows]
     out.append(f"{len(graph.params)} parameters, {total:,} elements")
     return "\n".join(line.rstrip() for line in out)
+
+
+def _ranges(ids: list[int]) -> str:
+    """0-3,6,8-9"""
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            a, b = ids[start], ids[i - 1]
+            out.append(f"{a}" if a == b else f"{a}-{b}")
+            start = i
+    return ",".join(out)
+
+
+def format_kv_layout(layout: KVLayout) -> str:
+    """What the paged cache holds per token: one line per KV group and cache shape (a latent layer's one tensor, its
+    values the keys' first value_dim; or keys and values)."""
+    lines = []
+    for g, grp in enumerate(layout.groups):
+        by_shape: dict = {}
+        for i in grp.layers:
+            by_shape.setdefault(layout.shapes[i], []).append(i)
+        for s, layers in by_shape.items():
+            what = (f"latent {s.heads}x{s.key_dim} (values: its first {s.value_dim})" if s.values_in_keys else
+                    f"k {s.heads}x{s.key_dim} + v {s.heads}x{s.value_dim}")
+            where = "full" if grp.window is None else f"window {grp.window}"
+            lines.append(f"kv cache group {g} ({where}) layers {_ranges(layers)}: {what} = {s.elements} elements a "
+                         "token and layer")
+    return "\n".join(lines)

@@ -1,8 +1,10 @@
 """DeepSeek-V2 and -V3 against transformers: multi-head latent attention (low-rank q, a compressed KV latent, the
-shared rope key), routed experts with shared ones and dense first layers; V2 with group-limited softmax routing, V3
-with grouped sigmoid routing whose correction bias moves the choice (set here: transformers initializes it to 0, a
-value that would hide it), and yarn with its mscale on the softmax. Three prompts in one batch, first-step logits
-within 1e-4 relative, 16 greedy tokens equal, on the interpreter (plain and fused graphs) and MLX's CPU build."""
+shared rope key) over a latent cache in the absorbed form, routed experts with shared ones and dense first layers;
+V2 with group-limited softmax routing, V3 with grouped sigmoid routing whose correction bias moves the choice (set
+here: transformers initializes it to 0, a value that would hide it), and yarn with its mscale on the softmax. Three
+prompts in one batch, first-step logits within 1e-4 relative, 16 greedy tokens equal, on the interpreter (plain and
+fused graphs) and MLX's CPU build; the CUDA backend on CPU tensors and MLX's compiled decode on fewer tokens. The
+cache holds kv_lora_rank + qk_rope_head_dim values a token and layer, as each backend allocates it."""
 
 from __future__ import annotations
 
@@ -85,19 +87,97 @@ def test_group_routing_differs_from_plain_top_k():
     np.testing.assert_allclose(plain[0], np.take_along_axis(scores, plain[1], -1), rtol=1e-6)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_cuda_backend_caches_values_at_the_keys_width(tmp_path):
-    """MLA's expanded form on the CUDA backend (CPU tensors here, the H200 in gpu_check): values (16 wide) cached at
-    the keys' width (24), the DSL's kernels taking one head width; ours against transformers as above."""
-    from backends.cuda.backend import CUDABackend
+# check_arch's TINY_MLA at 4 heads: the latent (32) and the rope key (8), against the expanded form's per-head keys
+# (16 + 8) and values (16).
+LATENT, EXPANDED = 32 + 8, 4 * (16 + 8 + 16)
 
-    model = hf_model("deepseek_v3")
+
+def saved(case: str, path):
+    model = hf_model(case)
+    model.save_pretrained(path)
+    return model, load_model(path, progress=False)
+
+
+def test_the_cache_holds_one_latent_a_token(tmp_path):
+    """Bytes per token and layer of the cache each backend really allocates (f16: 2 bytes an element, the interpreter
+    f32), and what the engine sizes pools by, are the latent's: kv_lora_rank + qk_rope_head_dim, far less than the
+    expanded layout's per-head keys and values: a quarter here, 1/71 at DeepSeek-V3's sizes (512 + 64 against 128
+    heads of 128 + 64 keys and 128 values)."""
+    from ir.interpreter import KVCache
+    from ir.kv_groups import kv_layout
+
+    _, loaded = saved("deepseek_v2", tmp_path)
+    cfg, layers, blocks, bs = loaded.config, loaded.config.num_layers, 6, 4
+    assert cfg.kv_lora_rank + cfg.qk_rope_head_dim == LATENT and 4 * LATENT == EXPANDED
+    assert set(kv_layout(loaded.graph).shapes) == {(1, LATENT, cfg.kv_lora_rank, True)}
+    cache = KVCache.for_graph(loaded.graph, blocks, bs)
+    assert all(v is None for v in cache.v)
+    assert sum(k.nbytes for k in cache.k) == layers * blocks * bs * LATENT * 4
+    backends = []
+    if importlib.util.find_spec("mlx"):
+        from backends.mlx.backend import MLXBackend
+
+        backends.append((MLXBackend(loaded, dtype="f16", progress=False), blocks + 1))  # + its scratch block
+    if importlib.util.find_spec("triton"):
+        from backends.cuda.backend import CUDABackend
+
+        backends.append((CUDABackend(loaded, device="cpu", dtype="f16", progress=False), blocks))
+    assert backends, "neither mlx nor triton is installed"
+    for backend, allocated in backends:
+        backend.allocate_kv(blocks, bs)
+        assert backend.kv_bytes_per_block(bs) == layers * bs * LATENT * 2, backend.name
+        assert backend.memory().kv_bytes == layers * allocated * bs * LATENT * 2, backend.name
+        assert all(len(layer) == 1 for layer in backend.kv), backend.name  # no value tensor beside the latent
+
+
+def test_absorbed_weights_are_kv_b_projs_rows(tmp_path):
+    """W_UK (transposed) and W_UV are each head's K-nope and V rows of transformers' kv_b_proj, bf16 bits moved as
+    they are."""
+    model = hf_model("deepseek_v2").to(torch.bfloat16)
     model.save_pretrained(tmp_path)
     loaded = load_model(tmp_path, progress=False)
-    assert set(CUDABackend(loaded, device="cpu", progress=False).kv_shapes()) == {(4, 24, 24)}
+    kv_b = model.model.layers[1].self_attn.kv_b_proj.weight.detach().float().numpy().reshape(4, 16 + 16, 32)
+    uk, uv = loaded.weights["layers.1.w_uk"], loaded.weights["layers.1.w_uv"]
+    assert uk.kind == uv.kind == "BF16" and uk.shape == (4, 32, 16) and uv.shape == (4, 16, 32)
+    np.testing.assert_array_equal(uk.values(), kv_b[:, :16].transpose(0, 2, 1))
+    np.testing.assert_array_equal(uv.values(), kv_b[:, 16:])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_cuda_backend_runs_the_latent_cache(tmp_path):
+    """The CUDA backend (CPU tensors here, the H200 in gpu_check): the paged kernels read the latent cache as one KV
+    head, keys and values at once; ours against transformers as above, prefill and decode."""
+    from backends.cuda.backend import CUDABackend
+
+    model, loaded = saved("deepseek_v3", tmp_path)
+    assert set(CUDABackend(loaded, device="cpu", progress=False).kv_shapes()) == {(1, LATENT, 32, True)}
     prompts = [random_prompt(i, n, model.config.vocab_size) for i, n in ((0, 5), (1, 19))]
     refs = [hf_logits(model, p)[-1] for p in prompts]
     first, tokens = check_arch.run_engine("cuda", loaded, prompts, 4)
     for i, p in enumerate(prompts):
         assert float(np.abs(np.asarray(first[i]) - refs[i]).max()) <= 1e-4 * float(np.abs(refs[i]).max())
         assert tokens[i] == hf_greedy(model, p, 4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx is not installed")
+def test_mlx_compiled_decode_runs_the_latent_cache(tmp_path):
+    """MLX's compiled decode step, whose inputs and outputs are every layer's caches: one a latent layer."""
+    from backends.mlx.backend import MLXBackend
+    from ir.reference import ReferenceRunner
+    from tools.tiny_hf import backend_greedy
+
+    model, loaded = saved("deepseek_v2", tmp_path)
+    backend = MLXBackend(loaded, compile=True, progress=False)
+    prompts = [random_prompt(i, n, model.config.vocab_size) for i, n in ((0, 5), (1, 19))]
+    tokens, _ = backend_greedy(backend, ReferenceRunner(loaded, max_tokens=32, block_size=4), prompts, 4, 4)
+    assert backend.decode is not None and tokens == [hf_greedy(model, p, 4) for p in prompts]
+
+
+def test_ir_dump_shows_the_latent_cache(tmp_path, capsys):
+    from tools import ir_dump
+
+    saved("deepseek_v3", tmp_path)
+    assert ir_dump.main([str(tmp_path), "--graph-only"]) == 0
+    out = capsys.readouterr().out
+    assert f"layers 0-1: latent 1x{LATENT} (values: its first 32) = {LATENT} elements a token and layer" in out
+    assert out.count("= latent_attention(") == 2 and out.count("= head_linear(") == 4 and "= attention(" not in out

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Print the IR graph and the parameter table of a model: `python -m tools.ir_dump [PATH]`.
 
-PATH is a .gguf file or an HF safetensors folder; without it, the default SmolLM2 GGUF. `--fused` prints the graph
-the backends run: ir.fusion's rewrite of it (weights concatenated where the file's formats agree).
+PATH is a .gguf file or an HF safetensors folder; without it, the default SmolLM2 GGUF. The header says what the paged
+KV cache holds per token (a latent's one tensor for MLA layers). `--fused` prints the graph the backends run:
+ir.fusion's rewrite of it (weights concatenated where the file's formats agree).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import sys
 from ir.default_model import default_model_path
 from ir.formats.errors import ModelFormatError
 from ir.fusion import fuse
+from ir.kv_groups import kv_layout
 from ir.loader import load_model
-from ir.printer import format_graph, format_params
+from ir.printer import format_graph, format_kv_layout, format_params
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {model.path}\n# arch {model.arch.name} ({cfg.source_model_type}): {cfg.num_layers} layers, "
           f"hidden {cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_dim}, "
           f"vocab {cfg.vocab_size}, {cfg.rope}, weights {model.weights.nbytes / 2**20:.1f} MiB")
+    print("\n".join(f"# {line}" for line in format_kv_layout(kv_layout(model.graph)).splitlines()))
     kinds, sources, graph = model.weights.kinds(), dict(model.sources), model.graph
     if args.fused:
         graph = fuse(graph, kinds)

@@ -47,10 +47,10 @@ class CUDABackend(Backend):
                                       "is_available() is False); use --backend mlx")
         if importlib.util.find_spec("triton") is None:
             raise NotImplementedError("the CUDA backend needs triton (pip install triton); use --backend mlx")
-        widths = {(n.inputs[1].shape[2], n.inputs[2].shape[2]) for n in model.graph.attention_nodes()}
-        if any(dv > dk for dk, dv in widths):
-            raise NotImplementedError(f"{model.arch.name}: values wider than keys {sorted(widths)} are not on the "
-                                      "CUDA backend; use --backend mlx")
+        wide = sorted({(s.key_dim, s.value_dim) for s in super().kv_layout().shapes if s.value_dim > s.key_dim})
+        if wide:
+            raise NotImplementedError(f"{model.arch.name}: values wider than keys {wide} are not on the CUDA backend; "
+                                      "use --backend mlx")
         self.device = torch.device(device or "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -82,7 +82,7 @@ class CUDABackend(Backend):
         self.piecewise = self.use_graphs
         self.pieces: PiecewiseGraphs | None = None
         self.max_step_tokens = 2048
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), or (latent,)
         self.block_size = 0
         self.max_num_seqs, self.max_model_len = 256, model.config.max_position_embeddings
         self._sampler = None
@@ -90,11 +90,13 @@ class CUDABackend(Backend):
         log.info("cuda backend: %s", self.describe())
 
     def kv_layout(self) -> KVLayout:
-        """The graph's layout, but a value narrower than its key (MLA's expanded form) cached at the key's width:
-        the DSL's KV write and attention kernels take one head width (runner._attention pads v and cuts the output)."""
+        """The graph's layout, but a value narrower than its key cached at the key's width: the DSL's KV write and
+        attention kernels take one head width (runner._attention pads v and cuts the output). A latent layer's one
+        cache is read as both (its values are its keys' leading part), so it stays as it is."""
         layout = super().kv_layout()
-        if any(dv < dk for _, dk, dv in layout.shapes):
-            self._kv_layout = layout = replace(layout, shapes=tuple((h, dk, dk) for h, dk, _ in layout.shapes))
+        if any(s.value_dim < s.key_dim and not s.values_in_keys for s in layout.shapes):
+            shapes = tuple(s if s.values_in_keys else s._replace(value_dim=s.key_dim) for s in layout.shapes)
+            self._kv_layout = layout = replace(layout, shapes=shapes)
         return layout
 
     def set_fusions(self, fusions: Fusions) -> None:
@@ -180,10 +182,13 @@ class CUDABackend(Backend):
         if len(pools) != layout.num_groups:
             raise ValueError(f"{len(pools)} pool sizes for {layout.num_groups} KV groups")
         want = sum(n * self.kv_bytes_per_block(block_size, g) for g, n in enumerate(pools))
+
+        def caches(n: int, s) -> tuple[torch.Tensor, ...]:  # a latent layer's one cache: values in its keys
+            dims = (s.key_dim,) if s.values_in_keys else (s.key_dim, s.value_dim)
+            return tuple(torch.zeros((n, block_size, s.heads, d), dtype=dt, device=self.device) for d in dims)
+
         try:
-            self.kv = [(torch.zeros((pools[g], block_size, hkv, dk), dtype=dt, device=self.device),
-                        torch.zeros((pools[g], block_size, hkv, dv), dtype=dt, device=self.device))
-                       for (hkv, dk, dv), g in zip(layout.shapes, layout.group_of, strict=True)]
+            self.kv = [caches(pools[g], s) for s, g in zip(layout.shapes, layout.group_of, strict=True)]
         except torch.OutOfMemoryError as e:
             self.kv = []
             if self.device.type == "cuda":

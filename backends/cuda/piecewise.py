@@ -35,7 +35,7 @@ from ir.rope import long_after
 log = logging.getLogger(__name__)
 
 TOKEN_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
-ATTENTION = ("attention", "rope_attention")
+ATTENTION = ("attention", "rope_attention", "latent_attention")  # ops that read the batch's shape
 
 
 @dataclass
@@ -178,8 +178,8 @@ class PiecewiseGraphs:
                 del env[vid]  # read by nothing later: its memory may serve later pieces' values
 
     def _attention_out(self, node: Node, env: dict, shared: dict, i: int, b: int) -> torch.Tensor:
-        q, v = env[node.inputs[0].id], env[node.inputs[2].id]
-        shape, vid = (b, q.shape[1], v.shape[2]), node.outs[0].id
+        q, out = env[node.inputs[0].id], node.outs[0]
+        shape, vid = (b, *(int(d) for d in out.shape[1:])), out.id  # [T, Hq, Dv]: T is the bucket
         if self.plan.last_read.get(vid) != i + 1:  # read past the next piece: a buffer of its own
             return torch.zeros(shape, dtype=q.dtype, device=q.device)
         key = (shape, q.dtype)

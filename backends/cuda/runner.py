@@ -89,7 +89,7 @@ class Runner:
         # values one node reads and nothing else: a rope may rotate them in place
         self._sole = {vid for vid, readers in uses.items() if len(readers) == 1 and vid not in outputs}
         self.target = kernel_target(device)
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), or (latent,)
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_rows = 0  # positions in each table (a longrope table has twice as many rows)
         self._step_rows: dict[RopeSpec, torch.Tensor] = {}  # this step's rope_rows
@@ -100,10 +100,10 @@ class Runner:
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
-    def set_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], max_positions: int) -> None:
-        """Caches per layer [num_blocks, block_size, Hkv, D]; rope tables for positions below max_positions. A
-        longrope table holds the short rows, then the long ones: a token of a long sequence reads row
-        max_positions + position (rope_rows), so the kernels need not know."""
+    def set_cache(self, kv: list[tuple[torch.Tensor, ...]], max_positions: int) -> None:
+        """Caches per layer [num_blocks, block_size, Hkv, D] (k and v, or a latent's one); rope tables for positions
+        below max_positions. A longrope table holds the short rows, then the long ones: a token of a long sequence
+        reads row max_positions + position (rope_rows), so the kernels need not know."""
         self.kv = kv
         pos = np.arange(max_positions)
         self._rope = {}
@@ -161,9 +161,12 @@ class Runner:
                 env[v.id] = t
 
     def run_node(self, node: Node, args: list, meta: StepMeta, out=None):
+        """One node's result; an attention writes it into `out` [T, Hq, Dv] when given."""
         op = node.op
         if op in ("attention", "rope_attention"):
-            return self._attention(node, args, meta, out)
+            return _into(out, self._attention(node, args, meta))
+        if op == "latent_attention":
+            return _into(out, self._latent_attention(node, args, meta))
         if op in ("rope", "rope_pair"):
             return self._rope_op(node, args, meta)
         if op == "add_rms_norm":
@@ -196,14 +199,13 @@ class Runner:
         return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
                                      pdl=self.pdl)
 
-    def _attention(self, node: Node, args, meta: StepMeta, out=None):
-        """`out`: where to write the result [T, Hq, Dv] (default: a new tensor)."""
+    def _attention(self, node: Node, args, meta: StepMeta):
         a = node.attrs
         kc, vc = self.kv[a["layer"]]
         slots, tables = meta.kv_group(self.group_of[a["layer"]])
         q, k, v = args[:3]
         dv = v.shape[2]
-        if dv < kc.shape[3]:  # MLA's narrower values, cached at the keys' width (CUDABackend.kv_layout)
+        if dv < kc.shape[3]:  # values narrower than keys, cached at the keys' width (CUDABackend.kv_layout)
             v = F.pad(v, (0, kc.shape[3] - dv))
         if node.op == "attention":
             kv_write.kv_write(k, v, kc, vc, slots, target=self.target, pdl=self.pdl)
@@ -213,25 +215,33 @@ class Runner:
             cos, sin = self._rope[spec]
             rope_kv_write.rope_kv_write(q, k, v, kc, vc, slots, self.rope_rows(spec, meta), cos, sin,
                                         interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
-        if out is None or out.shape[2] != v.shape[2]:
-            result = out
-            out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
-        else:
-            result = None
+        out = self._attend(q, kc, vc, tables, meta, a)
+        return out if out.shape[2] == dv else out[..., :dv]
+
+    def _latent_attention(self, node: Node, args, meta: StepMeta):
+        """MLA over its latent cache, through the paged kernels as attention of one KV head: the latent cache is
+        both the keys and the values, and the output's first value_dim are the latent-space result (the rope part's
+        weighted sum, computed alongside, is dropped). kv_write stores the latent as k and as v, both into the one
+        cache: the same values twice to the same place, one copy kept."""
+        a = node.attrs
+        (cache,) = self.kv[a["layer"]]
+        slots, tables = meta.kv_group(self.group_of[a["layer"]])
+        q, kv = args[:2]
+        kv_write.kv_write(kv, kv, cache, cache, slots, target=self.target, pdl=self.pdl)
+        return self._attend(q, cache, cache, tables, meta, a)[..., :a["value_dim"]]
+
+    def _attend(self, q, kc, vc, tables, meta: StepMeta, a: dict):
+        """The decode (split-K) or prefill kernel over caches already holding this step's keys and values."""
+        out = torch.empty((q.shape[0], q.shape[1], vc.shape[3]), dtype=q.dtype, device=q.device)
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
                   pdl=self.pdl)
         if meta.decode:
             rows = q.shape[0]
-            out = paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
-                                               max_context=meta.max_context, partition=self.decode_partition(rows),
-                                               max_parts=self.max_partitions(rows), **kw)
-        else:
-            out = paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start,
-                                              a["scale"], max_query_len=meta.max_query_len, **kw)
-        out = out if out.shape[2] == dv else out[..., :dv]
-        if result is not None:  # the caller's buffer, of another width than the kernels write (MLA's values)
-            return result.copy_(out)
-        return out
+            return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
+                                                max_context=meta.max_context, partition=self.decode_partition(rows),
+                                                max_parts=self.max_partitions(rows), **kw)
+        return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],
+                                           max_query_len=meta.max_query_len, **kw)
 
     # -- single ops ---------------------------------------------------------------------------------
     def linear(self, x, w: Param, b=None):
@@ -343,9 +353,16 @@ class Runner:
         if op == "reshape":
             shape = [-1 if isinstance(d, str) else d for d in a["shape"]]
             return args[0].reshape(shape)
+        if op == "head_linear":  # per head x[:, h] @ w[h].T, one batched GEMM
+            return torch.bmm(args[0].transpose(0, 1), args[1].transpose(1, 2)).transpose(0, 1)
         if op == "gather_rows":
             return args[0].index_select(0, args[1])
         raise NotImplementedError(f"the CUDA backend has no lowering for IR op {op!r}")
+
+
+def _into(out, result):
+    """`result`, copied into `out` when given (a static buffer a piecewise graph reads)."""
+    return result if out is None else out.copy_(result)
 
 
 def _expert(stack: Param, e: int) -> Param:

@@ -3,8 +3,9 @@
 The per-step metadata (which cache slots each sequence reads, masks) is computed once in numpy and
 shared by every layer. Decodes (one query token) are batched into one padded attention call;
 prefill chunks run one call each. Cache layout per layer: [num_slots, kv_heads, head_dim], where
-slot = block * block_size + offset; one extra block at the end is scratch for padding writes. A model of several
-KV groups (core.kv_layout) gets one AttentionMeta per group, each over its own pool's tables and scratch slot.
+slot = block * block_size + offset; one extra block at the end is scratch for padding writes. A latent layer (MLA)
+has a key cache only, its values being each key's first value_dim. A model of several KV groups (core.kv_layout)
+gets one AttentionMeta per group, each over its own pool's tables and scratch slot.
 """
 
 from __future__ import annotations
@@ -145,6 +146,27 @@ def paged_attention(q, k, v, kc, vc, meta: AttentionMeta, *, scale: float, slidi
     With `kernels` (backends.mlx.metal_ops.KernelOps) decodes run the DSL's paged decode kernel."""
     kc[meta.slots] = k
     vc[meta.slots] = v
+    return attend_paged(q, kc, vc, meta, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                        kernels=kernels), kc, vc
+
+
+def latent_attention(q, kv, kc, meta: AttentionMeta, *, value_dim: int, scale: float, sliding_window: int | None,
+                     softcap: float | None, kernels=None):
+    """MLA over its latent cache: this step's latents kv [T, Hkv, D] written as keys, the values being the cached
+    keys' first value_dim. Returns (out [T, Hq, value_dim], kc)."""
+    kc[meta.slots] = kv
+    return attend_paged(q, kc, None, meta, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                        kernels=kernels, value_dim=value_dim), kc
+
+
+def attend_paged(q, kc, vc, meta: AttentionMeta, *, scale: float, sliding_window: int | None, softcap: float | None,
+                 kernels=None, value_dim: int | None = None):
+    """Attention of q over caches already holding this step's keys and values; vc None: the values are kc's first
+    value_dim (a latent cache)."""
+
+    def values(keys, slots):
+        return keys[..., :value_dim] if vc is None else vc[slots]
+
     parts = []
     if meta.decode_slots is not None:
         bd = meta.decode_slots.shape[0]
@@ -155,20 +177,25 @@ def paged_attention(q, k, v, kc, vc, meta: AttentionMeta, *, scale: float, slidi
             if qd.shape[0] < bd:
                 qd = mx.pad(qd, [(0, bd - qd.shape[0]), (0, 0), (0, 0)])
         if kernels is not None and meta.decode_tables is not None:
-            out = kernels.paged_decode(qd, kc, vc, meta.block_size, meta.decode_tables, meta.decode_ctx_lens,
-                                       meta.decode_slots.shape[1], scale, sliding_window, softcap)
+            # The DSL's kernel reads values as wide as keys: a latent's whole width, its first value_dim kept.
+            out = kernels.paged_decode(qd, kc, kc if vc is None else vc, meta.block_size, meta.decode_tables,
+                                       meta.decode_ctx_lens, meta.decode_slots.shape[1], scale, sliding_window,
+                                       softcap)
+            out = out if vc is not None else out[..., :value_dim]
         else:
-            keys = kc[meta.decode_slots].transpose(0, 2, 1, 3)  # [Bd, Hkv, L, D]
-            vals = vc[meta.decode_slots].transpose(0, 2, 1, 3)
-            out = _attend(qd[:, :, None, :], keys, vals, meta.decode_mask(sliding_window), scale, softcap)[:, :, 0]
+            keys = kc[meta.decode_slots]  # [Bd, L, Hkv, D]
+            vals = values(keys, meta.decode_slots)
+            out = _attend(qd[:, :, None, :], keys.transpose(0, 2, 1, 3), vals.transpose(0, 2, 1, 3),
+                          meta.decode_mask(sliding_window), scale, softcap)[:, :, 0]
         parts.append(out if meta.decode_rows is None else out[: len(meta.decode_rows)])
     for i, p in enumerate(meta.prefills):
         qp = q[p.rows[0]: p.rows[1]].transpose(1, 0, 2)[None]
-        keys = kc[p.kv_slots].transpose(1, 0, 2)[None]
-        vals = vc[p.kv_slots].transpose(1, 0, 2)[None]
-        out = _attend(qp, keys, vals, meta.prefill_mask(i, sliding_window), scale, softcap)
+        keys = kc[p.kv_slots]
+        vals = values(keys, p.kv_slots)
+        out = _attend(qp, keys.transpose(1, 0, 2)[None], vals.transpose(1, 0, 2)[None],
+                      meta.prefill_mask(i, sliding_window), scale, softcap)
         parts.append(out[0].transpose(1, 0, 2))
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
     if meta.order is not None:
         out = out[meta.order]
-    return out, kc, vc
+    return out

@@ -71,9 +71,12 @@ class MLXBackend(Backend):
         if len(pools) != layout.num_groups:
             raise ValueError(f"{len(pools)} pool sizes for {layout.num_groups} KV groups")
         self.kv = []
-        for (hkv, dk, dv), g in zip(layout.shapes, layout.group_of, strict=True):
+        for s, g in zip(layout.shapes, layout.group_of, strict=True):
             slots = (pools[g] + 1) * block_size  # the extra block is scratch for padding writes
-            self.kv.append([mx.zeros((slots, hkv, dk), dt), mx.zeros((slots, hkv, dv), dt)])
+            layer = [mx.zeros((slots, s.heads, s.key_dim), dt)]
+            if not s.values_in_keys:  # a latent layer's values are its keys' first value_dim
+                layer.append(mx.zeros((slots, s.heads, s.value_dim), dt))
+            self.kv.append(layer)
         mx.eval(self.kv)
         self.block_size, self.pools = block_size, pools
 

@@ -39,6 +39,7 @@ class CompiledDecode:
                               key=lambda w: -1 if w is None else w)
         layout = kv_layout(runner.graph)
         self.num_groups, self.group_of = layout.num_groups, layout.group_of
+        self.arity = [1 if s.values_in_keys else 2 for s in layout.shapes]  # caches per layer (a latent: one)
         self._fn = mx.compile(self._step)
 
     @staticmethod
@@ -62,9 +63,14 @@ class CompiledDecode:
         ctx = PreparedContext(metas[0], rope)
         if self.num_groups > 1:
             ctx.group_metas, ctx.group_of = metas, self.group_of
-        kv = [[flat_kv[i], flat_kv[i + 1]] for i in range(0, len(flat_kv), 2)]
+        kv = self._layers(flat_kv)
         out = self.runner.run({"token_ids": tokens, "logits_indices": rows}, ctx, kv)
         return [out["logits"].astype(mx.float32)] + [a for layer in kv for a in layer]
+
+    def _layers(self, flat: list) -> list[list]:
+        """The caches of each layer out of one flat list."""
+        ends = np.cumsum(self.arity)
+        return [list(flat[e - n:e]) for n, e in zip(self.arity, ends, strict=True)]
 
     def __call__(self, batch: Batch, kv: list[list[mx.array]], block_size: int, scratch: list[int]):
         """`scratch`: each KV group's scratch slot (where padding rows write and past-the-context keys are read)."""
@@ -94,8 +100,8 @@ class CompiledDecode:
                             *groups, *rope, *masks, *flat)
         except BaseException:
             # The caches are untouched (MLX is lazy, nothing ran): hand them back, or every later step fails too.
-            kv.extend([flat[i], flat[i + 1]] for i in range(0, len(flat), 2))
+            kv.extend(self._layers(flat))
             raise
         del flat
-        kv.extend([outs[i], outs[i + 1]] for i in range(1, len(outs), 2))
+        kv.extend(self._layers(outs[1:]))
         return outs[0][mx.array(batch.logits_indices)]

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from backends.mlx.attention import AttentionMeta, paged_attention
+from backends.mlx.attention import AttentionMeta, latent_attention, paged_attention
 from backends.mlx.runtime import mx
 from backends.mlx.weights import QuantLinear
 from core.batch import Batch
@@ -96,6 +96,7 @@ OPS = {
     "add": lambda x, y: x + y,
     "mul": lambda x, y: x * y,
     "gather_rows": lambda x, indices: x[indices],
+    "head_linear": lambda x, w: (x.transpose(1, 0, 2) @ w.swapaxes(-1, -2)).transpose(1, 0, 2),
     "concat": lambda x, y: mx.concatenate(_bcast(x, y), axis=-1),
     "moe_route": _moe_route,
     "moe_experts": _moe_experts,
@@ -146,8 +147,8 @@ def _rope(x, ctx: StepContext, spec: RopeSpec):
 
 
 class GraphRunner:
-    """Evaluates `graph` (ir.fusion's output) on mlx arrays. `kv` holds per-layer [k_cache, v_cache], updated in
-    place."""
+    """Evaluates `graph` (ir.fusion's output) on mlx arrays. `kv` holds per-layer [k_cache, v_cache] ([latent_cache]
+    for a latent layer), updated in place."""
 
     def __init__(self, graph: Graph, params: dict, dtype, kernels=None):
         self.graph = graph
@@ -179,6 +180,12 @@ class GraphRunner:
             layer = a["layer"]
             out, kv[layer][0], kv[layer][1] = paged_attention(
                 q, k, v, kv[layer][0], kv[layer][1], ctx.attention_meta(layer), scale=a["scale"],
+                sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), kernels=self.kernels)
+            return out
+        if op == "latent_attention":
+            layer = a["layer"]
+            out, kv[layer][0] = latent_attention(
+                args[0], args[1], kv[layer][0], ctx.attention_meta(layer), value_dim=a["value_dim"], scale=a["scale"],
                 sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), kernels=self.kernels)
             return out
         if op == "rope":

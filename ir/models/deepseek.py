@@ -2,11 +2,13 @@
 ones.
 
 Attention (MLA): q through a low-rank pair with an RMSNorm between (q_lora_rank; V2-Lite projects it directly);
-keys and values from a compressed latent (kv_lora_rank, RMS-normed) expanded per head by kv_b_proj, plus one rope
-key shared by every head (qk_rope_head_dim, interleaved pairs). Each head's query and key are [rope part | nope
-part] (the order of a dot product's terms does not matter, and our rope rotates the leading dims), the softmax
+keys and values from a compressed latent (kv_lora_rank, RMS-normed) plus one rope key shared by every head
+(qk_rope_head_dim, interleaved pairs). The paged cache holds only [latent | rope key] per token and layer
+(`latent_attention`), and attention runs in the absorbed form, prefill and decode alike: kv_b_proj's per-head
+K-nope rows (W_UK) are folded into the query, q_nope @ W_UK giving a kv_lora_rank-wide query per head that meets
+the latent directly, so a score is q_absorbed . latent + q_rope . k_rope, the same sum the expanded form computes;
+each head's output is its softmax over the latents, through that head's V rows (W_UV), then o_proj. The softmax
 scale is qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) squared when the rope is scaled.
-This is the expanded form, per-head K and V in the cache; the latent cache and the absorbed decode come next.
 
 Experts: layers from first_k_dense_replace on (every moe_layer_freq-th) are MoE: V2 routes by softmax, greedily or
 within the best topk_group of n_group groups (a group scores its best expert); V3 by sigmoid plus a correction bias
@@ -19,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from math import log
 from typing import Any
+
+import numpy as np
 
 from ir.config import ModelConfig, hf_fields, hf_rope
 from ir.graph import Graph, Value
@@ -97,17 +101,16 @@ def mla_block(g: Graph, cfg: DeepseekConfig, x: Value, i: int, pos: Value, meta:
         q = g.linear(qa, g.param(f"{p}.q_b", (heads * qk, cfg.q_lora_rank), shard="column"))
     else:
         q = g.linear(x, g.param(f"{p}.wq", (heads * qk, h), shard="column"))
-    q = g.reshape(q, shape=("T", heads, qk))
+    q = g.reshape(q, shape=("T", heads, qk))  # each head [nope | rope], as HF lays it out
     kv_a = g.linear(x, g.param(f"{p}.kv_a", (rank + rope, h)))
     latent = g.rms_norm(g.slice(kv_a, start=0, size=rank), g.param(f"{p}.kv_a_norm", (rank,)), eps=cfg.rms_norm_eps)
-    k_rot = g.reshape(g.slice(kv_a, start=rank, size=rope), shape=("T", 1, rope))
-    kv = g.reshape(g.linear(latent, g.param(f"{p}.kv_b", (heads * (nope + vd), rank), shard="column")),
-                   shape=("T", heads, nope + vd))
     q_rot = g.rope(g.slice(q, start=nope, size=rope), pos, spec=cfg.rope)
-    k_rot = g.rope(k_rot, pos, spec=cfg.rope)
-    q = g.concat(q_rot, g.slice(q, start=0, size=nope))
-    k = g.concat(k_rot, g.slice(kv, start=0, size=nope))
-    o = g.attention(q, k, g.slice(kv, start=nope, size=vd), *meta, layer=i, scale=cfg.attn_scale)
+    k_rot = g.rope(g.reshape(g.slice(kv_a, start=rank, size=rope), shape=("T", 1, rope)), pos, spec=cfg.rope)
+    # The latent first: a value is the leading value_dim of what is cached.
+    q_lat = g.head_linear(g.slice(q, start=0, size=nope), g.param(f"{p}.w_uk", (heads, rank, nope), shard="heads"))
+    o = g.latent_attention(g.concat(q_lat, q_rot), g.concat(g.reshape(latent, shape=("T", 1, rank)), k_rot), *meta,
+                           layer=i, scale=cfg.attn_scale, value_dim=rank)
+    o = g.head_linear(o, g.param(f"{p}.w_uv", (heads, vd, rank), shard="heads"))
     o = g.reshape(o, shape=("T", heads * vd))
     return g.linear(o, g.param(f"{p}.wo", (h, heads * vd), shard="row"))
 
@@ -139,7 +142,7 @@ HF_NAMES = {
     "q_a": "self_attn.q_a_proj.weight", "q_a_norm": "self_attn.q_a_layernorm.weight",
     "q_b": "self_attn.q_b_proj.weight", "wq": "self_attn.q_proj.weight",
     "kv_a": "self_attn.kv_a_proj_with_mqa.weight", "kv_a_norm": "self_attn.kv_a_layernorm.weight",
-    "kv_b": "self_attn.kv_b_proj.weight", "wo": "self_attn.o_proj.weight",
+    "w_uk": "self_attn.kv_b_proj.weight", "w_uv": "self_attn.kv_b_proj.weight", "wo": "self_attn.o_proj.weight",
     "router_bias": "mlp.gate.e_score_correction_bias",
     **{k: v.replace("shared_expert.", "shared_experts.") for k, v in MOE_NAMES.items() if k != "sh_router"},
 }
@@ -156,10 +159,28 @@ def load_weights(cfg: DeepseekConfig, graph: Graph, src: WeightSource) -> dict[s
         if head.startswith("layers.") and key in HF_NAMES:
             i = int(head.split(".")[1])
             name = HF_NAMES[key]
-            out[p] = hf_experts(src, cfg, i, key, name) if "{e}" in name else src.require(f"model.{head}.{name}", p)
+            if "{e}" in name:
+                out[p] = hf_experts(src, cfg, i, key, name)
+            else:
+                t = src.require(f"model.{head}.{name}", p)
+                out[p] = absorbed(cfg, t, key) if key in ("w_uk", "w_uv") else t
         else:
             out[p] = src.require(names.get(p, p), p)
     return out
+
+
+def absorbed(cfg: DeepseekConfig, kv_b: StoredTensor, key: str) -> StoredTensor:
+    """W_UK ("w_uk": [heads, rank, nope], transposed so that head_linear reads it as [out, in]) or W_UV ("w_uv":
+    [heads, v_head_dim, rank]) out of kv_b_proj [heads * (nope + v_head_dim), rank], whose rows per head are the K-nope
+    part, then V. Elements are moved as stored (bf16 stays bf16)."""
+    heads, nope, vd, rank = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if kv_b.quantized or kv_b.data.size != heads * (nope + vd) * rank:
+        raise ValueError(f"{kv_b.source}: a dense [{heads * (nope + vd)}, {rank}] kv_b_proj is needed to split out "
+                         f"W_UK and W_UV, not {kv_b.kind} {list(kv_b.shape)}")
+    w = kv_b.data.reshape(heads, nope + vd, rank)
+    part = w[:, :nope].transpose(0, 2, 1) if key == "w_uk" else w[:, nope:]
+    data = np.ascontiguousarray(part)
+    return StoredTensor(data, kv_b.kind, data.shape, f"{kv_b.source} ({'W_UK^T' if key == 'w_uk' else 'W_UV'})")
 
 
 ARCHS = tuple(
