@@ -11,10 +11,11 @@ import importlib.util
 
 import numpy as np
 import pytest
-from test_tiny_models import prompt, saved  # noqa: F401  (saved is a fixture)
+from test_tiny_models import saved  # noqa: F401  (saved is a fixture)
 
 from core.batch import make_batch
 from ir.loader import load_model
+from tools.tiny_hf import random_prompt
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -43,11 +44,23 @@ def _backends(model, device: str, max_tokens: int):
 def test_pieces_match_eager_steps(case, device, saved):  # noqa: F811
     """A prefill of two prompts, then a mixed step (two decodes and a third prompt's first chunk), then its second
     chunk with the decodes: token counts between buckets, so every step runs on padding rows too."""
-    model = load_model(saved(case)[1], progress=False)
+    _check_steps(load_model(saved(case)[1], progress=False), device)
+
+
+@needs_cuda
+def test_pieces_around_latent_attention(tmp_path):
+    """DeepSeek-V3's MLA (latent_attention, one cache tensor a layer) between pieces, its MoE inside them (on the
+    GPU only: on CPU tensors its interpreted MoE kernels take half a minute; the llama cases check the bookkeeping)."""
+    from test_arch_deepseek import saved as deepseek
+
+    _check_steps(deepseek("deepseek_v3", tmp_path)[1], "cuda")
+
+
+def _check_steps(model, device: str) -> None:
     pieced, eager = _backends(model, device, 32)
     assert pieced.pieces is not None and sorted(pieced.pieces.captured) == [8, 16, 32]
     tables = [list(range(i * 16, (i + 1) * 16))[::-1] for i in range(3)]
-    a, b, c = prompt(1, 7), prompt(2, 12), prompt(3, 11)
+    a, b, c = (random_prompt(i, n, model.config.vocab_size) for i, n in ((1, 7), (2, 12), (3, 11)))
     steps = [make_batch([a, b], [0, 0], tables[:2], 4),  # 19 tokens: the 32 bucket
              make_batch([[5], [6], c[:6]], [7, 12, 0], tables, 4),  # 8 tokens
              make_batch([[7], [8], c[6:]], [8, 13, 6], tables, 4)]  # 7 tokens
