@@ -94,6 +94,8 @@ def run(a: argparse.Namespace) -> dict:
     with Served("ours", ours_cmd, a.port) as s:
         pair["ours"] = bench_serving.main(load_args(a, s.base, parts / "ours.json", offline=True))
         pair["ours_startup_s"] = s.startup
+        s.log.flush()
+        (a.out / "ours_server.log").write_text(Path(s.log.name).read_text(errors="replace")[-200_000:])
     write_json(pair, a.out / "serving_pair.json")  # kept should the peer fail
     if not a.no_peer:  # --no-peer: a check of the tool itself (tests, a CPU machine), no figure to record
         try:

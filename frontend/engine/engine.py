@@ -25,6 +25,7 @@ from frontend.engine.sequence import Sequence, Status, TokenLogprob
 __all__ = ["CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput"]  # the outputs live in outputs.py
 
 log = logging.getLogger(__name__)
+SLOW_LAUNCH_S = 0.25  # a step whose launch takes longer is logged (a steady step launches in milliseconds)
 
 
 @dataclass
@@ -243,7 +244,11 @@ class LLMEngine:
         batch.logits_indices = batch.logits_indices[keep]
         if self.overlap and any(s.seq.pending for s in scheduled):
             batch.prev_rows = np.array([s.seq.chain_row if s.seq.pending else -1 for s in scheduled], np.int32)
+        t0 = time.perf_counter()
         logits = self.backend.forward(batch)  # also for chunks that sample nothing: their K/V must be written
+        if (took := time.perf_counter() - t0) > SLOW_LAUNCH_S:  # the host's part only: the GPU runs on
+            log.warning("a step of %d tokens (%d sequences) took %.2f s to launch: kernels compiled on first use, or "
+                        "a CUDA graph captured", batch.num_tokens, len(scheduled), took)
         self.stats["steps"] += 1
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new
