@@ -8,12 +8,15 @@ cdiv(S, BLOCK_M) + E, whatever the routing; blocks past the used ones hold paddi
   computes act(x @ gate[e].T) * (x @ up[e].T) for BLOCK_N columns of both in one pass over K: h [S, I], by slot.
 - moe_gemm_kernel(not GATED): h's rows through down[e], each scaled by its slot's routing weight: y [S, H].
 The tokens' outputs are the sums of their top_k rows of y (an array op after the launch).
+Either pass may read GGUF blocks instead (kernels_src/moe_gguf.py: the same grid, each weight tile dequantized in
+registers before the dot), so gate/up and down may each be dense or quantized, in any format of their own.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kernels_src import moe_gguf
 from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.paged_attention import empty
@@ -119,26 +122,42 @@ def _align(xp, flat, experts: int, block_m: int):
     return rows.to(xp.int32), block_expert.to(xp.int32)
 
 
+def _shape(w) -> tuple[int, ...]:
+    return tuple(w.shape)
+
+
+def _check_stacks(t: int, h: int, w_gate, w_up, w_down) -> None:
+    e, inner = _shape(w_gate)[:2]
+    if _shape(w_up) != _shape(w_gate) or _shape(w_down) != (e, h, inner) or _shape(w_gate)[2] != h:
+        raise ValueError(f"expert stacks {_shape(w_gate)}, {_shape(w_up)}, {_shape(w_down)} do not fit x [{t}, {h}]")
+    if moe_gguf.is_blocks(w_gate) != moe_gguf.is_blocks(w_up):
+        raise ValueError("gate and up stacks must both be dense or both GGUF blocks")
+    for w, out, k, what in ((w_gate, inner, h, "gate"), (w_up, inner, h, "up"), (w_down, h, inner, "down")):
+        if moe_gguf.is_blocks(w):
+            moe_gguf.check_stack(w, e, out, k, what)
+        elif elem_stride(w, 2) != 1:
+            raise ValueError(f"{what}: dense expert stacks need contiguous rows")
+    if not moe_gguf.is_blocks(w_gate) and [elem_stride(w_up, i) for i in (0, 1)] != \
+            [elem_stride(w_gate, i) for i in (0, 1)]:
+        raise ValueError("dense gate and up stacks need one layout")
+
+
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out=None, target: str = "numpy",
                 pdl: bool | None = None, block_m: int | None = None, block_n: int | None = None,
                 block_k: int = BLOCK_K):
     """sum over k of weights[t, k] * w_down[e] @ (act(w_gate[e] @ x[t]) * (w_up[e] @ x[t])), e = ids[t, k], for x
-    [T, H] (rows contiguous), weights [T, k] fp32, ids [T, k], stacks [E, I, H] / [E, H, I] with contiguous rows;
-    out [T, H] (made in x's dtype when not given)."""
+    [T, H] (rows contiguous), weights [T, k] fp32, ids [T, k], stacks [E, I, H] / [E, H, I]: dense with contiguous
+    rows, or GGUF blocks (moe_gguf.GGUFStack; gate and up both or neither); out [T, H] (made in x's dtype when not
+    given). block_k: the dense kernel's K step (a GGUF pass steps by whole blocks: moe_gguf.step_blocks)."""
     t, h = x.shape
     k = ids.shape[1]
-    e, inner = w_gate.shape[:2]
-    if tuple(w_up.shape) != tuple(w_gate.shape) or tuple(w_down.shape) != (e, h, inner) or w_gate.shape[2] != h:
-        raise ValueError(f"expert stacks {tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)} do not fit "
-                         f"x [{t}, {h}]")
-    if any(elem_stride(w, 2) != 1 for w in (w_gate, w_up, w_down)) or \
-            [elem_stride(w_up, i) for i in (0, 1)] != [elem_stride(w_gate, i) for i in (0, 1)]:
-        raise ValueError("expert stacks need contiguous rows, gate and up one layout")
+    e, inner = _shape(w_gate)[:2]
+    _check_stacks(t, h, w_gate, w_up, w_down)
     if elem_stride(x, 1) != 1:
         x = x.contiguous() if hasattr(x, "contiguous") else np.ascontiguousarray(x)
     s = t * k
     tiles = default_tiles(s, e)
-    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
+    block_m, default_n = block_m or tiles[0], tiles[1]
     rows, block_expert = moe_align(ids, e, block_m)
     nblocks = block_expert.shape[0]
     flat_w = weights.reshape(-1)
@@ -147,9 +166,15 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
     y = empty(x, (s, h))
     for gated, (a, b, src, dst, n_cols, k_dim) in ((True, (w_gate, w_up, x, hidden, inner, h)),
                                                   (False, (w_down, w_down, hidden, y, h, inner))):
+        if moe_gguf.is_blocks(a):
+            n_tile, warps = moe_gguf.pass_tiles((a.qtype, b.qtype), gated, block_m, default_n)
+            moe_gguf.launch(src, a, b, dst, rows, block_expert, flat_w, s, k_dim, gated=gated, top_k=k, act=act,
+                            block_m=block_m, block_n=block_n or n_tile, target=target, pdl=pdl, num_warps=warps)
+            continue
+        n_tile = block_n or default_n
         kern = compile(moe_gemm_kernel, target, launch_pdl=pdl, TOP_K=k, GATED=gated, ACT=act, BLOCK_M=block_m,
-                       BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl)
-        kern[nblocks, tl.cdiv(n_cols, block_n)](src, a, b, dst, rows, block_expert, flat_w, s, n_cols, k_dim,
+                       BLOCK_N=n_tile, BLOCK_K=block_k, PDL=pdl)
+        kern[nblocks, tl.cdiv(n_cols, n_tile)](src, a, b, dst, rows, block_expert, flat_w, s, n_cols, k_dim,
                                                  tl.cdiv(k_dim, block_k), elem_stride(src, 0), elem_stride(a, 0),
                                                  elem_stride(a, 1), elem_stride(dst, 0))
     out = empty(x, (t, h)) if out is None else out
@@ -163,11 +188,12 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
 
 
 def moe_experts_ref(x, weights, ids, w_gate, w_up, w_down, act: str = "silu") -> np.ndarray:
-    """The same in float64, token by token, slot by slot."""
+    """The same in float64, token by token, slot by slot; GGUF stacks dequantized first (our numpy dequantizer)."""
     from ir.interpreter import KERNELS
 
     x, weights = np.asarray(x, np.float64), np.asarray(weights, np.float64)
-    gate, up, down = (np.asarray(w, np.float64) for w in (w_gate, w_up, w_down))
+    gate, up, down = (np.asarray(moe_gguf.dequantize_stack(w) if moe_gguf.is_blocks(w) else w, np.float64)
+                      for w in (w_gate, w_up, w_down))
     out = np.zeros((x.shape[0], down.shape[1]))
     for t in range(x.shape[0]):
         for j, e in enumerate(np.asarray(ids)[t]):

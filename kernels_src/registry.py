@@ -20,6 +20,7 @@ from kernels_src import (
     gguf_mmq,
     kv_write,
     moe,
+    moe_gguf,
     paged_attention,
     paged_prefill,
     rms_norm,
@@ -241,10 +242,24 @@ for _q in gguf_mmq.MMQ_QTYPES:
 
 # --- fused MoE: a decode batch of 16 through a Qwen3-30B-A3B layer's experts (128 of 768 x 2048, top 8) -------------
 
+def _active(tokens, experts, top_k) -> float:
+    """The distinct experts a random routing of `tokens` tokens reads, expected."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
 def moe_bytes(tokens, hidden, inner, experts, top_k, dtype) -> int:
-    """The experts a random routing reads (expected distinct ones), x, and the output."""
-    active = experts * (1 - (1 - top_k / experts) ** tokens)
-    return int(ITEMSIZE[dtype] * (3 * active * inner * hidden + 2 * tokens * hidden))
+    """The experts a random routing reads, x, and the output."""
+    return int(ITEMSIZE[dtype] * (3 * _active(tokens, experts, top_k) * inner * hidden + 2 * tokens * hidden))
+
+
+def moe_gguf_bytes(tokens, hidden, inner, experts, top_k, qtype, down_qtype, dtype) -> int:
+    """The blocks of the experts a random routing reads, x, and the output."""
+    per_expert = 2 * inner * row_bytes(qtype, hidden) + hidden * row_bytes(down_qtype, inner)
+    return int(_active(tokens, experts, top_k) * per_expert + 2 * tokens * hidden * ITEMSIZE[dtype])
+
+
+def _moe_flops(tokens, hidden, inner, top_k, **_) -> int:
+    return 6 * tokens * top_k * hidden * inner
 
 
 register(KernelEntry(
@@ -252,6 +267,19 @@ register(KernelEntry(
     dict(TOP_K=8, GATED=True, ACT="silu", BLOCK_M=moe.BLOCK_M, BLOCK_N=moe.BLOCK_N, BLOCK_K=moe.BLOCK_K, PDL=True),
     _ptrs(BF16, "x", "w_a", "w_b", "y", rows="*i32", block_expert="*i32", weights="*fp32"),
     dict(tokens=16, hidden=2048, inner=768, experts=128, top_k=8, dtype=BF16), moe_bytes,
-    flops=lambda tokens, hidden, inner, top_k, **_: 6 * tokens * top_k * hidden * inner, launcher=moe.moe_experts,
+    flops=_moe_flops, launcher=moe.moe_experts,
     notes="the launcher runs it twice (gate and up with the activation, then down times the routing weights) "
           "after moe_align's array ops, and sums each token's top_k rows"))
+
+# the same layer as Q4_K_M keeps it: gate and up Q4_K, down Q6_K; the gated pass at the launcher's tiles
+_block_m, _block_n = moe.default_tiles(16 * 8, 128)
+_block_n, _ = moe_gguf.pass_tiles(("Q4_K",), True, _block_m, _block_n)
+register(KernelEntry(
+    "moe_gemm_gguf", moe_gguf.moe_qgemm_kernel,
+    dict(TOP_K=8, GATED=True, ACT="silu", QTYPE_A="Q4_K", QTYPE_B="Q4_K", KB_A=1, KB_B=1, BLOCK_M=_block_m,
+         BLOCK_N=_block_n, WIDE=True, PDL=True),
+    _ptrs(BF16, "x", "y", w_a="*u8", w_b="*u8", rows="*i32", block_expert="*i32", weights="*fp32"),
+    dict(tokens=16, hidden=2048, inner=768, experts=128, top_k=8, qtype="Q4_K", down_qtype="Q6_K", dtype=BF16),
+    moe_gguf_bytes, flops=_moe_flops, launcher=moe.moe_experts,
+    notes="moe_gemm's grid and launches over GGUF expert stacks (each weight tile dequantized in registers); the "
+          "down pass is this kernel with GATED=False and down_qtype's blocks"))

@@ -54,6 +54,12 @@ SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m9_padded", dict(m=9, n=77, 
           for n in REGISTRY if n.startswith("dequant_gemm_")}
 # decode batches of 1 and 16, and a prefill whose experts take many blocks each
 SIZES["moe_gemm"] = [("t16", dict(tokens=16)), ("t1", dict(tokens=1)), ("t300", dict(tokens=300, experts=16))]
+# the same over GGUF stacks: Q4_K_M's (Q6_K down), then each format the issue names, a prefill, padded rows
+SIZES["moe_gemm_gguf"] = [("t16", dict(tokens=16)),
+                          ("t1_q5_k", dict(tokens=1, qtype="Q5_K", down_qtype="Q5_K")),
+                          ("t64_q6_k", dict(tokens=64, qtype="Q6_K", down_qtype="Q4_K", padded=True)),
+                          ("t300_q8_0", dict(tokens=300, experts=16, qtype="Q8_0", down_qtype="Q8_0")),
+                          ("t2048_q4_k", dict(tokens=2048, experts=16, qtype="Q4_K", down_qtype="Q6_K"))]
 # their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
 TRITON_ONLY = ("dequant_gemm_", "moe_gemm")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which

@@ -19,6 +19,7 @@ from kernels_src import (
     dequantize,
     kv_write,
     moe,
+    moe_gguf,
     rms_norm,
     rope,
     rope_kv_write,
@@ -259,36 +260,55 @@ def _dequantize(d: Dev, p: dict) -> Case:
                 lambda target: out.fill_(float("nan")))
 
 
+# the spread of random blocks' values per unit of their fp16 scale fields (gguf_weights): scaled by it, the weights
+# are about 1 / sqrt(k), so activations stay moderate through an MoE's two GEMMs even in fp16
+SPREAD = {"Q4_0": 2.5, "Q4_1": 4.7, "Q5_0": 4.9, "Q5_1": 9.7, "Q8_0": 40.0, "Q2_K": 10.0, "Q3_K": 24.0, "Q4_K": 171.0,
+          "Q5_K": 339.0, "Q6_K": 723.0}
+
+
 def _moe(d: Dev, p: dict) -> Case:
     """Routed tokens through a stack of experts: distinct experts per token (a router's top_k), weights that sum to 1;
-    the reference on a sample of tokens in float64."""
+    the reference on a sample of tokens in float64 (over the experts they use). With `qtype` in p (moe_gemm_gguf)
+    gate and up are GGUF blocks of it, down of `down_qtype`, random valid blocks (`padded`: rows in wider ones)."""
     t, h, inner, e, k, dt = p["tokens"], p["hidden"], p["inner"], p["experts"], p["top_k"], d.dtype(p["dtype"])
     torch = d.torch
     x = d.randn((t, h), dt)
     ids = torch.stack([d.perm(e)[:k] for _ in range(t)]).to(torch.int32)
     weights = torch.softmax(torch.randn((t, k), device=d.dev, generator=d.gen), -1)
-    gate, up = d.randn((e, inner, h), dt, h ** -0.5), d.randn((e, inner, h), dt, h ** -0.5)
-    down = d.randn((e, h, inner), dt, inner ** -0.5)
+    shapes = ((inner, h), (inner, h), (h, inner))
+    if "qtype" in p:
+        qtypes = (p["qtype"], p["qtype"], p["down_qtype"])
+        stacks = [moe_gguf.GGUFStack(gguf_weights(d, q, e * n, kk, 1 / (SPREAD[q] * kk ** 0.5), p.get("padded", False)),
+                                     q, (e, n, kk)) for q, (n, kk) in zip(qtypes, shapes, strict=True)]
+    else:
+        stacks = [d.randn((e, n, kk), dt, kk ** -0.5) for n, kk in shapes]
     out = d.nan((t, h), dt)
+
+    def experts(w, used):
+        if not moe_gguf.is_blocks(w):
+            return host(w[used])
+        n = w.shape[1]
+        rows = np.concatenate([np.arange(ex * n, (ex + 1) * n) for ex in used])
+        return moe_gguf.GGUFStack(host(w.data[rows]), w.qtype, (len(used), *w.shape[1:]))
 
     def check():
         i = d.sample(t, 32)
         used = sorted(set(host(ids[i]).ravel().tolist()))
         remap = {ex: j for j, ex in enumerate(used)}  # the reference reads only the experts these tokens use
-        sub = [host(w[used]) for w in (gate, up, down)]
         ids_i = np.vectorize(remap.get)(host(ids[i]))
-        want = moe.moe_experts_ref(host(x[i]), host(weights[i]), ids_i, *sub)
+        want = moe.moe_experts_ref(host(x[i]), host(weights[i]), ids_i, *(experts(w, used) for w in stacks))
         return combine(written("out", out), compare("out", host(out[i]), want, p["dtype"]))
 
-    return Case("moe_gemm", p, lambda target: moe.moe_experts(x, weights, ids, gate, up, down, out=out, target=target),
-                check, lambda target: out.fill_(float("nan")))
+    return Case("moe_gemm_gguf" if "qtype" in p else "moe_gemm", p,
+                lambda target: moe.moe_experts(x, weights, ids, *stacks, out=out, target=target), check,
+                lambda target: out.fill_(float("nan")))
 
 
 BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rms_norm": lambda d, p: _rms_norm(d, p, False), "add_rms_norm": lambda d, p: _rms_norm(d, p, True),
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
-    "paged_prefill": paged_prefill_case, "moe_gemm": _moe,
+    "paged_prefill": paged_prefill_case, "moe_gemm": _moe, "moe_gemm_gguf": _moe,
 }
 
 
