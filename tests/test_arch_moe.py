@@ -171,18 +171,24 @@ def test_gguf_q8_0_experts_stay_quantized_on_mlx(hf_models, tmp_path):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_gguf_q8_0_experts_on_cuda_backend(hf_models, tmp_path):
-    """Q8_0 expert stacks stay quantized on the CUDA backend (CPU tensors here): each expert's rows of blocks
-    through the GGUF kernels, against the interpreter on the same file; dense stacks take the fused MoE kernel."""
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_gguf_q8_0_experts_on_cuda_backend(device, hf_models, tmp_path):
+    """Q8_0 expert stacks stay quantized on the CUDA backend (CPU tensors, and a GPU where there is one): the fused
+    MoE over their GGUF blocks, against the interpreter on the same file. On a GPU the decode steps replay CUDA
+    graphs, which the grouping on the device allows."""
+    import torch
+
     from backends.cuda.backend import CUDABackend
     from backends.cuda.weights import QuantWeight
     from tools.tiny_hf import backend_greedy
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     model, folder = hf_models("qwen2_moe")
     path = tmp_path / "q2.gguf"
     write_gguf("qwen2_moe", model, folder, path, Q.Q8_0)
     loaded = load_model(path, progress=False)
-    backend = CUDABackend(loaded, device="cpu", dtype="f32", progress=False)
+    backend = CUDABackend(loaded, device=device, dtype="f32", progress=False)
     assert isinstance(backend.params["layers.1.exp_gate"], QuantWeight)
     prompts = [random_prompt(6, 5, model.config.vocab_size)]  # Triton's interpreter runs every program in Python
     ref = ReferenceRunner(loaded, max_tokens=64, block_size=4)
@@ -190,3 +196,6 @@ def test_gguf_q8_0_experts_on_cuda_backend(hf_models, tmp_path):
     tokens, first = backend_greedy(backend, ref, prompts, 2, 4)
     assert_close(first, ref_first)
     assert tokens == ref_tokens
+    if device == "cuda":
+        assert backend.use_graphs and backend.graphs is not None
+        assert backend.graphs.graphs and not backend.graphs.failed, backend.graphs.failed

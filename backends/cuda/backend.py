@@ -70,12 +70,6 @@ class CUDABackend(Backend):
         del params
         self.runner = Runner(self.graph, self.params, weights.DTYPES[self.dtype], self.device)
         self.use_graphs = cuda_graph and self.device.type == "cuda"
-        if self.use_graphs and any(isinstance(self.params[v.name], weights.QuantWeight) for n in self.graph.nodes
-                                   if n.op == "moe_experts" for v in n.inputs[3:]):
-            # Quantized experts are grouped on the host (runner._moe_experts): not capturable yet.
-            log.warning("CUDA graphs off: quantized expert stacks are grouped by expert on the host until the fused "
-                        "MoE kernel takes GGUF blocks")
-            self.use_graphs = False
         self.graphs: DecodeGraphs | None = None
         # Steps with prefill tokens, up to this many, replay in pieces (backends.cuda.piecewise); past it a step's GPU
         # time exceeds an eager step's host time (an 8B model: ~13 ms for 512 tokens on an H200), which then hides.

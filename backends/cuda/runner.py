@@ -280,28 +280,9 @@ class Runner:
         return y.reshape(*x.shape[:-1], n)
 
     def _moe_experts(self, x, weights, ids, w_gate, w_up, w_down, *, act: str):
-        """Dense stacks: the DSL's fused MoE (kernels_src/moe.py: grouped on the device, capturable). Quantized
-        stacks: tokens grouped by expert here, each expert's rows of blocks through the quantized kernels; that
-        grouping reads counts back to the host, so CUDABackend runs such graphs eagerly."""
-        if not any(isinstance(w, QuantWeight) for w in (w_gate, w_up, w_down)):
-            return moe.moe_experts(x, weights, ids, w_gate, w_up, w_down, act, target=self.target, pdl=self.pdl)
-        t, k = ids.shape
-        flat = ids.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=w_gate.shape[0]).tolist()
-        out = torch.zeros((t, w_down.shape[1]), dtype=x.dtype, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            slots = order[start:start + n]
-            start += n
-            tok = slots // k
-            xe = x.index_select(0, tok)
-            h = _act(act, self.linear(xe, _expert(w_gate, e))) * self.linear(xe, _expert(w_up, e))
-            y = self.linear(h, _expert(w_down, e)) * weights.reshape(-1)[slots, None].to(x.dtype)
-            out.index_add_(0, tok, y)
-        return out
+        """The DSL's fused MoE (kernels_src/moe.py): grouped by expert on the device, two launches whatever the
+        routing, so capturable; each stack dense or GGUF blocks (a QuantWeight passes as moe_gguf's stack)."""
+        return moe.moe_experts(x, weights, ids, w_gate, w_up, w_down, act, target=self.target, pdl=self.pdl)
 
     def _row_ids(self, r0: int, r1: int) -> torch.Tensor:
         if (r0, r1) not in self._rows:
@@ -363,14 +344,6 @@ class Runner:
 def _into(out, result):
     """`result`, copied into `out` when given (a static buffer a piecewise graph reads)."""
     return result if out is None else out.copy_(result)
-
-
-def _expert(stack: Param, e: int) -> Param:
-    """Expert e's matrix of a stack [E, out, in]: a view (dense), or its rows of blocks (quantized)."""
-    if isinstance(stack, QuantWeight):
-        _, rows, cols = stack.shape
-        return QuantWeight(stack.data[e * rows:(e + 1) * rows], stack.qtype, (rows, cols))
-    return stack[e]
 
 
 def _moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
