@@ -5,6 +5,7 @@ Q4_K_M), and the bytes a decode step must read (a MoE's routed experts only)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -96,7 +97,8 @@ def q4_k_m_params(graph, layers: int) -> dict:
             out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device="cuda")
             continue
         parts = name.split(".")
-        six = name == "lm_head" or (parts[-1] in ("wv", "w_down") and _q6_layer(int(parts[1]), layers))
+        six = name == "lm_head" or (parts[-1] in ("wv", "w_down", "exp_down") and _q6_layer(int(parts[1]), layers))
         q = "Q6_K" if six else "Q4_K"
-        out[name] = QuantWeight(random_blocks(p.shape[0], p.shape[1], q, gen), q, p.shape)
+        rows = math.prod(p.shape[:-1])  # an expert stack [E, out, in] is E * out rows of blocks
+        out[name] = QuantWeight(random_blocks(rows, p.shape[-1], q, gen), q, p.shape)
     return out

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Sweep the fused MoE over GGUF stacks on a CUDA GPU: `python -m tools.sweep_moe [--tokens 1,16,256] [--layers 8]`.
+
+At Qwen3-30B-A3B's layer shape (128 experts of 768 x 2048, top 8; gate/up Q4_K and down Q6_K, as Q4_K_M keeps
+them), bf16 x, random routings: each pass (gated, down) at every (block_m, block_n, num_warps) the tile rules could
+pick, timed with do_bench_cudagraph over `layers` copies of the stacks so that no expert stays in L2; then the
+launcher's own choice end to end, against the per-expert loop it replaced (tokens grouped on the host, each
+expert's rows through dequant_gemv / mmq / dequant_matmul as Runner._quant_linear picks) and the dense bf16 fused
+MoE. GB/s counts the routed experts' blocks (or bf16 rows) once."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+H, INNER, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B's MoE layer
+
+
+def _bench(fn, graph: bool = True) -> float:
+    """Seconds a call, the median of repeated runs (replayed from a CUDA graph unless graph is False)."""
+    import triton.testing
+
+    run = triton.testing.do_bench_cudagraph if graph else triton.testing.do_bench
+    return run(fn, rep=20, return_mode="median") / 1e3
+
+
+def _layers(torch, n: int, tokens: int, quant: bool):
+    """n layers of (gate, up, down) stacks (GGUFStack of random valid blocks, or bf16), each with its own routing."""
+    from kernels_src import moe_gguf
+    from tools.kernel_cases import SPREAD, gguf_weights
+
+    d = SimpleNamespace(torch=torch, dev="cuda", gen=torch.Generator("cuda").manual_seed(0))
+    out = []
+    for _ in range(n):
+        if quant:
+            stacks = [moe_gguf.GGUFStack(gguf_weights(d, q, E * rows, k, 1 / (SPREAD[q] * k ** 0.5)), q, (E, rows, k))
+                      for q, rows, k in (("Q4_K", INNER, H), ("Q4_K", INNER, H), ("Q6_K", H, INNER))]
+        else:
+            stacks = [torch.randn((E, rows, k), device="cuda", generator=d.gen).bfloat16() * k ** -0.5
+                      for rows, k in ((INNER, H), (INNER, H), (H, INNER))]
+        ids = torch.rand((tokens, E), device="cuda", generator=d.gen).argsort(-1)[:, :K].to(torch.int32)
+        weights = torch.softmax(torch.randn((tokens, K), device="cuda", generator=d.gen), -1)
+        out.append((stacks, ids, weights))
+    return out
+
+
+def _active_bytes(stacks, ids, passes=(0, 1, 2)) -> int:
+    used = int(ids.unique().numel())
+    return sum(used * (s.data.shape[0] // E) * s.data.shape[1] if hasattr(s, "qtype")
+               else used * s.shape[1] * s.shape[2] * 2 for i, s in enumerate(stacks) if i in passes)
+
+
+def sweep_passes(torch, layers, tokens: int) -> list[dict]:
+    """Each pass alone at each tile choice: us a layer and GB/s of its routed blocks."""
+    from kernels_src import moe, moe_gguf
+
+    x = torch.randn((tokens, H), device="cuda").bfloat16()
+    s = tokens * K
+    hidden = torch.randn((s, INNER), device="cuda").bfloat16()
+    y, h_out = torch.empty((s, H), device="cuda", dtype=torch.bfloat16), torch.empty_like(hidden)
+    rule_m = moe.default_tiles(s, E)[0]
+    rows_out = []
+    for block_m in sorted({rule_m, 16, 64}):
+        if block_m == 64 and s < 8 * E:
+            continue  # tall tiles of padding only
+        aligned = [moe.moe_align(ids, E, block_m) for _, ids, _ in layers]
+        for gated, block_n, warps in itertools.product((True, False), (16, 32, 64), (4, 8)):
+            def run(block_n=block_n, warps=warps, gated=gated, block_m=block_m, aligned=aligned):
+                for (stacks, _, w), (rows, be) in zip(layers, aligned, strict=True):
+                    a, b = (stacks[0], stacks[1]) if gated else (stacks[2], stacks[2])
+                    moe_gguf.launch(x if gated else hidden, a, b, h_out if gated else y, rows, be, w.reshape(-1), s,
+                                    H if gated else INNER, gated=gated, top_k=K, act="silu", block_m=block_m,
+                                    block_n=block_n, target="triton", pdl=True, num_warps=warps)
+
+            t = _bench(run) / len(layers)
+            nbytes = sum(_active_bytes(st, ids, (0, 1) if gated else (2,)) for st, ids, _ in layers) / len(layers)
+            q = ("Q4_K",) if gated else ("Q6_K",)
+            rule = (block_m == rule_m and (block_n, warps) == moe_gguf.pass_tiles(q, gated, block_m,
+                                                                                   moe.default_tiles(s, E)[1]))
+            rows_out.append(dict(tokens=tokens, gated=gated, block_m=block_m, block_n=block_n, warps=warps,
+                                 us=t * 1e6, gbs=nbytes / t / 1e9, rule=rule))
+    return rows_out
+
+
+def _per_expert(runner, x, weights, ids, gate, up, down):
+    """The loop the fused kernel replaced: tokens grouped on the host, each expert through the quantized GEMMs."""
+    import torch
+
+    from backends.cuda.weights import QuantWeight
+
+    def expert(st, e):
+        rows = st.shape[1]
+        return QuantWeight(st.data[e * rows:(e + 1) * rows], st.qtype, st.shape[1:])
+
+    t, k = ids.shape
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E).tolist()
+    out = torch.zeros((t, H), dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        slots = order[start:start + n]
+        start += n
+        tok = slots // k
+        xe = x.index_select(0, tok)
+        h = torch.nn.functional.silu(runner.linear(xe, expert(gate, e))) * runner.linear(xe, expert(up, e))
+        out.index_add_(0, tok, runner.linear(h, expert(down, e)) * weights.reshape(-1)[slots, None].to(x.dtype))
+    return out
+
+
+def end_to_end(torch, layers, dense, tokens: int) -> dict:
+    from backends.cuda.runner import Runner
+    from kernels_src import moe
+
+    x = torch.randn((tokens, H), device="cuda").bfloat16()
+    runner = object.__new__(Runner)  # only its quantized linear: target, pdl and the row-id cache
+    runner.target, runner.pdl, runner._rows, runner.device = "triton", None, {}, x.device
+
+    def fused(ls):
+        for stacks, ids, w in ls:
+            moe.moe_experts(x, w, ids, *stacks, target="triton")
+
+    def loop():
+        for stacks, ids, w in layers:
+            _per_expert(runner, x, w, ids, *stacks)
+
+    want = _per_expert(runner, x, layers[0][2], layers[0][1], *layers[0][0]).float()
+    got = moe.moe_experts(x, layers[0][2], layers[0][1], *layers[0][0], target="triton").float()
+    n = len(layers)
+    res = dict(tokens=tokens, max_rel_diff=float((got - want).abs().max() / want.abs().max()),
+               fused_us=_bench(lambda: fused(layers)) / n * 1e6, fused_eager_us=_bench(lambda: fused(layers), False)
+               / n * 1e6, loop_us=_bench(loop, False) / n * 1e6,
+               dense_us=_bench(lambda: fused(dense)) / len(dense) * 1e6)
+    res["gbs"] = sum(_active_bytes(*ls[:2]) for ls in layers) / n / (res["fused_us"] / 1e6) / 1e9
+    res["dense_gbs"] = sum(_active_bytes(*ls[:2]) for ls in dense) / len(dense) / (res["dense_us"] / 1e6) / 1e9
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
+    ap.add_argument("--layers", type=int, default=8, help="copies of the stacks cycled through (Q4_K_M: ~0.4 GB each)")
+    ap.add_argument("--no-sweep", action="store_true", help="end to end only")
+    ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "sweep_moe.json")
+    args = ap.parse_args(argv)
+    import torch
+
+    res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": []}
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        layers = _layers(torch, args.layers, tokens, True)
+        dense = _layers(torch, 2, tokens, False)
+        if not args.no_sweep:
+            rows = sweep_passes(torch, layers, tokens)
+            res["passes"] += rows
+            for r in sorted(rows, key=lambda r: (not r["gated"], r["us"])):
+                print(f"T={tokens:5d} {'gated' if r['gated'] else 'down ':5s} m{r['block_m']:<3d} n{r['block_n']:<3d} "
+                      f"w{r['warps']}  {r['us']:8.1f} us {r['gbs']:7.0f} GB/s{'  <- rule' if r['rule'] else ''}",
+                      flush=True)
+        e2e = end_to_end(torch, layers, dense, tokens)
+        res["end_to_end"].append(e2e)
+        print(f"T={tokens:5d} fused {e2e['fused_us']:.1f} us ({e2e['gbs']:.0f} GB/s; eager {e2e['fused_eager_us']:.1f})"
+              f"  per-expert loop {e2e['loop_us']:.1f} us  dense bf16 {e2e['dense_us']:.1f} us "
+              f"({e2e['dense_gbs']:.0f} GB/s)  max diff {e2e['max_rel_diff']:.1e}", flush=True)
+        del layers, dense
+        torch.cuda.empty_cache()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
