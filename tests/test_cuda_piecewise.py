@@ -95,3 +95,14 @@ def test_plan_refuses_a_longrope_graph():
     seq = g.input("context_lens", ("B",), "i32"), g.input("query_start", ("B+1",), "i32")
     g.output("x", g.rope(x, g.input("positions", ("T",), "i32"), *seq, spec=longrope(1e4, 4, [1, 1], [2, 2], 8, 1.0)))
     assert "longrope" in plan(g)
+
+
+def test_attention_warm_up_writes_nothing(saved, caplog):  # noqa: F811
+    """The start-up steps that compile the eager attention for each table width (CUDABackend._warm_up_attention) run
+    through the pieces and leave the KV cache as it was (their slots are -1)."""
+    model = load_model(saved("llama3_rope")[1], progress=False)
+    pieced, _ = _backends(model, "cpu", 32)
+    before = [t.clone() for layer in pieced.kv for t in layer]
+    pieced._warm_up_attention(4)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in pieced.kv for t in layer), strict=True))

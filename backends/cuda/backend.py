@@ -169,6 +169,24 @@ class CUDABackend(Backend):
         torch.cuda.synchronize(self.device)
         self.kv = self.runner.kv = []
 
+    def _warm_up_attention(self, block_size: int) -> None:
+        """Steps through the pieces whose block tables are 1, 8 and 16 blocks wide: the eager attention between the
+        pieces is compiled for the table widths Triton tells apart (an integer argument equal to 1, a multiple of
+        16, or neither), which a first request otherwise waited ~1 s for (an H200, an 8B model). Slots of -1 write
+        nothing; the reads of block 0 are discarded. A failure is logged: those steps still run, compiling then."""
+        try:
+            more = self.kv_layout().num_groups - 1
+            for width in (1, 8, 16):
+                n = min(width * block_size, self.pieces.buckets[-1])
+                slots, tables = np.full(n, -1, np.int32), np.zeros((1, width), np.int32)
+                self.forward(Batch(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), slots, tables,
+                                   np.array([n], np.int32), np.array([0, n], np.int32), np.array([n - 1], np.int32),
+                                   group_slots=(slots,) * more, group_tables=(tables,) * more))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
+            log.warning("warming up the attention of prefill steps failed: %s: %s", type(e).__name__, e)
+
     def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int, _graphs: bool = True) -> None:
         self.kv, self.graphs, self.pieces, self.runner.kv = [], None, None, []  # the old cache goes first
         dt, layout = weights.DTYPES[self.dtype], self.kv_layout()
@@ -204,6 +222,7 @@ class CUDABackend(Backend):
             if self.piecewise:
                 self.pieces = PiecewiseGraphs(self.runner, min(PIECEWISE_MAX_TOKENS, self.max_step_tokens))
                 self.pieces.capture_all()
+                self._warm_up_attention(block_size)
         else:
             self._chain = torch.zeros(chain, dtype=torch.int32, device=self.device)
 
