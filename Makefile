@@ -27,8 +27,12 @@ $(TEST_STAMP): $(SERVE_STAMP)
 serve: $(SERVE_STAMP)
 	$(PY) -m frontend $(ARGS)
 
+# Test files run on TEST_WORKERS processes (pytest-xdist), each file whole on one so its module fixtures (a server,
+# a model) are built once; TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+
 test: $(TEST_STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
