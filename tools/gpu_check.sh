@@ -131,6 +131,8 @@ step tests_gpu gpu 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "${G
 step tests_cpu any 120 "$PY" -m pytest -q -p no:cacheprovider --tb=line "${KERNEL_TESTS_CPU[@]}"
 step bench gpu 300 "$PY" -m tools.bench_kernels
 step bench_attn gpu 200 "$PY" -m tools.bench_decode_attention
+# Host cost: a launch through the C launcher and Triton's, eager against graph steps, prefill steps in pieces.
+step bench_launch gpu 150 "$PY" -m tools.bench_launch --layers 8
 # A small model through every stage of the llama.cpp comparison (needs .peers/: the llama.cpp tarball and the vocab
 # file, see ../shared/peers/README.md); the full 8B run is staged over several calls (docs/BENCHMARKS.md).
 step bench_gguf gpu 300 "$PY" -m tools.bench_gguf --stage all --dir /tmp/bench_gguf_smoke --layers 2 --hidden 1024 \
