@@ -21,6 +21,7 @@ from kernels_src import (
     kv_write,
     moe,
     moe_gguf,
+    moe_route,
     paged_attention,
     paged_prefill,
     rms_norm,
@@ -283,3 +284,15 @@ register(KernelEntry(
     moe_gguf_bytes, flops=_moe_flops, launcher=moe.moe_experts,
     notes="moe_gemm's grid and launches over GGUF expert stacks (each weight tile dequantized in registers); the "
           "down pass is this kernel with GATED=False and down_qtype's blocks"))
+
+
+# DeepSeek-V3's router for a decode batch of 16: 256 experts in 8 groups, sigmoid scores and a correction bias
+register(KernelEntry(
+    "moe_route", moe_route.moe_route_kernel,
+    dict(TOP_K=8, SIGMOID=True, HAS_BIAS=True, NORM=True, N_GROUP=8, TOPK_GROUP=4, TOP2_SUM=True, BLOCK_E=256,
+         BLOCK_K=8, BLOCK_G=8, PDL=True),
+    _ptrs(BF16, "logits", bias="*fp32", w_out="*fp32", ids_out="*i32"),
+    dict(tokens=16, experts=256, top_k=8, dtype=BF16),
+    lambda tokens, experts, top_k, dtype: tokens * experts * ITEMSIZE[dtype] + experts * 4 + tokens * top_k * 8,
+    floats=("routed_scaling",), launcher=moe_route.moe_route,
+    notes="one program a token: scores, the grouped choice and top_k in one tile of the router's logits"))

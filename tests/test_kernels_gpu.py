@@ -53,6 +53,8 @@ SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m9_padded", dict(m=9, n=77, 
               ("m33_noswap", dict(m=33, n=130, k=2048, swap=False))]
           for n in REGISTRY if n.startswith("dequant_gemm_")}
 # decode batches of 1 and 16, and a prefill whose experts take many blocks each
+# a decode batch and a prefill's tokens through DeepSeek-V3's router
+SIZES["moe_route"] = [("t16", dict(tokens=16)), ("t300", dict(tokens=300))]
 SIZES["moe_gemm"] = [("t16", dict(tokens=16)), ("t1", dict(tokens=1)), ("t300", dict(tokens=300, experts=16))]
 # the same over GGUF stacks: Q4_K_M's (Q6_K down), then each format the issue names, a prefill, padded rows
 SIZES["moe_gemm_gguf"] = [("t16", dict(tokens=16)),

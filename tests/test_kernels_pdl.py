@@ -34,7 +34,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None and importlib.util.f
 # registry name -> pointers a program may load before its wait: weights and tables, which no kernel writes
 ALLOWED = {
     "rms_norm": {"w"}, "add_rms_norm": {"w"}, "silu_mul": set(), "rope": {"cos", "sin"}, "kv_write": set(),
-    "paged_decode": set(), "paged_decode_reduce": set(), "paged_prefill": set(),
+    "paged_decode": set(), "paged_decode_reduce": set(), "paged_prefill": set(), "moe_route": {"bias"},
     **{f"dequant_gemv_{q.lower()}": {"w"} for q in dequant_gemv.QTYPES},
     **{f"dequantize_{q.lower()}": {"w"} for q in dequantize.QTYPES},
 }

@@ -15,7 +15,18 @@ from test_kernels_attention import DECODE_CASES, PREFILL_CASES, paged_cache
 from test_kernels_dsl import _int_inputs, decode_sketch_kernel, float_kernel, int_kernel
 from test_kernels_gemv import k_for, padded_weights
 
-from kernels_src import activations, dequant_gemm, gguf_mmq, kv_write, moe, moe_gguf, rms_norm, rope, rope_kv_write
+from kernels_src import (
+    activations,
+    dequant_gemm,
+    gguf_mmq,
+    kv_write,
+    moe,
+    moe_gguf,
+    moe_route,
+    rms_norm,
+    rope,
+    rope_kv_write,
+)
 from kernels_src import dequant_gemv as dg
 from kernels_src import dequantize as dq
 from kernels_src import paged_attention as pa
@@ -205,7 +216,8 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            dequant_gemm.dequant_gemm_kernel,  # its simt-cpu case: test_kernels_gemm.py
            gguf_mmq.mmq_q4k_kernel, gguf_mmq.mmq_q6k_kernel,  # their simt-cpu case: test_kernels_mmq.py
            moe.moe_gemm_kernel,  # its simt-cpu case: test_kernels_moe.py
-           moe_gguf.moe_qgemm_kernel}  # its simt-cpu case: test_kernels_moe_gguf.py
+           moe_gguf.moe_qgemm_kernel,  # its simt-cpu case: test_kernels_moe_gguf.py
+           moe_route.moe_route_kernel}  # its simt-cpu case: test_kernels_moe_route.py
 
 
 def test_every_registered_kernel_has_a_simt_case():

@@ -19,7 +19,7 @@ QUICK = {  # small problems of the same shapes, for a smoke test
     "kv_write": dict(tokens=64), "rope_kv_write": dict(tokens=64), "paged_decode_reduce": dict(batch=4, context=1100),
     "paged_decode": dict(batch=4, context=1100, ragged=True), "paged_prefill": dict(seqs=2, query_len=64, context=300),
     "gemv": dict(n=512), "gemm": dict(n=512), "dequantize": dict(r=512, n=512),
-    "moe_gemm": dict(tokens=4, experts=16), "moe_gemm_gguf": dict(tokens=4, experts=16),
+    "moe_gemm": dict(tokens=4, experts=16), "moe_gemm_gguf": dict(tokens=4, experts=16), "moe_route": dict(tokens=4),
 }
 Verdict = tuple[float, str | None]  # (worst relative error, what is wrong or None)
 

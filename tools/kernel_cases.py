@@ -20,6 +20,7 @@ from kernels_src import (
     kv_write,
     moe,
     moe_gguf,
+    moe_route,
     rms_norm,
     rope,
     rope_kv_write,
@@ -260,6 +261,47 @@ def _dequantize(d: Dev, p: dict) -> Case:
                 lambda target: out.fill_(float("nan")))
 
 
+ROUTER = dict(scoring="sigmoid", n_group=8, topk_group=4, group_score="top2_sum", norm_topk_prob=True,
+              routed_scaling=2.5)  # DeepSeek-V3's (the registry's bench configuration)
+
+
+def _near_tie(logits: np.ndarray, bias: np.ndarray, k: int, eps: float = 1e-5) -> np.ndarray:
+    """Tokens whose choice under ROUTER is decided by less than eps (float64): the 4th and 5th groups' scores, or
+    the k-th and next allowed experts'; the GPU's exp may then choose the other way."""
+    choice = 1 / (1 + np.exp(-logits.astype(np.float64))) + bias
+    grouped = np.sort(choice.reshape(len(choice), ROUTER["n_group"], -1), axis=-1)
+    gs = -np.sort(-(grouped[..., -1] + grouped[..., -2]), axis=-1)
+    keep = np.argsort(-(grouped[..., -1] + grouped[..., -2]), axis=-1, kind="stable")[:, :ROUTER["topk_group"]]
+    allowed = np.zeros(gs.shape, bool)
+    np.put_along_axis(allowed, keep, True, axis=-1)
+    c = -np.sort(-np.where(np.repeat(allowed, choice.shape[1] // gs.shape[1], axis=-1), choice, -np.inf), axis=-1)
+    t = ROUTER["topk_group"]
+    return (gs[:, t - 1] - gs[:, t] < eps) | (c[:, k - 1] - c[:, k] < eps)
+
+
+def _moe_route(d: Dev, p: dict) -> Case:
+    """DeepSeek-V3's router on random logits: the experts exactly as the IR chooses them on a CPU copy, but for tokens
+    whose choice rests on a near tie (_near_tie); the weights by fp32 rounding."""
+    t, e, k = p["tokens"], p["experts"], p["top_k"]
+    logits = d.randn((t, e), d.dtype(p["dtype"]))
+    bias = d.randn((e,), d.torch.float32, 0.1)
+    out = {}
+
+    def launch(target):
+        out["w"], out["ids"] = moe_route.moe_route(logits, bias, top_k=k, target=target, **ROUTER)
+
+    def check():
+        w_ref, ids_ref = moe_route.moe_route_ref(host(logits), host(bias), top_k=k, **ROUTER)
+        ids = host(out["ids"])
+        differ = (ids != ids_ref).any(1) & ~_near_tie(host(logits), host(bias), k)
+        if differ.any():
+            return np.inf, f"experts differ from the reference in {int(differ.sum())} of {t} tokens"
+        same = ~(ids != ids_ref).any(1)
+        return compare("weights", host(out["w"])[same], w_ref[same], "float32")
+
+    return Case("moe_route", p, launch, check)
+
+
 # the spread of random blocks' values per unit of their fp16 scale fields (gguf_weights): scaled by it, the weights
 # are about 1 / sqrt(k), so activations stay moderate through an MoE's two GEMMs even in fp16
 SPREAD = {"Q4_0": 2.5, "Q4_1": 4.7, "Q5_0": 4.9, "Q5_1": 9.7, "Q8_0": 40.0, "Q2_K": 10.0, "Q3_K": 24.0, "Q4_K": 171.0,
@@ -308,7 +350,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rms_norm": lambda d, p: _rms_norm(d, p, False), "add_rms_norm": lambda d, p: _rms_norm(d, p, True),
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
-    "paged_prefill": paged_prefill_case, "moe_gemm": _moe, "moe_gemm_gguf": _moe,
+    "paged_prefill": paged_prefill_case, "moe_gemm": _moe, "moe_gemm_gguf": _moe, "moe_route": _moe_route,
 }
 
 

@@ -15,7 +15,17 @@ from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
 from ir.kv_groups import kv_layout
 from ir.rope import RopeSpec, cos_sin, long_after
-from kernels_src import activations, kv_write, moe, paged_attention, paged_prefill, rms_norm, rope, rope_kv_write
+from kernels_src import (
+    activations,
+    kv_write,
+    moe,
+    moe_route,
+    paged_attention,
+    paged_prefill,
+    rms_norm,
+    rope,
+    rope_kv_write,
+)
 from kernels_src.dequant_gemv import dequant_gemv
 from kernels_src.dequant_gemv_i8 import I8_TARGETS
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
@@ -319,7 +329,10 @@ class Runner:
             x, y = args
             lead = torch.broadcast_shapes(x.shape[:-1], y.shape[:-1])
             return torch.cat([x.expand(*lead, x.shape[-1]), y.expand(*lead, y.shape[-1])], dim=-1)
-        if op == "moe_route":
+        if op == "moe_route":  # one DSL launch where the router fits its tile, else torch's dozen ops
+            logits = args[0]
+            if moe_route.supports(logits.shape[-1], a["top_k"], a.get("n_group", 1)) and logits.stride(-1) == 1:
+                return moe_route.moe_route(*args, **a, target=self.target, pdl=self.pdl)
             return _moe_route(*args, **a)
         if op == "moe_experts":
             return self._moe_experts(*args, **a)
