@@ -19,6 +19,7 @@ import numpy as np
 from kernels_src import moe_gguf
 from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.moe_slots import block_slots
 from kernels_src.paged_attention import empty
 
 __all__ = ["moe_align", "moe_experts", "moe_experts_ref"]
@@ -43,11 +44,7 @@ def moe_gemm_kernel(x, w_a, w_b, y, rows, block_expert, weights, n_slots, n_cols
     if PDL:  # x and the routing come from earlier kernels
         tl.wait_prior_grid()
         tl.launch_dependents()
-    e = tl.load(block_expert + tl.program_id(0)).to(tl.int64)
-    slot = tl.load(rows + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = slot < n_slots
-    src = tl.where(valid, slot // TOP_K if GATED else slot, 0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e, slot, valid, src, n = block_slots(rows, block_expert, n_slots, TOP_K, GATED, BLOCK_M, BLOCK_N)
     xrow = x + src.to(tl.int64)[:, None] * x_stride
     wrow = e * w_e_stride + tl.minimum(n, n_cols - 1).to(tl.int64)[:, None] * w_stride
     kk = tl.arange(0, BLOCK_K)[None, :]

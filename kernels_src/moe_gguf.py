@@ -27,6 +27,7 @@ from kernels_src import dequantize as dq
 from kernels_src.activations import _act
 from kernels_src.dequant_gemm import STEP_ELEMS, _numel
 from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.moe_slots import block_slots
 
 __all__ = ["QTYPES", "GGUFStack", "check_stack", "dequantize_stack", "is_blocks", "launch", "moe_qgemm_kernel",
            "pass_tiles", "step_blocks"]
@@ -92,11 +93,7 @@ def moe_qgemm_kernel(x, w_a, w_b, y, rows, block_expert, weights, n_slots, n_col
     if PDL:  # x and the routing come from earlier kernels, and the routing says which weights to read
         tl.wait_prior_grid()
         tl.launch_dependents()
-    e = tl.load(block_expert + tl.program_id(0)).to(tl.int64)
-    slot = tl.load(rows + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = slot < n_slots
-    src = tl.where(valid, slot // TOP_K if GATED else slot, 0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e, slot, valid, src, n = block_slots(rows, block_expert, n_slots, TOP_K, GATED, BLOCK_M, BLOCK_N)
     xrow = x + src.to(tl.int64) * x_stride
     pa, dec_a, rank_a = _tiles(w_a, a_stride, e, n_cols, QTYPE_A, KB_A, BLOCK_N, WIDE)
     xa, kba = _x_rows(xrow, KB_A, rank_a)

@@ -157,20 +157,22 @@ def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, 
     return [("(all kernels)", 1.0, total / steps)] + [(k[:60], t / total, t / steps) for k, t in rows[:top]]
 
 
-def prefill_rate(engine, tokens: int, vocab: int, reps: int = 3) -> float:
+def prefill_seconds(engine, tokens: int, vocab: int, rng) -> float:
+    """Wall seconds of one prompt of random `tokens` ids prefilled to its first token (synchronized both ends)."""
     from core.sampling_params import SamplingParams
 
+    engine.add_request(rng.integers(0, vocab, tokens).tolist(), SamplingParams(temperature=0, max_tokens=1))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def prefill_rate(engine, tokens: int, vocab: int, reps: int = 3) -> float:
     rng = np.random.default_rng(1)
-    best = float("inf")
-    for _ in range(reps):
-        engine.add_request(rng.integers(0, vocab, tokens).tolist(), SamplingParams(temperature=0, max_tokens=1))
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return tokens / best
+    return tokens / min(prefill_seconds(engine, tokens, vocab, rng) for _ in range(reps))
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:

@@ -93,23 +93,15 @@ def step_ms(engine, steps: int, vocab: int, profile: bool = False) -> tuple[floa
 
 def prefill_steps(engine, vocab: int, sizes=(16, 128, 512), reps: int = 5) -> dict[str, float]:
     """ms of a step that prefills one prompt of n tokens, replayed in pieces (backends.cuda.piecewise) and eager."""
-    from core.sampling_params import SamplingParams
+    from tools.bench_gpu import prefill_seconds
 
     backend, pieces, out = engine.backend, engine.backend.pieces, {}
     rng = np.random.default_rng(1)
     for n in sizes:
         for mode in ("pieces", "eager"):
             backend.pieces = pieces if mode == "pieces" else None
-            times = []
-            for _ in range(reps + 1):
-                engine.add_request(rng.integers(0, vocab, n).tolist(), SamplingParams(temperature=0, max_tokens=1))
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                while engine.has_unfinished():
-                    engine.step()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t) * 1e3)
-            out[f"prefill {n}, {mode}"] = float(np.median(times[1:]))
+            times = [prefill_seconds(engine, n, vocab, rng) * 1e3 for _ in range(reps + 1)]
+            out[f"prefill {n}, {mode}"] = float(np.median(times[1:]))  # the first may compile
             print(f"{out[f'prefill {n}, {mode}']:8.2f} ms  prefill step of {n} tokens, {mode}", flush=True)
     backend.pieces = pieces
     return out
