@@ -38,9 +38,20 @@ class WeightFormat:
         """The bytes of a tensor of logical `shape` (any rank: a 3-D expert stack too) as [rows, row bytes]."""
         return (prod(shape[:-1]), self.row_bytes(shape[-1]))
 
+    @property
+    def element_dtype(self) -> np.dtype:
+        """A dense format's stored element: what its raw bytes are a view of (bf16 as uint16 bits, as the readers
+        hand bf16 out)."""
+        if self.quantized:
+            raise ValueError(f"{self.name} is stored in blocks, not elements")
+        return np.dtype(_ELEMENTS[self.name])
+
     def dequantize(self, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """fp32 values of logical `shape` from the stored data (typed dense arrays, bf16 bits or raw blocks)."""
         return gguf_quants.dequantize(np.ascontiguousarray(data), self.name, shape)
+
+
+_ELEMENTS = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
 def _family(name: str) -> str:

@@ -41,6 +41,16 @@ class StoredTensor:
     def dequantize(self) -> np.ndarray:
         return self.format.dequantize(self.data, self.shape)
 
+    def as_elements(self) -> StoredTensor:
+        """The tensor with `data` as elements of its logical shape, for splits along any axis: dense data typed
+        (GGUF's raw F32/F16/BF16 bytes viewed as their elements, no copy), quantized blocks decoded to F32."""
+        if self.quantized:
+            return StoredTensor(self.dequantize().reshape(self.shape), "F32", self.shape, self.source)
+        data = self.data
+        if data.dtype == np.uint8:  # a GGUF reader's raw bytes
+            data = np.ascontiguousarray(data).reshape(-1).view(self.format.element_dtype)
+        return StoredTensor(data.reshape(self.shape), self.kind, self.shape, self.source)
+
     def permute_rows(self, perm: np.ndarray) -> StoredTensor:
         """Reorder output rows; valid for quantized blocks too, since a block never spans two rows."""
         rows = self.data.reshape(self.shape[0], -1)  # 1-D tensors arrive from GGUF as one row of bytes
