@@ -13,21 +13,28 @@ scale is qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) square
 Experts: layers from first_k_dense_replace on (every moe_layer_freq-th) are MoE: V2 routes by softmax, greedily or
 within the best topk_group of n_group groups (a group scores its best expert); V3 by sigmoid plus a correction bias
 for the choice, groups scored by their best two; weights times routed_scaling_factor; n_shared_experts always run.
+
+GGUF: llama.cpp writes both as "deepseek2" (V3 told by its sigmoid gating), in HF's row order (no q/k permutation:
+its rope for deepseek2 is the interleaved one the checkpoints use). Older files keep kv_b_proj as attn_kv_b and give
+key/value_length as the heads' widths; newer ones store it split per head, attn_k_b (W_UK^T, [heads, rank, nope]) and
+attn_v_b ([heads, v_head_dim, rank]), with key/value_length the latent's (rank + rope, rank) and the heads' widths
+under the _mla keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from math import log
 from typing import Any
 
 import numpy as np
 
-from ir.config import ModelConfig, hf_fields, hf_rope
+from ir.config import ModelConfig, gguf_fields, hf_fields, hf_rope
 from ir.graph import Graph, Value
 from ir.models import Architecture, llama
 from ir.models._names import layer_names
+from ir.models.moe import GGUF as MOE_GGUF
 from ir.models.moe import QWEN as MOE_NAMES
 from ir.models.moe import hf_experts
 from ir.weights import StoredTensor, WeightSource
@@ -65,12 +72,7 @@ class DeepseekConfig(ModelConfig):
         f = hf_fields({**hf, "head_dim": nope + rope_dim}, arch, defaults)
         interleave = arch == "deepseek_v2" or bool(hf.get("rope_interleave", True))
         rope = replace(hf_rope({**hf, "head_dim": rope_dim}, rope_dim), style="interleaved" if interleave else "neox")
-        scale = (nope + rope_dim) ** -0.5
-        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        if params.get("rope_type", params.get("type", "default")) != "default" and params.get("mscale_all_dim"):
-            factor = float(params["factor"])
-            m = 0.1 * float(params["mscale_all_dim"]) * log(factor) + 1.0 if factor > 1 else 1.0
-            scale *= m * m
+        scale = softmax_scale(nope + rope_dim, hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         layers, first = f["num_layers"], int(hf.get("first_k_dense_replace") or 0)
         freq = int(hf.get("moe_layer_freq") or 1)
         experts = int(hf.get("n_routed_experts") or 0)
@@ -89,6 +91,72 @@ class DeepseekConfig(ModelConfig):
                    group_score="top2_sum" if method == "noaux_tc" else "max",
                    norm_topk_prob=bool(hf.get("norm_topk_prob", v3)),
                    routed_scaling=float(hf.get("routed_scaling_factor") or 1.0), score_bias=method == "noaux_tc")
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], tensors: Collection[str], arch: str,
+                  defaults: Mapping[str, Any] = {}, freq_factors=None) -> DeepseekConfig:  # noqa: B006
+        a = meta["general.architecture"]
+
+        def get(key: str, default: Any = None) -> Any:
+            return meta.get(f"{a}.{key}", default)
+
+        f = gguf_fields(meta, tensors, arch, defaults, freq_factors)
+        # block_count counts multi-token-prediction blocks (GLM's files keep them after the decoder): not ours
+        f["num_layers"] -= int(get("nextn_predict_layers") or 0)
+        heads, rope_dim, rank = f["num_heads"], int(get("rope.dimension_count")), int(get("attention.kv_lora_rank"))
+        if get("attention.key_length_mla") is not None:  # newer files: key/value_length are the latent's
+            qk, vd = int(get("attention.key_length_mla")), int(get("attention.value_length_mla"))
+        else:
+            qk = int(get("attention.key_length") or f["hidden_size"] // heads)
+            vd = int(get("attention.value_length") or qk)
+        params = dict(f["rope"].scaling)
+        if params.get("rope_type") == "yarn":
+            params.update({k: float(get(f"rope.scaling.yarn_{k}")) for k in ("beta_fast", "beta_slow")
+                           if get(f"rope.scaling.yarn_{k}") is not None})
+            # The converter writes 0.1 * mscale_all_dim; llama.cpp takes mscale equal to it for deepseek2 (1 for
+            # V3, 0.707 both for V2), so cos/sin stay unscaled and the softmax takes mscale squared, as here.
+            if get("rope.scaling.yarn_log_multiplier"):
+                m = float(get("rope.scaling.yarn_log_multiplier")) / 0.1
+                params.update(mscale=m, mscale_all_dim=m)
+        rope = replace(f["rope"], style="interleaved", scaling=tuple(sorted(params.items())))
+        layers, experts = f["num_layers"], int(get("expert_count") or 0)
+        first = int(get("leading_dense_block_count") or 0)
+        dense = tuple(i for i in range(layers)
+                      if not experts or i < first or f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+        gating = int(get("expert_gating_func") or 1)  # absent in V2 files: softmax, as llama.cpp reads them
+        if gating not in (1, 2):
+            raise ValueError(f"expert_gating_func {gating}: only 1 (softmax) and 2 (sigmoid) are DeepSeek's")
+        bias = any(f"blk.{i}.exp_probs_b.bias" in tensors for i in range(layers))
+        groups = int(get("expert_group_count") or 1)
+        width = get("expert_feed_forward_length") or 0  # llama.cpp also takes one a layer
+        widths = {int(width[i]) for i in range(layers) if i not in dense} if isinstance(width, list) else {int(width)}
+        if len(widths) > 1:
+            raise ValueError(f"expert widths differ between layers ({sorted(widths)}): one is supported")
+        return cls(**f | dict(rope=rope, head_dim=qk, num_kv_heads=heads),  # GGUF's 1 KV head is the latent's view
+                   q_lora_rank=int(get("attention.q_lora_rank") or 0) if "blk.0.attn_q_a.weight" in tensors else 0,
+                   kv_lora_rank=rank, qk_nope_head_dim=qk - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=vd,
+                   attn_scale=softmax_scale(qk, params), num_experts=experts, top_k=int(get("expert_used_count") or 1),
+                   moe_intermediate_size=widths.pop() if widths else 0,
+                   n_shared_experts=int(get("expert_shared_count") or 0), dense_layers=dense,
+                   scoring="sigmoid" if gating == 2 else "softmax", n_group=groups,
+                   topk_group=int(get("expert_group_used_count") or 1) if groups > 1 else 1,
+                   # The file does not say topk_method. transformers scores a group by its best two experts for
+                   # V3 (noaux_tc: sigmoid and the bias), by its best one for V2 (group_limited_greedy); llama.cpp
+                   # sums the best two for every file, so a grouped V2 file follows the model here, not llama.cpp.
+                   group_score="top2_sum" if bias or gating == 2 else "max",
+                   norm_topk_prob=bool(get("expert_weights_norm", False)),
+                   routed_scaling=float(get("expert_weights_scale") or 1.0), score_bias=bias)
+
+
+def softmax_scale(qk_head_dim: int, rope_params: Mapping[str, Any]) -> float:
+    """qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) squared when the rope is scaled."""
+    scale = qk_head_dim ** -0.5
+    p = rope_params
+    if p.get("rope_type", p.get("type", "default")) != "default" and p.get("mscale_all_dim"):
+        factor = float(p["factor"])
+        m = 0.1 * float(p["mscale_all_dim"]) * log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    return scale
 
 
 def mla_block(g: Graph, cfg: DeepseekConfig, x: Value, i: int, pos: Value, meta: list[Value]) -> Value:
@@ -148,42 +216,73 @@ HF_NAMES = {
 }
 
 
+# IR parameter of layer i -> llama.cpp's tensor blk.{i}.<name> (attn_norm, ffn_norm and a dense layer's MLP are
+# llama's); W_UK / W_UV come from attn_k_b / attn_v_b, or out of an older file's attn_kv_b.
+GGUF_NAMES = {
+    "q_a": "attn_q_a.weight", "q_a_norm": "attn_q_a_norm.weight", "q_b": "attn_q_b.weight", "wq": "attn_q.weight",
+    "kv_a": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight", "wo": "attn_output.weight",
+    "w_uk": "attn_k_b.weight", "w_uv": "attn_v_b.weight", "router_bias": "exp_probs_b.bias",
+    **{k: f"{v}.weight" for k, v in MOE_GGUF.items() if k != "sh_router"},
+}
+
+
 def load_weights(cfg: DeepseekConfig, graph: Graph, src: WeightSource) -> dict[str, StoredTensor]:
-    if src.format != "hf":
-        raise ValueError("DeepSeek GGUF files (llama.cpp's deepseek2) are not read yet: their MLA tensors are split "
-                         "differently (attn_kv_b or attn_k_b / attn_v_b)")
-    names = layer_names(llama.LAYER_NAMES, llama.TOP_NAMES, cfg.num_layers, "hf")
+    names = layer_names(llama.LAYER_NAMES, llama.TOP_NAMES, cfg.num_layers, src.format)
+    table = HF_NAMES if src.format == "hf" else GGUF_NAMES
     out = {}
     for p in graph.params:
         head, _, key = p.rpartition(".")
-        if head.startswith("layers.") and key in HF_NAMES:
-            i = int(head.split(".")[1])
-            name = HF_NAMES[key]
-            if "{e}" in name:
-                out[p] = hf_experts(src, cfg, i, key, name)
-            else:
-                t = src.require(f"model.{head}.{name}", p)
-                out[p] = absorbed(cfg, t, key) if key in ("w_uk", "w_uv") else t
-        else:
+        if not (head.startswith("layers.") and key in table):
             out[p] = src.require(names.get(p, p), p)
+            continue
+        i = int(head.split(".")[1])
+        if src.format == "gguf":
+            out[p] = gguf_tensor(cfg, src, i, key, p)
+        elif "{e}" in HF_NAMES[key]:
+            out[p] = hf_experts(src, cfg, i, key, HF_NAMES[key])
+        else:
+            t = src.require(f"model.{head}.{HF_NAMES[key]}", p)
+            out[p] = absorbed(cfg, t, key) if key in ("w_uk", "w_uv") else t
     return out
+
+
+def gguf_tensor(cfg: DeepseekConfig, src: WeightSource, i: int, key: str, param: str) -> StoredTensor:
+    blk = f"blk.{i}."
+    name = blk + GGUF_NAMES[key]
+    if key in ("w_uk", "w_uv"):
+        # head_linear takes dense weights, and these are small (both 17M values a layer at V3's sizes): a quantized
+        # file's are decoded to F32 here, through their weight format.
+        if name in src:  # already per head, in the IR's layout: [heads, rank, nope] and [heads, v_head_dim, rank]
+            return src.require(name, param).as_elements()
+        return absorbed(cfg, src.require(blk + "attn_kv_b.weight", param), key)
+    if key in ("exp_gate", "exp_up") and name not in src and blk + "ffn_gate_up_exps.weight" in src:
+        fused = src.require(blk + "ffn_gate_up_exps.weight", param)  # [experts, gate rows | up rows, hidden]
+        width = cfg.moe_intermediate_size
+        return fused.rows_of_each(0 if key == "exp_gate" else width, width)
+    return src.require(name, param)
 
 
 def absorbed(cfg: DeepseekConfig, kv_b: StoredTensor, key: str) -> StoredTensor:
     """W_UK ("w_uk": [heads, rank, nope], transposed so that head_linear reads it as [out, in]) or W_UV ("w_uv":
     [heads, v_head_dim, rank]) out of kv_b_proj [heads * (nope + v_head_dim), rank], whose rows per head are the K-nope
-    part, then V. Elements are moved as stored (bf16 stays bf16)."""
+    part, then V. Dense elements are moved as stored (bf16 stays bf16); quantized blocks are decoded to F32 first."""
     heads, nope, vd, rank = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    if kv_b.quantized or kv_b.data.size != heads * (nope + vd) * rank:
-        raise ValueError(f"{kv_b.source}: a dense [{heads * (nope + vd)}, {rank}] kv_b_proj is needed to split out "
+    if tuple(kv_b.shape) != (heads * (nope + vd), rank):
+        raise ValueError(f"{kv_b.source}: a [{heads * (nope + vd)}, {rank}] kv_b_proj is needed to split out "
                          f"W_UK and W_UV, not {kv_b.kind} {list(kv_b.shape)}")
+    kv_b = kv_b.as_elements()
     w = kv_b.data.reshape(heads, nope + vd, rank)
     part = w[:, :nope].transpose(0, 2, 1) if key == "w_uk" else w[:, nope:]
     data = np.ascontiguousarray(part)
     return StoredTensor(data, kv_b.kind, data.shape, f"{kv_b.source} ({'W_UK^T' if key == 'w_uk' else 'W_UV'})")
 
 
+def _sigmoid_gated(meta: Mapping[str, Any]) -> bool:
+    return int(meta.get(f"{meta['general.architecture']}.expert_gating_func") or 1) == 2
+
+
+# llama.cpp's "deepseek2" holds both; a file with sigmoid gating is V3's (the registry tries a match first).
 ARCHS = tuple(
-    Architecture(name=name, hf_model_types=(name,), gguf_archs=(), build=build, load_weights=load_weights,
-                 config_cls=DeepseekConfig)
+    Architecture(name=name, hf_model_types=(name,), gguf_archs=("deepseek2",), build=build, load_weights=load_weights,
+                 config_cls=DeepseekConfig, gguf_match=_sigmoid_gated if name == "deepseek_v3" else None)
     for name in ("deepseek_v2", "deepseek_v3"))
