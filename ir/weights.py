@@ -71,7 +71,9 @@ class StoredTensor:
         """Rows start:start+count of every matrix of a stack [n, rows, cols] (a fused gate_up stack's halves)."""
         n, rows = self.shape[0], self.shape[1]
         data = self.data.reshape(n, rows, -1)[:, start:start + count]
-        out = np.ascontiguousarray(data).reshape((n * count, -1) if self.quantized else (n, count, *self.shape[2:]))
+        # Typed elements keep their shape; bytes (quantized blocks, or a GGUF reader's raw F32/F16) stay rows of bytes.
+        typed = self.data.size == np.prod(self.shape)
+        out = np.ascontiguousarray(data).reshape((n, count, *self.shape[2:]) if typed else (n * count, -1))
         return StoredTensor(out, self.kind, (n, count, *self.shape[2:]), self.source)
 
     def reshaped(self, shape: tuple[int, ...]) -> StoredTensor:
