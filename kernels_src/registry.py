@@ -19,6 +19,7 @@ from kernels_src import (
     dequantize,
     gguf_mmq,
     kv_write,
+    mla_decode,
     moe,
     moe_gguf,
     moe_route,
@@ -151,6 +152,27 @@ register(KernelEntry(
     dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, BLOCK_N=64, BLOCK_P=8, PDL=True),
     dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32", context_lens="*i32", out="*bf16"), _DECODE,
     decode_reduce_bytes, launcher=paged_attention.paged_decode))
+
+# --- MLA decode: 64 sequences of 4096 tokens through a DeepSeek-V3 layer's latent cache (128 heads, 512 + 64) ------
+
+_MLA = dict(batch=64, context=4096, heads=128, rank=512, rope=64, block_size=16, dtype=BF16)
+
+
+def mla_bytes(batch, context, heads, rank, rope, block_size, dtype) -> int:
+    """Each context's latents once (every head group after the first reads them from L2), q and out, the tables."""
+    qo = batch * heads * (2 * rank + rope) * ITEMSIZE[dtype]
+    return batch * context * (rank + rope) * ITEMSIZE[dtype] + qo + batch * (-(-context // block_size) + 1) * 4
+
+
+register(KernelEntry(
+    "mla_decode", mla_decode.mla_decode_kernel,
+    dict(HEADS=128, RANK=512, ROPE=64, BS=16, PARTITION=512, SPLIT=True, PDL=True, **mla_decode.mla_tiles(512, 64)),
+    _ptrs(BF16, "q", "cache", "out", block_tables="*i32", context_lens="*i32", part_m="*fp32", part_l="*fp32",
+          part_acc="*fp32"), _MLA, mla_bytes, floats=("scale",),
+    flops=lambda batch, context, heads, rank, rope, **_: 2 * batch * context * heads * (2 * rank + rope),
+    launcher=mla_decode.mla_decode,
+    notes="grid (B, heads / BLOCK_H, partitions); the launcher runs paged_decode_reduce (HEAD_DIM = rank) after "
+          "it: the bench times both"))
 
 # --- paged prefill: 8 sequences each adding a 512-token chunk to 3584 cached tokens ------------------------------
 
