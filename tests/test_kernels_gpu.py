@@ -42,6 +42,10 @@ SIZES = {
     "paged_decode_reduce": [("split", dict(batch=4, context=1500, ragged=True))],
     "paged_prefill": [("chunked", dict(seqs=4, query_len=100, context=700, ragged=True)),
                       ("gqa8", dict(seqs=2, query_len=40, context=90, q_heads=16, kv_heads=2))],
+    # DeepSeek-V3's 128 heads of 512 + 64, split; one partition; heads, rank and rope off their tiles
+    "mla_decode": [("v3_split", dict(batch=4, context=1500, ragged=True)),
+                   ("single", dict(batch=3, context=300, heads=16, ragged=True)),
+                   ("odd", dict(batch=2, context=700, heads=20, rank=96, rope=24, block_size=8, ragged=True))],
 }
 # all rows of a matrix (r = n, K off the program's tile), and an embedding lookup: random ids into padded rows
 SIZES |= {n: [("rows", dict(r=300, n=300, k=4608)), ("lookup", dict(r=77, n=1000, k=2048, padded=True))]

@@ -20,6 +20,7 @@ from kernels_src import (
     dequant_gemm,
     gguf_mmq,
     kv_write,
+    mla_decode,
     moe,
     moe_gguf,
     moe_route,
@@ -217,7 +218,8 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            gguf_mmq.mmq_q4k_kernel, gguf_mmq.mmq_q6k_kernel,  # their simt-cpu case: test_kernels_mmq.py
            moe.moe_gemm_kernel,  # its simt-cpu case: test_kernels_moe.py
            moe_gguf.moe_qgemm_kernel,  # its simt-cpu case: test_kernels_moe_gguf.py
-           moe_route.moe_route_kernel}  # its simt-cpu case: test_kernels_moe_route.py
+           moe_route.moe_route_kernel,  # its simt-cpu case: test_kernels_moe_route.py
+           mla_decode.mla_decode_kernel}  # its simt-cpu case: test_kernels_mla.py
 
 
 def test_every_registered_kernel_has_a_simt_case():

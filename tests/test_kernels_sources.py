@@ -17,6 +17,7 @@ from test_kernels_dsl import int_kernel
 from kernels_src.dsl import simt, trace
 from kernels_src.dsl.cpu_target import CpuRenderer
 from kernels_src.dsl.ir import PtrType
+from kernels_src.dsl.simt_targets import lowered  # one lowering per kernel for its Metal and CUDA C parses
 from kernels_src.registry import REGISTRY
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None
@@ -39,7 +40,7 @@ _NP = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "i32": "int32",
 def _metal_wrapped(k, n: int) -> str:
     from kernels_src.dsl.metal_target import MetalRenderer, default_outputs, wrap_like_mlx
 
-    s, r = simt.lower(k), MetalRenderer()
+    s, r = lowered(k, 4), MetalRenderer()
     args = [_Arr((n,), _NP[p.dtype.elem.name]) if isinstance(p.dtype, PtrType) else 1 for p in k.params]
     return wrap_like_mlx(s, r.render(s), r.header(), default_outputs(s), *args)
 
@@ -59,7 +60,7 @@ def test_parse_metal_and_cuda(name):
     for n in (4096, 4):  # inputs in `device` memory, and in `constant` memory (MLX: fewer than 8 elements)
         problems = check_metal(_metal_wrapped(k, n))
         assert not problems, "\n".join(map(str, problems))
-    problems = check_cuda(CudaRenderer().render(simt.lower(k)))
+    problems = check_cuda(CudaRenderer().render(lowered(k, 4)))
     assert not problems, "\n".join(map(str, problems))
 
 

@@ -18,6 +18,7 @@ QUICK = {  # small problems of the same shapes, for a smoke test
     "rms_norm": dict(rows=64), "add_rms_norm": dict(rows=64), "rope": dict(tokens=64), "silu_mul": dict(tokens=16),
     "kv_write": dict(tokens=64), "rope_kv_write": dict(tokens=64), "paged_decode_reduce": dict(batch=4, context=1100),
     "paged_decode": dict(batch=4, context=1100, ragged=True), "paged_prefill": dict(seqs=2, query_len=64, context=300),
+    "mla_decode": dict(batch=4, context=1100, ragged=True),
     "gemv": dict(n=512), "gemm": dict(n=512), "dequantize": dict(r=512, n=512),
     "moe_gemm": dict(tokens=4, experts=16), "moe_gemm_gguf": dict(tokens=4, experts=16), "moe_route": dict(tokens=4),
 }

@@ -26,7 +26,12 @@ from kernels_src import (
     rope_kv_write,
 )
 from tools.kernel_case_base import FP16_FIELDS, OUT_EPS, Case, Dev, combine, compare, host, written
-from tools.kernel_cases_attention import paged_decode_case, paged_decode_reduce_case, paged_prefill_case
+from tools.kernel_cases_attention import (
+    mla_decode_case,
+    paged_decode_case,
+    paged_decode_reduce_case,
+    paged_prefill_case,
+)
 
 # --- rows of a hidden state ---------------------------------------------------------------------------------------
 
@@ -350,7 +355,8 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rms_norm": lambda d, p: _rms_norm(d, p, False), "add_rms_norm": lambda d, p: _rms_norm(d, p, True),
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
-    "paged_prefill": paged_prefill_case, "moe_gemm": _moe, "moe_gemm_gguf": _moe, "moe_route": _moe_route,
+    "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_gemm": _moe, "moe_gemm_gguf": _moe,
+    "moe_route": _moe_route,
 }
 
 

@@ -1,10 +1,12 @@
-"""The paged attention kernels' GPU cases (decode, its split-K reduce, prefill) for tools/kernel_cases.py: caches
-through shuffled block tables with NaN outside every context, checked per sequence against the numpy reference."""
+"""The paged attention kernels' GPU cases (decode, its split-K reduce, prefill, MLA decode) for
+tools/kernel_cases.py: caches through shuffled block tables with NaN outside every context, checked per sequence
+against the numpy reference."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from kernels_src import mla_decode as md
 from kernels_src import paged_attention as pa
 from kernels_src import paged_prefill as pp
 from kernels_src.dsl import compile as dsl_compile
@@ -128,3 +130,31 @@ def paged_prefill_case(d: Dev, p: dict) -> Case:
         return combine(*verdicts)
 
     return Case("paged_prefill", p, launch, check, lambda target: out.fill_(float("nan")))
+
+
+def mla_decode_case(d: Dev, p: dict) -> Case:
+    """DeepSeek's latent cache ([blocks, bs, 1, rank + rope], NaN outside the contexts) under absorbed queries."""
+    b, ctx, heads, rank, rope, dt = p["batch"], p["context"], p["heads"], p["rank"], p["rope"], d.dtype(p["dtype"])
+    ctxs = np.full(b, ctx, np.int32)
+    if p.get("ragged"):
+        ctxs = d.rng.integers(1, ctx + 1, b).astype(np.int32)
+        ctxs[-1] = ctx
+    cache, _, tables = _paged_cache(d, p | dict(kv_heads=1, head_dim=rank + rope), ctxs)
+    q = d.randn((b, heads + 1, rank + rope), dt)[:, :heads]  # a strided view of heads
+    out, scale = d.nan((b, heads, rank), dt), (128 + rope) ** -0.5  # V3's qk_head_dim
+    n_parts = pa.num_partitions(ctx, 512)
+    ws = md.mla_workspace(q, rank, n_parts) if n_parts > 1 else None
+    ctx_dev = d.torch.from_numpy(ctxs).to(d.dev)
+
+    def launch(target):
+        md.mla_decode(q, cache, tables, ctx_dev, scale, rank, out=out, max_context=ctx, workspace=ws, target=target)
+
+    def check():
+        verdicts = [written("out", out)]
+        for s in _check_seqs(b):
+            kb, _, tb = _seq_cache(cache, cache, tables, s, int(ctxs[s]))
+            want = md.mla_decode_ref(host(q[s:s + 1]), kb, tb, ctxs[s:s + 1], scale, rank)
+            verdicts.append(compare(f"out[seq {s}]", host(out[s:s + 1]), want, p["dtype"]))
+        return combine(*verdicts)
+
+    return Case("mla_decode", p, launch, check, lambda target: out.fill_(float("nan")))
