@@ -145,9 +145,11 @@ def test_absorbed_weights_are_kv_b_projs_rows(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_cuda_backend_runs_the_latent_cache(tmp_path):
-    """The CUDA backend (CPU tensors here, the H200 in gpu_check): the paged kernels read the latent cache as one KV
-    head, keys and values at once; ours against transformers as above, prefill and decode."""
+    """The CUDA backend (CPU tensors here, the H200 in gpu_check): prefill's paged kernels read the latent cache as
+    one KV head, keys and values at once, decode steps run mla_decode; ours against transformers as above."""
     from backends.cuda.backend import CUDABackend
+    from kernels_src.dsl import launch
+    from kernels_src.mla_decode import mla_decode_kernel
 
     model, loaded = saved("deepseek_v3", tmp_path)
     assert set(CUDABackend(loaded, device="cpu", progress=False).kv_shapes()) == {(1, LATENT, 32, True)}
@@ -157,6 +159,7 @@ def test_cuda_backend_runs_the_latent_cache(tmp_path):
     for i, p in enumerate(prompts):
         assert float(np.abs(np.asarray(first[i]) - refs[i]).max()) <= 1e-4 * float(np.abs(refs[i]).max())
         assert tokens[i] == hf_greedy(model, p, 4)
+    assert any(k[0] is mla_decode_kernel for k in launch._kernels)  # the decode steps' kernel (compiled once)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx is not installed")

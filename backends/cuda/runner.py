@@ -31,6 +31,7 @@ from kernels_src.dequant_gemv_i8 import I8_TARGETS
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
 from kernels_src.gguf_mmq import MIN_ROWS as MMQ_MIN_ROWS
 from kernels_src.gguf_mmq import MMQ_QTYPES, mmq
+from kernels_src.mla_decode import mla_decode, mla_tiles
 
 F = torch.nn.functional
 GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it the dequantizing GEMM (kernels_src/dequant_gemm.py)
@@ -80,6 +81,14 @@ def max_partitions(rows: int, kv_heads: int, sms: int) -> int:
     return min(MAX_PARTITIONS, pow2(-(-WAVES * sms // (rows * kv_heads))))
 
 
+def decode_programs(node: Node) -> int:
+    """Decode programs per (sequence, partition) of an attention node: one per KV head, or mla_decode's head groups
+    for a latent one (its one latent head is shared by every query head)."""
+    if node.op == "latent_attention":
+        return -(-node.inputs[0].shape[1] // mla_tiles(1, 1)["BLOCK_H"])
+    return node.inputs[1].shape[1]
+
+
 def partitions_for(max_context: int, partition: int) -> int:
     return paged_attention.num_partitions(max_context, partition)
 
@@ -106,7 +115,7 @@ class Runner:
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
         self.decode_partitions = DECODE_PARTITIONS  # () : LONG_PARTITION at every batch size
-        self.kv_heads = max((n.inputs[1].shape[1] for n in graph.attention_nodes()), default=1)
+        self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -229,15 +238,21 @@ class Runner:
         return out if out.shape[2] == dv else out[..., :dv]
 
     def _latent_attention(self, node: Node, args, meta: StepMeta):
-        """MLA over its latent cache, through the paged kernels as attention of one KV head: the latent cache is
-        both the keys and the values, and the output's first value_dim are the latent-space result (the rope part's
-        weighted sum, computed alongside, is dropped). kv_write stores the latent as k and as v, both into the one
-        cache: the same values twice to the same place, one copy kept."""
+        """MLA over its latent cache. A decode step runs mla_decode (head groups over each latent tile, the values
+        the tile's first value_dim). Prefill runs the paged kernels as attention of one KV head whose values are the
+        same cache, keeping the output's first value_dim (the rope part's weighted sum is computed and dropped), as
+        does a decode with a window or softcap, which mla_decode lacks (no MLA model has them). kv_write stores the
+        latent as k and as v, both into the one cache: the same values twice to the same place, one copy kept."""
         a = node.attrs
         (cache,) = self.kv[a["layer"]]
         slots, tables = meta.kv_group(self.group_of[a["layer"]])
         q, kv = args[:2]
         kv_write.kv_write(kv, kv, cache, cache, slots, target=self.target, pdl=self.pdl)
+        if meta.decode and not a.get("sliding_window") and not a.get("softcap"):
+            rows = q.shape[0]  # the grid as paged_decode's: fixed by max_context and the partition rules
+            return mla_decode(q, cache, tables, meta.context_lens, a["scale"], a["value_dim"],
+                              max_context=meta.max_context, partition=self.decode_partition(rows),
+                              max_parts=self.max_partitions(rows), target=self.target, pdl=self.pdl)
         return self._attend(q, cache, cache, tables, meta, a)[..., :a["value_dim"]]
 
     def _attend(self, q, kc, vc, tables, meta: StepMeta, a: dict):
