@@ -82,11 +82,9 @@ def max_partitions(rows: int, kv_heads: int, sms: int) -> int:
 
 
 def decode_programs(node: Node) -> int:
-    """Decode programs per (sequence, partition) of an attention node: one per KV head, or mla_decode's head groups
-    for a latent one (its one latent head is shared by every query head)."""
-    if node.op == "latent_attention":
-        return -(-node.inputs[0].shape[1] // mla_tiles(1, 1)["BLOCK_H"])
-    return node.inputs[1].shape[1]
+    """Decode programs per (sequence, partition): one per KV head, or a latent layer's mla_decode head groups."""
+    latent = node.op == "latent_attention"
+    return -(-node.inputs[0].shape[1] // mla_tiles(1, 1)["BLOCK_H"]) if latent else node.inputs[1].shape[1]
 
 
 def partitions_for(max_context: int, partition: int) -> int:
