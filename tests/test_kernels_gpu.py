@@ -70,7 +70,8 @@ SIZES["moe_gemm_gguf"] = [("t16", dict(tokens=16)),
 TRITON_ONLY = ("dequant_gemm_", "moe_gemm")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
-CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim")}
+CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim"),
+               "mla_decode": ("dtype", "heads", "rank", "rope")}  # ~166 KB of CUDA C at V3's shape
 GEMV = [("m1", dict(m=1, n=300, k=4096), ("bfloat16",)),
         ("m3_padded", dict(m=3, n=77, k=2048, padded=True), ("float16",))]
 GEMV_I8 = [("m1_fp32_x", dict(m=1, n=300, k=4096, int8_x=False), ("bfloat16",)),  # the path int8 x replaces
