@@ -1,9 +1,10 @@
-"""A synthetic Llama-3-8B-shaped model as a real F16 GGUF file that llama.cpp and our loader both read: llama.cpp's
-tensor names and shapes, its metadata keys, and the tokenizer metadata of a vocab-only GGUF (llama.cpp's
-models/ggml-vocab-llama-bpe.gguf) so that llama.cpp accepts the file. Weights are random (std 0.02, norms 1), made on
-the GPU when there is one, and streamed to the file one tensor at a time.
+"""A synthetic Llama-3-8B-shaped model (or, with --shape qwen3-30b-a3b, a Qwen3-MoE one: tools/synth_gguf_moe.py) as
+a real F16 GGUF file that llama.cpp and our loader both read: llama.cpp's tensor names and shapes, its metadata
+keys, and the tokenizer metadata of a vocab-only GGUF (llama.cpp's models/ggml-vocab-llama-bpe.gguf) so that llama.cpp
+accepts the file. Weights are random (std 0.02, norms 1), made on the GPU when there is one, and streamed to the
+file one tensor at a time.
 
-    python -m tools.synth_gguf OUT.gguf [--vocab-file VOCAB.gguf] [--layers 32] [--hidden 4096] ...
+    python -m tools.synth_gguf OUT.gguf [--shape llama3-8b|qwen3-30b-a3b] [--vocab-file VOCAB.gguf] [--layers N] ...
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 import argparse
 import functools
 import tarfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from tools.synth_gguf_moe import Qwen3MoEShape
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB_NAME = "ggml-vocab-llama-bpe.gguf"
@@ -26,6 +30,9 @@ SRC_TARBALL = "llama.cpp-src.tgz"
 @dataclass(frozen=True)
 class LlamaShape:
     """Hyper-parameters of the synthetic model; the defaults are Llama-3-8B's (context 32768)."""
+
+    arch: ClassVar[str] = "llama"
+    title: ClassVar[str] = "synthetic-llama3-8b-shape"
 
     vocab: int = 128256
     hidden: int = 4096
@@ -38,11 +45,39 @@ class LlamaShape:
     context: int = 32768
     rms_eps: float = 1e-5
 
+    def tensor_specs(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(GGUF name, numpy shape [rows, cols]) in the order llama.cpp's converter writes them. q/k rows are in
+        llama.cpp's permuted order by definition: the values are random, so "permuted" is simply how every reader
+        must take them."""
+        return _llama_specs(self)
 
-def tensor_specs(s: LlamaShape) -> list[tuple[str, tuple[int, ...]]]:
-    """(GGUF name, numpy shape [rows, cols]) in the order llama.cpp's converter writes them. 1-D tensors are norms
-    (F32, as the converter keeps them); matrices are F16. q/k rows are in llama.cpp's permuted order by definition:
-    the values are random, so "permuted" is simply how every reader must take them."""
+    def add_arch_metadata(self, w) -> None:
+        """llama.cpp's keys for a llama model (what convert_hf_to_gguf.py writes for Llama-3-8B)."""
+        w.add_context_length(self.context)
+        w.add_embedding_length(self.hidden)
+        w.add_block_count(self.layers)
+        w.add_feed_forward_length(self.intermediate)
+        w.add_head_count(self.heads)
+        w.add_head_count_kv(self.kv_heads)
+        w.add_key_length(self.head_dim)
+        w.add_value_length(self.head_dim)
+        w.add_rope_dimension_count(self.head_dim)
+        w.add_rope_freq_base(self.rope_theta)
+        w.add_layer_norm_rms_eps(self.rms_eps)
+        w.add_vocab_size(self.vocab)
+
+
+Shape = LlamaShape | Qwen3MoEShape
+# --shape's presets; bench_gguf names its files and results by these keys.
+SHAPES: dict[str, Shape] = {"llama3-8b": LlamaShape(), "qwen3-30b-a3b": Qwen3MoEShape()}
+
+
+def tensor_specs(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """The shape's tensors in writing order. 1-D tensors are norms (F32, as the converter keeps them); the rest F16."""
+    return s.tensor_specs()
+
+
+def _llama_specs(s: LlamaShape) -> list[tuple[str, tuple[int, ...]]]:
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     out = [("token_embd.weight", (s.vocab, s.hidden))]
     for i in range(s.layers):
@@ -55,7 +90,7 @@ def tensor_specs(s: LlamaShape) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("output_norm.weight", (s.hidden,)), ("output.weight", (s.vocab, s.hidden))]
 
 
-def file_bytes(s: LlamaShape) -> int:
+def file_bytes(s: Shape) -> int:
     """Tensor bytes of the F16 file (norms F32)."""
     return sum(int(np.prod(shape)) * (4 if len(shape) == 1 else 2) for _, shape in tensor_specs(s))
 
@@ -124,24 +159,13 @@ def _add_value(w, key: str, v) -> None:
         raise TypeError(f"metadata {key!r}: cannot copy a {type(v).__name__}")
 
 
-def add_metadata(w, s: LlamaShape, tok: dict) -> None:
-    """llama.cpp's keys for a llama model (what convert_hf_to_gguf.py writes for Llama-3-8B)."""
+def add_metadata(w, s: Shape, tok: dict) -> None:
+    """The name, file type and the shape's architecture keys, then the vocab file's tokenizer keys."""
     import gguf
 
-    w.add_name("synthetic-llama3-8b-shape")
+    w.add_name(s.title)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_context_length(s.context)
-    w.add_embedding_length(s.hidden)
-    w.add_block_count(s.layers)
-    w.add_feed_forward_length(s.intermediate)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
-    w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(s.rms_eps)
-    w.add_vocab_size(s.vocab)
+    s.add_arch_metadata(w)
     n_tok = len(tok.get("tokenizer.ggml.tokens", ()))
     if tok and n_tok != s.vocab:
         raise ValueError(f"the vocab file has {n_tok} tokens but --vocab is {s.vocab}: llama.cpp needs them equal")
@@ -186,7 +210,7 @@ def _default_device() -> str:
 
 # --- the file ---------------------------------------------------------------------------------------------------
 
-def write_model(path: Path, shape: LlamaShape = LlamaShape(), vocab_file: Path | None = None, std: float = 0.02,
+def write_model(path: Path, shape: Shape = LlamaShape(), vocab_file: Path | None = None, std: float = 0.02,
                 seed: int = 0, device: str | None = None, progress: bool = True) -> Path:
     """Write the model to `path` (through a .part file, so a killed run leaves no file that looks complete)."""
     import gguf
@@ -195,7 +219,7 @@ def write_model(path: Path, shape: LlamaShape = LlamaShape(), vocab_file: Path |
     specs = tensor_specs(shape)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), shape.arch)
     add_metadata(w, shape, tok)
     for name, shp in specs:
         dt = np.dtype(np.float32 if len(shp) == 1 else np.float16)
@@ -215,14 +239,27 @@ def write_model(path: Path, shape: LlamaShape = LlamaShape(), vocab_file: Path |
     return path
 
 
-def shape_from_args(args: argparse.Namespace) -> LlamaShape:
-    return LlamaShape(**{f.name: getattr(args, f.name) for f in fields(LlamaShape)})
+def shape_from_args(args: argparse.Namespace) -> Shape:
+    """--shape's preset with the hyper-parameters given on the command line; one the preset lacks is an error."""
+    preset = SHAPES[args.shape]
+    known = {f.name for f in fields(preset)}
+    given = {n: getattr(args, n) for n in _shape_fields() if getattr(args, n, None) is not None}
+    unknown = sorted("--" + n.replace("_", "-") for n in set(given) - known)
+    if unknown:
+        raise SystemExit(f"--shape {args.shape} has no {', '.join(unknown)} (it takes {', '.join(sorted(known))})")
+    return replace(preset, **given)
+
+
+def _shape_fields() -> dict[str, type]:
+    return {f.name: type(f.default) for s in SHAPES.values() for f in fields(s)}
 
 
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
-    for f in fields(LlamaShape):
-        ap.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(f.default), default=f.default,
-                        help=f"(default {f.default})")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b", help="the preset the hyper-parameters "
+                    "below change (default llama3-8b)")
+    for name, kind in _shape_fields().items():
+        defaults = ", ".join(f"{k} {getattr(s, name)}" for k, s in SHAPES.items() if hasattr(s, name))
+        ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, help=f"(default: {defaults})")
 
 
 def main() -> None:
