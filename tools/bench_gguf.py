@@ -1,9 +1,12 @@
 """Our CUDA backend and llama.cpp on the same GGUF files, same GPU, same run: a synthetic Llama-3-8B written as F16
 and quantized by llama.cpp to Q4_K_M, Q5_K_M and Q8_0; decode tok/s at several batch sizes and contexts, prefill
-tok/s at 2048 tokens; each figure against the memory roofline and the other engine.
+tok/s at 2048 tokens; each figure against the memory roofline and the other engine. `--shape qwen3-30b-a3b` does the
+same for a Qwen3-MoE (tools/synth_gguf_moe.py: 16 of its 48 layers by default, F16 and Q4_K_M, decode and prefill),
+its roofline counting only the routed experts' bytes.
 
 Stages, each resumable and short enough for one 10-minute call; products stay in --dir (default /tmp/bench_gguf)
-and every figure is merged into DIR/results.json with the time it was measured:
+and every figure is merged into DIR/results.json (results-SHAPE.json for a shape other than llama3-8b; the GGUF
+files are named by shape too, so shapes share a --dir) with the time it was measured:
 
     python -m tools.bench_gguf --stage prepare  [--files f16,q4km]     write the F16 file, quantize
     python -m tools.bench_gguf --stage llamacpp [--files ...] [--what decode,prefill,curve] [--contexts ...]
@@ -25,8 +28,11 @@ from pathlib import Path
 
 from tools import synth_gguf
 
-FILES = {"f16": ("model-f16.gguf", None), "q4km": ("model-q4_k_m.gguf", "Q4_K_M"),
-         "q5km": ("model-q5_k_m.gguf", "Q5_K_M"), "q8_0": ("model-q8_0.gguf", "Q8_0")}
+FILES = {"f16": ("f16", None), "q4km": ("q4_k_m", "Q4_K_M"), "q5km": ("q5_k_m", "Q5_K_M"), "q8_0": ("q8_0", "Q8_0")}
+DEFAULT_SHAPE = "llama3-8b"
+# What a shape measures unless --files / --what say otherwise: the MoE what issue 16 asks of it.
+SHAPE_PLANS = {"llama3-8b": (tuple(FILES), ("decode", "prefill", "curve")),
+               "qwen3-30b-a3b": (("f16", "q4km"), ("decode", "prefill"))}
 DECODE_BATCHES = {"f16": (1, 16, 64, 256), "q4km": (1, 16, 64), "q5km": (1,), "q8_0": (1,)}
 PREFILL_FILES = ("f16", "q4km")
 CURVE_FILE, CURVE_BATCHES = "f16", (1, 16)
@@ -64,6 +70,15 @@ def plan(files: list[str], what: list[str], batches: list[int] | None, contexts:
             out += [Figure(f, "decode", b, c) for c in contexts for b in CURVE_BATCHES
                     if batches is None or b in batches]
     return list(dict.fromkeys(out))
+
+
+def suffix(shape: str) -> str:
+    """"" for the default shape (its files keep their old names), else "-SHAPE"."""
+    return "" if shape == DEFAULT_SHAPE else f"-{shape}"
+
+
+def gguf_name(shape: str, file: str) -> str:
+    return f"{'model' if shape == DEFAULT_SHAPE else shape}-{FILES[file][0]}.gguf"
 
 
 def now() -> str:
@@ -108,8 +123,9 @@ class Results:
 
 
 def file_info(path: Path) -> dict:
-    """Bytes a decode step must read (every tensor but the embedding, of which it reads one row a token), KV bytes
-    per token (f16 K and V, as both engines keep them), and the tensor types."""
+    """Bytes a decode step must read (every tensor but the embedding, of which it reads one row a token; of those,
+    expert_bytes in expert stacks, of which a step reads the routed experts' share), KV bytes per token (f16 K and V,
+    as both engines keep them), the tensor types, layers and experts."""
     from ir.formats.gguf_file import GGUFFile
 
     f = GGUFFile(path)
@@ -124,7 +140,9 @@ def file_info(path: Path) -> dict:
     head_dim = int(m.get(f"{arch}.attention.key_length") or int(m[f"{arch}.embedding_length"]) // heads)
     return {"path": str(path), "file_bytes": path.stat().st_size, "read_bytes": read, "bytes_by_type": kinds,
             "kv_bytes_per_token": int(m[f"{arch}.block_count"]) * 2 * kv_heads * head_dim * 2,
-            "layers": int(m[f"{arch}.block_count"])}
+            "layers": int(m[f"{arch}.block_count"]), "arch": arch,
+            "expert_bytes": sum(t.data.nbytes for n, t in f.tensors.items() if "_exps." in n),
+            "experts": int(m.get(f"{arch}.expert_count") or 0), "top_k": int(m.get(f"{arch}.expert_used_count") or 0)}
 
 
 class Stage:
@@ -133,12 +151,12 @@ class Stage:
     def __init__(self, args: argparse.Namespace, name: str):
         self.args, self.name = args, name
         self.dir: Path = args.dir
-        self.results = Results(self.dir / "results.json", name, args.out)
+        self.results = Results(self.dir / f"results{suffix(args.shape)}.json", name, args.out)
         self.figures = plan(args.files, args.what, args.batches, args.contexts)
         self.deadline = time.monotonic() + args.budget
 
     def path(self, file: str) -> Path:
-        return self.dir / FILES[file][0]
+        return self.dir / gguf_name(self.args.shape, file)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -149,8 +167,10 @@ class Stage:
                                        or e["what"].split(":")[0] not in self.args.files]
         self.results.data["stages"].append({"stage": self.name, "started": now(), "argv": " ".join(
             sys.argv[1:])})
+        self.results.data["env"]["shape"] = self.args.shape
         self.results.save()
-        say(f"[{self.name}] {len(self.figures)} figure(s) in {self.dir}, budget {self.args.budget:.0f} s")
+        say(f"[{self.name}] {self.args.shape}: {len(self.figures)} figure(s) in {self.dir}, budget "
+            f"{self.args.budget:.0f} s")
 
     def end(self) -> None:
         self.results.data["stages"][-1]["finished"] = now()
@@ -169,13 +189,17 @@ def stage_prepare(args: argparse.Namespace) -> None:
     st = Stage(args, "prepare")
     st.begin()
     f16 = st.path("f16")
+    shape = synth_gguf.shape_from_args(args)
+    if f16.exists() and not args.force and file_info(f16)["layers"] != shape.layers:
+        raise SystemExit(f"{f16} has {file_info(f16)['layers']} layers, not {shape.layers}: --force writes it again "
+                         "(and quantizes again)")
     if args.force or not f16.exists():
         vocab = synth_gguf.find_vocab(args.vocab_file, st.dir)
         if vocab is None:
             raise SystemExit(f"no vocab file for llama.cpp: pass --vocab-file or put {synth_gguf.VOCAB_NAME} in "
                              f".peers/")
         t = time.perf_counter()
-        synth_gguf.write_model(f16, synth_gguf.shape_from_args(args), vocab)
+        synth_gguf.write_model(f16, shape, vocab)
         st.results.data["env"]["f16_write_s"] = time.perf_counter() - t
         say(f"  wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s")
     st.note_file("f16")
@@ -219,9 +243,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/bench_gguf"), help="GGUF files and results.json")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                     help="results.json and the report are copied here too (default: $OUT)")
-    ap.add_argument("--files", default=",".join(FILES), help=f"of {', '.join(FILES)}")
-    ap.add_argument("--what", default=",".join(WHAT), help="decode (batch sizes at a 128-token context), prefill "
-                    f"({PREFILL} tokens), curve (decode against context, {CURVE_FILE} only)")
+    ap.add_argument("--files", help=f"of {', '.join(FILES)} (default: all for llama3-8b, f16,q4km for "
+                    "qwen3-30b-a3b)")
+    ap.add_argument("--what", help="decode (batch sizes at a 128-token context), prefill "
+                    f"({PREFILL} tokens), curve (decode against context, {CURVE_FILE} only); default: all three for "
+                    "llama3-8b, decode,prefill for qwen3-30b-a3b")
     ap.add_argument("--batches", help="only these batch sizes (default: every planned one)")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="the curve's contexts (1k = 1024)")
     ap.add_argument("--budget", type=float, default=540, help="seconds this stage may take: work that would start "
@@ -235,11 +261,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "prompt instead of one copied to each sequence's own cache (-pps)")
     synth_gguf.add_shape_args(ap)
     args = ap.parse_args(argv)
-    args.files = [f for f in args.files.split(",") if f]
+    files, what = SHAPE_PLANS[args.shape]
+    args.files = [f for f in (args.files or ",".join(files)).split(",") if f]
     bad = set(args.files) - set(FILES)
     if bad:
         ap.error(f"unknown --files {sorted(bad)}; known: {', '.join(FILES)}")
-    args.what = [w for w in args.what.split(",") if w]
+    args.what = [w for w in (args.what or ",".join(what)).split(",") if w]
     if set(args.what) - set(WHAT):
         ap.error(f"--what takes {', '.join(WHAT)}")
     args.batches = _ints(args.batches) if args.batches else None

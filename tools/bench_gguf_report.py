@@ -1,6 +1,7 @@
 """The report of tools.bench_gguf from its merged results.json: every figure with its memory roofline and the ratio
 of the two engines, as Markdown (stdout and DIR/report.md) and JSON (DIR/report.json), and the decode-vs-context
-plot (DIR/decode_vs_context.png). Needs no GPU: results.json brought back from the GPU machine will do."""
+plot (DIR/decode_vs_context.png); a shape other than llama3-8b reads results-SHAPE.json and writes report-SHAPE.*.
+Needs no GPU: results.json brought back from the GPU machine will do."""
 
 from __future__ import annotations
 
@@ -9,20 +10,30 @@ import json
 import shutil
 from pathlib import Path
 
-from tools.bench_gguf import FILES, GEN
+from tools.bench_gguf import FILES, GEN, suffix
+from tools.moe_bytes import expert_share
 
 PLOT_NAME = "decode_vs_context.png"
 
 
+def step_weight_bytes(info: dict, batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens reads: every tensor once (the embedding but for its rows), of an
+    expert stack only the share of experts a random routing of `batch` tokens picks."""
+    experts = info.get("expert_bytes", 0)
+    if not experts:
+        return info["read_bytes"]
+    return info["read_bytes"] - experts + experts * expert_share(info["top_k"], info["experts"], batch)
+
+
 def roofline(results: dict, fig: dict) -> float | None:
-    """Decode tok/s if every step only streamed its bytes at the copy bandwidth: the weights once (the embedding
-    but for its rows) plus each sequence's KV cache at the timed steps' mean length. None for prefill (compute-bound)
-    or without the copy bandwidth (the ours stage measures it) or the file's sizes."""
+    """Decode tok/s if every step only streamed its bytes at the copy bandwidth: the weights once (step_weight_bytes)
+    plus each sequence's KV cache at the timed steps' mean length. None for prefill (compute-bound) or without the
+    copy bandwidth (the ours stage measures it) or the file's sizes."""
     info, bw = results.get("files", {}).get(fig["file"]), results.get("env", {}).get("copy_gbs")
     if fig["kind"] != "decode" or not info or not bw:
         return None
     kv = fig["batch"] * (fig["context"] + GEN / 2) * info["kv_bytes_per_token"]
-    return fig["batch"] * bw * 1e9 / (info["read_bytes"] + kv)
+    return fig["batch"] * bw * 1e9 / (step_weight_bytes(info, fig["batch"]) + kv)
 
 
 def _side(fig: dict, *names: str) -> dict | None:
@@ -71,15 +82,18 @@ def _pct(v: float | None) -> str:
 
 def markdown(results: dict) -> str:
     env, files = results.get("env", {}), results.get("files", {})
-    lines = ["# Our CUDA backend and llama.cpp on the same GGUF files", "",
+    lines = ["# Our CUDA backend and llama.cpp on the same GGUF files", "", _shape_line(env, files),
              f"GPU: {env.get('gpu', '?')}, torch {env.get('torch', '?')}, copy bandwidth "
              f"{_num(env.get('copy_gbs'))} GB/s; llama.cpp: {env.get('llama_cpp', '?')}", ""]
     for name, info in files.items():
         extra = f", ours resident {info['ours_resident_bytes'] / 1e9:.2f} GB ({info.get('ours_backend', '')})" \
             if "ours_resident_bytes" in info else ""
         kinds = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in sorted(info.get("bytes_by_type", {}).items()))
-        lines.append(f"- {name}: {info['file_bytes'] / 1e9:.2f} GB file ({kinds} GB), {info['read_bytes'] / 1e9:.2f}"
-                     f" GB read per decode step{extra}")
+        read = f"{info['read_bytes'] / 1e9:.2f} GB read per decode step"
+        if info.get("expert_bytes"):
+            read = (f"{info['read_bytes'] / 1e9:.2f} GB of weights ({info['expert_bytes'] / 1e9:.2f} GB in experts), "
+                    f"{step_weight_bytes(info, 1) / 1e9:.2f} GB read by a batch-1 decode step")
+        lines.append(f"- {name}: {info['file_bytes'] / 1e9:.2f} GB file ({kinds} GB), {read}{extra}")
     lines += ["", "| figure | ours tok/s | of roofline | llama.cpp tok/s | of roofline | ours / llama.cpp | roofline |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows(results):
@@ -89,12 +103,23 @@ def markdown(results: dict) -> str:
     lines += ["", f"Decode: `b` sequences with `@` tokens each already in the cache, {GEN} more tokens timed (prefill "
               "untimed); llama.cpp batch 1 is llama-bench tg at that depth, larger batches llama-batched-bench S_TG. "
               "Prefill: one prompt, llama-bench pp. Roofline: copy bandwidth / (weights read per step + the batch's "
-              "KV at the mean timed length), an upper bound that ignores compute (binding at large batches).", ""]
+              "KV at the mean timed length), an upper bound that ignores compute (binding at large batches); of a "
+              "MoE's expert stacks only the share a random routing of the batch's tokens picks, 1 - (1 - top_k / "
+              "experts) ^ batch.", ""]
     for s in results.get("stages", []):
         lines.append(f"- stage {s['stage']}: {s['started']} .. {s.get('finished', '(cut off)')} ({s.get('argv', '')})")
     for e in results.get("errors", []):
         lines.append(f"- error in {e['stage']} at {e['time']}: {e['what']}: {e['error'].splitlines()[0][:200]}")
     return "\n".join(lines) + "\n"
+
+
+def _shape_line(env: dict, files: dict) -> str:
+    """The model: the shape, its layer count (a MoE may run on fewer than its checkpoint's) and experts."""
+    info = next(iter(files.values()), {})
+    moe = f", {info['experts']} experts, top {info['top_k']}" if info.get("experts") else ""
+    layers = f"{info['layers']} layers" if "layers" in info else "layers unknown"
+    return f"Model: synthetic {env.get('shape', 'llama3-8b')} shape ({info.get('arch', '?')}, {layers}{moe}), random " \
+        "weights.\n"
 
 
 def plot(results: dict, path: Path, file: str = "f16", batches: tuple[int, ...] = (1, 16)) -> Path | None:
@@ -135,16 +160,16 @@ def plot(results: dict, path: Path, file: str = "f16", batches: tuple[int, ...] 
     return path
 
 
-def write_report(results: dict, folder: Path, out: Path | None = None) -> list[Path]:
+def write_report(results: dict, folder: Path, out: Path | None = None, shape: str = "llama3-8b") -> list[Path]:
     text = markdown(results)
     print(text, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
-    md, js = folder / "report.md", folder / "report.json"
+    md, js = folder / f"report{suffix(shape)}.md", folder / f"report{suffix(shape)}.json"
     md.write_text(text)
     js.write_text(json.dumps({"env": results.get("env", {}), "files": results.get("files", {}),
                               "rows": rows(results)}, indent=1))
     written = [md, js]
-    png = plot(results, folder / PLOT_NAME)
+    png = plot(results, folder / PLOT_NAME.replace(".png", f"{suffix(shape)}.png"))
     written += [png] if png else []
     if png is None:
         print("(no plot: matplotlib missing or no decode figures)")
@@ -156,7 +181,7 @@ def write_report(results: dict, folder: Path, out: Path | None = None) -> list[P
 
 
 def stage_report(args: argparse.Namespace) -> None:
-    path = args.dir / "results.json"
+    path = args.dir / f"results{suffix(args.shape)}.json"
     if not path.exists():
         raise SystemExit(f"{path}: no results yet (run the llamacpp and ours stages)")
-    write_report(json.loads(path.read_text()), args.dir, args.out)
+    write_report(json.loads(path.read_text()), args.dir, args.out, args.shape)

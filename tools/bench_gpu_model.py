@@ -47,13 +47,14 @@ def active_bytes(graph, params, tokens: int = 1) -> int:
     """The bytes a decode step of `tokens` tokens reads at least: every parameter, but of an expert stack only the
     experts a random routing picks (expected distinct ones: top_k of E for one token)."""
     from backends.cuda.weights import nbytes
+    from tools.moe_bytes import expert_share
 
     top_k = {v.name: n.inputs[2].shape[1] for n in graph.nodes if n.op == "moe_experts" for v in n.inputs[3:]}
     total = 0
     for name, p in params.items():
         share = 1.0
         if name in top_k:
-            share = 1 - (1 - top_k[name] / graph.params[name].shape[0]) ** tokens
+            share = expert_share(top_k[name], graph.params[name].shape[0], tokens)
         total += int(nbytes(p) * share)
     return total
 
