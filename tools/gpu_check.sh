@@ -137,6 +137,19 @@ step bench_launch gpu 150 "$PY" -m tools.bench_launch --layers 8
 # file, see ../shared/peers/README.md); the full 8B run is staged over several calls (docs/BENCHMARKS.md).
 step bench_gguf gpu 300 "$PY" -m tools.bench_gguf --stage all --dir /tmp/bench_gguf_smoke --layers 2 --hidden 1024 \
     --intermediate 2816 --heads 8 --kv-heads 2 --contexts 1k --budget 250
+# Issue 16's MoE comparison: a Qwen3-30B-A3B-shaped qwen3moe file (16 of 48 layers: ~21 GB F16 + ~6 GB Q4_K_M, what
+# the 64 GB disk allows beside the 8B's files; tools/synth_gguf_moe.py) against llama.cpp, staged one device call a
+# stage as docs/BENCHMARKS.md's GGUF entries are (results in /tmp/bench_gguf/results-qwen3-30b-a3b.json):
+#   python3 -m tools.bench_gguf --shape qwen3-30b-a3b --stage prepare     (write F16 ~1 min, llama-quantize Q4_K_M)
+#   python3 -m tools.bench_gguf --shape qwen3-30b-a3b --stage llamacpp    (decode b1/16/64(/256 F16), prefill 2048)
+#   python3 -m tools.bench_gguf --shape qwen3-30b-a3b --stage ours
+#   python3 -m tools.bench_gguf --shape qwen3-30b-a3b --stage report      (report-qwen3-30b-a3b.md: ratios, roofline of
+#                                                                          the routed experts' bytes, the layer count)
+# A small MoE through every stage, for the plumbing (seconds of GPU time); asked for by name only, with
+# GPU_CHECK_STEPS=bench_gguf_moe, since the default run's budget is spoken for.
+[[ " ${GPU_CHECK_STEPS:-} " == *" bench_gguf_moe "* ]] && step bench_gguf_moe gpu 300 "$PY" -m tools.bench_gguf \
+    --shape qwen3-30b-a3b --stage all --dir /tmp/bench_gguf_smoke --layers 2 --experts 16 --top-k 4 --contexts 1k \
+    --budget 250
 # Issue-scale serving: the 8B F16 file (written by bench_gguf's prepare if /tmp/bench_gguf lacks it, ~30 s) through
 # our server (with the offline engine on the same prompts) and llama-server, streaming at 1-256 concurrent requests.
 step serving gpu 420 bash -c "'$PY' -m tools.bench_gguf --stage prepare --files f16 --budget 120 && \
