@@ -23,7 +23,7 @@ from kernels_src.paged_attention import (
     empty,
     num_partitions,
     paged_decode_reduce_kernel,
-    partition_len,
+    partition_keys,
     reduce_block,
 )
 
@@ -49,11 +49,7 @@ def mla_decode_kernel(q, cache, block_tables, context_lens, out, part_m, part_l,
           for dc, dm in zip(dims, dmasks, strict=True)]
     q_rope = tl.load(qrow + RANK + e[None, :], mask=hmask[:, None] & emask[None, :], other=0.0)
     ctx = tl.load(context_lens + b)
-    lo, hi = 0, ctx
-    if SPLIT:
-        plen = partition_len(ctx, max_parts, PARTITION, BLOCK_N)
-        lo = part * plen
-        hi = tl.minimum(lo + plen, ctx)
+    lo, hi = partition_keys(ctx, part, max_parts, PARTITION, BLOCK_N, SPLIT)
     table = block_tables + b * bt_stride
     qk_scale = scale * LOG2E
 

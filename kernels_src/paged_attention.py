@@ -60,6 +60,14 @@ def partition_len(ctx, max_parts, PARTITION, BLOCK_N):
     return tl.maximum(PARTITION, (ctx + step - 1) // step * BLOCK_N)
 
 
+def partition_keys(ctx, part, max_parts, PARTITION, BLOCK_N, SPLIT):
+    """[lo, hi) of the context's keys that partition `part` takes (all of them unless SPLIT)."""
+    if not SPLIT:
+        return 0, ctx
+    plen = partition_len(ctx, max_parts, PARTITION, BLOCK_N)
+    return part * plen, tl.minimum(part * plen + plen, ctx)
+
+
 def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
                         softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
                         kv_block_stride, kv_tok_stride, kv_head_stride, GROUP: tl.constexpr,
@@ -76,11 +84,7 @@ def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, pa
         tl.launch_dependents()
     qv = tl.load(q + b * q_stride + heads[:, None] * q_head_stride + d[None, :], mask=mask, other=0.0)
     ctx = tl.load(context_lens + b)
-    lo, hi = 0, ctx
-    if SPLIT:
-        plen = partition_len(ctx, max_parts, PARTITION, BLOCK_N)
-        lo = part * plen
-        hi = tl.minimum(lo + plen, ctx)
+    lo, hi = partition_keys(ctx, part, max_parts, PARTITION, BLOCK_N, SPLIT)
     lo = tl.maximum(lo, ctx - window)
     qi = tl.full([BLOCK_G], ctx - 1, tl.int32)
     m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
