@@ -95,3 +95,19 @@ def test_aot_sm90(tmp_path, monkeypatch):
     c = aot_compile(entry.kernel("triton").trace(signature=entry.signature), arch=90, num_warps=4)
     assert "griddepcontrol.wait" in c.asm["ptx"]
     assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="torch is not installed")
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_torch_fallback_matches_the_ir(name, rng):
+    """The CUDA runner's torch spelling (backends.cuda.torch_ops.moe_route), which routers too large for the tile
+    take, chooses as the IR does."""
+    import torch
+
+    from backends.cuda import torch_ops
+
+    n, kw = ROUTERS[name]
+    logits = rng.standard_normal((7, n)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(n)).astype(np.float32) if kw.get("scoring") == "sigmoid" else None
+    w, ids = torch_ops.moe_route(torch.from_numpy(logits), None if bias is None else torch.from_numpy(bias), **kw)
+    check((w.numpy(), ids.numpy()), mr.moe_route_ref(logits, bias, **kw))

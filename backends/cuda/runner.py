@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backends.cuda import torch_ops
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
@@ -89,12 +90,6 @@ def decode_programs(node: Node) -> int:
 
 def partitions_for(max_context: int, partition: int) -> int:
     return paged_attention.num_partitions(max_context, partition)
-
-
-def _act(op: str, x):
-    if op == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if op == "gelu_tanh" else "none")
 
 
 class Runner:
@@ -212,7 +207,7 @@ class Runner:
         offset = node.attrs["offset"]
         if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
             s = x + r
-            return s, _rms_norm_torch(s, w, node.attrs["eps"], offset)
+            return s, torch_ops.rms_norm(s, w, node.attrs["eps"], offset)
         return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
                                      pdl=self.pdl)
 
@@ -329,13 +324,13 @@ class Runner:
         if op == "rms_norm":
             x, offset = args[0], a.get("offset", 0.0)
             if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
-                return _rms_norm_torch(x, args[1], a["eps"], offset)
+                return torch_ops.rms_norm(x, args[1], a["eps"], offset)
             return rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), args[1], a["eps"], offset=offset == 1.0,
                                      target=self.target, pdl=self.pdl).reshape(x.shape)
         if op == "layer_norm":
-            return _layer_norm(args[0], args[1], args[2] if len(args) > 2 else None, a["eps"])
+            return torch_ops.layer_norm(args[0], args[1], args[2] if len(args) > 2 else None, a["eps"])
         if op in ("silu", "gelu", "gelu_tanh"):
-            return _act(op, args[0])
+            return torch_ops.act(op, args[0])
         if op == "sigmoid":
             return torch.sigmoid(args[0])
         if op == "concat":
@@ -346,7 +341,7 @@ class Runner:
             logits = args[0]
             if moe_route.supports(logits.shape[-1], a["top_k"], a.get("n_group", 1)) and logits.stride(-1) == 1:
                 return moe_route.moe_route(*args, **a, target=self.target, pdl=self.pdl)
-            return _moe_route(*args, **a)
+            return torch_ops.moe_route(*args, **a)
         if op == "moe_experts":
             return self._moe_experts(*args, **a)
         if op == "softcap":
@@ -370,32 +365,3 @@ class Runner:
 def _into(out, result):
     """`result`, copied into `out` when given (a static buffer a piecewise graph reads)."""
     return result if out is None else out.copy_(result)
-
-
-def _moe_route(logits, bias=None, *, top_k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
-               routed_scaling: float = 1.0, n_group: int = 1, topk_group: int = 1, group_score: str = "max"):
-    x = logits.float()
-    scores = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
-    choice = scores if bias is None else scores + bias.float()
-    if n_group > 1:  # only the best topk_group groups' experts may be chosen
-        grouped = choice.view(choice.shape[0], n_group, -1)
-        top = grouped.topk(1 if group_score == "max" else 2, dim=-1).values.sum(-1)
-        keep = torch.zeros_like(top).scatter_(1, top.topk(topk_group, dim=-1).indices, 1.0)
-        choice = choice.masked_fill(keep.repeat_interleave(grouped.shape[-1], dim=-1) == 0, float("-inf"))
-    ids = torch.topk(choice, top_k, dim=-1).indices
-    w = scores.gather(-1, ids)
-    if norm_topk_prob:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * routed_scaling, ids.to(torch.int32)
-
-
-def _layer_norm(x, w, b, eps: float):
-    if w.dim() == 1:
-        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
-    y = F.layer_norm(x, (x.shape[-1],), None, None, eps) * w  # per head [heads, d]: torch's weight must be [d]
-    return y if b is None else y + b
-
-
-def _rms_norm_torch(x, w, eps: float, offset: float):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (w.float() + offset)).to(x.dtype)
