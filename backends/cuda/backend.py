@@ -161,13 +161,16 @@ class CUDABackend(Backend):
         n = min(tokens, self.model.config.vocab_size)
         ids = np.arange(tokens, dtype=np.int32) % n
         positions = (np.arange(tokens) % min(tokens, self.max_model_len)).astype(np.int32)  # within the rope table
-        slots, tables = np.arange(tokens, dtype=np.int32), np.arange(blocks, dtype=np.int32)[None]
-        more = self.kv_layout().num_groups - 1  # every KV group's pool gets the same scratch blocks
-        self.forward(Batch(ids, positions, slots, tables, np.array([tokens], np.int32),
-                           np.array([0, tokens], np.int32), np.array([tokens - 1], np.int32),
-                           group_slots=(slots,) * more, group_tables=(tables,) * more))
+        self.forward(self._one_sequence(ids, positions, np.arange(tokens, dtype=np.int32),
+                                        np.arange(blocks, dtype=np.int32)[None]))
         torch.cuda.synchronize(self.device)
         self.kv = self.runner.kv = []
+
+    def _one_sequence(self, ids, positions, slots, tables) -> Batch:
+        """A prefill of one whole sequence (the warm-ups'), the same slots and table in every KV group's pool."""
+        n, more = len(ids), self.kv_layout().num_groups - 1
+        return Batch(ids, positions, slots, tables, np.array([n], np.int32), np.array([0, n], np.int32),
+                     np.array([n - 1], np.int32), group_slots=(slots,) * more, group_tables=(tables,) * more)
 
     def _warm_up_attention(self, block_size: int) -> None:
         """Steps through the pieces whose block tables are 1, 8 and 16 blocks wide: the eager attention between the
@@ -175,13 +178,10 @@ class CUDABackend(Backend):
         16, or neither), which a first request otherwise waited ~1 s for (an H200, an 8B model). Slots of -1 write
         nothing; the reads of block 0 are discarded. A failure is logged: those steps still run, compiling then."""
         try:
-            more = self.kv_layout().num_groups - 1
             for width in (1, 8, 16):
                 n = min(width * block_size, self.pieces.buckets[-1])
-                slots, tables = np.full(n, -1, np.int32), np.zeros((1, width), np.int32)
-                self.forward(Batch(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), slots, tables,
-                                   np.array([n], np.int32), np.array([0, n], np.int32), np.array([n - 1], np.int32),
-                                   group_slots=(slots,) * more, group_tables=(tables,) * more))
+                self.forward(self._one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                                                np.full(n, -1, np.int32), np.zeros((1, width), np.int32)))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)

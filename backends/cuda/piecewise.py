@@ -46,6 +46,7 @@ class Plan:
     tail: list[Node]
     last_read: dict[int, int] = field(default_factory=dict)  # value id -> index of the last step reading it
     attention_reads: set[int] = field(default_factory=set)  # value ids an attention step reads
+    tail_reads: set[int] = field(default_factory=set)  # value ids the eager tail reads from the pieces
 
 
 def plan(graph: Graph) -> Plan | str:
@@ -76,10 +77,13 @@ def plan(graph: Graph) -> Plan | str:
                     p.last_read[v.id] = i
                     if kind == "attention":
                         p.attention_reads.add(v.id)
+    made_in_tail = {v.id for node in tail for v in node.outs}
     for node in tail:
         for v in node.inputs:
             if v is not None and v.kind != "param":
                 p.last_read[v.id] = len(steps)
+                if v.id not in made_in_tail:
+                    p.tail_reads.add(v.id)
     return p
 
 
@@ -87,6 +91,7 @@ def plan(graph: Graph) -> Plan | str:
 class _Bucket:
     tokens: torch.Tensor  # [T] int32, static
     positions: torch.Tensor  # [T] int32, static
+    meta: StepMeta  # what the pieces read of a step's metadata: the static positions
     env: dict  # value id -> the static tensors replays write and read (what the plan keeps)
     graphs: list  # per step: a CUDAGraph, or None for an attention step
     outs: dict[int, torch.Tensor]  # attention output value id -> its static buffer
@@ -145,22 +150,25 @@ class PiecewiseGraphs:
         empty = torch.zeros(0, dtype=torch.int32, device=dev)
         # what a piece may read of the metadata: positions (the ropes); anything else fails the capture loudly
         meta = StepMeta(positions, None, None, None, None, decode=False, max_query_len=0, max_context=0)
-        bucket = _Bucket(tokens, positions, r.input_env(tokens, empty, positions), [], {})
         shared: dict[tuple, torch.Tensor] = {}
+
+        def bucket() -> _Bucket:
+            return _Bucket(tokens, positions, meta, r.input_env(tokens, empty, positions), [], {})
+
         if self.capture:  # compile every kernel before capturing (a warm-up pass of the pieces on a side stream)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._pass(bucket, meta, shared, b, graphs=False)
+                self._pass(bucket(), shared, b, graphs=False)
             torch.cuda.current_stream().wait_stream(stream)
-            bucket = _Bucket(tokens, positions, r.input_env(tokens, empty, positions), [], {})
-        self._pass(bucket, meta, shared, b, graphs=self.capture)
-        return bucket
+        captured = bucket()
+        self._pass(captured, shared, b, graphs=self.capture)
+        return captured
 
-    def _pass(self, bucket: _Bucket, meta: StepMeta, shared: dict, b: int, graphs: bool) -> None:
+    def _pass(self, bucket: _Bucket, shared: dict, b: int, graphs: bool) -> None:
         """One pass over the plan: graph steps run (and are captured when `graphs`), attention steps get their
         static output; values past their last reader are dropped unless attention reads them."""
-        r, p, env = self.runner, self.plan, bucket.env
+        r, p, env, meta = self.runner, self.plan, bucket.env, bucket.meta
         for i, (kind, nodes) in enumerate(p.steps):
             if kind == "attention":
                 node = nodes[0]
@@ -209,9 +217,9 @@ class PiecewiseGraphs:
             elif g is not None:
                 g.replay()
             else:
-                r.run_nodes(nodes, env, StepMeta(bucket.positions, None, None, None, None, False, 0, 0))
-        for vid in self.plan.last_read:  # the tail reads the last piece's rows: only the real ones
-            if vid in env and self.plan.last_read[vid] == len(self.plan.steps) and env[vid].shape[:1] == (b,):
+                r.run_nodes(nodes, env, bucket.meta)
+        for vid in self.plan.tail_reads:  # the tail reads the last piece's rows: only the real ones
+            if env[vid].shape[:1] == (b,):
                 env[vid] = env[vid][:n]
         r.run_nodes(self.plan.tail, env, meta)
         return env[r.graph.outputs["logits"].id].float()
