@@ -15,6 +15,7 @@ from .interpreter import run
 from .ir import KernelIR, dtype_of
 from .printer import format_kernel
 from .tracer import split_params, trace
+from .triton_target import direct_key, direct_launcher  # triton itself is imported only when a kernel is built
 
 TARGETS = ("numpy", "triton", "triton-interpret")
 # Target "triton": launch compiled kernels through their C launcher (False: always through Triton's JITFunction.run,
@@ -144,8 +145,6 @@ class Kernel:
         through its C launcher (triton_target.direct_launcher): the host cost of an eager step's launches."""
         if self.target != "triton" or not DIRECT_LAUNCH:
             return self.compiled(*args)(grid, *args)
-        from .triton_target import direct_key, direct_launcher
-
         key = direct_key(args)
         fast = self._direct.get(key)
         if fast is not None and fast(grid, args):
