@@ -17,14 +17,14 @@ NOT_YET = {
 }
 
 
-def _positive(kind=int):
+def _positive(kind=int, zero: bool = False):
     def check(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be {'non-negative' if zero else 'positive'}, got {text}")
         return value
     return check
 
@@ -67,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-gen-tokens", metavar="N", type=_positive(),
                      help="default cap on generated tokens when a request gives no max_tokens")
     eng.add_argument("--prefill-chunk-size", metavar="N", type=_positive(), default=512, help="chunked prefill")
+    eng.add_argument("--decode-step-tokens", metavar="N", type=_positive(zero=True), default=512,
+                     help="while any stream waits for its next token, tokens in one step at most (new prompts then "
+                     "enter in pieces beside the decodes, which bounds the inter-token latency); 0: "
+                     "--max-num-batched-tokens always")
     eng.add_argument("--disable-prefix-cache", action="store_true", help="no automatic prefix caching")
     eng.add_argument("--disable-cuda-graph", action="store_true", help="CUDA backend: run decode steps eagerly")
     eng.add_argument("--disable-async-scheduling", action="store_true", help="CUDA backend: read each step's "
@@ -180,7 +184,7 @@ def engine_config(args: argparse.Namespace):
                         prefix_caching=not args.disable_prefix_cache,
                         async_scheduling=not args.disable_async_scheduling, seed=args.seed,
                         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
-                                                  args.prefill_chunk_size))
+                                                  args.prefill_chunk_size, args.decode_step_tokens))
 
 
 def backend_options(args: argparse.Namespace) -> dict:

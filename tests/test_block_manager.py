@@ -142,3 +142,45 @@ def test_scheduler_chunks_prefill_and_preempts_newest():
     sched.finish(a, "stop")
     sched.finish(b, "abort")
     assert bm.num_free_blocks == 6
+
+
+def _run(sched, step):
+    for s in step:
+        sampled = s.samples
+        s.seq.num_computed_tokens += s.num_new
+        if sampled:
+            s.seq.output_token_ids.append(0)
+
+
+@pytest.mark.parametrize("decode_tokens", [0, 24])
+def test_steps_with_waiting_streams_keep_to_the_decode_budget(decode_tokens):
+    """While a stream waits for its next token a step takes at most decode_step_tokens (new prompts enter in smaller
+    pieces beside the decodes, which bounds the inter-token latency); with nothing streaming, or the budget off (0),
+    it fills max_num_batched_tokens; the decodes themselves are never cut."""
+    bm = BlockManager(64, 4, prefix_caching=False)
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, prefill_chunk_size=32,
+                          decode_step_tokens=decode_tokens)
+    sched = Scheduler(cfg, bm)
+    first = seq(range(20))
+    sched.add(first)
+    _run(sched, sched.schedule())  # 20 tokens, first token out: `first` now streams
+    for k in range(4):
+        sched.add(seq(range(100 * (k + 1), 100 * (k + 1) + 30)))
+    step = sched.schedule()
+    total = sum(s.num_new for s in step)
+    assert (step[0].seq, step[0].num_new) == (first, 1)  # the decode comes first and whole
+    assert total == (24 if decode_tokens else 64)
+    _run(sched, step)
+    # Decodes beyond the budget: every one still runs, prefills wait.
+    while len(streaming := [q for q in sched.running if q.output_token_ids]) < 3:
+        _run(sched, sched.schedule())
+    cfg.decode_step_tokens = 2
+    step = sched.schedule()
+    assert sum(s.num_new for s in step) == len(streaming)
+    assert {s.seq for s in step} == set(streaming) and all(s.num_new == 1 for s in step)
+    # Nothing streaming: the full budget again.
+    for q in [*sched.running, *sched.waiting]:
+        sched.finish(q, "stop")
+    sched.add(seq(range(500, 600), max_tokens=4))
+    assert sum(s.num_new for s in sched.schedule()) == 32  # one prompt's chunk: prefill_chunk_size
+    assert sched.step_budget() == 64

@@ -100,7 +100,7 @@ def engine_over(backend, max_batch: int, max_len: int):
     config = EngineConfig(block_size=BLOCK, num_kv_blocks=blocks, prefix_caching=False, async_scheduling=True,
                           max_model_len=max_len,
                           scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
-                                                    prefill_chunk_size=4096))
+                                                    prefill_chunk_size=4096, decode_step_tokens=0))
     return LLMEngine(backend, config)
 
 

@@ -75,7 +75,7 @@ def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, bac
     blocks = max_batch * (-(-ctx // 16) + 1) + 64
     config = EngineConfig(num_kv_blocks=blocks, prefix_caching=False, async_scheduling=overlap,
                           scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
-                                                    prefill_chunk_size=4096))
+                                                    prefill_chunk_size=4096, decode_step_tokens=0))
     return LLMEngine(backend, config)
 
 

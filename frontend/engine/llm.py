@@ -21,8 +21,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, backend: str = "auto", dtype: str | None = None,
                  quantized: bool | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_mb: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512, prefix_caching: bool = True,
-                 progress: bool = True):
+                 max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512, decode_step_tokens: int = 512,
+                 prefix_caching: bool = True, progress: bool = True):
         loaded = load_model(model or default_model_path(), progress=progress)
         options = {"dtype": dtype, "quantized": quantized, "progress": progress}
         self.backend = create_backend(backend, loaded, **{k: v for k, v in options.items() if v is not None})
@@ -30,7 +30,7 @@ class LLM:
             block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_bytes=kv_cache_mb * 2**20 if kv_cache_mb else None, max_model_len=max_model_len,
             prefix_caching=prefix_caching,
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk_size))
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk_size, decode_step_tokens))
         self._attach(LLMEngine(self.backend, config), progress)
 
     @classmethod

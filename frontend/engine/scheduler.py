@@ -20,6 +20,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
+    # While any stream waits for its next token, a step computes at most this many tokens in all (never fewer than
+    # its decodes): new prompts then enter in smaller pieces beside the decodes instead of one 2,048-token step
+    # that every stream waits for, which is what set the inter-token latency's tail (Sarathi-Serve's stall-free
+    # batching). 0 or None: max_num_batched_tokens always.
+    decode_step_tokens: int | None = 512
 
     @property
     def step_tokens(self) -> int:
@@ -52,8 +57,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def step_budget(self) -> int:
+        """Tokens this step may compute: max_num_batched_tokens, or decode_step_tokens while a stream is waiting."""
+        cfg = self.config
+        if not cfg.decode_step_tokens:
+            return cfg.max_num_batched_tokens
+        streams = sum(1 for seq in self.running if seq.output_token_ids)
+        if not streams:
+            return cfg.max_num_batched_tokens
+        return min(cfg.max_num_batched_tokens, max(cfg.decode_step_tokens, streams))
+
     def schedule(self) -> list[ScheduledSeq]:
-        budget = self.config.max_num_batched_tokens
+        budget = self.step_budget()
         out: list[ScheduledSeq] = []
         # Running sequences first, oldest first; they may preempt the newest ones.
         i = 0
