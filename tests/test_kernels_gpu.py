@@ -66,8 +66,11 @@ SIZES["moe_gemm_gguf"] = [("t16", dict(tokens=16)),
                           ("t64_q6_k", dict(tokens=64, qtype="Q6_K", down_qtype="Q4_K", padded=True)),
                           ("t300_q8_0", dict(tokens=300, experts=16, qtype="Q8_0", down_qtype="Q8_0")),
                           ("t2048_q4_k", dict(tokens=2048, experts=16, qtype="Q4_K", down_qtype="Q6_K"))]
+# the int8 tensor-core GEMM at the runner's 4-32 rows: a ragged batch, K over several super-blocks, N off the tile
+SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m5", dict(m=5, n=77, k=2048)), ("m32", dict(m=32, n=520, k=1024))]
+          for n in REGISTRY if n.startswith("mmq_")}
 # their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
-TRITON_ONLY = ("dequant_gemm_", "moe_gemm")
+TRITON_ONLY = ("dequant_gemm_", "moe_gemm", "mmq_")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim"),
