@@ -94,6 +94,8 @@ def run(a: argparse.Namespace) -> dict:
     with Served("ours", ours_cmd, a.port) as s:
         pair["ours"] = bench_serving.main(load_args(a, s.base, parts / "ours.json", offline=True))
         pair["ours_startup_s"] = s.startup
+        if a.long_prompts:
+            pair["long"] = long_prompts(a, s, parts)
         s.log.flush()
         (a.out / "ours_server.log").write_text(Path(s.log.name).read_text(errors="replace")[-200_000:])
     write_json(pair, a.out / "serving_pair.json")  # kept should the peer fail
@@ -111,6 +113,26 @@ def run(a: argparse.Namespace) -> dict:
     except ImportError as e:  # the GPU machine may lack matplotlib: --plot the JSON elsewhere
         print(f"no plots ({e})")
     return pair
+
+
+def long_prompts(a: argparse.Namespace, s: Served, parts: Path) -> list[dict]:
+    """One streamed request per --long-prompts length, alone on our server (each prompt past the start-up decode
+    graphs' contexts), then /health: what a long prompt costs and that the server is still up after it."""
+    out = []
+    for n in map(int, a.long_prompts.split(",")):
+        argv = ["--base-url", s.base, "--concurrency", "1", "--num-prompts", "1", "--input-len", str(n),
+                "--output-len", str(a.long_output_len), "--tokenizer", str(a.gguf), "--result-file",
+                str(parts / f"long-{n}.json"), "--no-plot", "--disable-tqdm"]
+        m = bench_serving.main(argv)["levels"][0]["metrics"]
+        with urllib.request.urlopen(s.base + "/health", timeout=10) as r:
+            healthy = r.status == 200
+        out.append({"prompt": n, "output": a.long_output_len, "ttft_ms": m["ttft_ms"]["median"],
+                    "itl_ms": m["itl_ms"]["median"], "decode_tok_s": 1e3 / m["tpot_ms"]["mean"],
+                    "failed": m["failed"], "errors": m.get("errors", [])[:2], "healthy_after": healthy})
+        print(f"long prompt {n}: TTFT {out[-1]['ttft_ms']:,.0f} ms, ITL p50 {out[-1]['itl_ms']:.1f} ms, "
+              f"{out[-1]['decode_tok_s']:,.0f} tok/s decoding, failed {m['failed']}, /health "
+              f"{'200' if healthy else 'not 200'}", flush=True)
+    return out
 
 
 def run_peer(a: argparse.Namespace, top: int, parts: Path) -> dict:
@@ -201,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-peer", action="store_true", help="ours only (checking the tool without llama.cpp)")
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--mem", type=int, default=12288, help="KV MiB for our server and for the offline engine each")
+    ap.add_argument("--long-prompts", default="", help="after the levels: one request of each of these prompt "
+                    "lengths alone on our server (e.g. 4000,30000), then /health")
+    ap.add_argument("--long-output-len", type=int, default=64)
     ap.add_argument("--llama-np", type=int, help="llama-server slots (default: the largest concurrency)")
     ap.add_argument("--llama-cpp", type=Path, help="folder of llama.cpp binaries or its tarball")
     ap.add_argument("--port", type=int, default=2400, help="ours; llama-server takes the next one")

@@ -151,9 +151,10 @@ step bench_gguf gpu 300 "$PY" -m tools.bench_gguf --stage all --dir /tmp/bench_g
     --shape qwen3-30b-a3b --stage all --dir /tmp/bench_gguf_smoke --layers 2 --experts 16 --top-k 4 --contexts 1k \
     --budget 250
 # Issue-scale serving: the 8B F16 file (written by bench_gguf's prepare if /tmp/bench_gguf lacks it, ~30 s) through
-# our server (with the offline engine on the same prompts) and llama-server, streaming at 1-256 concurrent requests.
+# our server (with the offline engine on the same prompts) and llama-server, streaming at 1-256 concurrent requests;
+# then a 4,000- and a 30,000-token prompt alone on our server (past every start-up decode graph), and /health.
 step serving gpu 420 bash -c "'$PY' -m tools.bench_gguf --stage prepare --files f16 --budget 120 && \
-    '$PY' -m tools.bench_serving_pair --gguf /tmp/bench_gguf/model-f16.gguf --out '$OUT'"
+    '$PY' -m tools.bench_serving_pair --gguf /tmp/bench_gguf/model-f16.gguf --long-prompts 4000,30000 --out '$OUT'"
 
 rm -f "$STEPLOG"
 {
