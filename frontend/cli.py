@@ -67,10 +67,10 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-gen-tokens", metavar="N", type=_positive(),
                      help="default cap on generated tokens when a request gives no max_tokens")
     eng.add_argument("--prefill-chunk-size", metavar="N", type=_positive(), default=512, help="chunked prefill")
-    eng.add_argument("--decode-step-tokens", metavar="N", type=_positive(zero=True), default=512,
+    eng.add_argument("--decode-step-tokens", metavar="N", type=_positive(zero=True), default=0,
                      help="while any stream waits for its next token, tokens in one step at most (new prompts then "
-                     "enter in pieces beside the decodes, which bounds the inter-token latency); 0: "
-                     "--max-num-batched-tokens always")
+                     "enter in pieces beside the decodes, which bounds the inter-token latency at some cost in "
+                     "throughput); 0 (the default): --max-num-batched-tokens always")
     eng.add_argument("--disable-prefix-cache", action="store_true", help="no automatic prefix caching")
     eng.add_argument("--disable-cuda-graph", action="store_true", help="CUDA backend: run decode steps eagerly")
     eng.add_argument("--disable-async-scheduling", action="store_true", help="CUDA backend: read each step's "

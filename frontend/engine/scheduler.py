@@ -21,10 +21,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
     # While any stream waits for its next token, a step computes at most this many tokens in all (never fewer than
-    # its decodes): new prompts then enter in smaller pieces beside the decodes instead of one 2,048-token step
-    # that every stream waits for, which is what set the inter-token latency's tail (Sarathi-Serve's stall-free
-    # batching). 0 or None: max_num_batched_tokens always.
-    decode_step_tokens: int | None = 512
+    # its decodes): new prompts then enter in smaller pieces beside the decodes (Sarathi-Serve's stall-free
+    # batching). Off by default (0 or None: max_num_batched_tokens always): on the H200 at 512 it cut 256 streams'
+    # ITL p99 from 92 to 53 ms but cost 15% of their throughput, and raised 64 streams' p99 from 12 to 17 ms (more
+    # steps carry a prefill, so more tokens wait on one; docs/BENCHMARKS.md, 2026-12-02).
+    decode_step_tokens: int | None = 0
 
     @property
     def step_tokens(self) -> int:
