@@ -36,7 +36,11 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
         valid = toks < hi
         blk = tl.load(table + toks // BS, mask=valid, other=0).to(tl.int64)
         off = blk * kv_block_stride + (toks % BS) * kv_tok_stride + kvh * kv_head_stride
+        # V is loaded with K (both addresses are known once the table entries are in): where loads issue in program
+        # order (Metal, CUDA C, a Triton loop left unpipelined) the two round trips overlap instead of V's waiting
+        # behind the QK dot. Triton's sm_90 pipeliner already issues both as cp.async, either way.
         kt = tl.load(k_cache + off[None, :] + d[:, None], mask=dmask[:, None] & valid[None, :], other=0.0)
+        vt = tl.load(v_cache + off[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         s = tl.dot(qv, kt)
         s = softcap * LOG2E * tl.tanh(s * (scale / softcap)) if SOFTCAP else s * qk_scale
         keep = valid[None, :] & (toks[None, :] <= qi[:, None]) & (toks[None, :] > qi[:, None] - window)
@@ -44,7 +48,6 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        vt = tl.load(v_cache + off[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
 
     init = (tl.full([rows], NEG_BIG, tl.float32), tl.zeros([rows], tl.float32),

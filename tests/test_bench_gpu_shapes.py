@@ -36,3 +36,23 @@ def test_moe_roofline_counts_the_routed_experts_only():
     dense = sum(p.numel() * 2 for n, p in params.items() if p.dim() != 3)
     assert active_bytes(graph, params) == pytest.approx(dense + stacks / 16, rel=1e-6)
     assert active_bytes(graph, params, 16) == pytest.approx(dense + stacks * (1 - (15 / 16) ** 16), rel=1e-6)
+
+
+def test_ablation_entries_and_the_decode_table_ab():
+    """--ablations picks entries by name ('none': only the A/B), --decode-table adds a swapped runner table; a typo in
+    either stops the run before the model is built."""
+    from argparse import Namespace
+
+    from backends.cuda.decode_table import DecodeTable
+    from tools.bench_gpu import ABLATIONS, ablation_entries
+
+    assert list(ablation_entries(Namespace(ablations="", decode_table=""))) == list(ABLATIONS)
+    got = ablation_entries(Namespace(ablations="none", decode_table="8:64/32x8,1024"))
+    (name, (attrs, fusions, overlap)), = got.items()
+    assert name == "decode table 8:64/32x8,1024/64x4,max=64" and fusions is None and overlap
+    assert attrs == {"decode": DecodeTable(((8, 64),), 1024, ((8, 32, 8),))}
+    assert list(ablation_entries(Namespace(ablations="no PDL on attention", decode_table=""))) == \
+        ["no PDL on attention"]
+    for bad in (Namespace(ablations="no PDL at all", decode_table=""), Namespace(ablations="", decode_table="8:6:4")):
+        with pytest.raises(SystemExit):
+            ablation_entries(bad)

@@ -33,16 +33,19 @@ def cpu_backend(model, **kw):
     return CUDABackend(model, device="cpu", dtype="f32", progress=False, **kw)
 
 
-@pytest.mark.parametrize("max_batch, max_context", [(256, 32768), (6, 2048), (64, 131072)])
-def test_every_decode_step_finds_a_start_up_key(max_batch, max_context, saved):  # noqa: F811
+@pytest.mark.parametrize("max_batch, max_context, table", [(256, 32768, None), (6, 2048, None), (64, 131072, None),
+                                                            (64, 131072, "4:32/32x8,16:128/128x4,1024/64x8,max=128")])
+def test_every_decode_step_finds_a_start_up_key(max_batch, max_context, table, saved):  # noqa: F811
+    from backends.cuda.decode_table import DecodeTable
     from backends.cuda.graphs import GraphKeys
-    from backends.cuda.runner import MAX_PARTITIONS
 
     runner = cpu_backend(load_model(saved("llama3_rope")[1], progress=False)).runner
+    if table:
+        runner.decode = DecodeTable.parse(table)
     keys = GraphKeys(runner, max_batch, max_context)
     captured = set(keys.all())
     assert len(captured) == len(keys.all())
-    per_bucket = MAX_PARTITIONS.bit_length()  # partitions 1, 2, 4, .., MAX_PARTITIONS
+    per_bucket = runner.decode.max_partitions.bit_length()  # partitions 1, 2, 4, .., the cap
     assert len(captured) <= len(keys.buckets) * per_bucket
     rng = np.random.default_rng(max_context)
     steps = [(n, c) for n in range(1, max_batch + 1) for c in (1, max_context)]
@@ -57,19 +60,43 @@ def test_every_decode_step_finds_a_start_up_key(max_batch, max_context, saved): 
 
 
 def test_max_partitions_fill_the_gpu_at_small_batches():
-    from backends.cuda.runner import MAX_PARTITIONS, WAVES, max_partitions
+    from backends.cuda.decode_table import MAX_PARTITIONS, WAVES, DecodeTable
 
-    assert max_partitions(1, 8, 132) == MAX_PARTITIONS  # one sequence: many partitions, or 8 programs in all
+    cap = DecodeTable().grid_cap
+    assert cap(8, 132) == MAX_PARTITIONS  # one sequence: many partitions, or 8 programs in all
     for rows in (1, 3, 16, 64, 256):
-        p = max_partitions(rows, 8, 132)
+        p = cap(rows * 8, 132)
         assert p & (p - 1) == 0 and 1 <= p <= MAX_PARTITIONS
         assert rows * 8 * p >= WAVES * 132 or p == MAX_PARTITIONS
         assert p == 1 or rows * 8 * (p // 2) < WAVES * 132  # the smallest such power of two
 
 
+def test_decode_table_spec():
+    from backends.cuda.decode_table import DECODE_PARTITIONS, LONG_PARTITION, MAX_PARTITIONS, DecodeTable
+
+    default = DecodeTable()
+    assert DecodeTable.parse(default.spec()) == default and default.spec() == "8:64,32:128,128:256,512/64x4,max=64"
+    for rows in range(1, 300):  # the rules before the table: keys by programs, tile 64 keys x 4 warps
+        programs = rows * 8
+        want = next((p for limit, p in DECODE_PARTITIONS if programs <= limit), LONG_PARTITION)
+        assert default.partition(programs) == want and default.tile(programs) == (64, 4)
+    t = DecodeTable.parse("8:64/32x8, 128:200/128x4, 1024, max=128")
+    assert (t.partition(8), t.tile(8), t.partition(9), t.tile(9)) == (64, (32, 8), 256, (128, 4))  # 200 -> 2 tiles
+    assert (t.partition(129), t.tile(129), t.max_partitions) == (1024, (64, 4), 128)
+    assert DecodeTable.parse(t.spec()) == t
+    assert DecodeTable.parse("512").partitions == () and DecodeTable.parse("max=8").long_partition == LONG_PARTITION
+    assert DecodeTable.parse("").max_partitions == MAX_PARTITIONS
+    for bad in ("8:64/48x4", "8:64/64x3", "16:64,8:32", "8:64:2", "max=", "max=0", "max=48"):
+        with pytest.raises(ValueError, match="decode t"):
+            DecodeTable.parse(bad)
+
+
 def test_decode_past_the_capped_grid_matches_reference(saved):  # noqa: F811
     """CPU tensors, eager steps: a two-SM "GPU" caps the grid at 2 partitions, so 150-token contexts are cut into
-    longer partitions than the batch's partition size (64); logits match the reference interpreter."""
+    longer partitions than the batch's partition size (64); logits match the reference interpreter, and under a
+    swapped decode table."""
+    from backends.cuda.decode_table import DecodeTable
+
     model = load_model(saved("llama3_rope")[1], progress=False)
     model.config = model.config.with_(max_position_embeddings=512)  # its 128 would end the rope tables
     backend = cpu_backend(model)
@@ -86,6 +113,10 @@ def test_decode_past_the_capped_grid_matches_reference(saved):  # noqa: F811
     step = make_batch([[t[0]] for t in tokens], [len(p) for p in prompts], tables, 8)
     capped = host(backend.forward(step))
     backend.runner.sms = 132
+    np.testing.assert_allclose(capped, host(backend.forward(step)), rtol=1e-5, atol=1e-5)
+    # A swapped table (bench_gpu --decode-table): 32-key tiles of 8 warps, 2 partitions of 96 and 64 keys.
+    backend.runner.decode = DecodeTable.parse("64:32/32x8,max=2")
+    assert backend.runner.max_partitions(2) == 2 and backend.runner.decode.tile(4) == (32, 8)
     np.testing.assert_allclose(capped, host(backend.forward(step)), rtol=1e-5, atol=1e-5)
 
 

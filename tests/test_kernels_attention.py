@@ -113,6 +113,17 @@ def test_paged_decode_bf16_on_the_interpreter(rng):
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("name", ["paged_decode", "paged_prefill"])
+def test_attend_issues_v_with_k(name):
+    """Each key tile's K and V loads come before its first dot: the targets that issue loads in program order (Metal,
+    the CUDA C twin, Triton where it does not pipeline the loop) then overlap the two round trips."""
+    from kernels_src.registry import get
+
+    loop = next(op for op in get(name).trace().body.ops if op.opcode == "for")
+    order = [op.opcode for op in loop.body.ops if op.opcode in ("load", "dot")]
+    assert order[:4] == ["load", "load", "load", "dot"], order  # table entries, K, V, then QK
+
+
 # --- prefill and chunked prefill ---------------------------------------------------------------------------------
 
 PREFILL_CASES = {  # hq, hkv, d, block_size, new tokens, context lens, block_m, window, softcap

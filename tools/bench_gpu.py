@@ -5,7 +5,10 @@ GGUF Q4_K/Q6_K blocks laid out as Q4_K_M. The ceilings (copy bandwidth, bf16 GEM
 (llama's shape) are measured in the same run; every figure is printed with its ratios.
 
     python -m tools.bench_gpu [--shape llama3-8b|gemma2-9b|phi3-mini|qwen3-30b-a3b] [--batches 1,16,64] [--layers N]
-        [--no-peer] [--no-quant] [--json FILE]
+        [--no-peer] [--no-quant] [--ablate 1,64] [--ablations NAMES|none] [--decode-table SPEC] [--json FILE]
+
+--decode-table adds an A/B to the ablations: decode again with another split-K table (backends/cuda/decode_table.py;
+tools/bench_decode_attention prints one) on the same backend, graphs captured again.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backends.cuda.decode_table import DecodeTable
 from ir.config import ModelConfig
 from tools.bench_gpu_model import SHAPES, active_bytes, dense_params, loaded_model, model_config, q4_k_m_params
 
@@ -82,17 +86,20 @@ def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, bac
 ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): each switches one thing off
     "no async scheduling": ({}, None, False),
     "no PDL": ({"pdl": False}, None, True),
+    "no PDL on attention": ({"attention_pdl": False}, None, True),  # the decode/reduce (or prefill) launches only
     "no fused rope+KV write": ({}, {"rope_attention": False}, True),
-    "no small decode partitions": ({"decode_partitions": ()}, None, True),
+    "no small decode partitions": ({"decode": DecodeTable(partitions=())}, None, True),
 }
 
 
-def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int) -> dict[str, dict[int, float]]:
-    """Decode tok/s with one optimisation off at a time, on the same backend (graphs captured again each time)."""
+def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int,
+              entries: dict | None = None) -> dict[str, dict[int, float]]:
+    """Decode tok/s with one optimisation off at a time (or `entries` of the same form, e.g. another decode table),
+    on the same backend (graphs captured again each time)."""
     from ir.fusion import Fusions
 
     backend, out = engine.backend, {}
-    for name, (attrs, fusions, overlap) in ABLATIONS.items():
+    for name, (attrs, fusions, overlap) in (ABLATIONS if entries is None else entries).items():
         if fusions:
             backend.set_fusions(Fusions(**fusions))
         saved = {k: getattr(backend.runner, k) for k in attrs}
@@ -108,6 +115,22 @@ def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int) -> 
         del eng
         gc.collect()
     return out
+
+
+def ablation_entries(args) -> dict:
+    """The ablations --ablations names (all by default), then the --decode-table A/B."""
+    names = [n.strip() for n in args.ablations.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(ABLATIONS) - {"none"})
+    if unknown:
+        raise SystemExit(f"unknown ablations {unknown}; known: {', '.join(ABLATIONS)} (or none)")
+    entries = {n: ABLATIONS[n] for n in (names or ABLATIONS) if n != "none"}
+    if args.decode_table:
+        try:
+            table = DecodeTable.parse(args.decode_table)
+        except ValueError as e:
+            raise SystemExit(f"--decode-table: {e}") from None
+        entries[f"decode table {table.spec()}"] = ({"decode": table}, None, True)
+    return entries
 
 
 def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int = 0) -> float:
@@ -242,6 +265,12 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
     ap.add_argument("--ablate", default="1,64", help="batch sizes measured again with each optimisation switched "
                     "off in turn ('' for none)")
+    ap.add_argument("--ablations", default="", help="comma-separated names of the ablations to run ('': all, "
+                    f"'none': only --decode-table's; of: {', '.join(ABLATIONS)})")
+    ap.add_argument("--decode-table", default="", help="also decode with this split-K table in place of the runner's "
+                    "(an A/B at the --ablate batch sizes), e.g. '8:64/64x4,128:256/64x4,512,max=64': "
+                    "programs:keys[/BLOCK_Nxwarps] entries, the long partition, the grid cap (backends/cuda/"
+                    "decode_table.py)")
     ap.add_argument("--profile", default="1,64", help="batch sizes whose decode steps are profiled by kernel ('' for "
                     "none)")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_gpu.json")
@@ -249,6 +278,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
     batches = [int(b) for b in args.batches.split(",")]
+    entries = ablation_entries(args)  # a mistyped name or table fails before the model is built
     cfg = model_config(args.layers, args.shape)
     if args.prompt + args.gen > cfg.max_position_embeddings:  # random weights: any context the rope table covers
         cfg = cfg.with_(max_position_embeddings=args.prompt + args.gen)
@@ -286,7 +316,7 @@ def main() -> None:
     res["prefill_tflops"] = prefill_flops(cfg, args.prefill) * res["prefill_tps"] / args.prefill / 1e12
     say(f"  prefill {args.prefill}: {res['prefill_tps']:,.0f} tok/s, {res['prefill_tflops']:.0f} TFLOP/s")
     ablate = [int(x) for x in args.ablate.split(",") if x]  # last: it recaptures the backend's graphs
-    res["ablations"] = ablations(engine, ablate, args.prompt, args.gen, cfg.vocab_size) if ablate else {}
+    res["ablations"] = ablations(engine, ablate, args.prompt, args.gen, cfg.vocab_size, entries) if ablate else {}
     del engine
     gc.collect()
     torch.cuda.empty_cache()

@@ -103,7 +103,7 @@ class CUDABackend(Backend):
                              "CUDABackend instead")
         self.graph, old = graph, self.runner
         self.runner = Runner(graph, self.params, weights.DTYPES[self.dtype], self.device)
-        self.runner.pdl, self.runner.decode_partitions = old.pdl, old.decode_partitions
+        self.runner.pdl, self.runner.attention_pdl, self.runner.decode = old.pdl, old.attention_pdl, old.decode
         if self.kv:
             self.runner.set_cache(self.kv, self.runner._rope_rows)
 

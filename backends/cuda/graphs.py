@@ -23,7 +23,8 @@ import time
 
 import numpy as np
 
-from backends.cuda.runner import Runner, StepMeta, partitions_for, pow2
+from backends.cuda.decode_table import pow2
+from backends.cuda.runner import Runner, StepMeta, partitions_for
 from backends.cuda.runtime import torch
 from core.batch import Batch
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.cuda import torch_ops
+from backends.cuda.decode_table import DecodeTable
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
@@ -38,10 +39,6 @@ F = torch.nn.functional
 GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it the dequantizing GEMM (kernels_src/dequant_gemm.py)
 GEMM_MAX_ROWS = 256  # its limit: above it (prefill) weights are dequantized in chunks for a cuBLAS GEMM
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
-DECODE_PARTITIONS = ((8, 64), (32, 128), (128, 256))  # (up to this many programs, keys per split-K partition)
-LONG_PARTITION = 512
-MAX_PARTITIONS = 64  # split-K partitions of a decode grid at most; longer contexts get longer partitions
-WAVES = 4  # (sequence, KV head, partition) programs per SM that a long context's decode grid aims for
 
 
 @dataclass
@@ -61,25 +58,6 @@ class StepMeta:
     def kv_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, block tables) of one KV group (core.kv_layout)."""
         return (self.slots, self.block_tables) if group == 0 else self.groups[group - 1]
-
-
-def decode_partition(rows: int, kv_heads: int, table=DECODE_PARTITIONS) -> int:
-    """Keys per split-K partition of the decode kernel: a batch of few (sequence, KV head) programs cuts its
-    contexts finer, so that more of the GPU's SMs share the keys (one program walks its keys serially)."""
-    programs = rows * kv_heads
-    return next((part for limit, part in table if programs <= limit), LONG_PARTITION)
-
-
-def pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, n - 1).bit_length()
-
-
-def max_partitions(rows: int, kv_heads: int, sms: int) -> int:
-    """Split-K partitions of a decode grid at most: a power of two that gives WAVES programs per SM, so that a long
-    context keeps the GPU busy at small batches, within MAX_PARTITIONS. One grid serves every context (the kernel
-    lengthens the partitions), so a CUDA graph per power of two up to this covers any context."""
-    return min(MAX_PARTITIONS, pow2(-(-WAVES * sms // (rows * kv_heads))))
 
 
 def decode_programs(node: Node) -> int:
@@ -107,7 +85,8 @@ class Runner:
         self._step_rows: dict[RopeSpec, torch.Tensor] = {}  # this step's rope_rows
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
-        self.decode_partitions = DECODE_PARTITIONS  # () : LONG_PARTITION at every batch size
+        self.attention_pdl: bool | None = None  # the attention kernels' (None: as self.pdl)
+        self.decode = DecodeTable()  # split-K partitions, grid cap and tile by batch size (a benchmark may swap it)
         self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -143,10 +122,14 @@ class Runner:
         return self._step_rows[spec]
 
     def decode_partition(self, rows: int) -> int:
-        return decode_partition(rows, self.kv_heads, self.decode_partitions)
+        return self.decode.partition(rows * self.kv_heads)
 
     def max_partitions(self, rows: int) -> int:
-        return max_partitions(rows, self.kv_heads, self.sms)
+        return self.decode.grid_cap(rows * self.kv_heads, self.sms)
+
+    @property
+    def _attend_pdl(self) -> bool | None:
+        return self.pdl if self.attention_pdl is None else self.attention_pdl
 
     # -- the graph ----------------------------------------------------------------------------------
     def run(self, token_ids: torch.Tensor, logits_indices: torch.Tensor, meta: StepMeta) -> torch.Tensor:
@@ -245,19 +228,21 @@ class Runner:
             rows = q.shape[0]  # the grid as paged_decode's: fixed by max_context and the partition rules
             return mla_decode(q, cache, tables, meta.context_lens, a["scale"], a["value_dim"],
                               max_context=meta.max_context, partition=self.decode_partition(rows),
-                              max_parts=self.max_partitions(rows), target=self.target, pdl=self.pdl)
+                              max_parts=self.max_partitions(rows), target=self.target, pdl=self._attend_pdl)
         return self._attend(q, cache, cache, tables, meta, a)[..., :a["value_dim"]]
 
     def _attend(self, q, kc, vc, tables, meta: StepMeta, a: dict):
         """The decode (split-K) or prefill kernel over caches already holding this step's keys and values."""
         out = torch.empty((q.shape[0], q.shape[1], vc.shape[3]), dtype=q.dtype, device=q.device)
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
-                  pdl=self.pdl)
+                  pdl=self._attend_pdl)
         if meta.decode:
             rows = q.shape[0]
+            block_n, num_warps = self.decode.tile(rows * self.kv_heads)
             return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
                                                 max_context=meta.max_context, partition=self.decode_partition(rows),
-                                                max_parts=self.max_partitions(rows), **kw)
+                                                max_parts=self.max_partitions(rows), block_n=block_n,
+                                                num_warps=num_warps, **kw)
         return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],
                                            max_query_len=meta.max_query_len, **kw)
 

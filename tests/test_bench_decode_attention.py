@@ -1,0 +1,78 @@
+"""tools/bench_decode_attention without a GPU (the GPU run is the tool itself): the sweep's distinct runs, the grid
+each setting gives against what the kernel runs, and the report's pasteable table."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+from backends.cuda.decode_table import DecodeTable
+from kernels_src import paged_attention as pa
+from tools import bench_decode_attention as bench
+
+SWEEP = list(itertools.product((1, 16), (4096, 16384, 32768)))  # the run issue 13 asks for
+
+
+def test_plan_dedupes_the_sweep_and_keeps_ours_first():
+    runs = 0
+    for batch, context in SWEEP:
+        mine = bench.ours(batch, 132)
+        plan = bench.plan(context, mine)
+        assert next(iter(plan.values())) == mine
+        for s in bench.settings(mine):
+            key = (*s.grid(context), s.block_n, s.num_warps)
+            assert key in plan and plan[key].grid(context) == s.grid(context)
+            n, plen = s.grid(context)
+            assert n * plen >= context and plen % s.block_n == 0 and n <= s.max_parts and n & (n - 1) == 0
+        runs += len(plan)
+    # ~70 ms a run on an H200 (10 replays of 5 ms, the capture) plus the compile pass: within ~120 s
+    assert runs <= 220
+
+
+@pytest.mark.parametrize("setting, context", [(bench.Setting(64, 4, 32, 4), 300), (bench.Setting(32, 8, 32, 4), 90),
+                                              (bench.Setting(64, 2, 64, 8), 700)])
+def test_grid_is_what_the_kernel_runs(setting, context):
+    """The kernel (DSL interpreter) under the launch the tool makes fills exactly the partitions Setting.grid says,
+    and matches the reference."""
+    rng = np.random.default_rng(context)
+    n, plen = setting.grid(context)
+    blocks = -(-context // 16)
+    kc, vc = (rng.standard_normal((blocks, 16, 1, 16)).astype(np.float32) for _ in range(2))
+    tables = rng.permutation(blocks).astype(np.int32)[None]
+    q, ctx = rng.standard_normal((1, 2, 16)).astype(np.float32), np.array([context], np.int32)
+    ws = [np.full(sh, np.nan, np.float32) for sh in [(1, 2, n)] * 2 + [(1, 2, n, 16)]]
+    out = pa.paged_decode(q, kc, vc, tables, ctx, 0.3, max_context=n * setting.partition, partition=setting.partition,
+                          max_parts=n, block_n=setting.block_n, workspace=ws)
+    np.testing.assert_allclose(out, pa.paged_decode_ref(q, kc, vc, tables, ctx, 0.3), rtol=1e-5, atol=1e-5)
+    assert (ws[1][0, :, :-(-context // plen)] > 0).all()  # every partition up to the context's last holds keys
+    assert -(-context // plen) == n or context <= n * setting.partition
+
+
+def test_report_pastes_into_the_decode_table(capsys):
+    """Synthetic times (finer partitions and 32-key tiles win at batch 1, 128-key ones at batch 16): the report's
+    table literals evaluate, and its --decode-table parses to the same table, which runs the settings it names."""
+    rows = []
+    for batch, context in SWEEP:
+        plan = bench.plan(context, bench.ours(batch, 132))
+        times = {k: (1 + abs(k[1] - 64 * batch) / 1e3) * (0.9 if k[2] == (32 if batch == 1 else 128) else 1.0)
+                 * (1 + k[3] / 100) for k in plan}
+        best = min(times, key=times.get)
+        mine = bench.ours(batch, 132)
+        rows.append(dict(batch=batch, context=context, ours=mine, best=plan[best], times=times, floor_us=1.0,
+                         best_us=times[best] * 1e6,
+                         ours_us=times[(*mine.grid(context), mine.block_n, mine.num_warps)] * 1e6))
+    bench.report(rows, [1, 16], 132)
+    text = capsys.readouterr().out
+    spec = re.search(r"--decode-table '([^']+)'", text).group(1)
+    literals = {}
+    for name in ("DECODE_PARTITIONS", "DECODE_TILES"):
+        literals[name] = eval(re.search(rf"^{name} = (.+?)(  #.*)?$", text, re.M).group(1))
+    table = DecodeTable.parse(spec)
+    assert table == DecodeTable(literals["DECODE_PARTITIONS"], tiles=literals["DECODE_TILES"])
+    assert table.tile(8) == (32, 4) and table.tile(128) == (128, 4)
+    for batch in (1, 16):  # the table's rows keep the runner's cap at each batch: the A/B runs what was timed
+        assert bench.ours(batch, 132, table).max_parts == bench.ours(batch, 132).max_parts
+    assert "BEST_DECODE = {" in text and "(16, 32768): Setting(" in text
