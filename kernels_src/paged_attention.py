@@ -82,12 +82,14 @@ def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, pa
     gmask, dmask = g < GROUP, d < HEAD_DIM
     heads = kvh * GROUP + g
     mask = gmask[:, None] & dmask[None, :]
-    if PDL:  # q, the caches and the batch's tables may all be earlier kernels' outputs
+    # The context's length comes from the host (copied in before the step's first kernel), so it is read before
+    # waiting for the kernel that writes q and the caches: one dependent load off each layer's critical path.
+    ctx = tl.load(context_lens + b)
+    lo, hi = partition_keys(ctx, part, max_parts, PARTITION, BLOCK_N, SPLIT)
+    if PDL:  # q and the caches are earlier kernels' outputs
         tl.wait_prior_grid()
         tl.launch_dependents()
     qv = tl.load(q + b * q_stride + heads[:, None] * q_head_stride + d[None, :], mask=mask, other=0.0)
-    ctx = tl.load(context_lens + b)
-    lo, hi = partition_keys(ctx, part, max_parts, PARTITION, BLOCK_N, SPLIT)
     lo = tl.maximum(lo, ctx - window)
     qi = tl.full([BLOCK_G], ctx - 1, tl.int32)
     m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
@@ -168,9 +170,14 @@ def num_partitions(max_context: int, partition: int) -> int:
     return max(1, tl.cdiv(int(max_context), partition))
 
 
-def reduce_block(n_parts: int) -> int:
-    """Partitions the reduce combines per round of loads: all of them up to 16 ([16, D] fp32 stays in registers)."""
-    return min(16, tl.next_power_of_2(max(1, n_parts)))
+REDUCE_TILE = 64 * 128  # fp32 partials one round of the reduce holds: 64 partitions of 128 (118 registers on sm_90)
+
+
+def reduce_block(n_parts: int, block_d: int = 128) -> int:
+    """Partitions the reduce combines per round of loads: all of them up to REDUCE_TILE / block_d (64 of a 128-wide
+    head, 16 of MLA's 512-wide latent). A batch-1 decode at 4k has 64 partitions: one round instead of four
+    dependent ones, which Triton does not pipeline."""
+    return min(max(1, REDUCE_TILE // block_d), tl.next_power_of_2(max(1, n_parts)))
 
 
 def decode_workspace(q, n_parts: int) -> tuple:
@@ -214,7 +221,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
         elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache))
     if split:
         red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=d,
-                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition, BLOCK_N=block_n, BLOCK_P=reduce_block(n_parts),
+                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition, BLOCK_N=block_n,
+                      BLOCK_P=reduce_block(n_parts, consts["BLOCK_D"]),
                       PDL=pdl)
         red[n_seq, hq](m, den, acc, context_lens, out, n_parts, elem_stride(out, 0), elem_stride(out, 1))
     return out

@@ -31,10 +31,11 @@ from kernels_src.registry import REGISTRY
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("torch") is not None
 
-# registry name -> pointers a program may load before its wait: weights and tables, which no kernel writes
+# registry name -> pointers a program may load before its wait: weights and tables, which no kernel writes (the
+# batch's context lengths are copied in from the host before a step's first kernel)
 ALLOWED = {
     "rms_norm": {"w"}, "add_rms_norm": {"w"}, "silu_mul": set(), "rope": {"cos", "sin"}, "kv_write": set(),
-    "paged_decode": set(), "paged_decode_reduce": set(), "paged_prefill": set(), "moe_route": {"bias"},
+    "paged_decode": {"context_lens"}, "paged_decode_reduce": set(), "paged_prefill": set(), "moe_route": {"bias"},
     **{f"dequant_gemv_{q.lower()}": {"w"} for q in dequant_gemv.QTYPES},
     **{f"dequantize_{q.lower()}": {"w"} for q in dequantize.QTYPES},
 }

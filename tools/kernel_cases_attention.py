@@ -91,7 +91,7 @@ def paged_decode_reduce_case(d: Dev, p: dict) -> Case:
 
     def launch(target):
         red = dsl_compile(pa.paged_decode_reduce_kernel, target, HEAD_DIM=p["head_dim"], BLOCK_D=bd, PARTITION=512,
-                          BLOCK_N=64, BLOCK_P=pa.reduce_block(n_parts))
+                          BLOCK_N=64, BLOCK_P=pa.reduce_block(n_parts, bd))
         red[len(ctxs), p["q_heads"]](*ws, ctx_dev, out, n_parts, elem_stride(out, 0), elem_stride(out, 1))
 
     return Case("paged_decode_reduce", p, launch,
