@@ -6,7 +6,8 @@
 #
 #   bash tools/gpu_check.sh            (PYTHON=... to pick the interpreter; GPU_CHECK_BUDGET=seconds, default 570;
 #                                       GPU_CHECK_STEPS="tests_gpu bench_gpu" to run only those steps;
-#                                       GPU_CHECK_K="rope or decode" to pick the kernel suite's cases)
+#                                       GPU_CHECK_K="rope or decode" to pick the kernel suite's cases; default:
+#                                       the Triton ones, "not cuda]")
 #
 # To add a step, add one line at the bottom: `step NAME any|gpu TIMEOUT_S COMMAND...` ("gpu": skipped without one).
 set -u
@@ -126,8 +127,12 @@ step bench_gpu gpu 300 "$PY" -m tools.bench_gpu
 # The zoo issue's check: new architectures at full size decode at the fraction of the roofline llama's does.
 step bench_arch gpu 300 bash -c "for s in gemma2-9b phi3-mini; do '$PY' -m tools.bench_gpu --shape \$s --batches 1,16 \
     --ablate '' --profile '' --no-quant --prefill 1024 --json '$OUT'/bench_\$s.json || exit 1; done"
-step tests_gpu gpu 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "${GPU_CHECK_K:-not nothing}" \
+# The DSL kernels' Triton builds on the GPU; their CUDA C twins (NVRTC builds of up to a minute each, over 300 s in
+# all) only when asked for by name: GPU_CHECK_STEPS=tests_gpu_c.
+step tests_gpu gpu 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "${GPU_CHECK_K:-not cuda]}" \
     tests/test_kernels_gpu.py tests/test_kernels_dequantize.py
+[[ " ${GPU_CHECK_STEPS:-} " == *" tests_gpu_c "* ]] && step tests_gpu_c gpu 500 "$PY" -m pytest -q -p no:cacheprovider \
+    --tb=short -k "cuda]" tests/test_kernels_gpu.py
 step tests_cpu any 120 "$PY" -m pytest -q -p no:cacheprovider --tb=line "${KERNEL_TESTS_CPU[@]}"
 step bench gpu 300 "$PY" -m tools.bench_kernels
 step bench_attn gpu 200 "$PY" -m tools.bench_decode_attention
