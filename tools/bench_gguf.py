@@ -124,24 +124,30 @@ class Results:
 
 def file_info(path: Path) -> dict:
     """Bytes a decode step must read (every tensor but the embedding, of which it reads one row a token; of those,
-    expert_bytes in expert stacks, of which a step reads the routed experts' share), KV bytes per token (f16 K and V,
-    as both engines keep them), the tensor types, layers and experts."""
+    expert_bytes in routed expert stacks, of which a step reads the routed experts' share; all of them by part,
+    tools.moe_bytes.tensor_part), KV bytes per token (f16, as both engines keep it: K and V, or MLA's one latent row),
+    the tensor types, layers and experts."""
     from ir.formats.gguf_file import GGUFFile
+    from tools.moe_bytes import ROUTED, tensor_part
 
     f = GGUFFile(path)
     m, arch = f.metadata, f.metadata["general.architecture"]
-    read = sum(t.data.nbytes for n, t in f.tensors.items() if n != "token_embd.weight" or "output.weight" not in
-               f.tensors)
     kinds: dict[str, int] = {}
-    for t in f.tensors.values():
+    parts: dict[str, int] = {}
+    for n, t in f.tensors.items():
         kinds[t.qtype] = kinds.get(t.qtype, 0) + t.data.nbytes
-    heads = int(m[f"{arch}.attention.head_count"])
+        if n != "token_embd.weight" or "output.weight" not in f.tensors:
+            parts[tensor_part(n)] = parts.get(tensor_part(n), 0) + t.data.nbytes
+    heads, layers = int(m[f"{arch}.attention.head_count"]), int(m[f"{arch}.block_count"])
     kv_heads = int(m.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(m.get(f"{arch}.attention.key_length") or int(m[f"{arch}.embedding_length"]) // heads)
-    return {"path": str(path), "file_bytes": path.stat().st_size, "read_bytes": read, "bytes_by_type": kinds,
-            "kv_bytes_per_token": int(m[f"{arch}.block_count"]) * 2 * kv_heads * head_dim * 2,
-            "layers": int(m[f"{arch}.block_count"]), "arch": arch,
-            "expert_bytes": sum(t.data.nbytes for n, t in f.tensors.items() if "_exps." in n),
+    # A file with the MLA widths (key_length_mla) caches [latent | rope key] (key_length wide) a token and layer,
+    # its values a view of it: llama.cpp's K-only cache, our latent_attention's.
+    mla = m.get(f"{arch}.attention.key_length_mla") is not None
+    return {"path": str(path), "file_bytes": path.stat().st_size, "read_bytes": sum(parts.values()),
+            "bytes_by_type": kinds, "bytes_by_part": parts,
+            "kv_bytes_per_token": layers * head_dim * 2 if mla else layers * 2 * kv_heads * head_dim * 2,
+            "layers": layers, "arch": arch, "expert_bytes": parts.get(ROUTED, 0),
             "experts": int(m.get(f"{arch}.expert_count") or 0), "top_k": int(m.get(f"{arch}.expert_used_count") or 0)}
 
 
