@@ -2,7 +2,10 @@
 and quantized by llama.cpp to Q4_K_M, Q5_K_M and Q8_0; decode tok/s at several batch sizes and contexts, prefill
 tok/s at 2048 tokens; each figure against the memory roofline and the other engine. `--shape qwen3-30b-a3b` does the
 same for a Qwen3-MoE (tools/synth_gguf_moe.py: 16 of its 48 layers by default, F16 and Q4_K_M, decode and prefill),
-its roofline counting only the routed experts' bytes.
+its roofline counting only the routed experts' bytes; `--shape deepseek-v2-lite` for a DeepSeek-V2-Lite
+(tools/synth_gguf_deepseek.py: MLA over its latent cache, 2 shared experts beside 64 routed ones, 12 of its 27
+layers by default), the same plan, its roofline the routed experts' share, the rest of its weights and the latent
+cache.
 
 Stages, each resumable and short enough for one 10-minute call; products stay in --dir (default /tmp/bench_gguf)
 and every figure is merged into DIR/results.json (results-SHAPE.json for a shape other than llama3-8b; the GGUF
@@ -32,7 +35,8 @@ FILES = {"f16": ("f16", None), "q4km": ("q4_k_m", "Q4_K_M"), "q5km": ("q5_k_m", 
 DEFAULT_SHAPE = "llama3-8b"
 # What a shape measures unless --files / --what say otherwise: the MoE what issue 16 asks of it.
 SHAPE_PLANS = {"llama3-8b": (tuple(FILES), ("decode", "prefill", "curve")),
-               "qwen3-30b-a3b": (("f16", "q4km"), ("decode", "prefill"))}
+               "qwen3-30b-a3b": (("f16", "q4km"), ("decode", "prefill")),
+               "deepseek-v2-lite": (("f16", "q4km"), ("decode", "prefill"))}
 DECODE_BATCHES = {"f16": (1, 16, 64, 256), "q4km": (1, 16, 64), "q5km": (1,), "q8_0": (1,)}
 PREFILL_FILES = ("f16", "q4km")
 CURVE_FILE, CURVE_BATCHES = "f16", (1, 16)
@@ -249,11 +253,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/bench_gguf"), help="GGUF files and results.json")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                     help="results.json and the report are copied here too (default: $OUT)")
-    ap.add_argument("--files", help=f"of {', '.join(FILES)} (default: all for llama3-8b, f16,q4km for "
-                    "qwen3-30b-a3b)")
+    ap.add_argument("--files", help=f"of {', '.join(FILES)} (default: all for llama3-8b, f16,q4km for the MoE "
+                    "shapes)")
     ap.add_argument("--what", help="decode (batch sizes at a 128-token context), prefill "
                     f"({PREFILL} tokens), curve (decode against context, {CURVE_FILE} only); default: all three for "
-                    "llama3-8b, decode,prefill for qwen3-30b-a3b")
+                    "llama3-8b, decode,prefill for the MoE shapes")
     ap.add_argument("--batches", help="only these batch sizes (default: every planned one)")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="the curve's contexts (1k = 1024)")
     ap.add_argument("--budget", type=float, default=540, help="seconds this stage may take: work that would start "

@@ -1,10 +1,12 @@
-"""A synthetic Llama-3-8B-shaped model (or, with --shape qwen3-30b-a3b, a Qwen3-MoE one: tools/synth_gguf_moe.py) as
-a real F16 GGUF file that llama.cpp and our loader both read: llama.cpp's tensor names and shapes, its metadata
-keys, and the tokenizer metadata of a vocab-only GGUF (llama.cpp's models/ggml-vocab-llama-bpe.gguf) so that llama.cpp
-accepts the file. Weights are random (std 0.02, norms 1), made on the GPU when there is one, and streamed to the
-file one tensor at a time.
+"""A synthetic Llama-3-8B-shaped model (or, with --shape qwen3-30b-a3b, a Qwen3-MoE one: tools/synth_gguf_moe.py;
+with --shape deepseek-v2-lite, a DeepSeek-V2-Lite one: tools/synth_gguf_deepseek.py) as a real F16 GGUF file that
+llama.cpp and our loader both read: llama.cpp's tensor names and shapes, its metadata keys, and the tokenizer
+metadata of a vocab-only GGUF (llama.cpp's models/ggml-vocab-llama-bpe.gguf) so that llama.cpp accepts the file.
+Weights are random (std 0.02, norms 1), made on the GPU when there is one, and streamed to the file one tensor at a
+time.
 
-    python -m tools.synth_gguf OUT.gguf [--shape llama3-8b|qwen3-30b-a3b] [--vocab-file VOCAB.gguf] [--layers N] ...
+    python -m tools.synth_gguf OUT.gguf [--shape llama3-8b|qwen3-30b-a3b|deepseek-v2-lite] [--vocab-file VOCAB.gguf]
+                               [--layers N] ...
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import ClassVar
 import numpy as np
 from tqdm.auto import tqdm
 
+from tools.synth_gguf_deepseek import DeepseekV2LiteShape
 from tools.synth_gguf_moe import Qwen3MoEShape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,9 +70,10 @@ class LlamaShape:
         w.add_vocab_size(self.vocab)
 
 
-Shape = LlamaShape | Qwen3MoEShape
+Shape = LlamaShape | Qwen3MoEShape | DeepseekV2LiteShape
 # --shape's presets; bench_gguf names its files and results by these keys.
-SHAPES: dict[str, Shape] = {"llama3-8b": LlamaShape(), "qwen3-30b-a3b": Qwen3MoEShape()}
+SHAPES: dict[str, Shape] = {"llama3-8b": LlamaShape(), "qwen3-30b-a3b": Qwen3MoEShape(),
+                            "deepseek-v2-lite": DeepseekV2LiteShape()}
 
 
 def tensor_specs(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
