@@ -39,11 +39,15 @@ def test_qwen3moe_file_as_llama_cpp_reads_it(tiny_file):
     r = gguf.GGUFReader(tiny_file)
     assert r.fields["general.architecture"].contents() == "qwen3moe"
     known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3MOE]}
-    dims = {}
+    dims, types = {}, {}
     for t in r.tensors:
         base = t.name.removesuffix(".weight")
         assert (f"blk.{{bid}}.{base.split('.', 2)[2]}" if base.startswith("blk.") else base) in known, t.name
         dims[t.name] = tuple(int(d) for d in t.shape)  # ggml's order: the fastest dimension first
+        types[t.name] = t.tensor_type
+    # the converter keeps norms and routers in F32
+    assert types["blk.1.ffn_gate_inp.weight"] == types["blk.1.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+    assert types["blk.1.ffn_up_exps.weight"] == gguf.GGMLQuantizationType.F16
     # as src/models/qwen3moe.cpp creates them: {n_embd, n_ff_exp, n_expert}, {n_ff_exp, n_embd, n_expert}, ...
     assert dims["blk.1.ffn_gate_exps.weight"] == dims["blk.1.ffn_up_exps.weight"] == (64, 32, 4)
     assert dims["blk.1.ffn_down_exps.weight"] == (32, 64, 4) and dims["blk.1.ffn_gate_inp.weight"] == (64, 4)

@@ -2,7 +2,10 @@
 and quantized by llama.cpp to Q4_K_M, Q5_K_M and Q8_0; decode tok/s at several batch sizes and contexts, prefill
 tok/s at 2048 tokens; each figure against the memory roofline and the other engine. `--shape qwen3-30b-a3b` does the
 same for a Qwen3-MoE (tools/synth_gguf_moe.py: 16 of its 48 layers by default, F16 and Q4_K_M, decode and prefill),
-its roofline counting only the routed experts' bytes.
+its roofline counting only the routed experts' bytes; `--shape deepseek-v2-lite` for a DeepSeek-V2-Lite
+(tools/synth_gguf_deepseek.py: MLA over its latent cache, 2 shared experts beside 64 routed ones, 12 of its 27
+layers by default), the same plan, its roofline the routed experts' share, the rest of its weights and the latent
+cache.
 
 Stages, each resumable and short enough for one 10-minute call; products stay in --dir (default /tmp/bench_gguf)
 and every figure is merged into DIR/results.json (results-SHAPE.json for a shape other than llama3-8b; the GGUF
@@ -32,7 +35,8 @@ FILES = {"f16": ("f16", None), "q4km": ("q4_k_m", "Q4_K_M"), "q5km": ("q5_k_m", 
 DEFAULT_SHAPE = "llama3-8b"
 # What a shape measures unless --files / --what say otherwise: the MoE what issue 16 asks of it.
 SHAPE_PLANS = {"llama3-8b": (tuple(FILES), ("decode", "prefill", "curve")),
-               "qwen3-30b-a3b": (("f16", "q4km"), ("decode", "prefill"))}
+               "qwen3-30b-a3b": (("f16", "q4km"), ("decode", "prefill")),
+               "deepseek-v2-lite": (("f16", "q4km"), ("decode", "prefill"))}
 DECODE_BATCHES = {"f16": (1, 16, 64, 256), "q4km": (1, 16, 64), "q5km": (1,), "q8_0": (1,)}
 PREFILL_FILES = ("f16", "q4km")
 CURVE_FILE, CURVE_BATCHES = "f16", (1, 16)
@@ -124,24 +128,30 @@ class Results:
 
 def file_info(path: Path) -> dict:
     """Bytes a decode step must read (every tensor but the embedding, of which it reads one row a token; of those,
-    expert_bytes in expert stacks, of which a step reads the routed experts' share), KV bytes per token (f16 K and V,
-    as both engines keep them), the tensor types, layers and experts."""
+    expert_bytes in routed expert stacks, of which a step reads the routed experts' share; all of them by part,
+    tools.moe_bytes.tensor_part), KV bytes per token (f16, as both engines keep it: K and V, or MLA's one latent row),
+    the tensor types, layers and experts."""
     from ir.formats.gguf_file import GGUFFile
+    from tools.moe_bytes import ROUTED, tensor_part
 
     f = GGUFFile(path)
     m, arch = f.metadata, f.metadata["general.architecture"]
-    read = sum(t.data.nbytes for n, t in f.tensors.items() if n != "token_embd.weight" or "output.weight" not in
-               f.tensors)
     kinds: dict[str, int] = {}
-    for t in f.tensors.values():
+    parts: dict[str, int] = {}
+    for n, t in f.tensors.items():
         kinds[t.qtype] = kinds.get(t.qtype, 0) + t.data.nbytes
-    heads = int(m[f"{arch}.attention.head_count"])
+        if n != "token_embd.weight" or "output.weight" not in f.tensors:
+            parts[tensor_part(n)] = parts.get(tensor_part(n), 0) + t.data.nbytes
+    heads, layers = int(m[f"{arch}.attention.head_count"]), int(m[f"{arch}.block_count"])
     kv_heads = int(m.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(m.get(f"{arch}.attention.key_length") or int(m[f"{arch}.embedding_length"]) // heads)
-    return {"path": str(path), "file_bytes": path.stat().st_size, "read_bytes": read, "bytes_by_type": kinds,
-            "kv_bytes_per_token": int(m[f"{arch}.block_count"]) * 2 * kv_heads * head_dim * 2,
-            "layers": int(m[f"{arch}.block_count"]), "arch": arch,
-            "expert_bytes": sum(t.data.nbytes for n, t in f.tensors.items() if "_exps." in n),
+    # A file with the MLA widths (key_length_mla) caches [latent | rope key] (key_length wide) a token and layer,
+    # its values a view of it: llama.cpp's K-only cache, our latent_attention's.
+    mla = m.get(f"{arch}.attention.key_length_mla") is not None
+    return {"path": str(path), "file_bytes": path.stat().st_size, "read_bytes": sum(parts.values()),
+            "bytes_by_type": kinds, "bytes_by_part": parts,
+            "kv_bytes_per_token": layers * head_dim * 2 if mla else layers * 2 * kv_heads * head_dim * 2,
+            "layers": layers, "arch": arch, "expert_bytes": parts.get(ROUTED, 0),
             "experts": int(m.get(f"{arch}.expert_count") or 0), "top_k": int(m.get(f"{arch}.expert_used_count") or 0)}
 
 
@@ -243,11 +253,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/bench_gguf"), help="GGUF files and results.json")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                     help="results.json and the report are copied here too (default: $OUT)")
-    ap.add_argument("--files", help=f"of {', '.join(FILES)} (default: all for llama3-8b, f16,q4km for "
-                    "qwen3-30b-a3b)")
+    ap.add_argument("--files", help=f"of {', '.join(FILES)} (default: all for llama3-8b, f16,q4km for the MoE "
+                    "shapes)")
     ap.add_argument("--what", help="decode (batch sizes at a 128-token context), prefill "
                     f"({PREFILL} tokens), curve (decode against context, {CURVE_FILE} only); default: all three for "
-                    "llama3-8b, decode,prefill for qwen3-30b-a3b")
+                    "llama3-8b, decode,prefill for the MoE shapes")
     ap.add_argument("--batches", help="only these batch sizes (default: every planned one)")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="the curve's contexts (1k = 1024)")
     ap.add_argument("--budget", type=float, default=540, help="seconds this stage may take: work that would start "

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from tools.bench_gguf import FILES, GEN, suffix
-from tools.moe_bytes import expert_share
+from tools.moe_bytes import PARTS, ROUTED, expert_share
 
 PLOT_NAME = "decode_vs_context.png"
 
@@ -91,9 +91,11 @@ def markdown(results: dict) -> str:
         kinds = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in sorted(info.get("bytes_by_type", {}).items()))
         read = f"{info['read_bytes'] / 1e9:.2f} GB read per decode step"
         if info.get("expert_bytes"):
-            read = (f"{info['read_bytes'] / 1e9:.2f} GB of weights ({info['expert_bytes'] / 1e9:.2f} GB in experts), "
-                    f"{step_weight_bytes(info, 1) / 1e9:.2f} GB read by a batch-1 decode step")
-        lines.append(f"- {name}: {info['file_bytes'] / 1e9:.2f} GB file ({kinds} GB), {read}{extra}")
+            read = (f"{info['read_bytes'] / 1e9:.2f} GB of weights ({info['expert_bytes'] / 1e9:.2f} GB in routed "
+                    f"experts), {step_weight_bytes(info, 1) / 1e9:.2f} GB read by a batch-1 decode step"
+                    f"{_parts(info)}")
+        kv = f", KV {info['kv_bytes_per_token'] / 1024:.1f} KiB a token" if "kv_bytes_per_token" in info else ""
+        lines.append(f"- {name}: {info['file_bytes'] / 1e9:.2f} GB file ({kinds} GB), {read}{kv}{extra}")
     lines += ["", "| figure | ours tok/s | of roofline | llama.cpp tok/s | of roofline | ours / llama.cpp | roofline |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows(results):
@@ -104,13 +106,23 @@ def markdown(results: dict) -> str:
               "untimed); llama.cpp batch 1 is llama-bench tg at that depth, larger batches llama-batched-bench S_TG. "
               "Prefill: one prompt, llama-bench pp. Roofline: copy bandwidth / (weights read per step + the batch's "
               "KV at the mean timed length), an upper bound that ignores compute (binding at large batches); of a "
-              "MoE's expert stacks only the share a random routing of the batch's tokens picks, 1 - (1 - top_k / "
-              "experts) ^ batch.", ""]
+              "MoE's routed expert stacks only the share a random routing of the batch's tokens picks, 1 - (1 - "
+              "top_k / experts) ^ batch (shared experts, attention and dense layers in full); an MLA file's KV is "
+              "its one latent row a token and layer.", ""]
     for s in results.get("stages", []):
         lines.append(f"- stage {s['stage']}: {s['started']} .. {s.get('finished', '(cut off)')} ({s.get('argv', '')})")
     for e in results.get("errors", []):
         lines.append(f"- error in {e['stage']} at {e['time']}: {e['what']}: {e['error'].splitlines()[0][:200]}")
     return "\n".join(lines) + "\n"
+
+
+def _parts(info: dict) -> str:
+    """Where a batch-1 step's weight bytes go (files noted before bytes_by_part was kept have none)."""
+    parts = dict(info.get("bytes_by_part") or {})
+    if not parts:
+        return ""
+    parts[ROUTED] = parts.get(ROUTED, 0) * expert_share(info["top_k"], info["experts"], 1)
+    return " (" + ", ".join(f"{p} {parts[p] / 1e9:.3f}" for p in PARTS if parts.get(p)) + " GB)"
 
 
 def _shape_line(env: dict, files: dict) -> str:

@@ -150,11 +150,23 @@ step bench_gguf gpu 300 "$PY" -m tools.bench_gguf --stage all --dir /tmp/bench_g
 #   python3 -m tools.bench_gguf --shape qwen3-30b-a3b --stage ours
 #   python3 -m tools.bench_gguf --shape qwen3-30b-a3b --stage report      (report-qwen3-30b-a3b.md: ratios, roofline of
 #                                                                          the routed experts' bytes, the layer count)
+# and the same four stages with --shape deepseek-v2-lite: a DeepSeek-V2-Lite-shaped deepseek2 file (MLA over a
+# 512 + 64 latent, 2 shared experts beside 64 routed ones top 6, layer 0 dense; 12 of 27 layers: 14.1 GB F16 +
+# 4.7 GB Q4_K_M; tools/synth_gguf_deepseek.py), results in /tmp/bench_gguf/results-deepseek-v2-lite.json:
+#   python3 -m tools.bench_gguf --shape deepseek-v2-lite --stage prepare  (write F16 <1 min, llama-quantize Q4_K_M)
+#   python3 -m tools.bench_gguf --shape deepseek-v2-lite --stage llamacpp (decode b1/16/64(/256 F16), prefill 2048)
+#   python3 -m tools.bench_gguf --shape deepseek-v2-lite --stage ours
+#   python3 -m tools.bench_gguf --shape deepseek-v2-lite --stage report   (report-deepseek-v2-lite.md: the roofline of
+#                                                                          the routed share, the rest, the latent KV)
 # A small MoE through every stage, for the plumbing (seconds of GPU time); asked for by name only, with
 # GPU_CHECK_STEPS=bench_gguf_moe, since the default run's budget is spoken for.
 [[ " ${GPU_CHECK_STEPS:-} " == *" bench_gguf_moe "* ]] && step bench_gguf_moe gpu 300 "$PY" -m tools.bench_gguf \
     --shape qwen3-30b-a3b --stage all --dir /tmp/bench_gguf_smoke --layers 2 --experts 16 --top-k 4 --contexts 1k \
     --budget 250
+# The same for the MLA shape, by name: GPU_CHECK_STEPS=bench_gguf_mla.
+[[ " ${GPU_CHECK_STEPS:-} " == *" bench_gguf_mla "* ]] && step bench_gguf_mla gpu 300 "$PY" -m tools.bench_gguf \
+    --shape deepseek-v2-lite --stage all --dir /tmp/bench_gguf_smoke --layers 2 --experts 16 --top-k 4 \
+    --contexts 1k --budget 250
 # Issue-scale serving: the 8B F16 file (written by bench_gguf's prepare if /tmp/bench_gguf lacks it, ~30 s) through
 # our server (with the offline engine on the same prompts) and llama-server, streaming at 1-256 concurrent requests;
 # then a 4,000- and a 30,000-token prompt alone on our server (past every start-up decode graph), and /health.

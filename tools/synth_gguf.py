@@ -1,10 +1,12 @@
-"""A synthetic Llama-3-8B-shaped model (or, with --shape qwen3-30b-a3b, a Qwen3-MoE one: tools/synth_gguf_moe.py) as
-a real F16 GGUF file that llama.cpp and our loader both read: llama.cpp's tensor names and shapes, its metadata
-keys, and the tokenizer metadata of a vocab-only GGUF (llama.cpp's models/ggml-vocab-llama-bpe.gguf) so that llama.cpp
-accepts the file. Weights are random (std 0.02, norms 1), made on the GPU when there is one, and streamed to the
-file one tensor at a time.
+"""A synthetic Llama-3-8B-shaped model (or, with --shape qwen3-30b-a3b, a Qwen3-MoE one: tools/synth_gguf_moe.py;
+with --shape deepseek-v2-lite, a DeepSeek-V2-Lite one: tools/synth_gguf_deepseek.py) as a real F16 GGUF file that
+llama.cpp and our loader both read: llama.cpp's tensor names and shapes, its metadata keys, and the tokenizer
+metadata of a vocab-only GGUF (llama.cpp's models/ggml-vocab-llama-bpe.gguf) so that llama.cpp accepts the file.
+Weights are random (std 0.02, norms 1), made on the GPU when there is one, and streamed to the file one tensor at a
+time.
 
-    python -m tools.synth_gguf OUT.gguf [--shape llama3-8b|qwen3-30b-a3b] [--vocab-file VOCAB.gguf] [--layers N] ...
+    python -m tools.synth_gguf OUT.gguf [--shape llama3-8b|qwen3-30b-a3b|deepseek-v2-lite] [--vocab-file VOCAB.gguf]
+                               [--layers N] ...
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import ClassVar
 import numpy as np
 from tqdm.auto import tqdm
 
+from tools.synth_gguf_deepseek import DeepseekV2LiteShape
 from tools.synth_gguf_moe import Qwen3MoEShape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,14 +70,21 @@ class LlamaShape:
         w.add_vocab_size(self.vocab)
 
 
-Shape = LlamaShape | Qwen3MoEShape
+Shape = LlamaShape | Qwen3MoEShape | DeepseekV2LiteShape
 # --shape's presets; bench_gguf names its files and results by these keys.
-SHAPES: dict[str, Shape] = {"llama3-8b": LlamaShape(), "qwen3-30b-a3b": Qwen3MoEShape()}
+SHAPES: dict[str, Shape] = {"llama3-8b": LlamaShape(), "qwen3-30b-a3b": Qwen3MoEShape(),
+                            "deepseek-v2-lite": DeepseekV2LiteShape()}
 
 
 def tensor_specs(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
-    """The shape's tensors in writing order. 1-D tensors are norms (F32, as the converter keeps them); the rest F16."""
+    """The shape's tensors in writing order, each stored as `stored_dtype` says."""
     return s.tensor_specs()
+
+
+def stored_dtype(name: str, shape: tuple[int, ...]) -> np.dtype:
+    """F32 for 1-D tensors (norms) and a MoE's router, which convert_hf_to_gguf.py keeps in F32 (llama-quantize
+    leaves both as they are); F16 for the rest."""
+    return np.dtype(np.float32 if len(shape) == 1 or name.endswith("ffn_gate_inp.weight") else np.float16)
 
 
 def _llama_specs(s: LlamaShape) -> list[tuple[str, tuple[int, ...]]]:
@@ -91,8 +101,8 @@ def _llama_specs(s: LlamaShape) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def file_bytes(s: Shape) -> int:
-    """Tensor bytes of the F16 file (norms F32)."""
-    return sum(int(np.prod(shape)) * (4 if len(shape) == 1 else 2) for _, shape in tensor_specs(s))
+    """Tensor bytes of the F16 file (norms and routers F32)."""
+    return sum(int(np.prod(shape)) * stored_dtype(name, shape).itemsize for name, shape in tensor_specs(s))
 
 
 # --- the vocab-only GGUF ----------------------------------------------------------------------------------------
@@ -176,7 +186,8 @@ def add_metadata(w, s: Shape, tok: dict) -> None:
 # --- random tensors ---------------------------------------------------------------------------------------------
 
 class RandomTensors:
-    """Seeded normal(0, std) F16 matrices and all-ones F32 norms: torch on the GPU when there is one, else numpy."""
+    """Seeded normal(0, std) matrices (F16, or F32 for a router) and all-ones F32 norms: torch on the GPU when there
+    is one, else numpy."""
 
     def __init__(self, std: float, seed: int, device: str | None = None):
         self.std = std
@@ -188,15 +199,15 @@ class RandomTensors:
 
             self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
-    def __call__(self, shape: tuple[int, ...]) -> np.ndarray:
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype | type = np.float16) -> np.ndarray:
         if len(shape) == 1:
             return np.ones(shape, np.float32)
         if self.device == "cpu":
-            return (self.rng.standard_normal(shape, dtype=np.float32) * self.std).astype(np.float16)
+            return (self.rng.standard_normal(shape, dtype=np.float32) * self.std).astype(dtype)
         import torch
 
         t = torch.randn(shape, generator=self.gen, device=self.device, dtype=torch.float16).mul_(self.std)
-        return t.cpu().numpy()
+        return t.cpu().numpy().astype(dtype, copy=False)
 
 
 def _default_device() -> str:
@@ -222,7 +233,7 @@ def write_model(path: Path, shape: Shape = LlamaShape(), vocab_file: Path | None
     w = gguf.GGUFWriter(str(tmp), shape.arch)
     add_metadata(w, shape, tok)
     for name, shp in specs:
-        dt = np.dtype(np.float32 if len(shp) == 1 else np.float16)
+        dt = stored_dtype(name, shp)
         w.add_tensor_info(name, shp, dt, int(np.prod(shp)) * dt.itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -230,8 +241,8 @@ def write_model(path: Path, shape: Shape = LlamaShape(), vocab_file: Path | None
     fill = RandomTensors(std, seed, device)
     with tqdm(total=file_bytes(shape), unit="B", unit_scale=True, desc=f"writing {path.name}",
               disable=not progress) as bar:
-        for _, shp in specs:  # the writer pops tensor infos in the order they were added
-            arr = fill(shp)
+        for name, shp in specs:  # the writer pops tensor infos in the order they were added
+            arr = fill(shp, stored_dtype(name, shp))
             w.write_tensor_data(arr)
             bar.update(arr.nbytes)
     w.close()
