@@ -54,31 +54,39 @@ def _family(QTYPE: str, PARTS: int):
     return (kquants.family if QTYPE in kquants.K_QTYPES else legacy.family)(QTYPE, PARTS)
 
 
-def _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape,
-               x_prep, w_load, w_dot, PDL: bool = False):
-    """The GEMV. Under PDL the caller's x_prep waits before loading x, after the step's weight loads; PDL waits once
-    more before the stores, since a program whose loop runs no step must still wait (a later wait returns at once)."""
+def _gemv_loop(mats, n_rows, n_cols, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape, x_prep, w_load, w_dot):
+    """The GEMV's loop over K for the program's ROWS rows of each matrix in `mats` ((w, w_stride) pairs of one
+    format and shape, each x_prep shared by all): (rows, accumulators [(i * ROWS + r) * M + m] of matrix i)."""
     n_blk = n_cols // elems
     rows = [tl.program_id(0) * ROWS + r for r in range(ROWS)]
     blocks = tl.arange(0, STEP)
     for _ in range(rank - 1):
         blocks = blocks[:, None]
+    n_acc = ROWS * M
 
     def body(it, *accs):
         b = it * STEP + blocks
         bmask = b < n_blk
         b = tl.minimum(b, n_blk - 1)  # past the end: re-read the last block, with its scales masked to 0
         raw = [w_load(w + tl.minimum(row, n_rows - 1).to(tl.int64) * w_stride + b * size, bmask & (row < n_rows),
-                      PARTS) for row in rows]
+                      PARTS) for w, w_stride in mats for row in rows]
         out = list(accs)
         for m in range(M):
             xp = x_prep(m, b)
-            for r in range(ROWS):
+            for r in range(ROWS * len(mats)):
                 out[r * M + m] = out[r * M + m] + w_dot(raw[r], xp)
         return tuple(out)
 
-    init = tuple(tl.zeros((STEP,) + acc_shape, tl.float32) for _ in range(ROWS * M))
-    accs = tl.fori_loop(0, (n_blk + STEP - 1) // STEP, body, init)
+    init = tuple(tl.zeros((STEP,) + acc_shape, tl.float32) for _ in range(n_acc * len(mats)))
+    return rows, tl.fori_loop(0, (n_blk + STEP - 1) // STEP, body, init)
+
+
+def _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape,
+               x_prep, w_load, w_dot, PDL: bool = False):
+    """The GEMV. Under PDL the caller's x_prep waits before loading x, after the step's weight loads; PDL waits once
+    more before the stores, since a program whose loop runs no step must still wait (a later wait returns at once)."""
+    rows, accs = _gemv_loop(((w, w_stride),), n_rows, n_cols, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape,
+                            x_prep, w_load, w_dot)
     if PDL:
         tl.wait_prior_grid()
         tl.launch_dependents()

@@ -10,13 +10,16 @@ cdiv(S, BLOCK_M) + E, whatever the routing; blocks past the used ones hold paddi
 The tokens' outputs are the sums of their top_k rows of y (an array op after the launch).
 Either pass may read GGUF blocks instead (kernels_src/moe_gguf.py: the same grid, each weight tile dequantized in
 registers before the dot), so gate/up and down may each be dense or quantized, in any format of their own.
+Small batches (at most moe_gemv.GEMV_SLOTS slots, and no more slots than experts: moe_gemv.use_gemv) group nothing:
+kernels_src/moe_gemv.py runs each slot's expert as GEMVs, its id read in the kernel, over dense rows or through
+dequant_gemv's per-format loop (three launches with the sum, against some thirty with moe_align's array ops).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kernels_src import moe_gguf
+from kernels_src import moe_gemv, moe_gguf
 from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.moe_slots import block_slots
@@ -140,12 +143,13 @@ def _check_stacks(t: int, h: int, w_gate, w_up, w_down) -> None:
 
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out=None, target: str = "numpy",
-                pdl: bool | None = None, block_m: int | None = None, block_n: int | None = None,
-                block_k: int = BLOCK_K):
+                pdl: bool | None = None, gemv: bool | None = None, block_m: int | None = None,
+                block_n: int | None = None, block_k: int | None = None):
     """sum over k of weights[t, k] * w_down[e] @ (act(w_gate[e] @ x[t]) * (w_up[e] @ x[t])), e = ids[t, k], for x
     [T, H] (rows contiguous), weights [T, k] fp32, ids [T, k], stacks [E, I, H] / [E, H, I]: dense with contiguous
     rows, or GGUF blocks (moe_gguf.GGUFStack; gate and up both or neither); out [T, H] (made in x's dtype when not
-    given). block_k: the dense kernel's K step (a GGUF pass steps by whole blocks: moe_gguf.step_blocks)."""
+    given). gemv: the per-slot GEMVs of kernels_src/moe_gemv.py (None: where moe_gemv.use_gemv says) or the grouped
+    kernels; block_n, block_k: their dense tiles (a GGUF pass steps by whole blocks)."""
     t, h = x.shape
     k = ids.shape[1]
     e, inner = _shape(w_gate)[:2]
@@ -153,14 +157,34 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
     if elem_stride(x, 1) != 1:
         x = x.contiguous() if hasattr(x, "contiguous") else np.ascontiguousarray(x)
     s = t * k
-    tiles = default_tiles(s, e)
-    block_m, default_n = block_m or tiles[0], tiles[1]
-    rows, block_expert = moe_align(ids, e, block_m)
-    nblocks = block_expert.shape[0]
     flat_w = weights.reshape(-1)
     pdl = use_pdl(target, pdl)
     hidden = empty(x, (s, inner))
     y = empty(x, (s, h))
+    if moe_gemv.use_gemv(s, e, (w_gate, w_up, w_down)) if gemv is None else gemv:
+        moe_gemv.run(x, flat_w, ids.reshape(-1), w_gate, w_up, w_down, hidden, y, top_k=k, act=act, target=target,
+                     pdl=pdl, block_n=block_n, block_k=block_k)
+    else:
+        _grouped(x, flat_w, ids, w_gate, w_up, w_down, hidden, y, k, act, target, pdl, block_m, block_n,
+                 block_k or BLOCK_K)
+    out = empty(x, (t, h)) if out is None else out
+    if isinstance(y, np.ndarray):
+        np.sum(y.reshape(t, k, h), axis=1, out=out)
+    else:
+        import torch
+
+        torch.sum(y.view(t, k, h), dim=1, out=out)
+    return out
+
+
+def _grouped(x, flat_w, ids, w_gate, w_up, w_down, hidden, y, k: int, act: str, target: str, pdl: bool,
+             block_m: int | None, block_n: int | None, block_k: int) -> None:
+    """The two grouped passes: slots aligned by expert (moe_align), then a program a block of one expert's slots."""
+    s, (e, inner), h = y.shape[0], _shape(w_gate)[:2], y.shape[1]
+    tiles = default_tiles(s, e)
+    block_m, default_n = block_m or tiles[0], tiles[1]
+    rows, block_expert = moe_align(ids, e, block_m)
+    nblocks = block_expert.shape[0]
     for gated, (a, b, src, dst, n_cols, k_dim) in ((True, (w_gate, w_up, x, hidden, inner, h)),
                                                   (False, (w_down, w_down, hidden, y, h, inner))):
         if moe_gguf.is_blocks(a):
@@ -174,14 +198,6 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
         kern[nblocks, tl.cdiv(n_cols, n_tile)](src, a, b, dst, rows, block_expert, flat_w, s, n_cols, k_dim,
                                                  tl.cdiv(k_dim, block_k), elem_stride(src, 0), elem_stride(a, 0),
                                                  elem_stride(a, 1), elem_stride(dst, 0))
-    out = empty(x, (t, h)) if out is None else out
-    if isinstance(y, np.ndarray):
-        np.sum(y.reshape(t, k, h), axis=1, out=out)
-    else:
-        import torch
-
-        torch.sum(y.view(t, k, h), dim=1, out=out)
-    return out
 
 
 def moe_experts_ref(x, weights, ids, w_gate, w_up, w_down, act: str = "silu") -> np.ndarray:

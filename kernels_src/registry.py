@@ -21,6 +21,7 @@ from kernels_src import (
     kv_write,
     mla_decode,
     moe,
+    moe_gemv,
     moe_gguf,
     moe_route,
     paged_attention,
@@ -306,6 +307,30 @@ register(KernelEntry(
     moe_gguf_bytes, flops=_moe_flops, launcher=moe.moe_experts,
     notes="moe_gemm's grid and launches over GGUF expert stacks (each weight tile dequantized in registers); the "
           "down pass is this kernel with GATED=False and down_qtype's blocks"))
+
+
+# the small-batch path: one token (8 slots) through the same layer, a GEMV a slot; dense, then Q4_K_M's formats
+_MOE_PTRS = dict(ids="*i32", weights="*fp32")
+register(KernelEntry(
+    "moe_gemv", moe_gemv.moe_gemv_kernel,
+    dict(TOP_K=8, GATED=True, ACT="silu", BLOCK_N=moe_gemv.DENSE_TILES["BLOCK_N"],
+         BLOCK_K=moe_gemv.DENSE_TILES["BLOCK_K"], PDL=True),
+    _ptrs(BF16, "x", "w_a", "w_b", "y") | _MOE_PTRS,
+    dict(tokens=1, hidden=2048, inner=768, experts=128, top_k=8, dtype=BF16), moe_bytes,
+    flops=_moe_flops, launcher=moe.moe_experts,
+    notes="the launcher's path at up to moe_gemv.GEMV_SLOTS slots: this kernel twice (gate and up with the "
+          "activation and routing weight, then down, GATED=False), no grouping; then each token's top_k rows summed"))
+_gemv_tiles = moe_gemv._gguf_tiles(moe_gguf.GGUFStack(None, "Q4_K", (128, 768, 2048)),
+                                   moe_gguf.GGUFStack(None, "Q4_K", (128, 768, 2048)), True)
+_gemv_tiles.pop("num_warps")
+register(KernelEntry(
+    "moe_gemv_gguf", moe_gemv.moe_qgemv_kernel,
+    dict(TOP_K=8, GATED=True, ACT="silu", SUBNORMAL=True, PDL=True, **_gemv_tiles),
+    _ptrs(BF16, "x", "y", w_a="*u8", w_b="*u8") | _MOE_PTRS,
+    dict(tokens=1, hidden=2048, inner=768, experts=128, top_k=8, qtype="Q4_K", down_qtype="Q6_K", dtype=BF16),
+    moe_gguf_bytes, flops=_moe_flops, launcher=moe.moe_experts,
+    notes="moe_gemv over GGUF stacks through dequant_gemv's loop (one-warp programs, its tiles at M = 1); the down "
+          "pass is this kernel with GATED=False and down_qtype's blocks"))
 
 
 # DeepSeek-V3's router for a decode batch of 16: 256 experts in 8 groups, sigmoid scores and a correction bias

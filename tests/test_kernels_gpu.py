@@ -66,11 +66,26 @@ SIZES["moe_gemm_gguf"] = [("t16", dict(tokens=16)),
                           ("t64_q6_k", dict(tokens=64, qtype="Q6_K", down_qtype="Q4_K", padded=True)),
                           ("t300_q8_0", dict(tokens=300, experts=16, qtype="Q8_0", down_qtype="Q8_0")),
                           ("t2048_q4_k", dict(tokens=2048, experts=16, qtype="Q4_K", down_qtype="Q6_K"))]
+# the small-batch GEMV path: one token, GEMV_SLOTS slots (8 of top-8), tokens crowding 8 experts (every expert read
+# by 8 slots), DeepSeek-V2-Lite's top-6 of 64 (1408 inner rows: the GGUF gated pass takes 2 a program), N off tiles
+SIZES["moe_gemv"] = [("t1", dict(tokens=1)), ("t8", dict(tokens=8)), ("t8_crowd", dict(tokens=8, experts=8)),
+                     ("t3_v2_lite", dict(tokens=3, top_k=6, experts=64, inner=1408)),
+                     ("t5_odd", dict(tokens=5, top_k=2, experts=8, hidden=1000, inner=300))]
+# over GGUF stacks: Q4_K_M's, each format in turn, gate and up of two formats, padded rows, V2-Lite's shape
+SIZES["moe_gemv_gguf"] = [("t1", dict(tokens=1)),
+                          ("t8_q5_k", dict(tokens=8, qtype="Q5_K", down_qtype="Q5_K")),
+                          ("t2_q8_0", dict(tokens=2, qtype="Q8_0", down_qtype="Q8_0", padded=True)),
+                          ("t1_q6_k", dict(tokens=1, qtype="Q6_K", down_qtype="Q4_K", padded=True)),
+                          ("t4_mixed", dict(tokens=4, qtype="Q8_0", up_qtype="Q4_K", down_qtype="Q6_K")),
+                          ("t2_legacy", dict(tokens=2, qtype="Q4_0", up_qtype="Q5_1", down_qtype="Q4_1")),
+                          ("t2_small_k", dict(tokens=2, qtype="Q2_K", down_qtype="Q3_K", experts=8)),
+                          ("t3_v2_lite", dict(tokens=3, top_k=6, experts=64, inner=1408, qtype="Q4_K",
+                                              down_qtype="Q5_0", padded=True))]
 # the int8 tensor-core GEMM at the runner's 4-32 rows: a ragged batch, K over several super-blocks, N off the tile
 SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m5", dict(m=5, n=77, k=2048)), ("m32", dict(m=32, n=520, k=1024))]
           for n in REGISTRY if n.startswith("mmq_")}
 # their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
-TRITON_ONLY = ("dequant_gemm_", "moe_gemm", "mmq_")
+TRITON_ONLY = ("dequant_gemm_", "moe_gemm", "moe_gemv", "mmq_")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim"),

@@ -38,9 +38,11 @@ def problem(rng, tokens, hidden, inner, experts, k, dtype, crowd=False):
 
 
 def run(target, args, act, **kw):
+    """The grouped kernels (at few slots too: the GEMV path has tests/test_kernels_moe_gemv.py)."""
     x, w, ids, gate, up, down = args
     out = dev(np.full(x.shape, np.nan, x.dtype), target)
-    got = moe.moe_experts(*(dev(a, target) for a in (x, w, ids, gate, up, down)), act, out=out, target=target, **kw)
+    got = moe.moe_experts(*(dev(a, target) for a in (x, w, ids, gate, up, down)), act, out=out, target=target,
+                          **{"gemv": False} | kw)
     assert got is out
     return host(out)
 

@@ -22,6 +22,7 @@ from kernels_src import (
     kv_write,
     mla_decode,
     moe,
+    moe_gemv,
     moe_gguf,
     moe_route,
     rms_norm,
@@ -218,6 +219,7 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            gguf_mmq.mmq_q4k_kernel, gguf_mmq.mmq_q6k_kernel,  # their simt-cpu case: test_kernels_mmq.py
            moe.moe_gemm_kernel,  # its simt-cpu case: test_kernels_moe.py
            moe_gguf.moe_qgemm_kernel,  # its simt-cpu case: test_kernels_moe_gguf.py
+           moe_gemv.moe_gemv_kernel, moe_gemv.moe_qgemv_kernel,  # their simt-cpu case: test_kernels_moe_gemv.py
            moe_route.moe_route_kernel,  # its simt-cpu case: test_kernels_moe_route.py
            mla_decode.mla_decode_kernel}  # its simt-cpu case: test_kernels_mla.py
 

@@ -6,6 +6,7 @@ case is built."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -165,9 +166,10 @@ def _rope_kv_write(d: Dev, p: dict) -> Case:
 
 # --- dequantizing GEMV ----------------------------------------------------------------------------------------------
 
-def gguf_weights(d: Dev, qtype: str, n: int, k: int, scale: float = 0.01, padded: bool = False):
+def gguf_weights(d: Dev, qtype: str, n: int, k: int, scale: float = 0.01, padded: bool = False, align: int = 1):
     """Random valid GGUF blocks uint8 [n, row_bytes] on the device: random bytes, fp16 scales finite and moderate.
-    `padded`: a view into rows with 6 trailing 0xFF bytes (and 2 spare rows), which decode to NaN if read."""
+    `padded`: a view into rows with 6 trailing 0xFF bytes (and 2 spare rows), which decode to NaN if read; `align`:
+    those rows' stride rounded up to a multiple of it (16: what dequant_gemv's Q4_K and Q5_K loads need)."""
     torch, spec = d.torch, GGUF[qtype]
     nb = k // spec.block_size
     rb = nb * spec.type_size
@@ -177,7 +179,7 @@ def gguf_weights(d: Dev, qtype: str, n: int, k: int, scale: float = 0.01, padded
         blocks[:, :, off:off + 2] = h.view(torch.uint8).view(n, nb, 2)
     if not padded:
         return blocks.view(n, rb)
-    big = torch.full((n + 2, rb + 6), 0xFF, dtype=torch.uint8, device=d.dev)
+    big = torch.full((n + 2, -(-(rb + 6) // align) * align), 0xFF, dtype=torch.uint8, device=d.dev)
     big[:n, :rb] = blocks.view(n, rb)
     return big[:n, :rb]
 
@@ -313,20 +315,23 @@ SPREAD = {"Q4_0": 2.5, "Q4_1": 4.7, "Q5_0": 4.9, "Q5_1": 9.7, "Q8_0": 40.0, "Q2_
           "Q5_K": 339.0, "Q6_K": 723.0}
 
 
-def _moe(d: Dev, p: dict) -> Case:
+def _moe(d: Dev, p: dict, name: str) -> Case:
     """Routed tokens through a stack of experts: distinct experts per token (a router's top_k), weights that sum to 1;
-    the reference on a sample of tokens in float64 (over the experts they use). With `qtype` in p (moe_gemm_gguf)
-    gate and up are GGUF blocks of it, down of `down_qtype`, random valid blocks (`padded`: rows in wider ones)."""
+    the reference on a sample of tokens in float64 (over the experts they use). With `qtype` in p (the _gguf kernels)
+    gate is GGUF blocks of it, up of `up_qtype` (default: qtype), down of `down_qtype`, random valid blocks (`padded`:
+    rows in wider ones, 16-byte aligned for the GEMV). moe_gemm* runs the grouped path, moe_gemv* the GEMV, whatever
+    the rule would pick."""
     t, h, inner, e, k, dt = p["tokens"], p["hidden"], p["inner"], p["experts"], p["top_k"], d.dtype(p["dtype"])
-    torch = d.torch
+    torch, gemv = d.torch, name.startswith("moe_gemv")
     x = d.randn((t, h), dt)
     ids = torch.stack([d.perm(e)[:k] for _ in range(t)]).to(torch.int32)
     weights = torch.softmax(torch.randn((t, k), device=d.dev, generator=d.gen), -1)
     shapes = ((inner, h), (inner, h), (h, inner))
     if "qtype" in p:
-        qtypes = (p["qtype"], p["qtype"], p["down_qtype"])
-        stacks = [moe_gguf.GGUFStack(gguf_weights(d, q, e * n, kk, 1 / (SPREAD[q] * kk ** 0.5), p.get("padded", False)),
-                                     q, (e, n, kk)) for q, (n, kk) in zip(qtypes, shapes, strict=True)]
+        qtypes = (p["qtype"], p.get("up_qtype", p["qtype"]), p["down_qtype"])
+        stacks = [moe_gguf.GGUFStack(gguf_weights(d, q, e * n, kk, 1 / (SPREAD[q] * kk ** 0.5), p.get("padded", False),
+                                                  16 if gemv else 1), q, (e, n, kk))
+                  for q, (n, kk) in zip(qtypes, shapes, strict=True)]
     else:
         stacks = [d.randn((e, n, kk), dt, kk ** -0.5) for n, kk in shapes]
     out = d.nan((t, h), dt)
@@ -346,17 +351,16 @@ def _moe(d: Dev, p: dict) -> Case:
         want = moe.moe_experts_ref(host(x[i]), host(weights[i]), ids_i, *(experts(w, used) for w in stacks))
         return combine(written("out", out), compare("out", host(out[i]), want, p["dtype"]))
 
-    return Case("moe_gemm_gguf" if "qtype" in p else "moe_gemm", p,
-                lambda target: moe.moe_experts(x, weights, ids, *stacks, out=out, target=target), check,
-                lambda target: out.fill_(float("nan")))
+    return Case(name, p, lambda target: moe.moe_experts(x, weights, ids, *stacks, out=out, target=target, gemv=gemv),
+                check, lambda target: out.fill_(float("nan")))
 
 
 BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rms_norm": lambda d, p: _rms_norm(d, p, False), "add_rms_norm": lambda d, p: _rms_norm(d, p, True),
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
-    "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_gemm": _moe, "moe_gemm_gguf": _moe,
-    "moe_route": _moe_route,
+    "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_route": _moe_route,
+    **{n: functools.partial(_moe, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf")},
 }
 
 

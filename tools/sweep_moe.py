@@ -6,7 +6,8 @@ them), bf16 x, random routings: each pass (gated, down) at every (block_m, block
 pick, timed with do_bench_cudagraph over `layers` copies of the stacks so that no expert stays in L2; then the
 launcher's own choice end to end, against the per-expert loop it replaced (tokens grouped on the host, each
 expert's rows through dequant_gemv / mmq / dequant_matmul as Runner._quant_linear picks) and the dense bf16 fused
-MoE. GB/s counts the routed experts' blocks (or bf16 rows) once."""
+MoE; up to GEMV_TOKENS tokens, both paths of the launcher forced (grouped, and a GEMV a slot: kernels_src/moe_gemv.py),
+GGUF and dense, to place moe_gemv.GEMV_SLOTS. GB/s counts the routed experts' blocks (or bf16 rows) once."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 H, INNER, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B's MoE layer
+GEMV_TOKENS = 32  # both paths timed up to this batch (256 slots: 4 x moe_gemv.GEMV_SLOTS)
 
 
 def _bench(fn, graph: bool = True) -> float:
@@ -122,9 +124,9 @@ def end_to_end(torch, layers, dense, tokens: int) -> dict:
     runner = object.__new__(Runner)  # only its quantized linear: target, pdl and the row-id cache
     runner.target, runner.pdl, runner._rows, runner.device = "triton", None, {}, x.device
 
-    def fused(ls):
+    def fused(ls, gemv=None):
         for stacks, ids, w in ls:
-            moe.moe_experts(x, w, ids, *stacks, target="triton")
+            moe.moe_experts(x, w, ids, *stacks, target="triton", gemv=gemv)
 
     def loop():
         for stacks, ids, w in layers:
@@ -139,6 +141,10 @@ def end_to_end(torch, layers, dense, tokens: int) -> dict:
                dense_us=_bench(lambda: fused(dense)) / len(dense) * 1e6)
     res["gbs"] = sum(_active_bytes(*ls[:2]) for ls in layers) / n / (res["fused_us"] / 1e6) / 1e9
     res["dense_gbs"] = sum(_active_bytes(*ls[:2]) for ls in dense) / len(dense) / (res["dense_us"] / 1e6) / 1e9
+    if tokens <= GEMV_TOKENS:
+        for path, gemv in (("grouped", False), ("gemv", True)):
+            res[f"{path}_us"] = _bench(lambda gemv=gemv: fused(layers, gemv)) / n * 1e6
+            res[f"dense_{path}_us"] = _bench(lambda gemv=gemv: fused(dense, gemv)) / len(dense) * 1e6
     return res
 
 
@@ -167,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"T={tokens:5d} fused {e2e['fused_us']:.1f} us ({e2e['gbs']:.0f} GB/s; eager {e2e['fused_eager_us']:.1f})"
               f"  per-expert loop {e2e['loop_us']:.1f} us  dense bf16 {e2e['dense_us']:.1f} us "
               f"({e2e['dense_gbs']:.0f} GB/s)  max diff {e2e['max_rel_diff']:.1e}", flush=True)
+        if "gemv_us" in e2e:
+            print(f"T={tokens:5d} grouped {e2e['grouped_us']:.1f} us, gemv {e2e['gemv_us']:.1f} us; dense bf16 grouped "
+                  f"{e2e['dense_grouped_us']:.1f} us, gemv {e2e['dense_gemv_us']:.1f} us", flush=True)
         del layers, dense
         torch.cuda.empty_cache()
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ runs eagerly too.
   order); values attention reads stay held, since the eager attention reads them at replay. A bucket's attention
   outputs share one buffer when the next piece is their only reader.
 - A graph whose step reads metadata beyond positions outside attention (a longrope table switching on sequence
-  length) gets no pieces: `plan` says why. (MoE experts, dense or GGUF, are grouped on the device: kernels_src/moe.py.)
+  length) gets no pieces: `plan` says why. (MoE experts, dense or GGUF, run on fixed-shape grids: kernels_src/moe.py.)
 """
 
 from __future__ import annotations

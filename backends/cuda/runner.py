@@ -283,8 +283,9 @@ class Runner:
         return y.reshape(*x.shape[:-1], n)
 
     def _moe_experts(self, x, weights, ids, w_gate, w_up, w_down, *, act: str):
-        """The DSL's fused MoE (kernels_src/moe.py): grouped by expert on the device, two launches whatever the
-        routing, so capturable; each stack dense or GGUF blocks (a QuantWeight passes as moe_gguf's stack)."""
+        """The DSL's fused MoE (kernels_src/moe.py): a GEMV a slot at small batches, else grouped by expert on the
+        device; grids fixed by the slot count, whatever the routing, so capturable; each stack dense or GGUF blocks
+        (a QuantWeight passes as moe_gguf's stack)."""
         return moe.moe_experts(x, weights, ids, w_gate, w_up, w_down, act, target=self.target, pdl=self.pdl)
 
     def _row_ids(self, r0: int, r1: int) -> torch.Tensor:
