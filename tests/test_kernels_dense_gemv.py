@@ -197,3 +197,25 @@ def test_aot_sm90(prologue, m, tmp_path, monkeypatch):
     ptx = compiled.asm["ptx"]
     assert ".target sm_90a" in ptx and ptx.count("ld.global.v4") >= tiles["ROWS"] + m
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
+
+
+def test_sweep_runs_on_the_interpreter(monkeypatch, capsys):
+    """tools/sweep_dense_gemv's check, timing and report on the DSL interpreter (CPU tensors, a fake clock): what a
+    GPU run executes, on small shapes."""
+    torch = pytest.importorskip("torch")
+    from tools import sweep_dense_gemv as sweep
+    from tools.kernel_case_base import Dev
+
+    monkeypatch.setattr(sweep, "TARGET", "numpy")
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "STEPS", ((256, 1), (512, 2)))
+    assert sweep._check_one(4, sweep.settings(4)[1], "add_rms_norm", 96) is None
+    d = Dev(0, "cpu")
+    cases = [sweep.Case(torch, d, [d.randn((16, 64), torch.bfloat16) for _ in range(2)], name, m, p)
+             for name, p in (("o", "none"), ("qkv", "add_rms_norm"), ("down", "gated")) for m in (1, 8)]
+    clock = iter(range(1, 10**6))
+    skipped = sweep._time(cases, {}, lambda fn: (fn(), float(next(clock)))[1], budget=1e9, t0=0.0, quick=False)
+    table = sweep._report(cases, 1000.0)
+    assert skipped == 0 and "down" in capsys.readouterr().out
+    assert table[(16, 64, 8, "gated")] == sweep._s(min(cases[-1].us["fused"], key=cases[-1].us["fused"].get))
+    assert set(table) == {(16, 64, m, p) for m in (1, 8) for p in ("none", "add_rms_norm", "gated")}
