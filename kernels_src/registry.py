@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ir.formats.gguf_quants import row_bytes
 from kernels_src import (
     activations,
+    dense_gemv,
     dequant_gemm,
     dequant_gemv,
     dequant_gemv_i8,
@@ -218,6 +219,31 @@ for _q in dequant_gemv.QTYPES:
         _ptrs(BF16, "x", "y", w="*u8"), dict(m=1, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes,
         flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dequant_gemv.dequant_gemv, notes=_I8_NOTE if _i8 else "",
         variants=(dequant_gemv_i8.quantize_x_kernel, dequant_gemv_i8.dequant_gemv_i8_kernel) if _i8 else ()))
+
+# --- dense GEMV: one token through a bf16 projection, with the op before it as its prologue ------------------------
+# Llama-3-8B's and phi-3-mini's projections, each where the runner fuses that prologue: phi-3's o_proj (none), Llama's
+# qkv after the first layer's norm, phi-3's gate_up after the residual add + norm, Llama's down after the gated act
+
+
+def dense_gemv_bytes(m, n, k, prologue, dtype, residual=False) -> int:
+    """W once, x (both halves or addends), the norm weight, y, add_rms_norm's sum, the epilogue's residual."""
+    e = ITEMSIZE[dtype]
+    x = m * k * (2 if prologue in ("add_rms_norm", "gated") else 1) + (k if "norm" in prologue else 0)
+    return e * (n * k + x + m * n * (2 if residual else 1) + (m * k if prologue == "add_rms_norm" else 0))
+
+
+for _p, (_n, _k) in {"none": (3072, 3072), "rms_norm": (6144, 4096), "add_rms_norm": (16384, 3072),
+                     "gated": (4096, 14336)}.items():
+    _tiles = dense_gemv.default_tiles(_n, _k, 1, _p)
+    _tiles.pop("num_warps")
+    register(KernelEntry(
+        "dense_gemv" + ("" if _p == "none" else f"_{_p}"), dense_gemv.dense_gemv_kernel,
+        dict(M=1, PROLOGUE=_p, ACT="silu", OFFSET=False, RESIDUAL=False, EVEN_K=_k % _tiles["BLOCK_K"] == 0, PDL=True,
+             **_tiles),
+        _ptrs(BF16, "x", "x2", "g", "s_out", "r", "w", "y"), dict(m=1, n=_n, k=_k, prologue=_p, dtype=BF16),
+        dense_gemv_bytes, floats=("eps",), flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dense_gemv.dense_gemv,
+        notes="x2: add_rms_norm's residual or gated's up; s_out: add_rms_norm's sum (program 0 writes it); r: the "
+              "residual epilogue's input"))
 
 # --- dequantizing rows: a whole 14336 x 4096 GGUF matrix to bf16, as before a GEMM in prefill ----------------------
 

@@ -84,6 +84,13 @@ SIZES["moe_gemv_gguf"] = [("t1", dict(tokens=1)),
 # the int8 tensor-core GEMM at the runner's 4-32 rows: a ragged batch, K over several super-blocks, N off the tile
 SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m5", dict(m=5, n=77, k=2048)), ("m32", dict(m=32, n=520, k=1024))]
           for n in REGISTRY if n.startswith("mmq_")}
+# the dense GEMV (each prologue its entry): a decode batch of 1, 3 rows off every tile (N, K odd), 8 rows, the
+# residual epilogue at 4, tiles the sweep tries (two rows a program on one warp, K steps of 256), phi-3's down at 8
+SIZES |= {n: [("m1", dict(m=1, n=300, k=4096)), ("m3_odd", dict(m=3, n=77, k=1001)), ("m8", dict(m=8, n=130, k=3072)),
+              ("m4_residual", dict(m=4, n=200, k=2048, residual=True)),
+              ("m2_tiles", dict(m=2, n=99, k=2048, rows=2, block_k=256, num_warps=1)),
+              ("m8_phi3", dict(m=8, n=3072, k=8192))]
+          for n in REGISTRY if n.startswith("dense_gemv")}
 # their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
 TRITON_ONLY = ("dequant_gemm_", "moe_gemm", "moe_gemv", "mmq_")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which

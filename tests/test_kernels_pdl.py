@@ -15,6 +15,7 @@ from test_gguf_quants import random_raw
 from ir.formats.gguf_quants import QTYPES as GGUF_TYPES
 from kernels_src import (
     activations,
+    dense_gemv,
     dequant_gemv,
     dequantize,
     kv_write,
@@ -38,9 +39,10 @@ ALLOWED = {
     "paged_decode": {"context_lens"}, "paged_decode_reduce": set(), "paged_prefill": set(), "moe_route": {"bias"},
     **{f"dequant_gemv_{q.lower()}": {"w"} for q in dequant_gemv.QTYPES},
     **{f"dequantize_{q.lower()}": {"w"} for q in dequantize.QTYPES},
+    **{name: {"w", "g"} for name in REGISTRY if name.startswith("dense_gemv")},  # the weights and the norm's
 }
 # The GEMVs wait inside their loop over K, after each step's weight loads (and once more before the stores).
-LOOP_WAIT = {name for name in ALLOWED if name.startswith("dequant_gemv_")}
+LOOP_WAIT = {name for name in ALLOWED if name.startswith(("dequant_gemv_", "dense_gemv"))}
 PDL_ENTRIES = sorted(name for name, e in REGISTRY.items() if "PDL" in split_params(e.fn)[1])
 
 
@@ -220,6 +222,19 @@ def run_dequant_gemv(t, target, pdl, qtype="Q4_K"):
     return [out]
 
 
+def run_dense_gemv(t, target, pdl, prologue="none"):
+    """Each prologue on 3 rows, K over several steps (64 a step) and off them; the residual epilogue with none."""
+    rng = np.random.default_rng(10)
+    k = 150
+    x, w, out = t(_f32(rng, 3, 2 * k if prologue == "gated" else k)), t(_f32(rng, 5, k)), t(_nan(3, 5))
+    pro = {"none": None, "rms_norm": dense_gemv.RMSNorm(t(_f32(rng, k)), 1e-5, True),
+           "add_rms_norm": dense_gemv.AddRMSNorm(t(_f32(rng, 3, k)), t(_f32(rng, k)), 1e-5, sum_out=t(_nan(3, k))),
+           "gated": dense_gemv.Gated("silu")}[prologue]
+    dense_gemv.dense_gemv(x, w, prologue=pro, residual=t(_f32(rng, 3, 5)) if pro is None else None, out=out,
+                          block_k=64, target=target, pdl=pdl)
+    return [out] + ([pro.sum_out] if prologue == "add_rms_norm" else [])
+
+
 RUNS = {
     "rms_norm": run_rms_norm, "add_rms_norm": run_add_rms_norm, "gated_act": run_gated_act, "rope": run_rope,
     "kv_write": run_kv_write, "paged_decode_split": run_paged_decode,
@@ -229,8 +244,10 @@ RUNS = {
     # PDL waits in the format-independent loop: of the formats added after the first five, Q5_K alone is run
     **{f"dequant_gemv_{q}": lambda t, target, pdl, q=q: run_dequant_gemv(t, target, pdl, q)
        for q in dequant_gemv.QTYPES if q not in ("Q5_0", "Q5_1", "Q2_K", "Q3_K")},
+    **{f"dense_gemv_{p}": lambda t, target, pdl, p=p: run_dense_gemv(t, target, pdl, p) for p in dense_gemv.PROLOGUES},
 }
-LAUNCHERS = (activations, dequant_gemv, dequantize, kv_write, paged_attention, paged_prefill, rms_norm, rope)
+LAUNCHERS = (activations, dense_gemv, dequant_gemv, dequantize, kv_write, paged_attention, paged_prefill, rms_norm,
+             rope)
 
 
 class _NoLaunch:

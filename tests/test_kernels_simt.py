@@ -17,6 +17,7 @@ from test_kernels_gemv import k_for, padded_weights
 
 from kernels_src import (
     activations,
+    dense_gemv,
     dequant_gemm,
     gguf_mmq,
     kv_write,
@@ -221,7 +222,8 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            moe_gguf.moe_qgemm_kernel,  # its simt-cpu case: test_kernels_moe_gguf.py
            moe_gemv.moe_gemv_kernel, moe_gemv.moe_qgemv_kernel,  # their simt-cpu case: test_kernels_moe_gemv.py
            moe_route.moe_route_kernel,  # its simt-cpu case: test_kernels_moe_route.py
-           mla_decode.mla_decode_kernel}  # its simt-cpu case: test_kernels_mla.py
+           mla_decode.mla_decode_kernel,  # its simt-cpu case: test_kernels_mla.py
+           dense_gemv.dense_gemv_kernel}  # its simt-cpu case: test_kernels_dense_gemv.py
 
 
 def test_every_registered_kernel_has_a_simt_case():

@@ -19,7 +19,7 @@ QUICK = {  # small problems of the same shapes, for a smoke test
     "kv_write": dict(tokens=64), "rope_kv_write": dict(tokens=64), "paged_decode_reduce": dict(batch=4, context=1100),
     "paged_decode": dict(batch=4, context=1100, ragged=True), "paged_prefill": dict(seqs=2, query_len=64, context=300),
     "mla_decode": dict(batch=4, context=1100, ragged=True),
-    "gemv": dict(n=512), "gemm": dict(n=512), "dequantize": dict(r=512, n=512),
+    "gemv": dict(n=512), "dense_gemv": dict(n=512), "gemm": dict(n=512), "dequantize": dict(r=512, n=512),
     "moe_gemm": dict(tokens=4, experts=16), "moe_gemm_gguf": dict(tokens=4, experts=16), "moe_route": dict(tokens=4),
     "moe_gemv": dict(tokens=2, experts=16), "moe_gemv_gguf": dict(tokens=2, experts=16),
 }
@@ -36,7 +36,8 @@ class Case:
 
 
 def quick_params(name: str, bench: dict) -> dict:
-    prefixes = {"dequant_gemv": "gemv", "dequant_gemm": "gemm", "mmq_": "gemm", "dequantize_": "dequantize"}
+    prefixes = {"dequant_gemv": "gemv", "dense_gemv": "dense_gemv", "dequant_gemm": "gemm", "mmq_": "gemm",
+                "dequantize_": "dequantize"}
     key = next((v for pre, v in prefixes.items() if name.startswith(pre)), name)
     return bench | QUICK[key]
 

@@ -33,6 +33,7 @@ from tools.kernel_cases_attention import (
     paged_decode_reduce_case,
     paged_prefill_case,
 )
+from tools.kernel_cases_dense import dense_gemv_case
 
 # --- rows of a hidden state ---------------------------------------------------------------------------------------
 
@@ -365,7 +366,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
 
 
 def has_case(name: str) -> bool:
-    return name in BUILDERS or name.startswith(("dequant_gemv_", "dequant_gemm_", "mmq_", "dequantize_"))
+    return name in BUILDERS or name.startswith(("dequant_gemv_", "dequant_gemm_", "mmq_", "dequantize_", "dense_gemv"))
 
 
 def build_case(name: str, params: dict, seed: int = 0, device: str = "cuda") -> Case:
@@ -373,6 +374,8 @@ def build_case(name: str, params: dict, seed: int = 0, device: str = "cuda") -> 
     d = Dev(seed, device)
     if name.startswith("dequant_gemv_"):
         return _gemv(d, params, name)
+    if name.startswith("dense_gemv"):
+        return dense_gemv_case(d, params, name)
     if name.startswith("dequant_gemm_"):
         return _gemm(d, params, name)
     if name.startswith("mmq_"):
