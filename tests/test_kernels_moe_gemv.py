@@ -133,13 +133,18 @@ def test_the_rule(rng, monkeypatch):
     calls = []
     grouped = moe._grouped
     monkeypatch.setattr(moe, "_grouped", lambda *a: calls.append(a[7].shape[0]) or grouped(*a))
-    for tokens, k, experts, want_grouped in [(8, 8, 64, False), (13, 5, 128, True), (3, 3, 8, True), (2, 4, 8, False)]:
+    for tokens, k, experts, want_grouped in [(8, 8, 64, False), (13, 5, 128, False), (17, 8, 128, True),
+                                             (3, 3, 8, True), (2, 4, 8, False)]:
         args = dense_problem(rng, tokens, 16, 8, experts, k, np.float32)
         calls.clear()
         close(run("numpy", args), moe.moe_experts_ref(*args), TOL[np.float32])
         assert bool(calls) == want_grouped, (tokens, k, experts)
         assert moe_gemv.use_gemv(tokens * k, experts, args[3:]) != want_grouped
-    assert moe_gemv.GEMV_SLOTS == 64
+    assert moe_gemv.GEMV_SLOTS == 128
+    # GGUF stacks take it to twice the experts (and GGUF_GEMV_SLOTS): 12 slots over 8 experts
+    q = gguf_problem(rng, 3, 256, 256, 8, 4, ("Q4_K", "Q4_K", "Q4_K"))
+    assert moe_gemv.use_gemv(12, 8, q[3:6]) and not moe_gemv.use_gemv(17, 8, q[3:6])
+    assert not moe_gemv.use_gemv(moe_gemv.GGUF_GEMV_SLOTS + 8, 512, q[3:6])
     # Q4_K rows off a 16-byte boundary (the grouped kernels read them): grouped by default, refused when forced
     args = gguf_problem(rng, 1, 256, 16, 4, 2, ("Q4_K", "Q4_K", None))
     odd = args[:3] + tuple(stack(rng, "Q4_K", 4, 16, 256) for _ in range(2)) + args[5:]  # rows of 150 bytes
