@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from bench_engine_check import bench_engine_matches_interpreter
 from tiny_hf import assert_close, random_prompt
 
 from ir.formats.gguf_file import GGUFFile
@@ -92,20 +93,7 @@ def test_qwen3moe_file_matches_transformers(tiny_file):
 @pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx is not installed")
 def test_qwen3moe_file_through_the_bench_engine(tiny_file):
     """The engine bench_gguf's ours stage builds (engine_over), over MLX's CPU backend, against the interpreter."""
-    from backends.mlx.backend import MLXBackend
-    from core.sampling_params import SamplingParams
-    from tools.bench_gguf_stages import engine_over
-
-    model = load_model(tiny_file, progress=False)
-    prompts = [random_prompt(8, 6, TINY.vocab), random_prompt(9, 13, TINY.vocab)]
-    engine = engine_over(MLXBackend(model, progress=False), max_batch=2, max_len=64)
-    for i, p in enumerate(prompts):
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id=str(i))
-    got: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        got.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
-    want = ReferenceRunner(model, max_tokens=64).greedy(prompts, 4)[0]
-    assert [got[str(i)] for i in range(len(prompts))] == want
+    bench_engine_matches_interpreter(tiny_file, TINY.vocab)
 
 
 def test_qwen3_30b_a3b_defaults_and_disk():
