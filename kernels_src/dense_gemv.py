@@ -138,13 +138,14 @@ def m_bucket(m: int) -> int:
 
 
 def default_tiles(n: int, k: int, m: int, prologue: str = "none") -> dict:
-    """ROWS, BLOCK_K, num_warps: the sweep's table, else a rule. The rule: 4 warps, one 16-byte vector a lane and
-    row a step, and more rows a program as M grows (x, re-read by every program, costs M / ROWS of the weights'
-    bytes in L1/L2 traffic)."""
+    """ROWS, BLOCK_K, num_warps: the sweep's table, else a rule. The rule: 4 warps, one 16-byte vector of 16-bit
+    weights a lane and row a step (BLOCK_K 1024, or K's next power of two if smaller), and more rows a program as M
+    grows (x, re-read by every program, costs M / ROWS of the weights' bytes in L1/L2 traffic)."""
     for key in ((n, k, m_bucket(m), prologue), (n, k, m_bucket(m), "none")):
         if key in TILES:
             return dict(TILES[key])
-    return dict(ROWS=1 if m == 1 else 2 if m <= 4 else 4, BLOCK_K=1024, num_warps=4)
+    return dict(ROWS=1 if m == 1 else 2 if m <= 4 else 4, BLOCK_K=max(8, min(1024, tl.next_power_of_2(k))),
+                num_warps=4)
 
 
 def _overlaps(a, b) -> bool:

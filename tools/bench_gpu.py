@@ -83,12 +83,16 @@ def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, bac
     return LLMEngine(backend, config)
 
 
-ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): each switches one thing off
+ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): each switches one thing off (or on)
     "no async scheduling": ({}, None, False),
     "no PDL": ({"pdl": False}, None, True),
     "no PDL on attention": ({"attention_pdl": False}, None, True),  # the decode/reduce (or prefill) launches only
     "no fused rope+KV write": ({}, {"rope_attention": False}, True),
     "no small decode partitions": ({"decode": DecodeTable(partitions=())}, None, True),
+    # off by default until measured: steps of 1-8 rows through kernels_src/dense_gemv, the norms and gated
+    # activation before the projections fused in (backends/cuda/gemv_fusion.py), or the GEMVs alone
+    "dense GEMV": ({"dense_gemv": True}, None, True),
+    "dense GEMV, no fused prologues": ({"dense_gemv": True, "gemv_prologues": False}, None, True),
 }
 
 

@@ -103,7 +103,8 @@ class CUDABackend(Backend):
                              "CUDABackend instead")
         self.graph, old = graph, self.runner
         self.runner = Runner(graph, self.params, weights.DTYPES[self.dtype], self.device)
-        self.runner.pdl, self.runner.attention_pdl, self.runner.decode = old.pdl, old.attention_pdl, old.decode
+        for attr in ("pdl", "attention_pdl", "decode", "dense_gemv", "gemv_prologues"):
+            setattr(self.runner, attr, getattr(old, attr))
         if self.kv:
             self.runner.set_cache(self.kv, self.runner._rope_rows)
 

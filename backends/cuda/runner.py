@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.cuda import torch_ops
+from backends.cuda import gemv_fusion, torch_ops
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
@@ -28,6 +28,7 @@ from kernels_src import (
     rope,
     rope_kv_write,
 )
+from kernels_src.dense_gemv import dense_gemv
 from kernels_src.dequant_gemv import dequant_gemv
 from kernels_src.dequant_gemv_i8 import I8_TARGETS
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
@@ -87,6 +88,12 @@ class Runner:
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
         self.attention_pdl: bool | None = None  # the attention kernels' (None: as self.pdl)
         self.decode = DecodeTable()  # split-K partitions, grid cap and tile by batch size (a benchmark may swap it)
+        # Dense fp16/bf16 linears of 1-8 rows through kernels_src/dense_gemv instead of cuBLAS, with the norm or gated
+        # activation before them (and a residual add after) fused in where `gemv_prologues` (backends/cuda/
+        # gemv_fusion.py). Off until tools/sweep_dense_gemv and bench_gpu's "dense GEMV" ablation decide it.
+        self.dense_gemv = False
+        self.gemv_prologues = True
+        self._gemv_chains = gemv_fusion.plan(graph, params)
         self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -149,11 +156,19 @@ class Runner:
 
     def run_nodes(self, nodes, env: dict, meta: StepMeta) -> None:
         """Run `nodes` in order, reading and writing their values in `env` (backends.cuda.piecewise runs a graph's
-        pieces through this, with attention between them)."""
-        for node in nodes:
-            out = self.run_node(node, self.args(node, env), meta)
-            for v, t in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
-                env[v.id] = t
+        pieces through this, with attention between them). With dense_gemv on, a node and the linear after it may
+        run as one GEMV (gemv_fusion.run)."""
+        chains = self._gemv_chains if self.dense_gemv and self.gemv_prologues else {}
+        i = 0
+        while i < len(nodes):
+            chain = chains.get(id(nodes[i]))
+            ran = gemv_fusion.run(chain, nodes, i, env, self) if chain is not None else 0
+            if not ran:
+                node, ran = nodes[i], 1
+                out = self.run_node(node, self.args(node, env), meta)
+                for v, t in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
+                    env[v.id] = t
+            i += ran
 
     def run_node(self, node: Node, args: list, meta: StepMeta, out=None):
         """One node's result; an attention writes it into `out` [T, Hq, Dv] when given."""
@@ -250,6 +265,10 @@ class Runner:
     def linear(self, x, w: Param, b=None):
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
+        elif self.dense_gemv and gemv_fusion.gemv_weight(w) and gemv_fusion.gemv_rows(x):
+            x2 = x.reshape(-1, x.shape[-1])
+            y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target,
+                           pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
         else:
             y = F.linear(x, w)
         return y if b is None else y + b

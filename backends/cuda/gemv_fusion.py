@@ -1,0 +1,117 @@
+"""A step's linears over dense fp16/bf16 weights through kernels_src/dense_gemv where the step has at most 8 rows,
+with the op before each (and the residual add after it) run inside the GEMV.
+
+The fused graph (ir.fusion) puts each projection right after what makes its input: rms_norm -> linear (the first
+layer's qkv), add_rms_norm -> linear (qkv and gate_up: the normed result goes to the linear, the sum on down the
+residual stream), gated -> linear (down). `plan` finds those pairs once, where the linear is the only reader of the
+value between them, and a linear whose result only the next node, an add, reads (the residual epilogue, e.g. with
+ir.fusion's add_norm off). The pairs are adjacent nodes, so a piecewise graph (backends/cuda/piecewise.py), which
+cuts between nodes and runs whole pieces, never splits one: a chain runs only when all of it is in the node list.
+Whether to fuse depends on the step's rows (the GEMV takes 1-8), so `run` decides each step and says how many
+nodes it ran (0: run them one by one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backends.cuda.runtime import torch
+from ir.graph import Graph, Node
+from kernels_src import dense_gemv as dg
+
+DTYPES = (torch.float16, torch.bfloat16)  # weights the GEMV streams (a CPU test adds fp32)
+PROLOGUES = ("rms_norm", "add_rms_norm", "gated")
+
+
+def gemv_weight(w) -> bool:
+    """Whether a linear's parameter is a matrix dense_gemv reads: dense, of DTYPES, rows contiguous."""
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in DTYPES and w.stride(1) == 1
+
+
+def gemv_rows(x) -> int | None:
+    """x's rows where the GEMV may take them (1-8, x of DTYPES or fp32), else None."""
+    if x.dim() < 1 or x.dtype not in (*DTYPES, torch.float32) or x.shape[-1] == 0:
+        return None
+    rows = x.numel() // x.shape[-1]
+    return rows if 1 <= rows <= dg.MAX_ROWS else None
+
+
+@dataclass(frozen=True)
+class Chain:
+    """[prologue] linear [add]: nodes that run as one dense_gemv."""
+
+    prologue: Node | None
+    linear: Node
+    add: Node | None
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return tuple(n for n in (self.prologue, self.linear, self.add) if n is not None)
+
+
+def _fusable_prologue(node: Node) -> bool:
+    if node.op == "gated":
+        return node.attrs["act"] in dg.ACTIVATIONS
+    return node.op in ("rms_norm", "add_rms_norm") and node.attrs.get("offset", 0.0) in (0.0, 1.0)
+
+
+def plan(graph: Graph, params: dict) -> dict[int, Chain]:
+    """id(a chain's first node) -> the chain, for every linear over a dense matrix that has something to fuse."""
+    uses, outputs = graph.uses(), {v.id for v in graph.outputs.values()}
+    sole = lambda v, node: v.id not in outputs and uses.get(v.id, []) == [node]
+    nodes, chains = graph.nodes, {}
+    for i, lin in enumerate(nodes):
+        w = lin.inputs[1] if lin.op == "linear" else None
+        if w is None or w.kind != "param" or not gemv_weight(params.get(w.name)):
+            continue
+        pro = nodes[i - 1] if i > 0 else None
+        fed = pro is not None and _fusable_prologue(pro) and lin.inputs[0].id == pro.outs[-1].id
+        pro = pro if fed and sole(lin.inputs[0], lin) else None
+        add = nodes[i + 1] if i + 1 < len(nodes) else None
+        has_bias = len(lin.inputs) > 2 and lin.inputs[2] is not None
+        if add is None or add.op != "add" or has_bias or not sole(lin.out, add) or _addend(add, lin) is None:
+            add = None
+        if pro is not None or add is not None:
+            chains[id(pro or lin)] = Chain(pro, lin, add)
+    return chains
+
+
+def _addend(add: Node, lin: Node):
+    """The add's other input where it is the residual epilogue's [rows, N] (no broadcast, not a parameter)."""
+    a, b = add.inputs
+    other = b if a.id == lin.out.id else a if b.id == lin.out.id else None
+    return other if other is not None and other.kind != "param" and other.shape == lin.out.shape else None
+
+
+def run(chain: Chain, nodes, i: int, env: dict, runner) -> int:
+    """Run `chain` (starting at nodes[i]) as one dense_gemv when the step's rows allow: the nodes it ran, or 0."""
+    if tuple(nodes[i:i + len(chain.nodes)]) != chain.nodes:  # a piece that ends inside the chain
+        return 0
+    lin, pro = chain.linear, chain.prologue
+    args = runner.args(pro, env) if pro is not None else [env[lin.inputs[0].id]]
+    x = args[0]
+    w = runner.params[lin.inputs[1].name]
+    if x.dim() != 2 or gemv_rows(x) is None:
+        return 0
+    residual = env[_addend(chain.add, lin).id] if chain.add is not None else None
+    if residual is not None and residual.stride(-1) != 1:
+        return 0
+    kw = dict(residual=residual, target=runner.target, pdl=runner.pdl)
+    sum_value = None
+    if pro is None:
+        y = dg.dense_gemv(x, w, **kw)
+    elif pro.op == "gated":
+        y = dg.dense_gemv(x, w, prologue=dg.Gated(pro.attrs["act"], args[1]), **kw)
+    elif pro.op == "rms_norm":
+        y = dg.dense_gemv(x, w, prologue=dg.RMSNorm(args[1], pro.attrs["eps"], pro.attrs.get("offset") == 1.0), **kw)
+    else:  # add_rms_norm: its sum is a value of its own (the residual stream), its normed result only this GEMV's
+        s, y = dg.dense_gemv(x, w, prologue=dg.AddRMSNorm(args[1], args[2], pro.attrs["eps"],
+                                                          pro.attrs.get("offset") == 1.0), **kw)
+        sum_value = s
+    b = lin.inputs[2] if len(lin.inputs) > 2 else None
+    if b is not None:
+        y = y + (runner.params[b.name] if b.kind == "param" else env[b.id])
+    if sum_value is not None:
+        env[pro.outs[0].id] = sum_value
+    env[(chain.add or lin).out.id] = y
+    return len(chain.nodes)
