@@ -92,7 +92,7 @@ ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): ea
     # off by default until measured: steps of 1-8 rows through kernels_src/dense_gemv, the norms and gated
     # activation before the projections fused in (backends/cuda/gemv_fusion.py), or the GEMVs alone
     "dense GEMV": ({"dense_gemv": True}, None, True),
-    "dense GEMV, no fused prologues": ({"dense_gemv": True, "gemv_prologues": False}, None, True),
+    "dense GEMV without prologues": ({"dense_gemv": True, "gemv_prologues": False}, None, True),
 }
 
 

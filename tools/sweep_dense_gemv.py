@@ -33,7 +33,7 @@ MODELS = {  # name, N, K, the prologue the runner fuses into the projection
 }
 LM_HEAD = {"llama": ("lm_head", 128256, 4096, "none"), "phi3": ("lm_head", 32064, 3072, "none")}
 ROWS = {1: (1, 2, 4), 4: (1, 2, 4), 8: (2, 4, 8)}
-STEPS = ((256, 1), (512, 2), (1024, 4), (2048, 4), (2048, 8))  # (BLOCK_K, num_warps): 1-2 vectors a lane and row
+STEPS = ((256, 1), (512, 1), (512, 2), (1024, 4), (2048, 4), (2048, 8))  # (BLOCK_K, warps): 1-2 vectors a lane, row
 TARGET, DEVICE = "triton", "cuda"  # (a CPU test runs the sweep's code on the DSL interpreter)
 
 
