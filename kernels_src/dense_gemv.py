@@ -127,9 +127,53 @@ def dense_gemv_kernel(x, x2, g, s_out, r, w, y, n_rows, n_cols, x_stride, x2_str
 
 # --- host side -------------------------------------------------------------------------------------------------
 
-# (N, K, M bucket, prologue) -> tiles, from tools/sweep_dense_gemv on an H200: to be filled by the sweep (its last
-# lines print this table). Shapes not in it take default_tiles' rule.
-TILES: dict[tuple[int, int, int, str], dict] = {}
+# (N, K, M bucket, prologue) -> tiles, from tools/sweep_dense_gemv on an H200 (its last lines print this table): the
+# best of its settings on 2026-12-02 (`--budget 40`; their times against cuBLAS were not kept, so whether the runner
+# should take this kernel is still the A/B's to say). Shapes not in it take default_tiles' rule.
+TILES: dict[tuple[int, int, int, str], dict] = {
+    (6144, 4096, 1, 'none'): {'ROWS': 1, 'BLOCK_K': 2048, 'num_warps': 4},
+    (6144, 4096, 1, 'add_rms_norm'): {'ROWS': 2, 'BLOCK_K': 1024, 'num_warps': 4},
+    (6144, 4096, 4, 'none'): {'ROWS': 2, 'BLOCK_K': 256, 'num_warps': 1},
+    (6144, 4096, 4, 'add_rms_norm'): {'ROWS': 2, 'BLOCK_K': 512, 'num_warps': 2},
+    (6144, 4096, 8, 'none'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (6144, 4096, 8, 'add_rms_norm'): {'ROWS': 4, 'BLOCK_K': 512, 'num_warps': 2},
+    (4096, 4096, 1, 'none'): {'ROWS': 2, 'BLOCK_K': 2048, 'num_warps': 4},
+    (4096, 4096, 4, 'none'): {'ROWS': 2, 'BLOCK_K': 512, 'num_warps': 2},
+    (4096, 4096, 8, 'none'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (28672, 4096, 1, 'none'): {'ROWS': 1, 'BLOCK_K': 2048, 'num_warps': 4},
+    (28672, 4096, 1, 'add_rms_norm'): {'ROWS': 2, 'BLOCK_K': 2048, 'num_warps': 8},
+    (28672, 4096, 4, 'none'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (28672, 4096, 4, 'add_rms_norm'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (28672, 4096, 8, 'none'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (28672, 4096, 8, 'add_rms_norm'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (4096, 14336, 1, 'none'): {'ROWS': 1, 'BLOCK_K': 2048, 'num_warps': 4},
+    (4096, 14336, 1, 'gated'): {'ROWS': 2, 'BLOCK_K': 2048, 'num_warps': 8},
+    (4096, 14336, 4, 'none'): {'ROWS': 2, 'BLOCK_K': 512, 'num_warps': 2},
+    (4096, 14336, 4, 'gated'): {'ROWS': 4, 'BLOCK_K': 512, 'num_warps': 2},
+    (4096, 14336, 8, 'none'): {'ROWS': 8, 'BLOCK_K': 512, 'num_warps': 2},
+    (4096, 14336, 8, 'gated'): {'ROWS': 8, 'BLOCK_K': 512, 'num_warps': 2},
+    (9216, 3072, 1, 'none'): {'ROWS': 4, 'BLOCK_K': 512, 'num_warps': 2},
+    (9216, 3072, 1, 'add_rms_norm'): {'ROWS': 4, 'BLOCK_K': 1024, 'num_warps': 4},
+    (9216, 3072, 4, 'none'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (9216, 3072, 4, 'add_rms_norm'): {'ROWS': 4, 'BLOCK_K': 512, 'num_warps': 2},
+    (9216, 3072, 8, 'none'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (9216, 3072, 8, 'add_rms_norm'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (3072, 3072, 1, 'none'): {'ROWS': 2, 'BLOCK_K': 1024, 'num_warps': 4},
+    (3072, 3072, 4, 'none'): {'ROWS': 2, 'BLOCK_K': 512, 'num_warps': 2},
+    (3072, 3072, 8, 'none'): {'ROWS': 4, 'BLOCK_K': 512, 'num_warps': 2},
+    (16384, 3072, 1, 'none'): {'ROWS': 2, 'BLOCK_K': 1024, 'num_warps': 4},
+    (16384, 3072, 1, 'add_rms_norm'): {'ROWS': 4, 'BLOCK_K': 512, 'num_warps': 2},
+    (16384, 3072, 4, 'none'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (16384, 3072, 4, 'add_rms_norm'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (16384, 3072, 8, 'none'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (16384, 3072, 8, 'add_rms_norm'): {'ROWS': 4, 'BLOCK_K': 256, 'num_warps': 1},
+    (3072, 8192, 1, 'none'): {'ROWS': 2, 'BLOCK_K': 2048, 'num_warps': 4},
+    (3072, 8192, 1, 'gated'): {'ROWS': 2, 'BLOCK_K': 1024, 'num_warps': 4},
+    (3072, 8192, 4, 'none'): {'ROWS': 2, 'BLOCK_K': 512, 'num_warps': 2},
+    (3072, 8192, 4, 'gated'): {'ROWS': 2, 'BLOCK_K': 2048, 'num_warps': 4},
+    (3072, 8192, 8, 'none'): {'ROWS': 4, 'BLOCK_K': 512, 'num_warps': 2},
+    (3072, 8192, 8, 'gated'): {'ROWS': 4, 'BLOCK_K': 1024, 'num_warps': 4},
+}
 
 
 def m_bucket(m: int) -> int:
