@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 H, INNER, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B's MoE layer
-GEMV_TOKENS = 32  # both paths timed up to this batch (256 slots: 4 x moe_gemv.GEMV_SLOTS)
+GEMV_TOKENS = 32  # both paths timed up to this batch (256 slots: moe_gemv.GGUF_GEMV_SLOTS)
 
 
 def _bench(fn, graph: bool = True) -> float:
