@@ -268,7 +268,7 @@ def test_gguf_deepseek_on_mlx(mixed_v3):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_gguf_deepseek_on_cuda_backend(mixed_v3):
-    """CPU tensors (Triton's interpreter): the file's F16 and Q8_0 matrices and Q8_0 stacks (the fused MoE's GGUF
+    """CPU tensors (the DSL's interpreter): the file's F16 and Q8_0 matrices and Q8_0 stacks (the fused MoE's GGUF
     passes) in one prefill step; test_arch_deepseek runs the latent cache's decode steps, which nothing here changes,
     and each step costs seconds under the interpreter."""
     from backends.cuda.backend import CUDABackend
@@ -277,6 +277,7 @@ def test_gguf_deepseek_on_cuda_backend(mixed_v3):
     model, loaded = mixed_v3
     prompts = [random_prompt(9, 5, model.config.vocab_size)]
     backend = CUDABackend(loaded, device="cpu", dtype="f32", progress=False)
+    backend.runner.target = "numpy"  # the DSL's interpreter: Triton's spends ~20 s in the MoE GEMVs' programs
     tokens, first = backend_greedy(backend, ReferenceRunner(loaded, max_tokens=32, block_size=4), prompts, 1, 4)
     assert_close(np.asarray(first[0]), hf_logits(model, prompts[0])[-1])
     assert tokens[0] == hf_greedy(model, prompts[0], 1)

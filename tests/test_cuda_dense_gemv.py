@@ -96,14 +96,15 @@ def test_greedy_matches_with_dense_gemv(case, saved, gemv_calls):  # noqa: F811
     b = _backend(model)
     runs = [backend_greedy(b, ref, prompts, 4, 4)]
     assert {k for k, _ in gemv_calls} == {"none", "rms_norm", "add_rms_norm", "gated"}  # the LM head: "none"
-    gemv_calls.clear()
-    b.set_fusions(Fusions(add_norm=False))
-    runs.append(backend_greedy(b, ref, prompts, 4, 4))
-    assert gemv_calls[("none", True)] and gemv_calls[("gated", True)] and not gemv_calls[("add_rms_norm", False)]
-    b.runner.gemv_prologues = False  # plain GEMVs, the small kernels between them
-    gemv_calls.clear()
-    runs.append(backend_greedy(b, ref, prompts, 4, 4))
-    assert set(gemv_calls) == {("none", False)}
+    if case != "qwen2":  # qwen2's biases ride the default chains; the other chain shapes are llama's to check
+        gemv_calls.clear()
+        b.set_fusions(Fusions(add_norm=False))
+        runs.append(backend_greedy(b, ref, prompts, 4, 4))
+        assert gemv_calls[("none", True)] and gemv_calls[("gated", True)] and not gemv_calls[("add_rms_norm", False)]
+        b.runner.gemv_prologues = False  # plain GEMVs, the small kernels between them
+        gemv_calls.clear()
+        runs.append(backend_greedy(b, ref, prompts, 4, 4))
+        assert set(gemv_calls) == {("none", False)}
     for tokens, first in runs:
         assert tokens == ref_tokens == plain_tokens
         np.testing.assert_allclose(first, plain_first, rtol=1e-5, atol=1e-5 * float(np.abs(plain_first).max()))
