@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from bench_engine_check import bench_engine_matches_interpreter
+from synth_gguf_checks import bench_engine_matches_interpreter, tensors_as_llama_cpp_reads_them
 from test_arch_deepseek_gguf import RENAMES, TOP, check_against
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -59,15 +59,7 @@ def tiny_file(tmp_path_factory):
 
 
 def test_deepseek2_file_as_llama_cpp_reads_it(tiny_file):
-    r = gguf.GGUFReader(tiny_file)
-    assert r.fields["general.architecture"].contents() == "deepseek2"
-    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.DEEPSEEK2]}
-    dims, types = {}, {}
-    for t in r.tensors:
-        base = t.name.removesuffix(".weight")
-        assert (f"blk.{{bid}}.{base.split('.', 2)[2]}" if base.startswith("blk.") else base) in known, t.name
-        dims[t.name] = tuple(int(d) for d in t.shape)  # ggml's order: the fastest dimension first
-        types[t.name] = t.tensor_type
+    r, dims, types = tensors_as_llama_cpp_reads_them(tiny_file, gguf.MODEL_ARCH.DEEPSEEK2, "deepseek2")
     # as deepseek2.cpp creates them: wq {n_embd, n_head * k_mla}, wkv_a_mqa {n_embd, rank + rope},
     # wk_b {nope, rank, n_head}, wv_b {rank, v_mla, n_head}, wo {n_head * v_mla, n_embd}, ...
     assert dims["blk.0.attn_q.weight"] == (64, 4 * 32) and dims["blk.0.attn_kv_a_mqa.weight"] == (64, 48)

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from bench_engine_check import bench_engine_matches_interpreter
+from synth_gguf_checks import bench_engine_matches_interpreter, tensors_as_llama_cpp_reads_them
 from tiny_hf import assert_close, random_prompt
 
 from ir.formats.gguf_file import GGUFFile
@@ -37,15 +37,7 @@ def tiny_file(tmp_path_factory):
 
 
 def test_qwen3moe_file_as_llama_cpp_reads_it(tiny_file):
-    r = gguf.GGUFReader(tiny_file)
-    assert r.fields["general.architecture"].contents() == "qwen3moe"
-    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3MOE]}
-    dims, types = {}, {}
-    for t in r.tensors:
-        base = t.name.removesuffix(".weight")
-        assert (f"blk.{{bid}}.{base.split('.', 2)[2]}" if base.startswith("blk.") else base) in known, t.name
-        dims[t.name] = tuple(int(d) for d in t.shape)  # ggml's order: the fastest dimension first
-        types[t.name] = t.tensor_type
+    r, dims, types = tensors_as_llama_cpp_reads_them(tiny_file, gguf.MODEL_ARCH.QWEN3MOE, "qwen3moe")
     # the converter keeps norms and routers in F32
     assert types["blk.1.ffn_gate_inp.weight"] == types["blk.1.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
     assert types["blk.1.ffn_up_exps.weight"] == gguf.GGMLQuantizationType.F16
