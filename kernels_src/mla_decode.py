@@ -145,9 +145,10 @@ def mla_decode(q, cache, block_tables, context_lens, scale: float, rank: int, *,
         elem_stride(q, 1), elem_stride(out, 0), elem_stride(out, 1), elem_stride(block_tables, 0),
         elem_stride(cache, 0), elem_stride(cache, 1))
     if split:
+        block_d = max(16, tl.next_power_of_2(rank))
         red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=rank,
-                      BLOCK_D=max(16, tl.next_power_of_2(rank)), PARTITION=partition, BLOCK_N=tiles["BLOCK_N"],
-                      BLOCK_P=reduce_block(n_parts, max(16, tl.next_power_of_2(rank))), PDL=pdl)
+                      BLOCK_D=block_d, PARTITION=partition, BLOCK_N=tiles["BLOCK_N"],
+                      BLOCK_P=reduce_block(n_parts, block_d), PDL=pdl)
         red[n_seq, heads](m, den, acc, context_lens, out, n_parts, elem_stride(out, 0), elem_stride(out, 1))
     return out
 
