@@ -60,9 +60,10 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, 
     out = empty(q, q.shape) if out is None else out
     if max_query_len is None:
         max_query_len = int((query_start[1:] - query_start[:-1]).max()) if len(query_start) > 1 else 0
-    block_m = max(16, tl.next_power_of_2(group), block_m)
-    consts = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=max(16, tl.next_power_of_2(d)),
-                  BLOCK_N=max(16, block_n), BS=bs, SOFTCAP=bool(softcap))
+    block_d = max(16, tl.next_power_of_2(d))
+    block_m, block_n = prefill_tiles(group, block_d, block_m, block_n)
+    consts = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, BS=bs,
+                  SOFTCAP=bool(softcap))
     n_tiles = tl.cdiv(max_query_len * group, block_m)
     if n_tiles == 0 or len(context_lens) == 0:
         return out
@@ -73,6 +74,28 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, 
         int(sliding_window or NO_WINDOW), elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),
         elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache))
     return out
+
+
+# Shared memory the q tile and the K and V tiles may take (16-bit values): Triton 3.7 on this machine asks for
+# (BLOCK_M + 2 BLOCK_N) * BLOCK_D * 2 bytes, and the H200's Triton 3.6 asked 1.67x that at MLA's 576-wide heads
+# (655,872 bytes at 64 x 64 tiles, over the 232,448 an sm_90 block may have): a budget under half the limit.
+SMEM_BUDGET = 100 * 1024
+
+
+def prefill_tiles(group: int, block_d: int, block_m: int = 64, block_n: int = 64) -> tuple[int, int]:
+    """BLOCK_M and BLOCK_N: a whole group of query heads a tile where the tiles fit SMEM_BUDGET (every head
+    width up to 256), else halved (keys first, then rows, down to 16 each), since a tile may also hold part of
+    a group: MLA's 576-wide latent heads (16 heads a group in V2-Lite, 128 in V3)."""
+    block_m, block_n = max(16, tl.next_power_of_2(group), block_m), max(16, block_n)
+
+    def fits() -> bool:
+        return (block_m + 2 * block_n) * block_d * 2 <= SMEM_BUDGET
+
+    while not fits() and block_n > 16:
+        block_n //= 2
+    while not fits() and block_m > 16:
+        block_m //= 2
+    return block_m, block_n
 
 
 paged_prefill_ref = paged_attention_ref
