@@ -116,7 +116,7 @@ def _per_expert(runner, x, weights, ids, gate, up, down):
     return out
 
 
-def end_to_end(torch, layers, dense, tokens: int) -> dict:
+def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS) -> dict:
     from backends.cuda.runner import Runner
     from kernels_src import moe
 
@@ -141,7 +141,7 @@ def end_to_end(torch, layers, dense, tokens: int) -> dict:
                dense_us=_bench(lambda: fused(dense)) / len(dense) * 1e6)
     res["gbs"] = sum(_active_bytes(*ls[:2]) for ls in layers) / n / (res["fused_us"] / 1e6) / 1e9
     res["dense_gbs"] = sum(_active_bytes(*ls[:2]) for ls in dense) / len(dense) / (res["dense_us"] / 1e6) / 1e9
-    if tokens <= GEMV_TOKENS:
+    if tokens <= gemv_tokens:
         for path, gemv in (("grouped", False), ("gemv", True)):
             res[f"{path}_us"] = _bench(lambda gemv=gemv: fused(layers, gemv)) / n * 1e6
             res[f"dense_{path}_us"] = _bench(lambda gemv=gemv: fused(dense, gemv)) / len(dense) * 1e6
@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--layers", type=int, default=8, help="copies of the stacks cycled through (Q4_K_M: ~0.4 GB each)")
     ap.add_argument("--no-sweep", action="store_true", help="end to end only")
+    ap.add_argument("--gemv-tokens", type=int, default=GEMV_TOKENS, help="both paths timed up to this batch "
+                    f"(default {GEMV_TOKENS})")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "sweep_moe.json")
     args = ap.parse_args(argv)
     import torch
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"T={tokens:5d} {'gated' if r['gated'] else 'down ':5s} m{r['block_m']:<3d} n{r['block_n']:<3d} "
                       f"w{r['warps']}  {r['us']:8.1f} us {r['gbs']:7.0f} GB/s{'  <- rule' if r['rule'] else ''}",
                       flush=True)
-        e2e = end_to_end(torch, layers, dense, tokens)
+        e2e = end_to_end(torch, layers, dense, tokens, args.gemv_tokens)
         res["end_to_end"].append(e2e)
         print(f"T={tokens:5d} fused {e2e['fused_us']:.1f} us ({e2e['gbs']:.0f} GB/s; eager {e2e['fused_eager_us']:.1f})"
               f"  per-expert loop {e2e['loop_us']:.1f} us  dense bf16 {e2e['dense_us']:.1f} us "
