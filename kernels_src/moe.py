@@ -10,7 +10,7 @@ cdiv(S, BLOCK_M) + E, whatever the routing; blocks past the used ones hold paddi
 The tokens' outputs are the sums of their top_k rows of y (an array op after the launch).
 Either pass may read GGUF blocks instead (kernels_src/moe_gguf.py: the same grid, each weight tile dequantized in
 registers before the dot), so gate/up and down may each be dense or quantized, in any format of their own.
-Small batches (at most moe_gemv.GEMV_SLOTS slots and no more than the experts, or twice that over GGUF stacks:
+Small batches (at most moe_gemv.GEMV_SLOTS slots and no more than the experts, or four times that over GGUF stacks:
 moe_gemv.use_gemv) group nothing:
 kernels_src/moe_gemv.py runs each slot's expert as GEMVs, its id read in the kernel, over dense rows or through
 dequant_gemv's per-format loop (three launches with the sum, against some thirty with moe_align's array ops).

@@ -33,15 +33,17 @@ from kernels_src.gguf_gemv_common import _Decode
 __all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "moe_gemv_kernel", "moe_qgemv_kernel", "run", "stack_fits", "use_gemv"]
 
 # At most this many slots (tokens * top_k) take the GEMV path, dense and GGUF, and no more slots than experts
-# (dense) or twice as many (GGUF). The GEMV reads an expert once per slot that routes to it, the grouped kernels once
-# per used expert, so past some batch the grouped kernels win. Measured on an H200 (`tools/sweep_moe --no-sweep`,
-# Qwen3-30B-A3B's 128 experts of 768, top 8, 2026-12-02), one layer's MoE, GEMV against grouped:
-#   dense bf16: 1 token 27 vs 138 us, 8 tokens 142 vs 242, 16 (128 slots) 274 vs 327, 32 (256 slots) 533 vs 424;
-#   Q4_K_M:     1 token 24 vs 238 us, 8 tokens 120 vs 753, 16 229 vs 1,079, 32 (256 slots) 446 vs 1,425.
+# (dense) or four times as many (GGUF). The GEMV reads an expert once per slot that routes to it, the grouped
+# kernels once per used expert, so past some batch the grouped kernels win. Measured on an H200
+# (`tools/sweep_moe --no-sweep`, Qwen3-30B-A3B's 128 experts of 768, top 8), one layer's MoE, GEMV against grouped:
+#   dense bf16: 1 token 27 vs 138 us, 8 tokens 142 vs 242, 16 (128 slots) 274 vs 327, 32 (256 slots) 533 vs 424,
+#               64 (512 slots) 1,073 vs 404;
+#   Q4_K_M:     1 token 24 vs 238 us, 8 tokens 120 vs 753, 16 229 vs 1,079, 32 (256 slots) 446 vs 1,425,
+#               64 (512 slots) 879 vs 1,369, 128 (1,024 slots) 1,745 vs 1,403 (2026-12-02 and -03).
 # With few experts (Mixtral's 8 of top-2) slots crowd onto each, and the GEMV streams an expert's stack once for
 # each of them where the grouped kernel streams it once: hence the bound by experts.
 GEMV_SLOTS = 128
-GGUF_GEMV_SLOTS = 256
+GGUF_GEMV_SLOTS = 512
 # Dense tiles: at batch 1 the gated pass's 384 programs (8 slots x 48 tiles of 16 rows; 4 warps at 128 registers a
 # thread in the sm_90 build) are all resident at once, ~3 an SM, each with a step's loads of [16, 256] of gate and up
 # (16 KB) in flight together: ~48 KB an SM, above the ~36 KB an H200 needs (4.8 TB/s x ~1 us / 132 SMs). Triton does
@@ -132,10 +134,10 @@ def stack_fits(w) -> bool:
 
 
 def use_gemv(slots: int, experts: int, stacks) -> bool:
-    """The rule moe.moe_experts follows: few slots (GEMV_SLOTS and experts; GGUF stacks: GGUF_GEMV_SLOTS and twice
-    the experts) over stacks it can read."""
+    """The rule moe.moe_experts follows: few slots (GEMV_SLOTS and experts; GGUF stacks: GGUF_GEMV_SLOTS and four
+    times the experts) over stacks it can read."""
     gguf = any(moe_gguf.is_blocks(w) for w in stacks)
-    limit = min(GGUF_GEMV_SLOTS, 2 * experts) if gguf else min(GEMV_SLOTS, experts)
+    limit = min(GGUF_GEMV_SLOTS, 4 * experts) if gguf else min(GEMV_SLOTS, experts)
     return slots <= limit and all(stack_fits(w) for w in stacks)
 
 

@@ -141,9 +141,9 @@ def test_the_rule(rng, monkeypatch):
         assert bool(calls) == want_grouped, (tokens, k, experts)
         assert moe_gemv.use_gemv(tokens * k, experts, args[3:]) != want_grouped
     assert moe_gemv.GEMV_SLOTS == 128
-    # GGUF stacks take it to twice the experts (and GGUF_GEMV_SLOTS): 12 slots over 8 experts
+    # GGUF stacks take it to four times the experts (and GGUF_GEMV_SLOTS): 32 slots over 8 experts
     q = gguf_problem(rng, 3, 256, 256, 8, 4, ("Q4_K", "Q4_K", "Q4_K"))
-    assert moe_gemv.use_gemv(12, 8, q[3:6]) and not moe_gemv.use_gemv(17, 8, q[3:6])
+    assert moe_gemv.use_gemv(32, 8, q[3:6]) and not moe_gemv.use_gemv(33, 8, q[3:6])
     assert not moe_gemv.use_gemv(moe_gemv.GGUF_GEMV_SLOTS + 8, 512, q[3:6])
     # Q4_K rows off a 16-byte boundary (the grouped kernels read them): grouped by default, refused when forced
     args = gguf_problem(rng, 1, 256, 16, 4, 2, ("Q4_K", "Q4_K", None))
