@@ -102,11 +102,16 @@ def test_cli_flag_reaches_the_engine(saved):
 def _backend(kind: str, model):
     if kind == "mlx":
         from backends.mlx.backend import MLXBackend
+        from backends.mlx.weights import QuantLinear
 
-        return MLXBackend(model, dtype="f32", quantized=True, progress=False)
+        b = MLXBackend(model, dtype="f32", quantized=True, progress=False)
+        assert any(isinstance(p, QuantLinear) for p in b.params.values()), "no matrix reached MLX as affine groups"
+        return b
     from backends.cuda.backend import CUDABackend
+    from backends.cuda.weights import QuantWeight
 
     b = CUDABackend(model, device="cpu", dtype="f32", cuda_graph=False, progress=False)
+    assert any(isinstance(p, QuantWeight) for p in b.params.values()), "no matrix reached CUDA as GGUF blocks"
     b.runner.target = "numpy"  # the DSL's interpreter on CPU tensors
     return b
 
@@ -151,3 +156,28 @@ def test_smollm_q8_0_keeps_its_greedy_tokens():
                                               add_generation_prompt=True)
     want = plain.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(want) == 16 and isq.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_moe_stacks_quantize_and_routers_stay(tmp_path, caplog):
+    """Qwen2-MoE (layer 0 dense, a sigmoid-gated shared expert): expert stacks [E, out, in] quantized, the router and
+    the shared expert's gate kept as llama-quantize keeps ffn_gate_inp*, the shared down projection (rows of 48) kept
+    as stored; through MLX against the interpreter on the same weights."""
+    from tools import check_arch
+
+    cfg = check_arch.hf_config("qwen2_moe", 2)
+    cfg.decoder_sparse_step, cfg.norm_topk_prob = 2, False
+    random_causal_lm(cfg, 0).save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ir.isq"):
+        model = load_model(tmp_path, progress=False, isq="q8_0")
+    kinds = model.weights.kinds()
+    assert model.weights["layers.1.exp_down"].shape == (8, 64, 32)
+    assert {kinds[f"layers.1.{p}"] for p in ("exp_gate", "exp_up", "exp_down", "sh_gate", "sh_up", "wq")} == {"Q8_0"}
+    assert kinds["layers.1.router"] == kinds["layers.1.sh_router"] == kinds["layers.1.sh_down"] == "F32"
+    assert "rows of 48 values (not a whole number of 32-value blocks) stay as stored" in caplog.text
+    pytest.importorskip("mlx.core")
+    prompts = _prompts()
+    ref = ReferenceRunner(model, max_tokens=64, block_size=8)
+    ref_tokens, ref_first = ref.greedy(prompts, 3)
+    tokens, first = backend_greedy(_backend("mlx", model), ref, prompts, 3, 8)
+    assert float(np.abs(first - ref_first).max()) <= SAME_WEIGHTS_TOL * float(np.abs(ref_first).max())
+    assert tokens == ref_tokens
