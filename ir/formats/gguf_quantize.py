@@ -6,7 +6,9 @@ code, so the tests can hold it against both gguf-py and ggml's C compiled from s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -83,6 +85,8 @@ QUANTIZABLE = tuple(_QUANTIZERS)
 
 # Values quantized per call: the k-quant searches hold a few dozen temporaries of this size.
 _CHUNK_ELEMS = 1 << 18
+# Chunks quantized at once: numpy lets go of the GIL inside its loops, so threads share out a large tensor.
+_THREADS = min(8, os.cpu_count() or 1)
 
 
 def quantize(values: np.ndarray, kind: str) -> np.ndarray:
@@ -92,11 +96,19 @@ def quantize(values: np.ndarray, kind: str) -> np.ndarray:
     if fn is None:
         raise ValueError(f"no quantizer for {s.name}; quantizable: {', '.join(QUANTIZABLE)}")
     x = np.asarray(values, dtype=F32)
-    n = x.shape[-1]
-    rb = row_bytes(s.name, n)  # checks that n is a whole number of blocks
+    rb = row_bytes(s.name, x.shape[-1])  # checks that rows are a whole number of blocks
     blocks = np.ascontiguousarray(x).reshape(-1, s.block_size)
     out = np.empty((blocks.shape[0], s.type_size), dtype=np.uint8)
     step = max(1, _CHUNK_ELEMS // s.block_size)
-    for i in range(0, blocks.shape[0], step):
+    starts = range(0, blocks.shape[0], step)
+
+    def one(i: int) -> None:
         out[i:i + step] = fn(blocks[i:i + step])
+
+    if len(starts) > 1 and _THREADS > 1:
+        with ThreadPoolExecutor(_THREADS) as pool:
+            list(pool.map(one, starts))
+    else:
+        for i in starts:
+            one(i)
     return out.reshape(-1, rb)
