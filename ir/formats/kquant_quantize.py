@@ -10,6 +10,7 @@ from ir.formats.kquant_search import make_q3_quants, make_qkx2_quants, make_qx_q
 from ir.formats.quant_common import (
     F32,
     GROUP_MAX_EPS,
+    abs_max_signed,
     f16_bytes,
     f16_round,
     nearest_int,
@@ -60,12 +61,23 @@ def quantize_q2_k(x: np.ndarray) -> np.ndarray:
                           axis=1)
 
 
+def _symmetric_groups(x: np.ndarray, search, nmax: int):
+    """A symmetric search on every 16-value group of a super-block: (L (n, 16, 16), scales (n, 16), the scale of
+    largest magnitude per super-block)."""
+    n = x.shape[0]
+    L, sc = search(x.reshape(n * 16, 16), nmax)
+    scales = sc.reshape(n, 16)
+    return L.reshape(n, 16, 16), scales, abs_max_signed(scales)
+
+
+def _bit_planes(high: np.ndarray) -> np.ndarray:
+    """(n, 8, 32) booleans -> (n, 32) bytes whose bit b is high[:, b]."""
+    return np.bitwise_or.reduce(high.astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+
+
 def quantize_q3_k(x: np.ndarray) -> np.ndarray:
     n = x.shape[0]
-    Lf, sf = make_q3_quants(x.reshape(n * 16, 16), 4)
-    L, scales = Lf.reshape(n, 16, 16), sf.reshape(n, 16)
-    idx = np.abs(scales).argmax(axis=1)[:, None]
-    max_scale = np.take_along_axis(scales, idx, axis=1)[:, 0]
+    L, scales, max_scale = _symmetric_groups(x, make_q3_quants, 4)
     has = max_scale != 0
     with np.errstate(all="ignore"):
         iscale = F32(-32) / max_scale
@@ -80,8 +92,7 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
     dg = f16_round(d)[:, None] * (ls - 32).astype(F32)
     L = _requant(x.reshape(n, 16, 16), L, np.where(has[:, None], dg, F32(0)), None, -4, 3, 4).reshape(n, 256)
     # hmask bit j // 32 of byte j % 32 holds whether L[j] > 3.
-    high = (L > 3).reshape(n, 8, 32).astype(np.uint8)
-    hmask = np.bitwise_or.reduce(high << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    hmask = _bit_planes((L > 3).reshape(n, 8, 32))
     return np.concatenate([hmask, pack_crumbs(np.where(L > 3, L - 4, L)), packed.astype(np.uint8), f16_bytes(d)],
                           axis=1)
 
@@ -125,17 +136,13 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
     q = L.reshape(-1, 4, 2, 32)
     qs = pack_nibbles(q[:, :, 0], q[:, :, 1]).reshape(-1, 128)
     # qh byte j: bit 2c from L[64c + j] > 15, bit 2c+1 from L[64c + 32 + j] > 15.
-    high = (q > 15).astype(np.uint8).reshape(-1, 8, 32)
-    qh = np.bitwise_or.reduce(high << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    qh = _bit_planes((q > 15).reshape(-1, 8, 32))
     return np.concatenate([f16_bytes(d), f16_bytes(dmin), field, qh, qs], axis=1)
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     n = x.shape[0]
-    Lf, sf = make_qx_quants(x.reshape(n * 16, 16), 32)
-    L, scales = Lf.reshape(n, 16, 16), sf.reshape(n, 16)
-    idx = np.abs(scales).argmax(axis=1)[:, None]
-    max_scale = np.take_along_axis(scales, idx, axis=1)[:, 0]
+    L, scales, max_scale = _symmetric_groups(x, make_qx_quants, 32)
     zero = np.abs(max_scale) < GROUP_MAX_EPS
     with np.errstate(all="ignore"):
         iscale = F32(-128) / max_scale
