@@ -110,13 +110,21 @@ def _backend(kind: str, model):
     from backends.cuda.backend import CUDABackend
     from backends.cuda.weights import QuantWeight
 
-    b = CUDABackend(model, device="cpu", dtype="f32", cuda_graph=False, progress=False)
+    gpu = kind == "cuda-gpu"
+    b = CUDABackend(model, device="cuda" if gpu else "cpu", dtype="f32", cuda_graph=False, progress=False)
     assert any(isinstance(p, QuantWeight) for p in b.params.values()), "no matrix reached CUDA as GGUF blocks"
-    b.runner.target = "numpy"  # the DSL's interpreter on CPU tensors
+    if not gpu:
+        b.runner.target = "numpy"  # the DSL's interpreter on CPU tensors
     return b
 
 
-@pytest.mark.parametrize("backend", ["mlx", "cuda"])
+# On a GPU the quantized GEMVs/GEMMs may take x as int8 per 32 values (llama.cpp's MMQ): ~0.5% of max |logit|
+# (tests/test_cuda_kquant_gguf.py), so there only the logits are held, to its 5%.
+GPU_TOL = 0.05
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+
+
+@pytest.mark.parametrize("backend", ["mlx", "cuda-cpu", pytest.param("cuda-gpu", marks=needs_gpu)])
 @pytest.mark.parametrize("isq", ["q4_0", "q4k"])
 def test_backends_match_the_interpreter(backend, isq, saved):
     pytest.importorskip("mlx.core" if backend == "mlx" else "triton")
@@ -124,12 +132,14 @@ def test_backends_match_the_interpreter(backend, isq, saved):
     model = load_model(folder, progress=False, isq=isq)
     prompts = _prompts()
     ref = ReferenceRunner(model, max_tokens=64, block_size=8)
-    steps = 4 if backend == "mlx" else 2  # the DSL's interpreter takes ~3 s a decode step over these GEMVs
+    steps = 2 if backend == "cuda-cpu" else 4  # the DSL's interpreter takes ~3 s a decode step over these GEMVs
     ref_tokens, ref_first = ref.greedy(prompts, steps)
     tokens, first = backend_greedy(_backend(backend, model), ref, prompts, steps, 8)
     scale = float(np.abs(ref_first).max())
-    assert float(np.abs(first - ref_first).max()) <= SAME_WEIGHTS_TOL * scale
-    assert tokens == ref_tokens
+    tol = GPU_TOL if backend == "cuda-gpu" else SAME_WEIGHTS_TOL
+    assert float(np.abs(first - ref_first).max()) <= tol * scale
+    if backend != "cuda-gpu":
+        assert tokens == ref_tokens
 
 
 @pytest.mark.parametrize("isq", list(FLOAT_TOL))
