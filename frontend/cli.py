@@ -8,13 +8,12 @@ import sys
 import time
 
 from frontend.model_source import resolve
+from ir.isq import ISQ_TYPES, isq_kind
 
 log = logging.getLogger("frontend")
 
 # Flags of docs/FEATURES.md whose feature is not built yet: refused, never silently ignored.
-NOT_YET = {
-    "isq": "in-situ quantization (--isq) is not built yet",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def _positive(kind=int, zero: bool = False):
@@ -41,7 +40,8 @@ def parser() -> argparse.ArgumentParser:
                      help="auto: cuda when an NVIDIA GPU is usable, else mlx")
     src.add_argument("--dtype", choices=["bf16", "f16", "f32"], help="activations and unquantized weights "
                      "(default: the backend's choice)")
-    src.add_argument("--isq", metavar="TYPE", help="(not built yet) in-situ quantization")
+    src.add_argument("--isq", metavar="TYPE", help="in-situ quantization: quantize the model's matrices at load to "
+                     f"a GGUF block type ({', '.join(ISQ_TYPES)}); the LM head as llama-quantize does")
     net = ap.add_argument_group("server")
     net.add_argument("--h", metavar="HOST", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     net.add_argument("--p", metavar="PORT", type=int, default=2000, help="port (default 2000)")
@@ -103,6 +103,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, why in NOT_YET.items():
         if getattr(args, name) not in (None, False):
             ap.error(why)
+    if args.isq is not None:
+        try:
+            isq_kind(args.isq)
+        except ValueError as e:
+            ap.error(str(e))
     if args.kv_fraction is not None and not 0 < args.kv_fraction <= 1:
         ap.error(f"--kv-fraction must be in (0, 1], got {args.kv_fraction}")
     if args.mem and args.kv_fraction:
@@ -157,13 +162,13 @@ def setup_logging(log_file: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log)
-    from frontend.engine_proc.spec import LOAD_ERRORS, EngineSpec
+    from frontend.engine_proc.spec import LOAD_ERRORS
 
     engine = None
     try:
         source = resolve(args.w, args.f, args.m)
         log.info("loading %s from %s", source.id, source.path)
-        spec = EngineSpec(str(source.path), args.backend, backend_options(args), engine_config(args), args.log)
+        spec = engine_spec(args, str(source.path))
         if args.prompt is not None or args.engine_in_process:  # else the engine process loads the weights
             engine = spec.load()
     except LOAD_ERRORS as e:
@@ -173,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         return answer_once(engine, args)
     from frontend.run_server import serve
     return serve(args, source.id, spec, engine)
+
+
+def engine_spec(args: argparse.Namespace, model_path: str):
+    """What the engine (in its process or this one) is built from: the model, backend, engine config and --isq."""
+    from frontend.engine_proc.spec import EngineSpec
+
+    return EngineSpec(model_path, args.backend, backend_options(args), engine_config(args), args.log, isq=args.isq)
 
 
 def engine_config(args: argparse.Namespace):

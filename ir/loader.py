@@ -17,6 +17,7 @@ from ir.formats.errors import ModelFormatError
 from ir.formats.gguf_file import GGUFFile
 from ir.formats.safetensors_file import read_safetensors, shard_files
 from ir.graph import Graph
+from ir.isq import isq_kind, quantize_weights
 from ir.weight_formats import FORMATS
 from ir.weights import StoredTensor, WeightSource, WeightStore
 
@@ -34,14 +35,17 @@ class LoadedModel:
     sources: dict[str, str]  # IR parameter -> tensor name in the file
 
 
-def load_model(path: str | Path, dtype: str = "f32", progress: bool = True) -> LoadedModel:
-    """`path` is a .gguf file or a folder with config.json and *.safetensors."""
+def load_model(path: str | Path, dtype: str = "f32", progress: bool = True, isq: str | None = None) -> LoadedModel:
+    """`path` is a .gguf file or a folder with config.json and *.safetensors; `isq` ("q4k", ...) quantizes its
+    matrices at load (ir.isq)."""
+    if isq is not None:
+        isq_kind(isq)  # a bad type fails before the weights are read
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     if path.is_dir():
-        return _load_hf_folder(path, dtype, progress)
-    return _load_gguf(path, dtype, progress)
+        return _load_hf_folder(path, dtype, progress, isq)
+    return _load_gguf(path, dtype, progress, isq)
 
 
 def load_tokenizer(path: str | Path):
@@ -58,8 +62,8 @@ def load_tokenizer(path: str | Path):
     return _gguf_tokenizer(GGUFFile(path).metadata, path)
 
 
-def _bind(arch: models.Architecture, cfg: ModelConfig, dtype: str, src: WeightSource,
-          progress: bool) -> tuple[Graph, WeightStore, dict[str, str]]:
+def _bind(arch: models.Architecture, cfg: ModelConfig, dtype: str, src: WeightSource, progress: bool,
+          isq: str | None) -> tuple[Graph, WeightStore, dict[str, str]]:
     """The graph, and its parameters from the architecture's weight transform, each checked for its shape."""
     graph = arch.build(cfg, dtype)
     bar = tqdm(total=len(graph.params), desc=f"loading {src.path.name}", unit="tensor", disable=not progress,
@@ -78,10 +82,12 @@ def _bind(arch: models.Architecture, cfg: ModelConfig, dtype: str, src: WeightSo
             raise ModelFormatError(src.path, f"tensor {t.source!r} has shape {list(t.shape)}, "
                                    f"the config implies {list(p.shape)} (for parameter {pname})")
         store[pname] = t
+    if isq is not None:
+        quantize_weights(graph, store, isq, progress)
     return graph, store, {p: store[p].source for p in graph.params}
 
 
-def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str, progress: bool, isq: str | None) -> LoadedModel:
     f = GGUFFile(path)
     meta = f.metadata
     if "general.architecture" not in meta:
@@ -100,7 +106,7 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
         cfg = arch.config_from_gguf(meta, src, factors)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(path, f"metadata does not describe a {arch.name} model: {e}") from e
-    graph, weights, sources = _bind(arch, cfg, dtype, src, progress)
+    graph, weights, sources = _bind(arch, cfg, dtype, src, progress, isq)
     return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path), sources)
 
 
@@ -116,7 +122,7 @@ def _gguf_tokenizer(meta: Mapping, path: Path):
         return None
 
 
-def _load_hf_folder(folder: Path, dtype: str, progress: bool) -> LoadedModel:
+def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None) -> LoadedModel:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise ModelFormatError(folder, "no config.json: not a Hugging Face model folder")
@@ -143,7 +149,7 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool) -> LoadedModel:
             raise ModelFormatError(folder, f"tensor {name!r} has dtype {t.dtype}; expected a float type")
         return StoredTensor(t.data, t.dtype, t.shape, name)
 
-    graph, weights, sources = _bind(arch, cfg, dtype, WeightSource("hf", folder, fetch, tensors), progress)
+    graph, weights, sources = _bind(arch, cfg, dtype, WeightSource("hf", folder, fetch, tensors), progress, isq)
     tok = None
     if (folder / "tokenizer.json").exists():
         from ir.tokenizer import Tokenizer
