@@ -31,27 +31,38 @@ def _words(bits: int, group: int) -> tuple[int, int, int]:
     return qw, tl.next_power_of_2(qw), 2 + qw
 
 
+def _tiles(STEP: int, BITS: int, GROUP: int):
+    """(group offsets [STEP, 1], word offsets [1, WPB]) of a step's tile."""
+    return tl.arange(0, STEP)[:, None], tl.arange(0, _words(BITS, GROUP)[1])[None, :]
+
+
+def _step_blocks(base, it, g, wi, n_groups, BITS: int, GROUP: int, STEP: int):
+    """Step `it`'s groups of one row: (their first inputs [STEP, 1], the q words' mask [STEP, WPB], scales and
+    biases [STEP, 1] f32, the q fields [PER of STEP, WPB] as f32; field j of word i is input i * PER + j)."""
+    QW, _, BW = _words(BITS, GROUP)
+    gg = it * STEP + g
+    gmask = gg < n_groups
+    mask = gmask & (wi < QW)
+    blk = base + gg * BW
+    scale = tl.load(blk, mask=gmask, other=0).to(tl.float32, bitcast=True)
+    bias = tl.load(blk + 1, mask=gmask, other=0).to(tl.float32, bitcast=True)
+    qw = tl.load(blk + 2 + wi, mask=mask, other=0)
+    qs = [((qw >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.float32) for j in range(32 // BITS)]
+    return gg * GROUP, mask, scale, bias, qs
+
+
 def int_group_gemv_kernel(w, x, y, n_rows, n_groups, w_stride, x_stride, y_stride, BITS: tl.constexpr,
                           GROUP: tl.constexpr, M: tl.constexpr, STEP: tl.constexpr):
     row = tl.program_id(0)
-    QW, WPB, BW = _words(BITS, GROUP)
     PER = 32 // BITS
-    g = tl.arange(0, STEP)[:, None]
-    wi = tl.arange(0, WPB)[None, :]
+    g, wi = _tiles(STEP, BITS, GROUP)
     base = w + row.to(tl.int64) * w_stride
 
     def body(it, *accs):
-        gg = it * STEP + g
-        gmask = gg < n_groups
-        mask = gmask & (wi < QW)
-        blk = base + gg * BW
-        scale = tl.load(blk, mask=gmask, other=0).to(tl.float32, bitcast=True)  # [STEP, 1]
-        bias = tl.load(blk + 1, mask=gmask, other=0).to(tl.float32, bitcast=True)
-        qw = tl.load(blk + 2 + wi, mask=mask, other=0)  # [STEP, WPB] int32
-        qs = [((qw >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.float32) for j in range(PER)]
+        first, mask, scale, bias, qs = _step_blocks(base, it, g, wi, n_groups, BITS, GROUP, STEP)
         out = list(accs)
         for m in range(M):
-            xrow = x + m * x_stride + gg * GROUP + wi * PER
+            xrow = x + m * x_stride + first + wi * PER
             xs = [tl.load(xrow + j, mask=mask, other=0.0).to(tl.float32) for j in range(PER)]
             qx, sx = qs[0] * xs[0], xs[0]
             for j in range(1, PER):
@@ -59,7 +70,7 @@ def int_group_gemv_kernel(w, x, y, n_rows, n_groups, w_stride, x_stride, y_strid
             out[m] = out[m] + scale * qx + bias * sx
         return tuple(out)
 
-    init = tuple(tl.zeros((STEP, WPB), tl.float32) for _ in range(M))
+    init = tuple(tl.zeros((STEP, _words(BITS, GROUP)[1]), tl.float32) for _ in range(M))
     accs = tl.fori_loop(0, (n_groups + STEP - 1) // STEP, body, init)
     for m in range(M):
         tl.store(y + m * y_stride + row, tl.sum(accs[m]))
@@ -69,24 +80,15 @@ def int_group_dequantize_kernel(w, out, n_groups, w_stride, out_stride, BITS: tl
                                 STEP: tl.constexpr):
     """One program a row: every weight as q * scale + bias, stored in out's dtype, inputs in stored order."""
     row = tl.program_id(0)
-    QW, WPB, BW = _words(BITS, GROUP)
     PER = 32 // BITS
-    g = tl.arange(0, STEP)[:, None]
-    wi = tl.arange(0, WPB)[None, :]
+    g, wi = _tiles(STEP, BITS, GROUP)
     base = w + row.to(tl.int64) * w_stride
     dst = out + row.to(tl.int64) * out_stride
 
     def body(it):
-        gg = it * STEP + g
-        gmask = gg < n_groups
-        mask = gmask & (wi < QW)
-        blk = base + gg * BW
-        scale = tl.load(blk, mask=gmask, other=0).to(tl.float32, bitcast=True)
-        bias = tl.load(blk + 1, mask=gmask, other=0).to(tl.float32, bitcast=True)
-        qw = tl.load(blk + 2 + wi, mask=mask, other=0)
+        first, mask, scale, bias, qs = _step_blocks(base, it, g, wi, n_groups, BITS, GROUP, STEP)
         for j in range(PER):
-            q = ((qw >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.float32)
-            tl.store(dst + gg * GROUP + wi * PER + j, (q * scale + bias).to(out.dtype.element_ty), mask=mask)
+            tl.store(dst + first + wi * PER + j, (qs[j] * scale + bias).to(out.dtype.element_ty), mask=mask)
         return ()
 
     tl.fori_loop(0, (n_groups + STEP - 1) // STEP, body)
