@@ -30,10 +30,12 @@ class Case:
     group: int = 32  # -1: a whole row
     sym: bool = True
     desc_act: bool = False
+    hidden: int = 64  # 128 for groups of 128
+    bf16_scales: bool = False  # compressed-tensors keeps scales in the model's dtype
 
 
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+def tiny_config(hidden: int = 64) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                        tie_word_embeddings=False, rms_norm_eps=1e-5)
 
@@ -53,7 +55,8 @@ def _draw(w: np.ndarray, case: Case, rng: np.random.Generator):
     else:  # 1..top-1: GPTQ v1 stores zero - 1, and a zero point of 0 would wrap its packing
         zeros = rng.integers(1, top, (groups, n))
     amax = np.stack([np.abs(w[:, g_idx == g]).max(axis=1) for g in range(groups)])  # [groups, N]
-    scales = (amax / (1 << (case.bits - 1))).astype(np.float16).astype(np.float32)
+    scales = torch.from_numpy(amax / (1 << (case.bits - 1))).to(torch.bfloat16 if case.bf16_scales else torch.float16)
+    scales = scales.float().numpy()
     z_col, s_col = zeros[g_idx].T, scales[g_idx].T  # [N, K]
     q = np.clip(np.rint(w / s_col) + z_col, 0, top).astype(np.int64)
     return q, zeros, scales, g_idx
@@ -101,7 +104,7 @@ def _ct(q, zeros, scales, w, case):
     if not case.sym:
         state["weight_zero_point"] = torch.from_numpy((zeros.T - offset).astype(np.int8))
     out = PackedQuantizationCompressor.compress(state, _ct_scheme(case))
-    out["weight_scale"] = out["weight_scale"].half()  # exact: the scales are fp16 values
+    out["weight_scale"] = out["weight_scale"].to(torch.bfloat16 if case.bf16_scales else torch.float16)  # exact
     return out
 
 
@@ -124,7 +127,7 @@ def write_checkpoint(folder: Path, case: Case, seed: int = 0):
     if case.method == "awq" and (case.desc_act or case.bits != 4):
         raise ValueError("AWQ GEMM is 4-bit, without act order")
     rng = np.random.default_rng(seed)
-    model = random_causal_lm(tiny_config(), seed)
+    model = random_causal_lm(tiny_config(case.hidden), seed)
     tensors = {}
     for name, p in model.state_dict().items():
         prefix = name.removesuffix(".weight")

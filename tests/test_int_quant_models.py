@@ -1,8 +1,9 @@
-"""GPTQ (sym and asym, with and without desc_act, 4- and 8-bit, group 32/64/whole row), AWQ GEMM and compressed-tensors
-pack-quantized int4/int8 checkpoints, packed by the formats' own PyPI packers (tests/int_quant_ckpt.py), through the
-interpreter, MLX (affine groups) and the CUDA backend on CPU tensors, against transformers running the dequantized
-dense model; compressed-tensors' symmetric files also loaded by transformers itself. Each kind of bug the references
-must catch (a nibble order, a zero point, a group) is planted once and must fail the same check."""
+"""GPTQ (sym and asym, with and without desc_act, 4- and 8-bit, groups of 32/64/128/a whole row), AWQ GEMM and
+compressed-tensors pack-quantized int4/int8 (fp16 and bf16 scales) checkpoints, packed by the formats' own PyPI
+packers (tests/int_quant_ckpt.py), through the interpreter, MLX (affine groups) and the CUDA backend on CPU tensors,
+against transformers running the dequantized dense model; compressed-tensors' symmetric files also loaded by
+transformers itself. Each kind of bug the references must catch (a nibble order, a zero point, a group) is planted
+once and must fail the same check."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ CASES = {
     "gptq_act": Case("gptq", desc_act=True),
     "gptq_i8_asym_act_g64": Case("gptq", bits=8, group=64, sym=False, desc_act=True),
     "gptq_row_asym": Case("gptq", group=-1, sym=False),
+    "gptq_g128_asym_act": Case("gptq", group=128, sym=False, desc_act=True, hidden=128),
     "awq": Case("awq", sym=False),
     "ct_i4": Case("compressed-tensors"),
-    "ct_i4_asym": Case("compressed-tensors", sym=False),
+    "ct_i4_asym": Case("compressed-tensors", sym=False, bf16_scales=True),
     "ct_i8": Case("compressed-tensors", bits=8, group=-1),
 }
 PROMPT = [3, 17, 99, 5, 60, 7, 8, 9, 10, 11, 12]

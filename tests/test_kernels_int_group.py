@@ -1,7 +1,8 @@
 """The integer-group GEMV and dequantization (kernels_src/int_group_gemv.py) on random valid blocks, on the DSL's
 interpreter and Triton's: the GEMV against x @ W.T with W from the numpy dequantizer, the dequantization bit for bit
 in fp32 (its products are the reference's) and rounded once in fp16; widths 4 and 8, groups of 32 to a whole row
-(not a power of two of words too), 1-8 rows, outputs poisoned with NaN first."""
+(not a power of two of words too), 1-8 rows, outputs poisoned with NaN first; Triton AOT builds for sm_90 without
+spills."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import zlib
 import numpy as np
 import pytest
 from test_kernels_basic import TARGETS, dev, host
+from test_kernels_gemv import _stack_bytes, needs_aot
 
 from ir.formats import int_groups
 from kernels_src import int_group_gemv as ig
+from kernels_src.registry import REGISTRY
 
 
 @pytest.fixture
@@ -61,3 +64,16 @@ def test_bad_shapes_are_named():
         ig.int_group_gemv(np.zeros((9, 64), np.float32), w, 4, 32)
     with pytest.raises(ValueError, match="multiple of 32"):
         ig.int_group_dequantize(w, 4, 48, 64)
+
+
+@needs_aot
+@pytest.mark.parametrize("name,consts", [("int_group_gemv", dict(M=1)), ("int_group_gemv", dict(M=8, BITS=8)),
+                                         ("int_group_dequantize", {})])
+def test_aot_sm90(name, consts, tmp_path, monkeypatch):
+    from kernels_src.dsl.triton_target import aot_compile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    k = REGISTRY[name].trace(**consts)
+    compiled = aot_compile(k, arch=90, num_warps=1 if name == "int_group_gemv" else 4)
+    assert ".target sm_90a" in compiled.asm["ptx"]
+    assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
