@@ -16,17 +16,19 @@ MLX_GROUPS = (128, 64, 32)  # the group sizes mx.quantized_matmul takes, widest 
 
 
 def to_affine(t: StoredTensor) -> AffineWeight | str:
-    """The MLX affine form of an intgroup matrix (columns in stored order: t.input_perm says the input order), or why
-    it has none."""
-    if len(t.shape) != 2:
+    """The MLX affine form of an intgroup matrix, or stack of them (experts [E, out, in], as gather_qmm takes; columns
+    in stored order: t.input_perm says the input order), or why it has none."""
+    if len(t.shape) < 2:
         return f"{t.kind}: shape {t.shape} is not a matrix"
     bits, group = t.format.int_group
-    rows, cols = t.shape
-    qbytes, scales, biases = int_groups.split(t.data, bits, group, rows, cols)
+    *lead, cols = t.shape
+    qbytes, scales, biases = int_groups.split(t.data, bits, group, int(np.prod(lead)), cols)
     mlx_group = next(g for g in MLX_GROUPS if group % g == 0)  # int_groups keeps groups multiples of 32
     rep = group // mlx_group
-    wq = np.ascontiguousarray(qbytes).view("<u4").astype(np.uint32, copy=False)
-    return AffineWeight(wq, np.repeat(scales, rep, axis=1), np.repeat(biases, rep, axis=1), mlx_group, bits)
+    wq = np.ascontiguousarray(qbytes).view("<u4").astype(np.uint32, copy=False).reshape(*lead, -1)
+    per_row = cols // mlx_group
+    return AffineWeight(wq, np.repeat(scales, rep, axis=1).reshape(*lead, per_row),
+                        np.repeat(biases, rep, axis=1).reshape(*lead, per_row), mlx_group, bits)
 
 
 def cast_error(a: AffineWeight, scales: np.ndarray, biases: np.ndarray) -> float:
