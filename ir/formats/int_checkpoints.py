@@ -29,7 +29,7 @@ import numpy as np
 
 from ir.formats import int_groups
 from ir.formats.errors import ModelFormatError
-from ir.weight_formats import int_group_format
+from ir.weight_formats import FORMATS, int_group_format
 from ir.weights import StoredTensor
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output held by nibble i of an AWQ GEMM word
@@ -98,11 +98,12 @@ def _compressed_tensors(qc: Mapping[str, Any], path: Path) -> IntScheme:
 
 def _unpack_along_rows(words: np.ndarray, bits: int) -> np.ndarray:
     """uint8 values [R * 32 / b, C] of int32 words [R, C] packing consecutive rows, low bits first."""
-    per = 32 // bits
-    w = words.astype(np.int64).view(np.uint64) & np.uint64(0xFFFFFFFF)
-    shifts = (np.arange(per, dtype=np.uint64) * np.uint64(bits))[None, :, None]
-    vals = (w[:, None, :] >> shifts) & np.uint64((1 << bits) - 1)
-    return vals.reshape(-1, words.shape[1]).astype(np.uint8)
+    per, mask = 32 // bits, np.uint32((1 << bits) - 1)
+    w = np.ascontiguousarray(words).view(np.uint32)
+    out = np.empty((w.shape[0], per, w.shape[1]), np.uint8)  # one field at a time: a byte a value, no wide temporaries
+    for i in range(per):
+        out[:, i] = (w >> np.uint32(bits * i)) & mask
+    return out.reshape(-1, w.shape[1])
 
 
 def _unpack_along_cols(words: np.ndarray, bits: int) -> np.ndarray:
@@ -113,16 +114,17 @@ def _unpack_along_cols(words: np.ndarray, bits: int) -> np.ndarray:
 def _array(tensors: Mapping, name: str, path: Path) -> np.ndarray:
     if name not in tensors:
         raise ModelFormatError(path, f"missing tensor {name!r} of a quantized linear")
-    t = tensors[name]
-    return np.asarray(t.data)
+    return np.asarray(tensors[name].data)
 
 
 def _floats(tensors: Mapping, name: str, path: Path) -> np.ndarray:
-    t = tensors[name] if name in tensors else None
-    a = _array(tensors, name, path)
-    if t is not None and getattr(t, "dtype", "") == "BF16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32)
+    """A float tensor (scales: fp16, bf16 or fp32) as fp32."""
+    _array(tensors, name, path)  # present
+    t = tensors[name]
+    fmt = FORMATS.get(t.dtype)
+    if fmt is None or fmt.quantized:
+        raise ModelFormatError(path, f"tensor {name!r} has dtype {t.dtype}; expected a float type")
+    return StoredTensor(t.data, t.dtype, t.shape, name).values().astype(np.float32).reshape(t.shape)
 
 
 def read_linear(tensors: Mapping, prefix: str, s: IntScheme, path: Path) -> StoredTensor:
