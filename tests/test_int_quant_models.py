@@ -103,15 +103,18 @@ def _cuda(model, monkeypatch):
     for fn in ("int_group_gemv", "int_group_dequantize"):
         real = getattr(igl, fn)
         monkeypatch.setattr(igl, fn, lambda *a, _f=fn, _r=real, **kw: calls.append(_f) or _r(*a, **kw))
-    backend = CUDABackend(model, device="cpu", dtype="f32", cuda_graph=False, progress=False)
-    backend.runner.target = "numpy"  # the DSL's interpreter; Triton's runs the kernels in test_kernels_int_group
+    gpu = torch.cuda.is_available()
+    backend = CUDABackend(model, device="cuda" if gpu else "cpu", dtype="f32", cuda_graph=False, progress=False)
+    if not gpu:
+        backend.runner.target = "numpy"  # the DSL's interpreter; Triton's runs the kernels in test_kernels_int_group
     linears = [p for p in backend.params.values() if isinstance(p, QuantWeight)]
     assert len(linears) >= 4 and all(p.qtype.startswith("I") for p in linears)
     return backend, any(p.perm is not None for p in linears), calls
 
 
-# The CUDA backend (the DSL's interpreter, ~3 s a case) on a subset that still has sym and asym, act order and not,
-# 4 and 8 bits, AWQ and compressed-tensors int4 and int8; MLX on every case.
+# The CUDA backend (on a GPU where there is one; else CPU tensors and the DSL's interpreter, ~3 s a case) on a subset
+# that still has sym and asym, act order and not, 4 and 8 bits, AWQ and compressed-tensors int4 and int8; MLX on every
+# case.
 CUDA_CASES = ("gptq_sym", "gptq_i8_asym_act_g64", "awq", "ct_i4", "ct_i8")
 BACKEND_CASES = [(n, "mlx") for n in CASES] + [(n, "cuda") for n in CUDA_CASES]
 
