@@ -16,8 +16,8 @@ from ir.weight_formats import FORMATS, WeightFormat, weight_format
 
 @dataclass(frozen=True)
 class StoredTensor:
-    data: np.ndarray  # f32/f16 array, uint16 bf16 bits, or uint8 blocks [rows, row_bytes]
-    kind: str  # "F32", "F16", "BF16" or a GGUF quant type such as "Q4_K"
+    data: np.ndarray  # f32/f16 array, uint16 bf16 bits, or uint8 blocks [rows, row_bytes] (GGUF or intgroup)
+    kind: str  # "F32", "F16", "BF16", a GGUF quant type such as "Q4_K", or integer groups such as "I4_G128"
     shape: tuple[int, ...]  # logical shape, [out, in] for a matrix
     source: str = ""  # the tensor's name in its file
     # Integer groups of an act-order (GPTQ desc_act) checkpoint are stored with their columns sorted by group, so
