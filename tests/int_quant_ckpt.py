@@ -32,6 +32,7 @@ class Case:
     desc_act: bool = False
     hidden: int = 64  # 128 for groups of 128
     bf16_scales: bool = False  # compressed-tensors keeps scales in the model's dtype
+    gptq_v2: bool = False  # GPTQ's checkpoint_format "gptq_v2": zero points as they are, not minus one
 
 
 def tiny_config(hidden: int = 64) -> LlamaConfig:
@@ -52,8 +53,8 @@ def _draw(w: np.ndarray, case: Case, rng: np.random.Generator):
     top = (1 << case.bits) - 1
     if case.sym:
         zeros = np.full((groups, n), 1 << (case.bits - 1), np.int64)
-    else:  # 1..top-1: GPTQ v1 stores zero - 1, and a zero point of 0 would wrap its packing
-        zeros = rng.integers(1, top, (groups, n))
+    else:  # GPTQ v1 stores zero - 1, where a zero point of 0 would wrap its packing: 1..top-1 unless v2
+        zeros = rng.integers(0 if case.gptq_v2 else 1, top, (groups, n))
     amax = np.stack([np.abs(w[:, g_idx == g]).max(axis=1) for g in range(groups)])  # [groups, N]
     scales = torch.from_numpy(amax / (1 << (case.bits - 1))).to(torch.bfloat16 if case.bf16_scales else torch.float16)
     scales = scales.float().numpy()
@@ -69,9 +70,8 @@ def dequantized(q, zeros, scales, g_idx) -> np.ndarray:
 def _gptq(q, zeros, scales, g_idx, case):
     from awq.utils.packing_utils import pack_exllama  # GPTQ's (exllama's) layout: weights along K, zeros along N
 
-    mask = (1 << case.bits) - 1
-    qweight, qzeros = pack_exllama(torch.from_numpy(q.T.copy()).int(), torch.from_numpy((zeros - 1) & mask).int(),
-                                   case.bits)
+    stored = zeros if case.gptq_v2 else (zeros - 1) & ((1 << case.bits) - 1)
+    qweight, qzeros = pack_exllama(torch.from_numpy(q.T.copy()).int(), torch.from_numpy(stored).int(), case.bits)
     return {"qweight": qweight, "qzeros": qzeros, "scales": torch.from_numpy(scales).half(),
             "g_idx": torch.from_numpy(g_idx).int()}
 
@@ -111,7 +111,7 @@ def _ct(q, zeros, scales, w, case):
 def _quant_config(case: Case) -> dict:
     if case.method == "gptq":
         return {"quant_method": "gptq", "bits": case.bits, "group_size": case.group, "sym": case.sym,
-                "desc_act": case.desc_act, "checkpoint_format": "gptq"}
+                "desc_act": case.desc_act, "checkpoint_format": "gptq_v2" if case.gptq_v2 else "gptq"}
     if case.method == "awq":
         return {"quant_method": "awq", "bits": case.bits, "group_size": case.group, "zero_point": True,
                 "version": "gemm"}

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # AutoAWQ
 CASES = {
     "gptq_sym": Case("gptq"),
     "gptq_asym": Case("gptq", sym=False),
+    "gptq_v2_asym": Case("gptq", sym=False, gptq_v2=True),
     "gptq_act": Case("gptq", desc_act=True),
     "gptq_i8_asym_act_g64": Case("gptq", bits=8, group=64, sym=False, desc_act=True),
     "gptq_row_asym": Case("gptq", group=-1, sym=False),
