@@ -62,6 +62,11 @@ def test_quantized_linears_load_as_int_groups(ckpt):
     w = model.weights["layers.0.wq"]
     assert w.kind == "I4_G32" and w.input_perm is not None and sorted(w.input_perm) == list(range(64))
     assert model.weights["embed"].kind == "F32" and not model.weights["lm_head"].quantized
+    pytest.importorskip("triton")
+    from backends.cuda.backend import CUDABackend
+
+    # on a GPU the compute dtype follows the unquantized tensors (fp32 here: bf16), as for a dense model
+    assert CUDABackend.default_dtype(model, torch.device("cuda")) == "bf16"
 
 
 @pytest.mark.parametrize("name", CASES)
