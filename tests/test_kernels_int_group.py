@@ -2,7 +2,7 @@
 interpreter and Triton's: the GEMV against x @ W.T with W from the numpy dequantizer, the dequantization bit for bit
 in fp32 (its products are the reference's) and rounded once in fp16; widths 4 and 8, groups of 32 to a whole row
 (not a power of two of words too), 1-8 rows, outputs poisoned with NaN first; Triton AOT builds for sm_90 without
-spills."""
+spills; the SIMT lowering through the DSL's CPU oracle."""
 
 from __future__ import annotations
 
@@ -54,6 +54,21 @@ def test_dequantize_matches_reference(target, bits, group, k, dtype, rng):
     out = dev(np.full((n, k), np.nan, dtype), target)
     ig.int_group_dequantize(dev(w, target), bits, group, k, out=out, target=target)
     np.testing.assert_array_equal(host(out), int_groups.dequantize(w, (n, k), bits, group).astype(dtype))
+
+
+@pytest.mark.parametrize("bits,group,k,m", [(4, 128, 256, 3), (8, 96, 192, 1)])
+def test_simt_oracle(bits, group, k, m, rng):
+    """The SIMT lowering (Metal's and CUDA C's form) through the DSL's CPU oracle: the GEMV and the dequantization."""
+    n = 6
+    w = blocks(rng, n, k, bits, group)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = np.full((m, n), np.nan, np.float32)
+    ig.int_group_gemv(x, w, bits, group, out=y, target="simt-cpu")
+    want = ig.int_group_gemv_ref(x, w, bits, group)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    out = np.full((n, k), np.nan, np.float32)
+    ig.int_group_dequantize(w, bits, group, k, out=out, target="simt-cpu")
+    np.testing.assert_array_equal(out, int_groups.dequantize(w, (n, k), bits, group))
 
 
 def test_bad_shapes_are_named():
