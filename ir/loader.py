@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from ir import models
 from ir.config import ModelConfig
+from ir.formats import int_checkpoints
 from ir.formats.errors import ModelFormatError
 from ir.formats.gguf_file import GGUFFile
 from ir.formats.safetensors_file import read_safetensors, shard_files
@@ -138,18 +139,27 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None) -
     tensors = {}
     for shard in shard_files(folder):
         tensors.update(read_safetensors(shard))
-    if cfg.tie_word_embeddings is False and "lm_head.weight" not in tensors:
+    qc = hf.get("quantization_config")
+    scheme = int_checkpoints.scheme_from_config(qc, cfg_path) if qc else None
+    # A quantized linear's tensors (qweight, scales, ...) are seen by the architecture as one `<linear>.weight`.
+    quantized = int_checkpoints.linear_prefixes(tensors, scheme) if scheme else set()
+
+    if cfg.tie_word_embeddings is False and "lm_head.weight" not in tensors and "lm_head" not in quantized:
         log.info("%s: no lm_head.weight; tying it to the embeddings", folder)
         cfg = cfg.with_(tie_word_embeddings=True)
 
     def fetch(name: str) -> StoredTensor:
+        prefix = name.removesuffix(".weight")
+        if prefix in quantized:
+            return int_checkpoints.read_linear(tensors, prefix, scheme, folder)
         t = tensors[name]
         fmt = FORMATS.get(t.dtype)
         if fmt is None or fmt.quantized:
             raise ModelFormatError(folder, f"tensor {name!r} has dtype {t.dtype}; expected a float type")
         return StoredTensor(t.data, t.dtype, t.shape, name)
 
-    graph, weights, sources = _bind(arch, cfg, dtype, WeightSource("hf", folder, fetch, tensors), progress, isq)
+    names = set(tensors) | {f"{p}.weight" for p in quantized}
+    graph, weights, sources = _bind(arch, cfg, dtype, WeightSource("hf", folder, fetch, names), progress, isq)
     tok = None
     if (folder / "tokenizer.json").exists():
         from ir.tokenizer import Tokenizer

@@ -1,8 +1,8 @@
-"""Every weight format the loader hands out, in one table: what each is (a family: dense floats, GGUF blocks; GPTQ,
-AWQ and FP8 join as families of their own), how it lies in memory (blocks of `block_elems` values in `block_bytes`
-along the last dimension, never across rows), its logical and stored shapes, and how it decodes to fp32. This is the
-only place formats are told apart: a backend asks a tensor's format for its family and keeps the tensor in a form
-its kernels take, or dequantizes it."""
+"""Every weight format the loader hands out, in one table: what each is (a family: dense floats, GGUF blocks, integer
+groups from GPTQ, AWQ and compressed-tensors checkpoints; FP8 joins as a family of its own), how it lies in memory
+(blocks of `block_elems` values in `block_bytes` along the last dimension, never across rows), its logical and stored
+shapes, and how it decodes to fp32. This is the only place formats are told apart: a backend asks a tensor's format
+for its family and keeps the tensor in a form its kernels take, or dequantizes it."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from math import prod
 
 import numpy as np
 
-from ir.formats import gguf_quants
+from ir.formats import gguf_quants, int_groups
 
-__all__ = ["FORMATS", "WeightFormat", "weight_format"]
+__all__ = ["FORMATS", "WeightFormat", "int_group_format", "weight_format"]
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     name: str  # a StoredTensor's kind: "F32", "F16", "BF16", "Q4_K", ...
-    family: str  # "dense" | "gguf"
+    family: str  # "dense" | "gguf" | "intgroup"
     block_elems: int  # values per block along the last dimension (1 for dense)
     block_bytes: int  # bytes per block
 
@@ -48,7 +48,17 @@ class WeightFormat:
 
     def dequantize(self, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """fp32 values of logical `shape` from the stored data (typed dense arrays, bf16 bits or raw blocks)."""
+        if self.family == "intgroup":
+            return int_groups.dequantize(data, shape, *int_groups.parse_kind(self.name))
         return gguf_quants.dequantize(np.ascontiguousarray(data), self.name, shape)
+
+    @property
+    def int_group(self) -> tuple[int, int]:
+        """(bits, group size) of an intgroup format (layout: ir/formats/int_groups.py)."""
+        spec = int_groups.parse_kind(self.name) if self.family == "intgroup" else None
+        if spec is None:
+            raise ValueError(f"{self.name} is not an integer-group format")
+        return spec
 
 
 _ELEMENTS = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
@@ -62,8 +72,20 @@ FORMATS: dict[str, WeightFormat] = {
     s.name: WeightFormat(s.name, _family(s.name), s.block_size, s.type_size) for s in gguf_quants.QTYPES.values()}
 
 
+def int_group_format(bits: int, group: int) -> WeightFormat:
+    """The intgroup format of `bits`-wide values in groups of `group` inputs (GPTQ, AWQ, compressed-tensors), entered
+    in FORMATS on first use: its group size is a checkpoint's (a whole row for GPTQ's group -1)."""
+    name = int_groups.kind_name(bits, group)
+    if name not in FORMATS:
+        int_groups.check(bits, group)
+        FORMATS[name] = WeightFormat(name, "intgroup", group, int_groups.block_bytes(bits, group))
+    return FORMATS[name]
+
+
 def weight_format(kind: str) -> WeightFormat:
+    if kind not in FORMATS and (spec := int_groups.parse_kind(kind)) is not None:
+        return int_group_format(*spec)
     try:
         return FORMATS[kind]
     except KeyError:
-        raise ValueError(f"unknown weight format {kind!r} (known: {', '.join(FORMATS)})") from None
+        raise ValueError(f"unknown weight format {kind!r} (known: {', '.join(FORMATS)}, I<bits>_G<group>)") from None

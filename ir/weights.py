@@ -6,7 +6,7 @@ Quantized tensors stay quantized; a consumer that needs dense values calls `dequ
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -16,10 +16,13 @@ from ir.weight_formats import FORMATS, WeightFormat, weight_format
 
 @dataclass(frozen=True)
 class StoredTensor:
-    data: np.ndarray  # f32/f16 array, uint16 bf16 bits, or uint8 blocks [rows, row_bytes]
-    kind: str  # "F32", "F16", "BF16" or a GGUF quant type such as "Q4_K"
+    data: np.ndarray  # f32/f16 array, uint16 bf16 bits, or uint8 blocks [rows, row_bytes] (GGUF or intgroup)
+    kind: str  # "F32", "F16", "BF16", a GGUF quant type such as "Q4_K", or integer groups such as "I4_G128"
     shape: tuple[int, ...]  # logical shape, [out, in] for a matrix
     source: str = ""  # the tensor's name in its file
+    # Integer groups of an act-order (GPTQ desc_act) checkpoint are stored with their columns sorted by group, so
+    # that groups are contiguous: column j holds input input_perm[j], and x @ W.T == x[..., input_perm] @ stored.T.
+    input_perm: np.ndarray | None = None
 
     @property
     def format(self) -> WeightFormat:
@@ -39,7 +42,12 @@ class StoredTensor:
         return self.data if self.data.dtype in (np.float32, np.float16) else self.dequantize()
 
     def dequantize(self) -> np.ndarray:
-        return self.format.dequantize(self.data, self.shape)
+        w = self.format.dequantize(self.data, self.shape)
+        if self.input_perm is None:
+            return w
+        out = np.empty_like(w)
+        out[..., self.input_perm] = w  # back to the inputs' own order
+        return out
 
     def as_elements(self) -> StoredTensor:
         """The tensor with `data` as elements of its logical shape, for splits along any axis: dense data typed
@@ -55,7 +63,7 @@ class StoredTensor:
         """Reorder output rows; valid for quantized blocks too, since a block never spans two rows."""
         rows = self.data.reshape(self.shape[0], -1)  # 1-D tensors arrive from GGUF as one row of bytes
         out = np.ascontiguousarray(rows[perm]).reshape(self.data.shape)
-        return StoredTensor(out, self.kind, self.shape, self.source)
+        return replace(self, data=out)
 
 
     def rows(self, start: int, stop: int) -> StoredTensor:
@@ -65,7 +73,7 @@ class StoredTensor:
         # A 1-D tensor (a fused bias) arrives from GGUF as one row of bytes, and stays one.
         data = rows.reshape((stop - start, *self.data.shape[1:])) if self.data.shape[0] == self.shape[0] else \
             rows.reshape(1, -1)
-        return StoredTensor(data, self.kind, (stop - start, *self.shape[1:]), self.source)
+        return replace(self, data=data, shape=(stop - start, *self.shape[1:]))
 
     def rows_of_each(self, start: int, count: int) -> StoredTensor:
         """Rows start:start+count of every matrix of a stack [n, rows, cols] (a fused gate_up stack's halves)."""
@@ -74,7 +82,7 @@ class StoredTensor:
         # Typed elements keep their shape; bytes (quantized blocks, or a GGUF reader's raw F32/F16) stay rows of bytes.
         typed = self.data.size == np.prod(self.shape)
         out = np.ascontiguousarray(data).reshape((n, count, *self.shape[2:]) if typed else (n * count, -1))
-        return StoredTensor(out, self.kind, (n, count, *self.shape[2:]), self.source)
+        return replace(self, data=out, shape=(n, count, *self.shape[2:]))
 
     def reshaped(self, shape: tuple[int, ...]) -> StoredTensor:
         """The same values under another logical shape with the same last dimension (blocks stay whole)."""
@@ -82,7 +90,7 @@ class StoredTensor:
             raise ValueError(f"cannot view {self.shape} as {shape}")
         # Typed values take the shape; raw bytes (blocks, or a GGUF vector's one row) decode by the logical shape.
         data = self.data.reshape(shape) if self.data.size == np.prod(shape) else self.data
-        return StoredTensor(data, self.kind, tuple(shape), self.source)
+        return replace(self, data=data, shape=tuple(shape))
 
     def dense_map(self, fn) -> StoredTensor:
         """fn(values as f32) as an F32 tensor: a per-source fix-up of small dense tensors (gemma's 1 + w norms)."""
@@ -92,12 +100,12 @@ class StoredTensor:
 
 def stack(parts: list[StoredTensor]) -> StoredTensor:
     """Tensors of one shape as a stack [n, ...] (an MoE layer's experts): quantized blocks row after row, as a
-    GGUF expert stack lies; parts of different formats meet as F32."""
+    GGUF expert stack lies; parts of different formats (or act-order columns, each in its own order) meet as F32."""
     first = parts[0]
     if any(p.shape != first.shape for p in parts):
         raise ValueError(f"cannot stack shapes {sorted({p.shape for p in parts})}")
     shape = (len(parts), *first.shape)
-    if any(p.kind != first.kind for p in parts):
+    if any(p.kind != first.kind or p.input_perm is not None for p in parts):
         return StoredTensor(np.stack([p.values().astype(np.float32).reshape(p.shape) for p in parts]), "F32", shape,
                             first.source)
     if first.quantized:

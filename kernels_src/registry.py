@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ir.formats import int_groups
 from ir.formats.gguf_quants import row_bytes
 from kernels_src import (
     activations,
@@ -19,6 +20,7 @@ from kernels_src import (
     dequant_gemv_i8,
     dequantize,
     gguf_mmq,
+    int_group_gemv,
     kv_write,
     mla_decode,
     moe,
@@ -369,3 +371,23 @@ register(KernelEntry(
     lambda tokens, experts, top_k, dtype: tokens * experts * ITEMSIZE[dtype] + experts * 4 + tokens * top_k * 8,
     floats=("routed_scaling",), launcher=moe_route.moe_route,
     notes="one program a token: scores, the grouped choice and top_k in one tile of the router's logits"))
+
+
+# --- integer-group weights (GPTQ / AWQ / compressed-tensors int4, group 128): a token through 14336 x 4096 -----------
+
+
+def int_group_bytes(n, k, bits, group, dtype, m=0) -> int:
+    """W's blocks once, x and y (the dequantization: W's blocks, the dense matrix written)."""
+    w = n * k // group * int_groups.block_bytes(bits, group)
+    return w + (m * k + m * n if m else n * k) * ITEMSIZE[dtype]
+
+
+register(KernelEntry(
+    "int_group_gemv", int_group_gemv.int_group_gemv_kernel, dict(BITS=4, GROUP=128, M=1, STEP=2),
+    _ptrs(BF16, "x", "y", w="*i32"), dict(m=1, n=14336, k=4096, bits=4, group=128, dtype=BF16), int_group_bytes,
+    flops=lambda m, n, k, **_: 2 * m * n * k, launcher=int_group_gemv.int_group_gemv,
+    notes="the plain first kernel: one row a program; a Marlin-class one is later work"))
+register(KernelEntry(
+    "int_group_dequantize", int_group_gemv.int_group_dequantize_kernel, dict(BITS=4, GROUP=128, STEP=2),
+    _ptrs(BF16, "out", w="*i32"), dict(n=14336, k=4096, bits=4, group=128, dtype=BF16), int_group_bytes,
+    launcher=int_group_gemv.int_group_dequantize, notes="W for a cuBLAS GEMM at more than 8 rows"))

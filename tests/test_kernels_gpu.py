@@ -58,6 +58,10 @@ SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m9_padded", dict(m=9, n=77, 
           for n in REGISTRY if n.startswith("dequant_gemm_")}
 # decode batches of 1 and 16, and a prefill whose experts take many blocks each
 # a decode batch and a prefill's tokens through DeepSeek-V3's router
+# integer groups: the bench's token, 8 rows of int8 in groups of 32, and group -1 (a whole 1024-wide row) at 3 rows
+SIZES["int_group_gemv"] = [("m1", dict(m=1, n=300, k=4096)), ("m8_i8_g32", dict(m=8, n=77, k=2048, bits=8, group=32)),
+                           ("m3_row", dict(m=3, n=130, k=1024, group=1024))]
+SIZES["int_group_dequantize"] = [("g128", dict(n=300, k=4096)), ("i8_g64", dict(n=77, k=1024, bits=8, group=64))]
 SIZES["moe_route"] = [("t16", dict(tokens=16)), ("t300", dict(tokens=300))]
 SIZES["moe_gemm"] = [("t16", dict(tokens=16)), ("t1", dict(tokens=1)), ("t300", dict(tokens=300, experts=16))]
 # the same over GGUF stacks: Q4_K_M's (Q6_K down), then each format the issue names, a prefill, padded rows

@@ -20,6 +20,7 @@ from kernels_src import (
     dense_gemv,
     dequant_gemm,
     gguf_mmq,
+    int_group_gemv,
     kv_write,
     mla_decode,
     moe,
@@ -223,7 +224,9 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            moe_gemv.moe_gemv_kernel, moe_gemv.moe_qgemv_kernel,  # their simt-cpu case: test_kernels_moe_gemv.py
            moe_route.moe_route_kernel,  # its simt-cpu case: test_kernels_moe_route.py
            mla_decode.mla_decode_kernel,  # its simt-cpu case: test_kernels_mla.py
-           dense_gemv.dense_gemv_kernel}  # its simt-cpu case: test_kernels_dense_gemv.py
+           dense_gemv.dense_gemv_kernel,  # its simt-cpu case: test_kernels_dense_gemv.py
+           # their simt-cpu case: test_kernels_int_group.py
+           int_group_gemv.int_group_gemv_kernel, int_group_gemv.int_group_dequantize_kernel}
 
 
 def test_every_registered_kernel_has_a_simt_case():

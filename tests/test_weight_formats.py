@@ -22,7 +22,8 @@ def q8_0(x: np.ndarray) -> StoredTensor:
 
 
 def test_every_format_knows_its_layout():
-    assert {f.family for f in FORMATS.values()} == {"dense", "gguf"}
+    # intgroup formats enter the table as checkpoints name them (their group size is a checkpoint's)
+    assert {f.family for f in FORMATS.values()} - {"intgroup"} == {"dense", "gguf"}
     for name, f in FORMATS.items():
         assert f.name == name and f.quantized == (f.family != "dense")
         row = 4 * f.block_elems
@@ -70,3 +71,31 @@ def test_matrix_params_are_the_ops_weight_operands():
     h = g.rms_norm(h, g.param("norm", (4,)), eps=1e-5)
     g.output("y", g.linear(h, g.param("w", (6, 4)), g.param("b", (6,))))
     assert g.matrix_params() == {"embed", "w"}
+
+
+def test_int_group_formats_by_name():
+    f = weight_format("I4_G128")
+    assert (f.family, f.block_elems, f.block_bytes, f.int_group) == ("intgroup", 128, 8 + 64, (4, 128))
+    assert weight_format("I8_G4096").stored_shape((3, 8192)) == (3, 2 * (8 + 4096))
+    with pytest.raises(ValueError, match="supported widths are 4, 8"):
+        weight_format("I3_G128")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        weight_format("I4_G48")
+
+
+def test_int_groups_decode_exactly_and_keep_act_order_through_row_splits():
+    """(q - z) * s bit for bit from the affine blocks (fp16 scales); row splits keep the input order of act-order
+    columns, so a fused q/k/v split decodes as the whole does."""
+    from ir.formats import int_groups
+
+    rng = np.random.default_rng(0)
+    q, z = rng.integers(0, 16, (6, 64)), rng.integers(0, 16, (6, 2))
+    s = rng.standard_normal((6, 2)).astype(np.float16).astype(np.float32)
+    want = (q - np.repeat(z, 32, axis=1)) * np.repeat(s, 32, axis=1)
+    perm = rng.permutation(64).astype(np.int32)
+    t = StoredTensor(int_groups.pack(q, s, z, 4, 32), "I4_G32", (6, 64), input_perm=perm)
+    np.testing.assert_array_equal(int_groups.dequantize(t.data, t.shape, 4, 32), want)
+    full = t.dequantize()
+    np.testing.assert_array_equal(full[:, perm], want)
+    np.testing.assert_array_equal(t.rows(2, 5).dequantize(), full[2:5])
+    np.testing.assert_array_equal(t.as_elements().data, full)

@@ -12,11 +12,13 @@ import numpy as np
 
 from backends.cuda import gemv_fusion, torch_ops
 from backends.cuda.decode_table import DecodeTable
+from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
 from ir.kv_groups import kv_layout
 from ir.rope import RopeSpec, cos_sin, long_after
+from ir.weight_formats import weight_format
 from kernels_src import (
     activations,
     kv_write,
@@ -274,6 +276,8 @@ class Runner:
         return y if b is None else y + b
 
     def _quant_linear(self, x, w: QuantWeight):
+        if weight_format(w.qtype).family == "intgroup":
+            return int_group_linear(x, w.data, w.qtype, w.shape, w.perm, self.target, DEQUANT_CHUNK_BYTES)
         n, k = w.shape
         x2 = x.reshape(-1, k)
         mmq_ok = w.qtype in MMQ_QTYPES and self.target in I8_TARGETS

@@ -1,4 +1,5 @@
-"""IR parameters as torch tensors on the device: dense in the compute dtype, GGUF blocks kept as raw bytes.
+"""IR parameters as torch tensors on the device: dense in the compute dtype, GGUF and integer-group blocks kept as raw
+bytes.
 
 A fused parameter (ir.fusion: q/k/v or gate/up as one matrix, so that one GEMM or GEMV streams them together) is
 its parts concatenated here, on the device, in the form the parts already have.
@@ -32,6 +33,7 @@ class QuantWeight:
     data: torch.Tensor
     qtype: str
     shape: tuple[int, ...]
+    perm: torch.Tensor | None = None  # act-order integer groups: the input order of the stored columns (int64)
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +75,8 @@ def to_device(graph: Graph, weights, dtype: str, device, quantized: bool = True,
             why = keep(t) if keep is not None else f"no CUDA kernel takes {t.format.family} weights"
             if why is None:
                 blocks = np.ascontiguousarray(t.data).reshape(t.format.stored_shape(p.shape))
-                params[name] = QuantWeight(_host(blocks).to(device), t.kind, p.shape)
+                perm = None if t.input_perm is None else _host(t.input_perm.astype(np.int64)).to(device)
+                params[name] = QuantWeight(_host(blocks).to(device), t.kind, p.shape, perm)
                 continue
             fallbacks[f"{t.kind}: {why}"] += 1
         params[name] = _dense(t, p.shape, tdtype, device)
@@ -84,14 +87,21 @@ def _gguf_kernels(t: StoredTensor) -> str | None:
     return None if t.kind in KERNEL_QTYPES else "no CUDA kernel for this format"
 
 
+def _int_group_kernels(t: StoredTensor) -> str | None:
+    return None if len(t.shape) == 2 else "no CUDA kernel for stacks of integer-group matrices"
+
+
 # Quantized format family -> whether the kernels take a tensor as it is stored (None) or why not. The formats
 # themselves are told apart in ir/weight_formats.py; each kernel file lists the formats it decodes.
-KEEP = {"gguf": _gguf_kernels}
+KEEP = {"gguf": _gguf_kernels, "intgroup": _int_group_kernels}
 
 
 def format_of(p: Param) -> str:
-    """What the fusion pass compares: parts of one format may be concatenated."""
-    return p.qtype if isinstance(p, QuantWeight) else f"dense {p.dtype}"
+    """What the fusion pass compares: parts of one format may be concatenated (act-order parts never: each has its
+    own input order)."""
+    if not isinstance(p, QuantWeight):
+        return f"dense {p.dtype}"
+    return p.qtype if p.perm is None else f"{p.qtype}, act order {id(p)}"
 
 
 def concat(parts: list[Param]) -> Param:

@@ -1,0 +1,31 @@
+"""A linear over integer-group weights (GPTQ, AWQ, compressed-tensors; ir/formats/int_groups.py) kept packed on the
+device: act-order inputs gathered into the stored column order first, then the DSL's GEMV (kernels_src/
+int_group_gemv.py) for 1-8 rows, and above that W dequantized to x's dtype, a chunk of rows at a time, for cuBLAS.
+The dequantize-then-GEMM path writes W once a step: a Marlin-class kernel (int4 in registers feeding tensor cores)
+is what replaces it (docs/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from backends.cuda.runtime import torch
+from ir.weight_formats import weight_format
+from kernels_src.int_group_gemv import MAX_ROWS, int_group_dequantize, int_group_gemv
+
+
+def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tuple[int, int],
+                     perm: torch.Tensor | None, target: str, chunk_bytes: int) -> torch.Tensor:
+    """y = x @ W.T for W [N, K] stored as intgroup blocks `data` (uint8 [N, row_bytes]) of format `qtype`."""
+    bits, group = weight_format(qtype).int_group
+    n, k = shape
+    x2 = x.reshape(-1, k)
+    if perm is not None:
+        x2 = x2.index_select(1, perm)
+    x2 = x2.contiguous()
+    if x2.shape[0] <= MAX_ROWS:
+        return int_group_gemv(x2, data, bits, group, target=target).reshape(*x.shape[:-1], n)
+    dtype = str(x.dtype).removeprefix("torch.")
+    step = max(1, chunk_bytes // (k * x.element_size()))
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        y[:, r0:r1] = x2 @ int_group_dequantize(data[r0:r1], bits, group, k, dtype=dtype, target=target).T
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,45 @@
+"""The integer-group kernels' GPU cases for tools/kernel_cases.py: random valid blocks (fp16 scales, zero points) on
+the device, the GEMV and the dequantization checked on sampled rows against the numpy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ir.formats import int_groups
+from kernels_src import int_group_gemv as ig
+from tools.kernel_case_base import Case, Dev, combine, compare, host, written
+
+
+def int_group_weights(d: Dev, n: int, k: int, bits: int, group: int):
+    """uint8 blocks [n, row_bytes] on the device; scales near 1 / sqrt(k) so that y stays near 1."""
+    q = d.rng.integers(0, 1 << bits, (n, k))
+    scales = (d.rng.uniform(0.5, 1.5, (n, k // group)) * 2.0 / (1 << bits) / np.sqrt(k)).astype(np.float16)
+    zeros = d.rng.integers(0, 1 << bits, (n, k // group))
+    blocks = int_groups.pack(q, scales.astype(np.float32), zeros, bits, group)
+    return d.torch.from_numpy(blocks).to(d.dev)
+
+
+def int_group_gemv_case(d: Dev, p: dict, name: str) -> Case:
+    m, n, k, bits, group, dt = p["m"], p["n"], p["k"], p["bits"], p["group"], d.dtype(p["dtype"])
+    w, x, y = int_group_weights(d, n, k, bits, group), d.randn((m, k), dt), d.nan((m, n), dt)
+
+    def check():
+        i = d.sample(n)
+        want = ig.int_group_gemv_ref(host(x), host(w[i]), bits, group)
+        return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
+
+    return Case(name, p, lambda target: ig.int_group_gemv(x, w, bits, group, out=y, target=target), check,
+                lambda target: y.fill_(float("nan")))
+
+
+def int_group_dequantize_case(d: Dev, p: dict, name: str) -> Case:
+    n, k, bits, group, dt = p["n"], p["k"], p["bits"], p["group"], d.dtype(p["dtype"])
+    w, out = int_group_weights(d, n, k, bits, group), d.nan((n, k), dt)
+
+    def check():
+        i = d.sample(n)
+        want = int_groups.dequantize(host(w[i]), (len(i), k), bits, group)
+        return combine(written("out", out), compare("out", host(out[i]), want, p["dtype"]))
+
+    return Case(name, p, lambda target: ig.int_group_dequantize(w, bits, group, k, out=out, target=target), check,
+                lambda target: out.fill_(float("nan")))
