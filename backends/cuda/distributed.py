@@ -71,6 +71,14 @@ def messages_group():
     return _MESSAGES
 
 
+def shutdown() -> None:
+    """Leave the group (a later start makes a new one)."""
+    global _MESSAGES
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _MESSAGES = None
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over the ranks, in place (the graph's all_reduce reads a value nothing else reads)."""
     x = x.contiguous()

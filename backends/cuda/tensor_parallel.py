@@ -71,6 +71,7 @@ class Workers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        distributed.shutdown()
 
 
 def start(model: LoadedModel, devices: Sequence[str], rendezvous: Rendezvous | None = None,
@@ -145,7 +146,7 @@ def worker_main(spec: dict) -> None:
     distributed.init(rv, device)
     model = load_model(spec["model"], progress=False)
     serve(CUDABackend(model, device=device, rank=rv.rank, world=rv.world, **{"progress": False, **spec["options"]}))
-    dist.destroy_process_group()
+    distributed.shutdown()
 
 
 if __name__ == "__main__":
