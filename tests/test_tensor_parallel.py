@@ -1,7 +1,7 @@
 """Tensor parallel over processes on CPU tensors: rank 0 here, ranks 1.. spawned (backends.cuda.tensor_parallel),
 gloo between them, the DSL's kernels on Triton's interpreter. Tiny llama, qwen3 and windowed mistral models give
-the greedy tokens of one process and first-step logits within 1e-5 of max|logit| (fp32); 4 processes replicate
-qwen3's 2 KV heads; a worker killed between steps or in the middle of one fails the step at once, never a hang."""
+the greedy tokens of one process and first-step logits within 1e-5 of max|logit| (fp32); a worker killed in the
+middle of a step fails it at once, never a hang."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 torch = pytest.importorskip("torch")
 
 TP_TOL = 1e-5  # of max|logit|: sums over ranks in another order; a wrong shard moves logits by whole units
-NEW = 3
+NEW = 2  # a prefill of both prompts, then a decode step over their cached tokens
 
 
 def greedy(backend, model, prompts, new: int):
@@ -35,13 +35,13 @@ def start(model, world: int):
     return tensor_parallel.start(model, ["cpu"] * world, dtype="f32", progress=False)
 
 
-@pytest.mark.parametrize("case, world", [("llama3_rope", 2), ("qwen3", 2), ("mistral_window", 2), ("qwen3", 4)])
+# 4 ranks (KV heads replicated) are test_sharding's, on the interpreter: 4 processes here took 15 s of CI's time.
+@pytest.mark.parametrize("case, world", [("llama3_rope", 2), ("qwen3", 2), ("mistral_window", 2)])
 def test_processes_match_one(case, world, saved):  # noqa: F811
     """Against the one-process reference (test_cuda_backend holds one process of this backend to it within 1e-4;
     here the ranks' backends, on the same kernels, are held to 1e-5)."""
     model = load_model(saved(case)[1], progress=False)
-    # 4 processes on CI's two cores are slow: one prompt, two tokens
-    prompts, new = ([prompt(1), prompt(2, 9)], NEW) if world == 2 else ([prompt(2, 9)], 2)
+    prompts, new = [prompt(1), prompt(2, 9)], NEW
     tokens, first = ReferenceRunner(model, max_tokens=48, block_size=4).greedy(prompts, new)
     backend = start(model, world)
     try:
@@ -70,7 +70,7 @@ def test_a_dead_worker_fails_the_engine(saved):  # noqa: F811
         killer = threading.Timer(0.5, worker.kill)
         killer.start()
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError) as died:
+        with pytest.raises(WorkerDied, match="rank 1 .* exited with code -9 during a step") as died:
             for _ in range(1000):
                 backend.forward(batch)
         killer.join()

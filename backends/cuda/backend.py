@@ -52,6 +52,7 @@ class CUDABackend(Backend):
         # Sampled tokens stay on rank 0; the workers take each step's token ids from its batch instead.
         self.chains_steps = world == 1
         self.mirror = None
+        self.workers = None  # rank 0's view of the other ranks (backends.cuda.tensor_parallel.Workers)
         if device is None and not torch.cuda.is_available():
             raise NotImplementedError("the CUDA backend needs an NVIDIA GPU that torch can use (torch.cuda."
                                       "is_available() is False); use --backend mlx")
@@ -248,6 +249,15 @@ class CUDABackend(Backend):
     # -- a step -------------------------------------------------------------------------------------
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits [len(batch.logits_indices), vocab] on the device (the sampler reads them there)."""
+        if self.workers is None:
+            return self._forward(batch)
+        try:
+            return self._forward(batch)
+        except RuntimeError as e:  # a collective that lost its peer: say which worker died, if one did
+            self.workers.explain(e)
+            raise
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
         if not self.kv:
             raise RuntimeError("allocate_kv must be called before forward")
         groups = self.kv_layout().num_groups

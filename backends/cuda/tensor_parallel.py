@@ -17,6 +17,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -48,6 +49,18 @@ class Workers:
         for rank, p in self.procs.items():
             if p.poll() is not None:
                 raise WorkerDied(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.returncode}")
+
+    def explain(self, error: BaseException, wait_s: float = 1.0) -> None:
+        """WorkerDied from `error` (a failed collective) if a worker exits within wait_s; else nothing."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.check()
+            except WorkerDied as died:
+                raise WorkerDied(f"{died} during a step") from error
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
 
     def send(self, method: str, *args, **kwargs) -> None:
         """Every worker runs backend.method(*args, **kwargs), as rank 0 is about to."""
