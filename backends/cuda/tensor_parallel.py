@@ -163,5 +163,6 @@ def worker_main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tp-worker %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s tp-worker pid %(process)d %(name)s: %(message)s")
     worker_main(pickle.loads(base64.b64decode(os.environ[WORKER_ENV])))
