@@ -4,6 +4,7 @@ messages to the workers (gloo: small pickled objects, on every launch)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Mapping
@@ -13,6 +14,7 @@ from datetime import timedelta
 from backends.cuda.runtime import torch
 
 dist = torch.distributed
+log = logging.getLogger(__name__)
 # A collective that waits this long for a peer has lost it (a dead or stuck rank): it fails instead of hanging.
 COLLECTIVE_TIMEOUT_S = 120
 
@@ -74,9 +76,21 @@ def messages_group():
 def shutdown() -> None:
     """Leave the group (a later start makes a new one)."""
     global _MESSAGES
-    if dist.is_initialized():
-        dist.destroy_process_group()
     _MESSAGES = None
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except RuntimeError as e:  # a group already aborted (a rank died)
+            log.warning("leaving the tensor-parallel group: %s", e)
+
+
+def abort() -> None:
+    """Fail the collectives in flight now that a rank is gone: gloo notices the closed socket itself, but NCCL would
+    wait out COLLECTIVE_TIMEOUT_S."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort_group is not None:
+            abort_group()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

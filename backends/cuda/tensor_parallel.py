@@ -43,12 +43,28 @@ class Workers:
 
     def __init__(self, procs: dict[int, subprocess.Popen]):
         self.procs = procs
-        self.stopped = False
+        self.stopped = self.closing = False
 
     def check(self) -> None:
         for rank, p in self.procs.items():
             if p.poll() is not None:
                 raise WorkerDied(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.returncode}")
+
+    def watch(self, every_s: float = 0.1) -> None:
+        """In the background: a worker that exits aborts the group at once (NCCL's collectives would wait)."""
+        def run() -> None:
+            while not self.closing:
+                try:
+                    self.check()
+                except WorkerDied as e:
+                    if not self.closing:
+                        log.error("%s; aborting the tensor-parallel group", e)
+                        distributed.abort()
+                    return
+                time.sleep(every_s)
+
+        if self.procs:
+            threading.Thread(target=run, name="tp-watch", daemon=True).start()
 
     def explain(self, error: BaseException, wait_s: float = 1.0) -> None:
         """WorkerDied from `error` (a failed collective) if a worker exits within wait_s; else nothing."""
@@ -73,6 +89,7 @@ class Workers:
         """Stop the workers (told to, then killed after STOP_WAIT_S)."""
         if self.stopped:
             return
+        self.closing = True  # the workers' exits that follow are expected (watch)
         try:
             self.send("stop")
         except Exception:  # noqa: BLE001  (a worker already gone: the rest are killed below)
@@ -110,6 +127,7 @@ def start(model: LoadedModel, devices: Sequence[str], rendezvous: Rendezvous | N
         workers.close()
         raise
     backend.mirror, backend.workers = workers.send, workers
+    workers.watch()
     return backend
 
 
