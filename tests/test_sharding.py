@@ -7,6 +7,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from test_tiny_gguf import files  # noqa: F401  (a fixture)
+from test_tiny_gguf import prompt as gguf_prompt
 from test_tiny_models import prompt, saved  # noqa: F401  (saved is a fixture)
 from tiny_hf import assert_close
 
@@ -34,6 +36,20 @@ def test_ranks_match_one_process(case, world, saved):  # noqa: F811
     graph = shard(model.graph, 1, world)
     assert graph.params["layers.0.wq"].shape[0] == model.graph.params["layers.0.wq"].shape[0] // world
     assert graph.params["layers.0.wk"].shape[0] == model.graph.params["layers.0.wk"].shape[0] // min(world, 2)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_gguf_blocks_cut_per_rank(case, files):  # noqa: F811
+    """GGUF files of several block types (llama's q/k rows un-permuted at load): each rank's quantized tensors are
+    cut from the blocks, and the ranks still give one process's tokens and logits."""
+    path, kinds, _ = files(case)
+    assert len({k.name for k in kinds.values()}) > 2
+    model = load_model(path, progress=False)
+    prompts = [gguf_prompt(1), gguf_prompt(2, 9)]
+    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 3)
+    tp_tokens, tp_first = ShardedReference(model, 2, max_tokens=64, block_size=4, fused=True).greedy(prompts, 3)
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
 
 
 def test_kv_heads_replicated_where_fewer_than_ranks(saved):  # noqa: F811
