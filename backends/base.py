@@ -112,7 +112,7 @@ class Backend(ABC):
         return False
 
 
-CUDA_ONLY = ("device", "cuda_graph")  # options only the CUDA backend takes
+CUDA_ONLY = ("device", "cuda_graph", "rendezvous")  # options only the CUDA backend takes
 
 
 def create_backend(name: str, model: LoadedModel, **options) -> Backend:
@@ -121,6 +121,8 @@ def create_backend(name: str, model: LoadedModel, **options) -> Backend:
         name = "cuda" if _cuda_usable() else "mlx"
     if name == "mlx":
         from backends.mlx.backend import MLXBackend
+        if isinstance(options.get("device"), list | tuple) or options.get("rendezvous") is not None:
+            raise NotImplementedError("tensor parallel runs on the CUDA backend; the MLX one is a single process")
         ignored = [k for k in CUDA_ONLY if options.pop(k, None) not in (None, True)]
         if ignored:
             log.warning("the mlx backend ignores %s", ", ".join(ignored))
@@ -131,6 +133,13 @@ def create_backend(name: str, model: LoadedModel, **options) -> Backend:
         except ImportError as e:
             raise NotImplementedError(f"the CUDA backend needs torch and triton ({e}); "
                                       f"install them or use --backend mlx") from e
+        device = options.get("device")
+        if isinstance(device, list | tuple) or options.get("rendezvous") is not None:
+            from backends.cuda import tensor_parallel  # several ranks: this process is rank 0
+
+            options = {k: v for k, v in options.items() if k != "device"}
+            return tensor_parallel.start(model, list(device) if isinstance(device, list | tuple) else [device],
+                                         **options)
         return CUDABackend(model, **options)
     raise ValueError(f"unknown backend {name!r} (choose auto, mlx or cuda)")
 

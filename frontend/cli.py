@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -75,8 +76,11 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--disable-cuda-graph", action="store_true", help="CUDA backend: run decode steps eagerly")
     eng.add_argument("--disable-async-scheduling", action="store_true", help="CUDA backend: read each step's "
                      "tokens back before launching the next (by default steps overlap the host's work)")
-    eng.add_argument("--d", metavar="ID", help="CUDA backend: the GPU to use (default 0; tensor parallel over "
-                     "several ids is not built yet)")
+    eng.add_argument("--d", metavar="ID[,ID...]", help="CUDA backend: the GPU to use (default 0), or several: tensor "
+                     "parallel, one process per GPU (a power of two up to 8). Under torchrun or an MPI launcher each "
+                     "rank takes its LOCAL_RANK's GPU instead")
+    # Test only: the CUDA backend on CPU tensors (Triton's interpreter), one process per --d id, gloo between them.
+    eng.add_argument("--cpu-tensors", action="store_true", help=argparse.SUPPRESS)
     smp = ap.add_argument_group("sampling defaults (a request's own values win)")
     smp.add_argument("--temperature", type=float, default=1.0)
     smp.add_argument("--top-p", type=float, default=1.0)
@@ -113,10 +117,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.mem and args.kv_fraction:
         ap.error("give the KV budget with --mem or --kv-fraction, not both")
     if args.d is not None:
-        ids = [x.strip() for x in args.d.split(",") if x.strip()]
-        if len(ids) != 1 or not ids[0].isdigit():
-            ap.error(f"--d takes one GPU id (tensor parallel over several is not built yet), got {args.d!r}")
-        args.d = int(ids[0])
+        args.d = _device_ids(ap, args.d)
+    if args.cpu_tensors:
+        args.backend = "cuda"
+    if args.d is not None and len(args.d) > 1 and args.backend == "mlx":
+        ap.error("tensor parallel (--d with several ids) runs on the CUDA backend; the MLX one takes no --d")
+    args.launch = _launcher_rank(ap, args)
     if args.w and (args.f or args.m):
         ap.error("--w names a local folder; it cannot be combined with --f or --m")
     from frontend.protocol import SamplingFields, ServerDefaults, sampling_params
@@ -140,6 +146,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error("--max-tokens applies to --prompt only; when serving, --max-gen-tokens sets the default "
                      "for requests without max_tokens")
     return args
+
+
+def _device_ids(ap: argparse.ArgumentParser, text: str) -> list[int]:
+    ids = [x.strip() for x in text.split(",")]
+    if not ids or not all(i.isdigit() for i in ids) or len(set(ids)) != len(ids):
+        ap.error(f"--d takes GPU ids separated by commas, each once (0 or 0,1,2,3), got {text!r}")
+    n = len(ids)
+    if n > 8 or n & (n - 1):
+        ap.error(f"--d: tensor parallel runs on a power of two from 1 to 8 GPUs, not {n}")
+    return [int(i) for i in ids]
+
+
+def _launcher_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):
+    """This process's Rendezvous when torchrun or an MPI launcher started it as one rank of several, else None."""
+    if "WORLD_SIZE" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        return None
+    from backends.cuda.distributed import Rendezvous
+
+    try:
+        rv = Rendezvous.from_env()
+    except ValueError as e:
+        ap.error(str(e))
+    if rv is None or rv.world == 1:
+        return None
+    if args.d is not None:
+        ap.error("under torchrun or an MPI launcher each rank takes the GPU of its LOCAL_RANK; --d is not for it")
+    args.backend = "cuda"
+    return rv
 
 
 def setup_logging(log_file: str | None) -> None:
@@ -167,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = None
     try:
         source = resolve(args.w, args.f, args.m)
+        if args.launch is not None and args.launch.rank != 0:  # a launcher's worker rank: rank 0 serves
+            return _serve_rank(args, str(source.path))
         log.info("loading %s from %s", source.id, source.path)
         spec = engine_spec(args, str(source.path))
         if args.prompt is not None or args.engine_in_process:  # else the engine process loads the weights
@@ -187,6 +223,17 @@ def engine_spec(args: argparse.Namespace, model_path: str):
     return EngineSpec(model_path, args.backend, backend_options(args), engine_config(args), args.log, isq=args.isq)
 
 
+def _serve_rank(args: argparse.Namespace, path: str) -> int:
+    """A rank other than 0 of a torchrun/MPI launch: its shard, driven by rank 0 until rank 0 stops."""
+    from backends.cuda.tensor_parallel import worker_main
+
+    opts = backend_options(args)
+    device, rv = opts.pop("device")[0], opts.pop("rendezvous")
+    log.info("rank %d of %d on %s, serving rank 0's steps", rv.rank, rv.world, device)
+    worker_main({"model": path, "isq": args.isq, "rendezvous": rv, "device": device, "options": opts})
+    return 0
+
+
 def engine_config(args: argparse.Namespace):
     from frontend.engine.engine import EngineConfig
     from frontend.engine.scheduler import SchedulerConfig
@@ -203,8 +250,12 @@ def backend_options(args: argparse.Namespace) -> dict:
     out = {"dtype": args.dtype} if args.dtype else {}
     if args.disable_cuda_graph:
         out["cuda_graph"] = False
-    if args.d is not None:
-        out["device"] = f"cuda:{args.d}"
+    ids = [args.launch.local_rank] if args.launch is not None else args.d
+    if ids is not None or args.cpu_tensors:
+        devices = ["cpu" if args.cpu_tensors else f"cuda:{i}" for i in ids or [0]]
+        out["device"] = devices[0] if len(devices) == 1 and args.launch is None else devices
+    if args.launch is not None:
+        out["rendezvous"] = args.launch
     return out
 
 

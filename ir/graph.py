@@ -62,6 +62,8 @@ class Param:
     shard: str | None = None
     # A parameter the fusion pass made: these parameters' rows, concatenated (q, k and v as one matrix).
     parts: tuple[str, ...] = ()
+    # A rank's shard (ir.sharding): (axis, start, stop) of the whole parameter along that axis; None: all of it.
+    cut: tuple[int, int, int] | None = None
 
 
 @dataclass(eq=False)

@@ -224,8 +224,16 @@ def rope_attention(q, k, v, positions, slots, tables, ctx, qstart, *, cache: KVC
                            qstart, cache=cache, **attrs)
 
 
+def _embedding(table, ids, vocab_start=None, **_):
+    if vocab_start is None:
+        return table[ids]
+    local = ids - vocab_start  # a vocab-parallel shard: its rows only, zeros elsewhere (the all_reduce sums them)
+    inside = (local >= 0) & (local < len(table))
+    return np.where(inside[..., None], table[np.where(inside, local, 0)], np.float32(0))
+
+
 KERNELS: dict[str, Callable] = {
-    "embedding": lambda table, ids, **a: table[ids],
+    "embedding": _embedding,
     "linear": _linear,
     "rms_norm": lambda x, w, eps, offset=0.0: _rms_norm(x, w, eps, offset),
     "layer_norm": _layer_norm,
@@ -255,17 +263,30 @@ KERNELS: dict[str, Callable] = {
 _NP = {"f32": np.float32, "f16": np.float32, "bf16": np.float32, "i32": np.int32}
 
 
+# (the collective node, this rank's x) -> the result over every rank: what a rank's graph (ir.sharding) needs.
+Collective = Callable[[Node, np.ndarray], np.ndarray]
+
+
+def single_process(node: Node, x: np.ndarray) -> np.ndarray:
+    """The collectives of a world of one: the sum and the gather of x alone are x."""
+    if node.attrs.get("world", 1) != 1:
+        raise ValueError(f"{node.op} over {node.attrs['world']} ranks needs a multi-rank run (ir.tp_reference)")
+    return x
+
+
 class Interpreter:
     """Runs a graph on numpy arrays. `weights` maps parameter names to arrays (any float dtype) or to
-    objects with a `dequantize()` method; both become fp32 once, on first use."""
+    objects with a `dequantize()` method; both become fp32 once, on first use. `collective` runs all_reduce and
+    all_gather (a rank's graph, ir.sharding); by default they are those of one process."""
 
-    def __init__(self, graph: Graph, weights: Mapping[str, object]):
+    def __init__(self, graph: Graph, weights: Mapping[str, object], collective: Collective = single_process):
         missing = [p for p in graph.params if p not in weights]
         if missing:
             raise KeyError(f"weights missing for parameters: {', '.join(missing[:8])}")
         self.graph = graph
         self._weights = weights
         self._dense: dict[str, np.ndarray] = {}
+        self.collective = collective
 
     def param(self, name: str) -> np.ndarray:
         if name not in self._dense:
@@ -301,6 +322,8 @@ class Interpreter:
             return rope_attention(*args, cache=cache, **node.attrs)
         if node.op == "latent_attention":
             return latent_attention(*args, cache=cache, **node.attrs)
+        if node.op in ("all_reduce", "all_gather"):
+            return np.asarray(self.collective(node, args[0]), dtype=np.float32)
         if node.op == "reshape":
             sizes = {d: n for d, n in zip(node.inputs[0].shape, args[0].shape, strict=True)}
             return args[0].reshape([sizes[d] if isinstance(d, str) else d for d in node.attrs["shape"]])

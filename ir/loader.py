@@ -34,6 +34,7 @@ class LoadedModel:
     weights: WeightStore
     tokenizer: object | None  # ir.tokenizer.Tokenizer
     sources: dict[str, str]  # IR parameter -> tensor name in the file
+    isq: str | None = None  # the --isq type its matrices were quantized to at load (another process loads it so)
 
 
 def load_model(path: str | Path, dtype: str = "f32", progress: bool = True, isq: str | None = None) -> LoadedModel:
@@ -108,7 +109,7 @@ def _load_gguf(path: Path, dtype: str, progress: bool, isq: str | None) -> Loade
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(path, f"metadata does not describe a {arch.name} model: {e}") from e
     graph, weights, sources = _bind(arch, cfg, dtype, src, progress, isq)
-    return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path), sources)
+    return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path), sources, isq)
 
 
 def _gguf_tokenizer(meta: Mapping, path: Path):
@@ -165,7 +166,7 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None) -
         from ir.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(folder)
-    return LoadedModel(folder, arch, cfg, graph, weights, tok, sources)
+    return LoadedModel(folder, arch, cfg, graph, weights, tok, sources, isq)
 
 
 def dense_weights(model: LoadedModel) -> dict[str, np.ndarray]:

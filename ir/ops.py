@@ -299,6 +299,13 @@ def _reshape(ts, a):
     return TensorType(shape, x.dtype)
 
 
+def _all_gather(ts, a):
+    x, world = ts[0], a.get("world")
+    if not isinstance(world, int) or world < 1 or not isinstance(x.shape[-1], int):
+        raise ValueError(f"all_gather needs a world size >= 1 and a known last dim, got {world!r} and {x}")
+    return TensorType(x.shape[:-1] + (x.shape[-1] * world,), x.dtype)
+
+
 def _gather_rows(ts, a):
     x, idx = ts
     _int(idx, "indices")
@@ -314,7 +321,8 @@ def _op(name: str, operands: Sequence[str], infer: Infer, doc: str, weights: tup
 
 
 OPS: dict[str, OpDef] = {o.name: o for o in [
-    _op("embedding", ["table", "ids"], _embedding, "rows of table at ids", weights=(0,)),
+    _op("embedding", ["table", "ids"], _embedding, "rows of table at ids; with vocab_start (a vocab-parallel shard), "
+        "row id - vocab_start, zeros for ids outside the table", weights=(0,)),
     _op("linear", ["x", "w", "b?"], _linear, "x @ w.T (+ b); w is [out, in], dense or quantized", weights=(1,)),
     _op("rms_norm", ["x", "w"], _norm, "x / rms(x) * (w + offset) over the last dim, in fp32"),
     _op("layer_norm", ["x", "w", "b?"], _layer_norm,
@@ -347,6 +355,9 @@ OPS: dict[str, OpDef] = {o.name: o for o in [
     _op("moe_experts", ["x", "weights", "ids", "w_gate", "w_up", "w_down"], _moe_experts,
         "sum over k of weights[t, k] * down[e](act(gate[e] x) * up[e] x), e = ids[t, k]; stacks [E, out, in]",
         weights=(3, 4, 5)),
+    # Collectives (ir.sharding puts them in a rank's graph): on one process both are the identity.
+    _op("all_reduce", ["x"], _unary, "the sum of x over every rank"),
+    _op("all_gather", ["x"], _all_gather, "every rank's x along the last dim, in rank order (`world` of them)"),
     # Fused ops: ir.fusion rewrites plainer ops into these, and each means exactly what those ops computed.
     _op("gated", ["gate", "up"], _gated, "act(gate) * up", fused=True),
     _op("add_rms_norm", ["x", "y", "w"], _add_rms_norm, "(x + y, rms_norm(x + y, w)): two results", fused=True),

@@ -29,6 +29,10 @@ class ReferenceRunner:
     def _cache(self, n_seqs: int) -> KVCache:
         return KVCache.for_graph(self.model.graph, n_seqs * self.blocks_per_seq, self.block_size)
 
+    def run_step(self, batch: Batch, cache) -> np.ndarray:
+        """One step's logits (ir.tp_reference runs it over several ranks)."""
+        return self.interp.run(batch.inputs(), cache)["logits"]
+
     def _table(self, seq: int, group: int = 0) -> list[int]:
         # Reverse order on purpose, so that a backend which ignores the block table gets it wrong; each KV group's
         # turned by its number, so that one which reads another group's table gets it wrong too.
@@ -44,8 +48,7 @@ class ReferenceRunner:
 
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
         """Logits for every prompt position, [len(prompt), vocab]."""
-        batch = self.batch([prompt], [0], all_logits=True)
-        return self.interp.run(batch.inputs(), self._cache(1))["logits"]
+        return self.run_step(self.batch([prompt], [0], all_logits=True), self._cache(1))
 
     def greedy(self, prompts: Sequence[Sequence[int]], max_new: int, suppress: Sequence[int] = (),
                stop: Sequence[int] = ()) -> tuple[list[list[int]], np.ndarray]:
@@ -59,8 +62,7 @@ class ReferenceRunner:
         for _ in range(max_new):
             if all(o and o[-1] in stop for o in outs):
                 break
-            batch = self.batch(chunks, cached)
-            logits = self.interp.run(batch.inputs(), cache)["logits"]
+            logits = self.run_step(self.batch(chunks, cached), cache)
             if first is None:
                 first = logits.copy()
             logits[:, list(suppress)] = -np.inf

@@ -66,7 +66,8 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     (["--isq", "int4"], "waits for the GPTQ/AWQ int4 weight format"),
     (["--isq", "fp8"], "waits for the FP8 weight format"),
     (["--isq", "q9"], "unknown --isq type 'q9'; expected one of q4_0"),
-    (["--d", "0,1"], "tensor parallel"),
+    (["--d", "0,1,2"], "power of two from 1 to 8 GPUs, not 3"),
+    (["--d", "0,0"], "each once"),
     (["--kv-fraction", "1.5"], "(0, 1]"),
     (["--mem", "64", "--kv-fraction", "0.5"], "not both"),
     (["--backend", "cuda", "--f", "/no/such/model.gguf"], "no such file"),
@@ -111,3 +112,20 @@ def test_engine_and_backend_flags_reach_their_configs():
     assert config.scheduler.max_num_seqs == 8
     assert backend_options(args) == {"cuda_graph": False, "device": "cuda:1"}
     assert engine_config(parse_args([])).async_scheduling  # overlapped steps by default (where a backend can)
+
+
+def test_tensor_parallel_flags_and_launcher_environment(monkeypatch):
+    """--d with several ids: one device a rank; under torchrun each rank its LOCAL_RANK's GPU and the rendezvous."""
+    from backends.cuda.distributed import Rendezvous
+    from frontend.cli import backend_options, parse_args
+
+    assert backend_options(parse_args(["--d", "0,1,2,3"]))["device"] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    args = parse_args(["--d", "0,1", "--cpu-tensors"])
+    assert (args.backend, backend_options(args)) == ("cuda", {"device": ["cpu", "cpu"]})
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.2")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    args = parse_args([])
+    assert backend_options(args) == {"device": ["cuda:1"], "rendezvous": Rendezvous(3, 4, "10.0.0.2", 29400, 1)}

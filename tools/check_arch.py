@@ -2,8 +2,8 @@
 a `model_type`, a config.json (or its folder) or a hub id in the local cache, shrunk to a few layers of width 64,
 saves it with save_pretrained, loads it through ir.loader and compares, for each prompt, the prompt's logits and
 greedy tokens on every engine asked for (the numpy interpreter on the plain graph and on ir.fusion's, the MLX
-backend, the CUDA backend on CPU tensors or a GPU). Prints a table of logit error and token agreement per prompt;
-exits 1 if any row fails.
+backend, the CUDA backend on CPU tensors or a GPU; tpN: ir.sharding's N ranks on the interpreter). Prints a table of
+logit error and token agreement per prompt; exits 1 if any row fails.
 
     python -m tools.check_arch llama
     python -m tools.check_arch path/to/config.json --engines interp,mlx,cuda --new 16
@@ -103,6 +103,12 @@ def run_engine(engine: str, loaded, prompts: list[list[int]], new: int):
             ref = ReferenceRunner(loaded, max_tokens=ref.blocks_per_seq * 4, block_size=4, fused=True)
         tokens, first = ref.greedy(prompts, new)
         return first, tokens
+    if engine.startswith("tp") and engine[2:].isdigit():  # ir.sharding's ranks on the interpreter, fused graphs
+        from ir.tp_reference import ShardedReference
+
+        ref = ShardedReference(loaded, int(engine[2:]), max_tokens=ref.blocks_per_seq * 4, block_size=4, fused=True)
+        tokens, first = ref.greedy(prompts, new)
+        return first, tokens
     if engine == "mlx":
         from backends.mlx.backend import MLXBackend
 
@@ -115,7 +121,7 @@ def run_engine(engine: str, loaded, prompts: list[list[int]], new: int):
         backend = CUDABackend(loaded, device="cuda" if torch.cuda.is_available() else "cpu", dtype="f32",
                               progress=False)
     else:
-        raise ValueError(f"unknown engine {engine!r} (interp, fused, mlx, cuda)")
+        raise ValueError(f"unknown engine {engine!r} (interp, fused, tpN, mlx, cuda)")
     tokens, first = backend_greedy(backend, ref, prompts, new, 4)
     return first, tokens
 

@@ -22,7 +22,9 @@ from backends.cuda.runtime import torch
 from core.batch import Batch
 from core.kv_layout import KVLayout
 from ir.fusion import Fusions, concat_parts, fuse
+from ir.kv_groups import kv_layout
 from ir.loader import LoadedModel
+from ir.sharding import ShardedWeights, shard
 from ir.weight_formats import FORMATS
 
 log = logging.getLogger(__name__)
@@ -41,8 +43,17 @@ class CUDABackend(Backend):
 
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
                  device: str | torch.device | None = None, cuda_graph: bool = True, params: dict | None = None,
-                 progress: bool = True, fusions: Fusions | None = None):
+                 progress: bool = True, fusions: Fusions | None = None, rank: int = 0, world: int = 1):
+        """`rank` of `world`: this process runs that rank's graph (ir.sharding) in a torch.distributed group already
+        joined (backends.cuda.tensor_parallel starts them); `mirror`, when set, is told each call that runs it."""
         self.model = model
+        self.rank, self.world = rank, world
+        self.rank_graph = shard(model.graph, rank, world)
+        self._kv_layout = kv_layout(self.rank_graph)  # the rank's heads: its KV cache is sized per rank
+        # Sampled tokens stay on rank 0; the workers take each step's token ids from its batch instead.
+        self.chains_steps = world == 1
+        self.mirror = None
+        self.workers = None  # rank 0's view of the other ranks (backends.cuda.tensor_parallel.Workers)
         if device is None and not torch.cuda.is_available():
             raise NotImplementedError("the CUDA backend needs an NVIDIA GPU that torch can use (torch.cuda."
                                       "is_available() is False); use --backend mlx")
@@ -60,13 +71,14 @@ class CUDABackend(Backend):
         self.dtype = dtype or self.default_dtype(model, self.device)
         self.quantized = True if quantized is None else quantized
         if params is None:
-            params, fallbacks = weights.to_device(model.graph, model.weights, self.dtype, self.device,
-                                                  self.quantized, progress)
+            stored = ShardedWeights(self.rank_graph, model.weights) if world > 1 else model.weights
+            params, fallbacks = weights.to_device(self.rank_graph, stored, self.dtype, self.device, self.quantized,
+                                                  progress)
             for reason, count in fallbacks.items():
                 log.warning("%d tensor(s) dequantized to %s at load: %s", count, self.dtype, reason)
         # The fusion pass decides what runs fused, by the formats the weights now have on the device.
         self.formats = {name: weights.format_of(p) for name, p in params.items()}
-        self.graph = fuse(model.graph, self.formats, fusions or Fusions())
+        self.graph = fuse(self.rank_graph, self.formats, fusions or Fusions())
         self.params = concat_parts(self.graph, params, weights.concat)
         del params
         self.runner = Runner(self.graph, self.params, weights.DTYPES[self.dtype], self.device)
@@ -97,7 +109,9 @@ class CUDABackend(Backend):
     def set_fusions(self, fusions: Fusions) -> None:
         """Runs the graph with other fusions (a benchmark's ablation), on the same parameters: only a change that
         keeps the fused weights (rope_attention, rope_pairs, gated, add_norm) can be made after loading."""
-        graph = fuse(self.model.graph, self.formats, fusions)
+        if self.mirror is not None:
+            self.mirror("set_fusions", fusions)
+        graph = fuse(self.rank_graph, self.formats, fusions)
         missing = sorted(set(graph.params) - set(self.params))
         if missing:
             raise ValueError(f"{fusions} needs parameters fused away at load ({', '.join(missing[:3])}); pass it to "
@@ -124,6 +138,7 @@ class CUDABackend(Backend):
     def describe(self) -> str:
         where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu tensors"
         quant = sorted({p.qtype for p in self.params.values() if isinstance(p, weights.QuantWeight)})
+        where += f", rank {self.rank} of {self.world}" if self.world > 1 else ""
         return (f"{where}, {self.dtype}, {'weights ' + '/'.join(quant) if quant else 'dense'}, "
                 f"CUDA graphs {'on' if self.use_graphs else 'off'}")
 
@@ -131,6 +146,8 @@ class CUDABackend(Backend):
     def set_limits(self, max_num_seqs: int, max_model_len: int, max_step_tokens: int | None = None) -> None:
         """Graphs are captured for decode batches up to max_num_seqs, and in pieces for steps of up to
         max_step_tokens (within PIECEWISE_MAX_TOKENS); rope tables cover max_model_len positions."""
+        if self.mirror is not None:
+            self.mirror("set_limits", max_num_seqs, max_model_len, max_step_tokens)
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         if max_step_tokens is not None:
             self.max_step_tokens = max_step_tokens
@@ -192,6 +209,8 @@ class CUDABackend(Backend):
             log.warning("warming up the attention of prefill steps failed: %s: %s", type(e).__name__, e)
 
     def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int, _graphs: bool = True) -> None:
+        if self.mirror is not None:  # the workers capture their graphs as this rank does, collectives in step
+            self.mirror("allocate_kv", num_blocks, block_size, _graphs=_graphs)
         self.kv, self.graphs, self.pieces, self.runner.kv = [], None, None, []  # the old cache goes first
         dt, layout = weights.DTYPES[self.dtype], self.kv_layout()
         pools = [num_blocks] * layout.num_groups if isinstance(num_blocks, int) else list(num_blocks)
@@ -233,11 +252,22 @@ class CUDABackend(Backend):
     # -- a step -------------------------------------------------------------------------------------
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits [len(batch.logits_indices), vocab] on the device (the sampler reads them there)."""
+        if self.workers is None:
+            return self._forward(batch)
+        try:
+            return self._forward(batch)
+        except RuntimeError as e:  # a collective that lost its peer: say which worker died, if one did
+            self.workers.explain(e)
+            raise
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
         if not self.kv:
             raise RuntimeError("allocate_kv must be called before forward")
         groups = self.kv_layout().num_groups
         if batch.num_groups != groups:
             raise ValueError(f"this model has {groups} KV groups; the batch has {batch.num_groups}")
+        if self.mirror is not None:
+            self.mirror("forward", batch)
         if self.graphs is not None and self.graphs.applies(batch):
             logits = self.graphs(batch)
             if logits is not None:
@@ -279,7 +309,10 @@ class CUDABackend(Backend):
 
     def is_fatal(self, error: BaseException) -> bool:
         """A CUDA error that outlives its step (a device-side assert, an illegal address) poisons the context, and
-        every later call fails too. Probed rather than read from the message: one small launch and a synchronize."""
+        every later call fails too. Probed rather than read from the message: one small launch and a synchronize.
+        Over several ranks any failed step is: a rank may have died, or the ranks' collectives fallen out of step."""
+        if self.world > 1 and not isinstance(error, ValueError):
+            return True
         if self.device.type != "cuda" or not isinstance(error, RuntimeError):
             return False
         try:

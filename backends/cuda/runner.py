@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.cuda import gemv_fusion, torch_ops
+from backends.cuda import distributed, gemv_fusion, torch_ops
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
@@ -316,7 +316,12 @@ class Runner:
             self._rows[(r0, r1)] = torch.arange(r0, r1, dtype=torch.int32, device=self.device)
         return self._rows[(r0, r1)]
 
-    def embedding(self, table: Param, ids):
+    def embedding(self, table: Param, ids, vocab_start: int | None = None):
+        if vocab_start is not None:  # a vocab-parallel shard: its rows, zeros for the ids of other ranks
+            local = ids - vocab_start
+            inside = (local >= 0) & (local < table.shape[0])
+            rows = self.embedding(table, torch.where(inside, local, torch.zeros_like(local)))
+            return rows * inside.unsqueeze(-1).to(rows.dtype)
         if isinstance(table, QuantWeight):
             from kernels_src.dequantize import dequantize_rows
 
@@ -327,7 +332,11 @@ class Runner:
     def _eval(self, node: Node, args: list):
         a, op = node.attrs, node.op
         if op == "embedding":
-            return self.embedding(args[0], args[1])
+            return self.embedding(args[0], args[1], a.get("vocab_start"))
+        if op == "all_reduce":
+            return distributed.all_reduce(args[0])
+        if op == "all_gather":
+            return distributed.all_gather(args[0], a["world"])
         if op == "linear":
             return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
         if op == "rms_norm":

@@ -190,8 +190,10 @@ def moe_block(g: Graph, cfg: DeepseekConfig, x: Value, i: int) -> Value:
     weights, ids = g.moe_route(scores, bias, top_k=cfg.top_k, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob,
                                routed_scaling=cfg.routed_scaling, n_group=cfg.n_group, topk_group=cfg.topk_group,
                                group_score=cfg.group_score)
-    y = g.moe_experts(x, weights, ids, g.param(f"{p}.exp_gate", (e, f, h)), g.param(f"{p}.exp_up", (e, f, h)),
-                      g.param(f"{p}.exp_down", (e, h, f)), act=cfg.hidden_act)
+    # Tensor parallel splits each expert (ir.sharding): its gate and up rows, its down columns.
+    y = g.moe_experts(x, weights, ids, g.param(f"{p}.exp_gate", (e, f, h), shard="column"),
+                      g.param(f"{p}.exp_up", (e, f, h), shard="column"),
+                      g.param(f"{p}.exp_down", (e, h, f), shard="row"), act=cfg.hidden_act)
     if cfg.n_shared_experts:
         shared = replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
         y = g.add(y, llama.mlp_block(g, shared, x, i, names=("sh_gate", "sh_up", "sh_down")))

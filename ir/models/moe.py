@@ -67,8 +67,10 @@ def moe_block(g: Graph, cfg: MoEConfig, x: Value, i: int) -> Value:
     p, h, e, f = f"layers.{i}", cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     scores = g.linear(x, g.param(f"{p}.router", (e, h)))
     weights, ids = g.moe_route(scores, top_k=cfg.top_k, scoring="softmax", norm_topk_prob=cfg.norm_topk_prob)
-    y = g.moe_experts(x, weights, ids, g.param(f"{p}.exp_gate", (e, f, h)), g.param(f"{p}.exp_up", (e, f, h)),
-                      g.param(f"{p}.exp_down", (e, h, f)), act=cfg.hidden_act)
+    # Tensor parallel splits each expert (ir.sharding): its gate and up rows, its down columns.
+    y = g.moe_experts(x, weights, ids, g.param(f"{p}.exp_gate", (e, f, h), shard="column"),
+                      g.param(f"{p}.exp_up", (e, f, h), shard="column"),
+                      g.param(f"{p}.exp_down", (e, h, f), shard="row"), act=cfg.hidden_act)
     if cfg.shared_expert_intermediate_size:
         shared = llama.mlp_block(g, replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), x, i,
                                  names=("sh_gate", "sh_up", "sh_down"))

@@ -1,0 +1,290 @@
+"""Tensor parallelism as an IR pass: one rank's graph, cut from the whole by its parameters' `shard` annotations.
+
+- column: a matrix's output rows (q/k/v, gate/up, each expert's gate/up rows, a per-head norm's heads), whole heads
+  to a rank where a reshape after the linear gives its rows heads;
+- row: a matrix's input columns (o, down, each expert's down): the rank's partial sums are all-reduced at once, and
+  a bias is added by rank 0 alone;
+- heads: a per-head stack's first dim;
+- the embedding and LM head are vocab-parallel: a rank holds a slice of the vocabulary's rows; its lookups read
+  zeros outside it and are all-reduced, its logits gathered. A vocabulary the ranks do not divide stays whole.
+
+KV heads fewer than the ranks are replicated: rank r holds KV head r * kv_heads // world, the one its query heads
+read. The pass runs before ir.fusion, so both backends fuse the same rank's graph; a fused parameter's parts are
+each cut here, so their concatenation is that rank's rows of the fused matrix.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from math import prod
+
+import numpy as np
+
+from ir.graph import Graph, Node, Value
+from ir.ops import OPS
+from ir.weights import StoredTensor
+
+log = logging.getLogger(__name__)
+
+MAX_WORLD = 8
+_PER_HEAD = ("reshape", "rope", "rms_norm", "layer_norm")  # ops a head's values pass through on their way to a cache
+
+
+def check_world(world: int) -> None:
+    if not isinstance(world, int) or not 1 <= world <= MAX_WORLD or world & (world - 1):
+        raise ValueError(f"tensor parallel runs on a power of two from 1 to {MAX_WORLD} processes, not {world!r}")
+
+
+def shard(graph: Graph, rank: int, world: int) -> Graph:
+    """Rank `rank`'s graph of `world` (the graph itself for one): its parameters cut (Param.cut), its values of
+    local width, and the all_reduce and all_gather nodes that make its outputs those of the whole graph."""
+    check_world(world)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+    if world == 1:
+        return graph
+    fused = sorted({n.op for n in graph.nodes if OPS[n.op].fused})
+    if fused:
+        raise ValueError(f"ir.sharding runs before ir.fusion, but the graph has fused ops {fused}")
+    return _Rewriter(graph, param_cuts(graph, rank, world), rank, world).run()
+
+
+# -- which slice of each parameter a rank holds --------------------------------------------------------------------
+
+def _axis(shard_kind: str, ndim: int) -> int:
+    if shard_kind == "row":
+        return ndim - 1
+    if shard_kind == "heads" or ndim == 1:
+        return 0
+    return ndim - 2  # column: the rows of each matrix (of a stack too)
+
+
+def _feeds_kv(uses: dict[int, list[Node]], value: Value) -> bool:
+    """Whether `value` reaches an attention's k or v (or a latent) through per-head ops only."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        for n in uses.get(v.id, []):
+            at = [i for i, x in enumerate(n.inputs) if x is not None and x.id == v.id]
+            if OPS[n.op].kv_cache and any(i in (1, 2) for i in at):
+                return True
+            if n.op in _PER_HEAD and at == [0]:
+                todo.extend(n.outs)
+    return False
+
+
+def _heads(uses: dict[int, list[Node]], out: Value) -> tuple[int, bool] | None:
+    """(heads, whether they are KV heads) of a linear's output that a reshape makes [T, heads, head_dim]."""
+    for n in uses.get(out.id, []):
+        shape = n.attrs.get("shape", ()) if n.op == "reshape" else ()
+        if len(shape) == 3 and all(isinstance(d, int) for d in shape[1:]) and shape[1] * shape[2] == out.shape[-1]:
+            return shape[1], _feeds_kv(uses, n.out)
+    return None
+
+
+def _vocab_params(graph: Graph) -> set[str]:
+    """The embedding tables and the LM head's weight and bias (a linear an output is made of, after elementwise
+    ops such as a softcap)."""
+    out = {n.inputs[0].name for n in graph.nodes if n.op == "embedding" and n.inputs[0].kind == "param"}
+    made = {n.out.id: n for n in graph.nodes}
+    for v in graph.outputs.values():
+        node = made.get(v.id)
+        while node is not None and node.op in ("softcap", "scale"):
+            node = made.get(node.inputs[0].id)
+        if node is not None and node.op == "linear":
+            out |= {p.name for p in node.inputs[1:] if p is not None and p.kind == "param"}
+    return out
+
+
+def param_cuts(graph: Graph, rank: int, world: int) -> dict[str, tuple[int, int, int]]:
+    """Parameter -> (axis, start, stop) of rank's slice; parameters absent are held whole."""
+    uses = graph.uses()
+    groups: dict[str, tuple[int, bool]] = {}  # column parameter -> (heads along its axis, KV heads)
+    for node in graph.nodes:
+        w = node.inputs[1] if len(node.inputs) > 1 else None
+        if w is None or w.kind != "param" or graph.params[w.name].shard != "column":
+            continue
+        if node.op == "linear":
+            heads = _heads(uses, node.out)
+            for p in node.inputs[1:]:
+                if heads is not None and p is not None and p.kind == "param":
+                    groups[p.name] = heads
+        elif node.op in ("rms_norm", "layer_norm") and len(w.shape) == 2:  # a per-head norm [heads, head_dim]
+            groups[w.name] = (w.shape[0], _feeds_kv(uses, node.out))
+    vocab = _vocab_params(graph)
+    cuts = {}
+    for name, p in graph.params.items():
+        if p.shard is None:
+            continue
+        axis = _axis(p.shard, len(p.shape))
+        size = p.shape[axis]
+        n, kv = groups.get(name, (size, False))
+        if n % world == 0:
+            start, count = rank * (n // world), n // world
+        elif kv and world % n == 0:
+            start, count = rank * n // world, 1
+        elif name in vocab:
+            log.info("%s: a vocabulary of %d rows does not split across %d ranks; each holds all of it", name, size,
+                     world)
+            continue
+        else:
+            what = "heads" if n != size else f"{'rows' if axis == 0 else 'columns'} along its {p.shard} split"
+            raise ValueError(f"tensor parallel over {world} ranks: {name} {list(p.shape)} has {n} {what}, which do "
+                             f"not split evenly; use a world size that divides {n}")
+        unit = size // n
+        cuts[name] = (axis, start * unit, (start + count) * unit)
+    return cuts
+
+
+# -- the rank's graph ------------------------------------------------------------------------------------------------
+
+class _Rewriter:
+    """The nodes again on the rank's parameters, each value's split dim tracked (None: every rank has all of it)."""
+
+    def __init__(self, graph: Graph, cuts: dict[str, tuple[int, int, int]], rank: int, world: int):
+        self.src, self.cuts, self.rank, self.world = graph, cuts, rank, world
+        self.g = Graph(graph.name, graph.dtype)
+        self.vmap: dict[int, Value] = {}
+        self.split: dict[int, int] = {}  # value id of the new graph -> the dim it is split along
+
+    def run(self) -> Graph:
+        for name, v in self.src.inputs.items():
+            self.vmap[v.id] = self.g.input(name, v.shape, v.dtype)
+        for node in self.src.nodes:
+            self._node(node)
+        for name, v in self.src.outputs.items():
+            self.g.output(name, self._whole(self._get(v)))
+        read = {v.name for n in self.g.nodes for v in n.inputs if v is not None and v.kind == "param"}
+        self.g.params = {k: p for k, p in self.g.params.items() if k in read}
+        self.g._param_values = {k: v for k, v in self.g._param_values.items() if k in read}
+        return self.g
+
+    def _get(self, v: Value | None) -> Value | None:
+        if v is None:
+            return None
+        if v.kind != "param":
+            return self.vmap[v.id]
+        if v.name not in self.g.params:
+            p, cut = self.src.params[v.name], self.cuts.get(v.name)
+            shape = list(p.shape)
+            if cut is not None:
+                shape[cut[0]] = cut[2] - cut[1]
+            self.g.param(v.name, tuple(shape), p.dtype, p.shard)
+            self.g.params[v.name] = replace(self.g.params[v.name], cut=cut)
+        return self.g._param_values[v.name]
+
+    def _cut(self, v: Value | None) -> tuple[int, int, int] | None:
+        return self.cuts.get(v.name) if v is not None and v.kind == "param" else None
+
+    def _whole(self, v: Value) -> Value:
+        """`v` as every rank's whole value: a value split along its last dim gathered."""
+        dim = self.split.get(v.id)
+        if dim is None:
+            return v
+        if dim != len(v.shape) - 1:
+            raise NotImplementedError(f"tensor parallel: a value {v.type} split along dim {dim} would need a gather "
+                                      "there, which the pass does not make")
+        return self.g.all_gather(v, world=self.world)
+
+    def _set(self, node: Node, out: Value | tuple[Value, ...], dim: int | None) -> None:
+        outs = out if isinstance(out, tuple) else (out,)
+        for old, new in zip(node.outs, outs, strict=True):
+            self.vmap[old.id] = new
+            if dim is not None:
+                self.split[new.id] = dim
+
+    def _node(self, node: Node) -> None:
+        ins, op, attrs, g = [self._get(v) for v in node.inputs], node.op, dict(node.attrs), self.g
+        if op == "embedding" and self._cut(node.inputs[0]) is not None:
+            emb = g.embedding(ins[0], ins[1], **attrs, vocab_start=self._cut(node.inputs[0])[1])
+            return self._set(node, g.all_reduce(emb), None)
+        if op == "linear":
+            x, w, b = (ins + [None])[:3]
+            cut = self._cut(node.inputs[1])
+            if cut is not None and cut[0] == 1:  # row-parallel: partial sums; the bias once, on rank 0
+                if self.split.get(x.id) != len(x.shape) - 1:
+                    raise NotImplementedError(f"tensor parallel: {node.inputs[1].name} is split by columns but its "
+                                              f"input {x.type} is not split along its last dim")
+                return self._set(node, g.all_reduce(g.linear(x, w, b if self.rank == 0 else None)), None)
+            y = g.linear(self._whole(x), w, b)
+            return self._set(node, y, len(y.shape) - 1 if cut is not None else None)
+        if op == "moe_experts":  # each expert split inside: its gate/up rows and down columns
+            y = g.moe_experts(*(self._whole(v) for v in ins[:3]), *ins[3:], **attrs)
+            split = any(self._cut(v) is not None for v in node.inputs[3:])
+            return self._set(node, g.all_reduce(y) if split else y, None)
+        if op == "reshape":
+            return self._reshape(node, ins[0], attrs)
+        if op in ("rms_norm", "layer_norm", "slice"):  # over the last dim: that dim must be whole
+            x = ins[0]
+            if self.split.get(x.id) == len(x.shape) - 1:
+                x = self._whole(x)
+            return self._set(node, g.op(op, x, *ins[1:], **attrs), self.split.get(x.id))
+        if OPS[op].kv_cache:  # heads split as q's (a latent, one head for all, is whole)
+            return self._set(node, g.op(op, *ins, **attrs), self.split.get(ins[0].id))
+        data = [i for i, v in enumerate(ins) if v is not None and v.kind != "param" and v.dtype != "i32"]
+        dims = {self.split.get(ins[i].id) for i in data if not self._broadcasts(ins[i])}
+        if len(dims) > 1:
+            ins = [self._whole(v) if i in data else v for i, v in enumerate(ins)]
+            dims = {None}
+        return self._set(node, g.op(op, *ins, **attrs), dims.pop() if dims else None)
+
+    def _broadcasts(self, v: Value) -> bool:
+        """A whole value of size 1 along another operand's split dim (one rope key for every head)."""
+        return v.id not in self.split and any(d == 1 for d in v.shape[1:])
+
+    def _reshape(self, node: Node, x: Value, attrs: dict) -> None:
+        """A split value keeps its split on its first sized dim: [T, heads * d] <-> [T, heads, d]."""
+        dim = self.split.get(x.id)
+        old = node.inputs[0].shape
+        first = [i for i, d in enumerate(old) if isinstance(d, int)]
+        if dim is not None and dim != first[0]:
+            x, dim = self._whole(x), None
+        shape = list(attrs.pop("shape"))
+        if dim is not None:
+            ratio = prod(d for d in old if isinstance(d, int)) // prod(d for d in x.shape if isinstance(d, int))
+            dim = next(i for i, d in enumerate(shape) if isinstance(d, int))
+            if shape[dim] % ratio:
+                raise NotImplementedError(f"tensor parallel: reshape of {x.type} to {tuple(shape)} splits a head")
+            shape[dim] //= ratio
+        self._set(node, self.g.reshape(x, shape=tuple(shape), **attrs), dim)
+
+
+# -- the rank's weights ----------------------------------------------------------------------------------------------
+
+def cut_tensor(t: StoredTensor, axis: int, start: int, stop: int) -> StoredTensor:
+    """Elements start:stop of `t` along `axis`. Quantized blocks lie along the last dim, so a cut across rows keeps
+    them as they are, and one along the last dim on block boundaries too; any other is decoded to F32 first."""
+    shape = list(t.shape)
+    shape[axis] = stop - start
+    if t.quantized:
+        fmt, last = t.format, len(t.shape) - 1
+        if axis < last or (start % fmt.block_elems == 0 and stop % fmt.block_elems == 0):
+            data = np.ascontiguousarray(t.data).reshape(*t.shape[:-1], -1)
+            if axis == last:
+                data = data[..., start // fmt.block_elems * fmt.block_bytes:stop // fmt.block_elems * fmt.block_bytes]
+            else:
+                data = np.take(data, np.arange(start, stop), axis=axis)
+            data = np.ascontiguousarray(data).reshape(prod(shape[:-1]), -1)
+            return StoredTensor(data, t.kind, tuple(shape), t.source)
+    e = t.as_elements()
+    data = np.ascontiguousarray(np.take(e.data.reshape(t.shape), np.arange(start, stop), axis=axis))
+    return StoredTensor(data, e.kind, tuple(shape), t.source)
+
+
+class ShardedWeights(Mapping[str, StoredTensor]):
+    """A rank's graph's parameters over the whole model's weight store, each cut on first use."""
+
+    def __init__(self, graph: Graph, weights: Mapping[str, StoredTensor]):
+        self._graph, self._weights = graph, weights
+
+    def __getitem__(self, name: str) -> StoredTensor:
+        t, cut = self._weights[name], self._graph.params[name].cut
+        return t if cut is None else cut_tensor(t, *cut)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._graph.params)
+
+    def __len__(self) -> int:
+        return len(self._graph.params)

@@ -1,0 +1,91 @@
+"""ir.sharding against one process: every rank's graph on the numpy interpreter (ir.tp_reference, a thread a rank,
+collectives met in memory), fused as the backends run them, gives the greedy tokens of the whole graph and logits
+within 1e-5 of max|logit| (fp32). The tiny models have 4 query and 2 KV heads, so 4 ranks replicate KV heads."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from test_tiny_gguf import files  # noqa: F401  (a fixture)
+from test_tiny_gguf import prompt as gguf_prompt
+from test_tiny_models import prompt, saved  # noqa: F401  (saved is a fixture)
+from tiny_hf import assert_close
+
+from ir.loader import load_model
+from ir.reference import ReferenceRunner
+from ir.sharding import cut_tensor, param_cuts, shard
+from ir.tp_reference import ShardedReference
+from ir.weights import StoredTensor
+from tools import check_arch
+
+TP_TOL = 1e-5  # of max|logit|: fp32 sums in another order; a wrong shard moves logits by whole units
+
+
+@pytest.mark.parametrize("case", ["llama3_rope", "llama_bias_tied", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_match_one_process(case, world, saved):  # noqa: F811
+    model = load_model(saved(case)[1], progress=False)
+    prompts = [prompt(1), prompt(2, 9), prompt(3, 17)]
+    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 4)
+    ranks = ShardedReference(model, world, max_tokens=64, block_size=4, fused=True)
+    tp_tokens, tp_first = ranks.greedy(prompts, 4)
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+    # each rank holds its share: a quarter (a half) of the query heads, and of the KV heads or one of them
+    graph = shard(model.graph, 1, world)
+    assert graph.params["layers.0.wq"].shape[0] == model.graph.params["layers.0.wq"].shape[0] // world
+    assert graph.params["layers.0.wk"].shape[0] == model.graph.params["layers.0.wk"].shape[0] // min(world, 2)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_gguf_blocks_cut_per_rank(case, files):  # noqa: F811
+    """GGUF files of several block types (llama's q/k rows un-permuted at load): each rank's quantized tensors are
+    cut from the blocks, and the ranks still give one process's tokens and logits."""
+    path, kinds, _ = files(case)
+    assert len({k.name for k in kinds.values()}) > 2
+    model = load_model(path, progress=False)
+    prompts = [gguf_prompt(1), gguf_prompt(2, 9)]
+    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 3)
+    tp_tokens, tp_first = ShardedReference(model, 2, max_tokens=64, block_size=4, fused=True).greedy(prompts, 3)
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+
+
+def test_kv_heads_replicated_where_fewer_than_ranks(saved):  # noqa: F811
+    """2 KV heads of 16 over 4 ranks: ranks 0, 1 hold head 0 and ranks 2, 3 head 1, the one their q heads read."""
+    graph = load_model(saved("qwen3")[1], progress=False).graph
+    got = [param_cuts(graph, r, 4)["layers.0.wk"] for r in range(4)]
+    assert got == [(0, 0, 16), (0, 0, 16), (0, 16, 32), (0, 16, 32)]
+    assert [param_cuts(graph, r, 4)["layers.0.wq"] for r in range(4)] == [(0, 16 * r, 16 * r + 16) for r in range(4)]
+    assert param_cuts(graph, 1, 4)["layers.0.wo"] == (1, 16, 32)
+
+
+def test_mixture_of_experts_split_inside_each_expert(tmp_path):
+    """qwen2_moe (routed experts, a sigmoid-gated shared expert, a dense layer) over 2 and 4 ranks against
+    transformers, as the other engines are checked (tools/check_arch)."""
+    path = tmp_path / "qwen2_moe.json"
+    path.write_text('{"model_type": "qwen2_moe", "decoder_sparse_step": 2, "norm_topk_prob": false}')
+    rows = check_arch.check(str(path), ["tp2", "tp4"], new=4)
+    assert len(rows) == 6 and all(r.ok and r.rel_err < 1e-4 for r in rows), rows
+
+
+@pytest.mark.parametrize("world, message", [(3, "power of two from 1 to 8"), (16, "power of two from 1 to 8"),
+                                             (8, "layers.0.wq [64, 64] has 4 heads")])
+def test_world_sizes_that_do_not_fit_are_refused(world, message, saved):  # noqa: F811
+    graph = load_model(saved("qwen3")[1], progress=False).graph
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        shard(graph, 0, world)
+
+
+def test_quantized_cuts_keep_their_blocks():
+    """Row and block-aligned column cuts of Q8_0 blocks decode to the same values as the decoded tensor's cut;
+    a cut inside a block is decoded first."""
+    values = np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32)
+    q = StoredTensor(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0), "Q8_0", (8, 128))
+    whole = q.dequantize().reshape(8, 128)
+    for axis, start, stop, kind in [(0, 2, 6, "Q8_0"), (1, 64, 128, "Q8_0"), (1, 16, 48, "F32")]:
+        cut = cut_tensor(q, axis, start, stop)
+        assert cut.kind == kind
+        np.testing.assert_array_equal(cut.dequantize().reshape(cut.shape),
+                                      np.take(whole, np.arange(start, stop), axis=axis))

@@ -1,0 +1,74 @@
+"""The server with `--d 0,1` on CPU tensors (test only: --cpu-tensors, gloo, Triton's interpreter): a tiny random
+qwen3 with SmolLM2's vocabulary and tokenizer, served under SmolLM2's name, answers the README's curl example (its
+max_tokens cut to 4: every step runs under the interpreter in two processes); a worker killed in the middle of a
+request fails that request, and /health says 503 within a second (the engine is then restarted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from test_engine_process import health
+from tiny_hf import random_causal_lm
+
+from tests.serving import ServerProcess
+from tests.test_server import readme_blocks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm_path):
+    from transformers import Qwen3Config
+
+    from ir.loader import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tp") / "SmolLM2-135M-Instruct"  # the name the README's example asks for
+    tok = load_tokenizer(smollm_path)  # SmolLM2's, from its GGUF, written as a tokenizer.json folder
+    cfg = Qwen3Config(vocab_size=tok.backend.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    random_causal_lm(cfg).save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    specials = {k: v for k, v in tok.special_tokens.items() if v}
+    (folder / "tokenizer_config.json").write_text(json.dumps({**specials, "chat_template": tok.chat_template}))
+    with ServerProcess("--w", str(folder), "--d", "0,1", "--cpu-tensors", "--dtype", "f32", "--mem", "8",
+                       "--on-engine-death", "restart") as s:
+        yield s
+
+
+def chat(server: ServerProcess, max_tokens: int) -> subprocess.CompletedProcess:
+    curl = readme_blocks("sh", "curl").replace("127.0.0.1:2000", f"127.0.0.1:{server.port}")
+    curl = curl.replace('"max_tokens": 32', f'"max_tokens": {max_tokens}')
+    return subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+
+
+def test_readme_curl_example_on_two_processes(server):
+    r = chat(server, 4)
+    assert r.returncode == 0, r.stderr
+    answer = json.loads(r.stdout)
+    assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["message"]["content"], answer
+    assert re.search(r"tp-worker pid \d+ .*rank 1 of 2", server.log())
+
+
+def test_a_killed_worker_fails_its_request_and_health(server):
+    (pid,) = map(int, re.findall(r"tp-worker pid (\d+) .*rank 1 of 2", server.log()))
+    result = {}
+    request = threading.Thread(target=lambda: result.update(r=chat(server, 64)))
+    request.start()
+    time.sleep(2)  # into its decode steps
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while health(server) != 503:
+        assert time.monotonic() - killed < 1.0, "/health did not say 503 within a second\n" + server.log()[-3000:]
+        time.sleep(0.02)
+    request.join(30)
+    error = json.loads(result["r"].stdout)["error"]
+    assert "rank 1" in error["message"] and "exited" in error["message"], error
