@@ -1,5 +1,5 @@
 """Every weight format the loader hands out, in one table: what each is (a family: dense floats, GGUF blocks, integer
-groups from GPTQ, AWQ and compressed-tensors checkpoints; FP8 joins as a family of its own), how it lies in memory
+groups from GPTQ, AWQ and compressed-tensors checkpoints, FP8 e4m3 with block scales), how it lies in memory
 (blocks of `block_elems` values in `block_bytes` along the last dimension, never across rows), its logical and stored
 shapes, and how it decodes to fp32. This is the only place formats are told apart: a backend asks a tensor's format
 for its family and keeps the tensor in a form its kernels take, or dequantizes it."""
@@ -11,15 +11,15 @@ from math import prod
 
 import numpy as np
 
-from ir.formats import gguf_quants, int_groups
+from ir.formats import fp8_blocks, gguf_quants, int_groups
 
-__all__ = ["FORMATS", "WeightFormat", "int_group_format", "weight_format"]
+__all__ = ["FORMATS", "WeightFormat", "fp8_format", "int_group_format", "weight_format"]
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     name: str  # a StoredTensor's kind: "F32", "F16", "BF16", "Q4_K", ...
-    family: str  # "dense" | "gguf" | "intgroup"
+    family: str  # "dense" | "gguf" | "intgroup" | "fp8"
     block_elems: int  # values per block along the last dimension (1 for dense)
     block_bytes: int  # bytes per block
 
@@ -50,6 +50,8 @@ class WeightFormat:
         """fp32 values of logical `shape` from the stored data (typed dense arrays, bf16 bits or raw blocks)."""
         if self.family == "intgroup":
             return int_groups.dequantize(data, shape, *int_groups.parse_kind(self.name))
+        if self.family == "fp8":
+            return fp8_blocks.dequantize(data, shape, self.block_elems)
         return gguf_quants.dequantize(np.ascontiguousarray(data), self.name, shape)
 
     @property
@@ -82,10 +84,23 @@ def int_group_format(bits: int, group: int) -> WeightFormat:
     return FORMATS[name]
 
 
+def fp8_format(group: int) -> WeightFormat:
+    """The fp8 format of e4m3 values with one scale per `group` inputs of a row (ir/formats/fp8_blocks.py), entered
+    in FORMATS on first use."""
+    name = fp8_blocks.kind_name(group)
+    if name not in FORMATS:
+        fp8_blocks.check(group)
+        FORMATS[name] = WeightFormat(name, "fp8", group, fp8_blocks.block_bytes(group))
+    return FORMATS[name]
+
+
 def weight_format(kind: str) -> WeightFormat:
     if kind not in FORMATS and (spec := int_groups.parse_kind(kind)) is not None:
         return int_group_format(*spec)
+    if kind not in FORMATS and (group := fp8_blocks.parse_kind(kind)) is not None:
+        return fp8_format(group)
     try:
         return FORMATS[kind]
     except KeyError:
-        raise ValueError(f"unknown weight format {kind!r} (known: {', '.join(FORMATS)}, I<bits>_G<group>)") from None
+        raise ValueError(f"unknown weight format {kind!r} (known: {', '.join(FORMATS)}, I<bits>_G<group>, "
+                         "F8E4M3_G<group>)") from None
