@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from ir import models
 from ir.config import ModelConfig
-from ir.formats import int_checkpoints
+from ir.formats import quant_checkpoints
 from ir.formats.errors import ModelFormatError
 from ir.formats.gguf_file import GGUFFile
 from ir.formats.safetensors_file import read_safetensors, shard_files
@@ -141,9 +141,10 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None) -
     for shard in shard_files(folder):
         tensors.update(read_safetensors(shard))
     qc = hf.get("quantization_config")
-    scheme = int_checkpoints.scheme_from_config(qc, cfg_path) if qc else None
-    # A quantized linear's tensors (qweight, scales, ...) are seen by the architecture as one `<linear>.weight`.
-    quantized = int_checkpoints.linear_prefixes(tensors, scheme) if scheme else set()
+    scheme = quant_checkpoints.scheme_from_config(qc, cfg_path) if qc else None
+    # A quantized linear's tensors (qweight, scales, weight_scale_inv, ...) are seen by the architecture as one
+    # `<linear>.weight`.
+    quantized = quant_checkpoints.linear_prefixes(tensors, scheme) if scheme else set()
 
     if cfg.tie_word_embeddings is False and "lm_head.weight" not in tensors and "lm_head" not in quantized:
         log.info("%s: no lm_head.weight; tying it to the embeddings", folder)
@@ -152,7 +153,7 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None) -
     def fetch(name: str) -> StoredTensor:
         prefix = name.removesuffix(".weight")
         if prefix in quantized:
-            return int_checkpoints.read_linear(tensors, prefix, scheme, folder)
+            return quant_checkpoints.read_linear(tensors, prefix, scheme, folder)
         t = tensors[name]
         fmt = FORMATS.get(t.dtype)
         if fmt is None or fmt.quantized:

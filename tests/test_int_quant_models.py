@@ -183,8 +183,8 @@ def test_planted_bug_fails_the_check(ckpt, bug, monkeypatch):
     ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"quant_method": "awq", "version": "gemv"}, "AWQ version 'gemv'"),
     ({"quant_method": "bitsandbytes"}, "unsupported quant_method 'bitsandbytes'"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized",
-      "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}}, "format 'float-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "naive-quantized",
+      "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}}, "format 'naive-quantized'"),
 ])
 def test_unsupported_variants_are_named(ckpt, tmp_path, change, message):
     _, folder = ckpt("gptq_sym")

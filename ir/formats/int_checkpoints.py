@@ -74,7 +74,8 @@ def scheme_from_config(qc: Mapping[str, Any], path: Path) -> IntScheme:
     elif method == "compressed-tensors":
         s = _compressed_tensors(qc, path)
     else:
-        raise ModelFormatError(path, f"unsupported quant_method {method!r} (supported: gptq, awq, compressed-tensors)")
+        raise ModelFormatError(path, f"unsupported quant_method {method!r} (supported: gptq, awq, compressed-tensors, "
+                               "fp8)")
     _need(s.bits in int_groups.BITS, path, f"{s.bits}-bit weights (supported: 4, 8)")
     _need(s.group == -1 or (s.group > 0 and s.group % 32 == 0), path,
           f"group_size {s.group} (supported: -1 or a multiple of 32)")
@@ -86,7 +87,8 @@ def _compressed_tensors(qc: Mapping[str, Any], path: Path) -> IntScheme:
     _need(len(groups) == 1, path, f"{len(groups)} compressed-tensors config groups (supported: one)")
     (group,) = groups.values()
     fmt = str(group.get("format") or qc.get("format", "")).lower()
-    _need(fmt == "pack-quantized", path, f"compressed-tensors format {fmt!r} (supported: pack-quantized)")
+    _need(fmt == "pack-quantized", path,
+          f"compressed-tensors format {fmt!r} (supported: pack-quantized, float-quantized)")
     _need(group.get("input_activations") is None, path, "quantized activations")
     w = group.get("weights") or {}
     _need(str(w.get("type", "int")) == "int", path, f"weights of type {w.get('type')!r} (supported: int)")
@@ -117,7 +119,7 @@ def _array(tensors: Mapping, name: str, path: Path) -> np.ndarray:
     return np.asarray(tensors[name].data)
 
 
-def _floats(tensors: Mapping, name: str, path: Path) -> np.ndarray:
+def float_tensor(tensors: Mapping, name: str, path: Path) -> np.ndarray:
     """A float tensor (scales: fp16, bf16 or fp32) as fp32."""
     _array(tensors, name, path)  # present
     t = tensors[name]
@@ -159,7 +161,7 @@ def _gptq(tensors, prefix, s, path):
     zeros = _unpack_along_cols(_array(tensors, f"{prefix}.qzeros", path), s.bits)  # [groups, N (padded)]
     if s.zeros_minus_one:
         zeros = (zeros + 1) & ((1 << s.bits) - 1)
-    scales = _floats(tensors, f"{prefix}.scales", path)
+    scales = float_tensor(tensors, f"{prefix}.scales", path)
     g_idx = np.asarray(tensors[f"{prefix}.g_idx"].data).astype(np.int64) if f"{prefix}.g_idx" in tensors else None
     n = scales.shape[1]
     return q, zeros[:, :n].T, scales.T, g_idx
@@ -175,13 +177,13 @@ def _awq(tensors, prefix, s, path):
 
     q = unpack(_array(tensors, f"{prefix}.qweight", path)).T  # [N, K]
     zeros = unpack(_array(tensors, f"{prefix}.qzeros", path))
-    return q, zeros.T, _floats(tensors, f"{prefix}.scales", path).T, None
+    return q, zeros.T, float_tensor(tensors, f"{prefix}.scales", path).T, None
 
 
 def _ct(tensors, prefix, s, path):
     n, k = (int(d) for d in _array(tensors, f"{prefix}.weight_shape", path).reshape(-1)[:2])
     q = _unpack_along_cols(_array(tensors, f"{prefix}.weight_packed", path), s.bits)[:, :k]
-    scales = _floats(tensors, f"{prefix}.weight_scale", path).reshape(n, -1)
+    scales = float_tensor(tensors, f"{prefix}.weight_scale", path).reshape(n, -1)
     offset = 1 << (s.bits - 1)  # values are stored as signed + offset, zero points alike
     if s.sym:
         zeros = np.full(scales.shape, offset, np.uint8)
