@@ -128,11 +128,11 @@ class CUDABackend(Backend):
         """fp32 on CPU tensors (Triton's interpreter mishandles bf16). On a GPU, bf16 for a model stored in bf16 or
         fp32; fp16 for GGUF and fp16 models, as llama.cpp computes them: bf16's 8-bit mantissa flips SmolLM2's
         first answer token, whose two best logits lie 0.08 apart. A GPTQ/AWQ/compressed-tensors model goes by its
-        unquantized tensors (integer groups keep their scales in fp32)."""
+        unquantized tensors (integer groups and FP8 blocks keep their scales in fp32)."""
         if device.type != "cuda":
             return "f32"
         kinds = {t.kind for t in model.weights.values()
-                 if getattr(FORMATS.get(t.kind), "family", None) != "intgroup"}
+                 if getattr(FORMATS.get(t.kind), "family", None) not in ("intgroup", "fp8")}
         return "bf16" if kinds and kinds <= {"BF16", "F32"} else "f16"
 
     def describe(self) -> str:

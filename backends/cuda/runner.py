@@ -12,6 +12,7 @@ import numpy as np
 
 from backends.cuda import distributed, gemv_fusion, torch_ops
 from backends.cuda.decode_table import DecodeTable
+from backends.cuda.fp8_linear import fp8_linear
 from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.weights import Param, QuantWeight
@@ -276,8 +277,11 @@ class Runner:
         return y if b is None else y + b
 
     def _quant_linear(self, x, w: QuantWeight):
-        if weight_format(w.qtype).family == "intgroup":
+        family = weight_format(w.qtype).family
+        if family == "intgroup":
             return int_group_linear(x, w.data, w.qtype, w.shape, w.perm, self.target, DEQUANT_CHUNK_BYTES)
+        if family == "fp8":
+            return fp8_linear(x, w.data, w.scales, DEQUANT_CHUNK_BYTES)
         n, k = w.shape
         x2 = x.reshape(-1, k)
         mmq_ok = w.qtype in MMQ_QTYPES and self.target in I8_TARGETS

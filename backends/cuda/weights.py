@@ -1,5 +1,5 @@
 """IR parameters as torch tensors on the device: dense in the compute dtype, GGUF and integer-group blocks kept as raw
-bytes.
+bytes, FP8 weights as their e4m3 bytes and scales where the device has FP8 (backends/cuda/fp8_linear.py).
 
 A fused parameter (ir.fusion: q/k/v or gate/up as one matrix, so that one GEMM or GEMV streams them together) is
 its parts concatenated here, on the device, in the form the parts already have.
@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
+from backends.cuda import fp8_linear
 from backends.cuda.runtime import torch
+from ir.formats import fp8_blocks
 from ir.graph import Graph
 from ir.weights import StoredTensor
 from kernels_src.dequant_gemv import QTYPES as KERNEL_QTYPES  # every quantized GGUF type ir/formats reads
@@ -34,10 +36,11 @@ class QuantWeight:
     qtype: str
     shape: tuple[int, ...]
     perm: torch.Tensor | None = None  # act-order integer groups: the input order of the stored columns (int64)
+    scales: torch.Tensor | None = None  # FP8: data is the e4m3 bytes [N, K], these their f32 scales [N, K / group]
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return self.data.numel() + (0 if self.scales is None else self.scales.numel() * 4)
 
 
 Param = torch.Tensor | QuantWeight
@@ -72,7 +75,11 @@ def to_device(graph: Graph, weights, dtype: str, device, quantized: bool = True,
         t = weights[name]
         if quantized and t.quantized and name in matrices:
             keep = KEEP.get(t.format.family)
-            why = keep(t) if keep is not None else f"no CUDA kernel takes {t.format.family} weights"
+            why = keep(t, device) if keep is not None else f"no CUDA kernel takes {t.format.family} weights"
+            if why is None and t.format.family == "fp8":
+                codes, scales = fp8_blocks.split(t.data, t.format.block_elems, *p.shape)
+                params[name] = QuantWeight(_host(codes).to(device), t.kind, p.shape, None, _host(scales).to(device))
+                continue
             if why is None:
                 blocks = np.ascontiguousarray(t.data).reshape(t.format.stored_shape(p.shape))
                 perm = None if t.input_perm is None else _host(t.input_perm.astype(np.int64)).to(device)
@@ -83,17 +90,21 @@ def to_device(graph: Graph, weights, dtype: str, device, quantized: bool = True,
     return params, fallbacks
 
 
-def _gguf_kernels(t: StoredTensor) -> str | None:
+def _gguf_kernels(t: StoredTensor, device) -> str | None:
     return None if t.kind in KERNEL_QTYPES else "no CUDA kernel for this format"
 
 
-def _int_group_kernels(t: StoredTensor) -> str | None:
+def _int_group_kernels(t: StoredTensor, device) -> str | None:
     return None if len(t.shape) == 2 else "no CUDA kernel for stacks of integer-group matrices"
 
 
-# Quantized format family -> whether the kernels take a tensor as it is stored (None) or why not. The formats
-# themselves are told apart in ir/weight_formats.py; each kernel file lists the formats it decodes.
-KEEP = {"gguf": _gguf_kernels, "intgroup": _int_group_kernels}
+def _fp8_kernels(t: StoredTensor, device) -> str | None:
+    return fp8_linear.no_fp8(device) or (None if len(t.shape) == 2 else "no CUDA kernel for stacks of FP8 matrices")
+
+
+# Quantized format family -> whether the kernels take a tensor as it is stored on `device` (None) or why not. The
+# formats themselves are told apart in ir/weight_formats.py; each kernel file lists the formats it decodes.
+KEEP = {"gguf": _gguf_kernels, "intgroup": _int_group_kernels, "fp8": _fp8_kernels}
 
 
 def format_of(p: Param) -> str:
@@ -108,5 +119,6 @@ def concat(parts: list[Param]) -> Param:
     """Parts of one format, concatenated by rows (quantized blocks too: a block never spans two rows)."""
     if isinstance(parts[0], QuantWeight):
         data = torch.cat([p.data for p in parts], dim=0)
-        return QuantWeight(data, parts[0].qtype, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+        scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts], dim=0)
+        return QuantWeight(data, parts[0].qtype, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), None, scales)
     return torch.cat(parts, dim=0)

@@ -50,6 +50,10 @@ def dense_array(t: StoredTensor, shape: tuple[int, ...], dtype) -> mx.array:
     return mx.array(np.ascontiguousarray(t.values()).reshape(shape)).astype(dtype)
 
 
+def _no_fp8(t: StoredTensor) -> str:
+    return "MLX has no FP8 matmul: dequantized at load"
+
+
 def convert(graph: Graph, weights, dtype: str, quantized: bool, progress: bool = True):
     """Returns ({param: mx.array | QuantLinear}, {fallback reason: count})."""
     from backends.mlx import int_affine
@@ -62,7 +66,7 @@ def convert(graph: Graph, weights, dtype: str, quantized: bool, progress: bool =
         t = weights[name]
         if quantized and name in matrices and t.quantized:
             # Quantized format family -> its MLX form (affine groups) or why it has none.
-            convert_family = {"gguf": to_affine, "intgroup": int_affine.to_affine}.get(t.format.family)
+            convert_family = {"gguf": to_affine, "intgroup": int_affine.to_affine, "fp8": _no_fp8}.get(t.format.family)
             aw = convert_family(t) if convert_family else f"no MLX form for {t.format.family} weights"
             if isinstance(aw, str):
                 fallbacks[f"{t.kind}: {aw}"] += 1

@@ -1,0 +1,59 @@
+"""A linear over FP8 weights (ir/formats/fp8_blocks.py) kept as their e4m3 bytes on a device with FP8 (compute
+capability 8.9 and up: Ada, Hopper), and the one place its path is chosen:
+- one scale a row (per-channel and per-tensor checkpoints): torch._scaled_mm on x quantized to e4m3 row by row, as
+  the checkpoints' dynamic activation scheme asks (cuBLASLt's row-wise scaling: a bf16 output on a GPU);
+- scales per block of inputs (DeepSeek-V3 / Qwen3-FP8's 128x128): W dequantized to x's dtype a chunk of rows at a
+  time (each value times its block's scale in fp32, then rounded once), then one GEMM; a DSL fp8 `dot` that reads
+  the bytes in the GEMM's loop is what replaces it (docs/ARCHITECTURE.md).
+Elsewhere (MLX, older GPUs, CPU tensors) the weights are dequantized at load: `no_fp8` says why, for the log."""
+
+from __future__ import annotations
+
+from backends.cuda.runtime import torch
+
+MIN_CAPABILITY = (8, 9)
+E4M3_MAX = 448.0
+
+
+def no_fp8(device: torch.device) -> str | None:
+    """None where FP8 weights stay e4m3 on `device`; else why they are dequantized at load."""
+    if device.type != "cuda":
+        return "the CUDA backend keeps FP8 weights on a GPU only (CPU tensors)"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return f"compute capability {cap[0]}.{cap[1]} has no FP8 (needs 8.9 or higher)"
+    return None
+
+
+def path(group: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> str:
+    """"scaled_mm" or "blockwise" for weights [N, K] with a scale a `group` inputs, computed in `dtype`."""
+    n, k = shape
+    rowwise_out = dtype == torch.bfloat16 or device.type != "cuda"  # cuBLASLt's row-wise scaling writes bf16 only
+    if group == k and k % 16 == 0 and n % 16 == 0 and rowwise_out:
+        return "scaled_mm"
+    return "blockwise"
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W [rows, K] in `dtype` from e4m3 bytes uint8 [rows, K] and f32 scales [rows, K / group]."""
+    rows, k = codes.shape
+    w = codes.view(torch.float8_e4m3fn).to(torch.float32).view(rows, scales.shape[1], -1) * scales[..., None]
+    return w.view(rows, k).to(dtype)
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+    """y = x @ W.T for W [N, K] as e4m3 bytes `codes` (uint8 [N, K]) and f32 `scales` [N, K / group]."""
+    n, k = codes.shape
+    x2 = x.reshape(-1, k)
+    if path(k // scales.shape[1], (n, k), x.dtype, x.device) == "scaled_mm":
+        xs = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp_min(1e-12)
+        xq = (x2.float() / xs).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, codes.view(torch.float8_e4m3fn).t(), scale_a=xs, scale_b=scales.view(1, n),
+                             out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], n)
+    step = max(1, chunk_bytes // (k * 4))  # the fp32 product is the larger scratch
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        y[:, r0:r1] = x2 @ dequantize(codes[r0:r1], scales[r0:r1], x.dtype).T
+    return y.reshape(*x.shape[:-1], n)
