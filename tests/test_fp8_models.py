@@ -1,0 +1,232 @@
+"""FP8 checkpoints (block-wise e4m3 with 128x128 weight_scale_inv, as DeepSeek-V3 and Qwen3-FP8 write them;
+compressed-tensors float-quantized per tensor, per channel and per block), packed independently (tests/fp8_ckpt.py),
+through the interpreter, MLX and the CUDA backend on CPU tensors (both dequantize at load) against transformers running
+the dequantized dense model; the kept-e4m3 CUDA path on CPU tensors too, with the device gate opened, and on a GPU of
+compute capability 8.9+ (skipped elsewhere: `pytest tests/test_fp8_models.py -k gpu` on an H200). Planted scale bugs
+must fail the same check."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from backend_greedy import backend_greedy
+from fp8_ckpt import Case, dequantized_reference, write_checkpoint
+from tiny_hf import assert_close, hf_logits
+
+from ir.formats import fp8_blocks, fp8_checkpoints
+from ir.formats.errors import ModelFormatError
+from ir.loader import load_model
+from ir.reference import ReferenceRunner
+
+CASES = {
+    "blockwise": Case("fp8"),
+    "ct_tensor": Case("compressed-tensors", "tensor"),
+    "ct_channel": Case("compressed-tensors", "channel", bf16_scales=True),
+    "ct_block": Case("compressed-tensors", "block", (64, 64)),
+}
+PROMPT = [3, 17, 99, 5, 60, 7, 8, 9, 10, 11, 12]
+STEPS = ([PROMPT, [4, 5, 6]], [PROMPT[:4], [4, 5, 6]])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """case -> (dense transformers reference, folder), each written once."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            if CASES[name].method == "compressed-tensors":
+                pytest.importorskip("compressed_tensors")
+            folder = tmp_path_factory.mktemp(name)
+            cache[name] = (write_checkpoint(folder, CASES[name]), folder)
+        return cache[name]
+
+    return get
+
+
+def test_e4m3_table_is_torchs_float8_e4m3fn():
+    codes = np.arange(256, dtype=np.uint8)
+    np.testing.assert_array_equal(fp8_blocks.decode(codes), dequantized_reference(codes))  # NaNs in the same places
+
+
+def test_fp8_linears_load_as_fp8_blocks(ckpt):
+    _, folder = ckpt("blockwise")
+    model = load_model(folder, progress=False)
+    # 128-input blocks over rows of 192 inputs: groups of 64, the second block's scale twice; rows of 384: 128
+    assert model.weights["layers.0.wq"].kind == "F8E4M3_G64" and model.weights["layers.0.w_down"].kind == "F8E4M3_G128"
+    assert model.weights["embed"].kind == "F32" and not model.weights["lm_head"].quantized
+    pytest.importorskip("triton")
+    from backends.cuda.backend import CUDABackend
+
+    assert CUDABackend.default_dtype(model, torch.device("cuda")) == "bf16"  # as the dense model's fp32 tensors
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_interpreter_matches_dequantized_model(ckpt, name):
+    dense, folder = ckpt(name)
+    runner = ReferenceRunner(load_model(folder, progress=False), max_tokens=64)
+    assert_close(runner.prompt_logits(PROMPT), hf_logits(dense, PROMPT))
+
+
+def _backend(kind: str, model):
+    if kind == "mlx":
+        pytest.importorskip("mlx")
+        from backends.mlx.backend import MLXBackend
+
+        return MLXBackend(model, dtype="f32", quantized=True, progress=False)
+    pytest.importorskip("triton")
+    from backends.cuda.backend import CUDABackend
+
+    return CUDABackend(model, device="cpu", dtype="f32", cuda_graph=False, progress=False)
+
+
+@pytest.mark.parametrize("name,kind", [("blockwise", "mlx"), ("ct_channel", "mlx"), ("blockwise", "cuda"),
+                                       ("ct_tensor", "cuda")])
+def test_backend_dequantizes_at_load_and_says_why(ckpt, name, kind, caplog):
+    _, folder = ckpt(name)
+    model = load_model(folder, progress=False)
+    ref = ReferenceRunner(model, max_tokens=64, block_size=8)
+    with caplog.at_level(logging.WARNING):
+        b = _backend(kind, model)
+    warned = [r.getMessage() for r in caplog.records if "F8E4M3" in r.getMessage()]
+    assert warned and all(("MLX has no FP8" if kind == "mlx" else "CPU tensors") in w for w in warned)
+    assert len(warned) == len({m.weights[p].kind for m in [model] for p in m.weights if m.weights[p].quantized})
+    for prompts in STEPS:
+        want_tokens, want = ref.greedy(prompts, 1)
+        tokens, got = backend_greedy(b, ref, prompts, 1, 8)
+        assert_close(got, want)
+        assert tokens == want_tokens
+
+
+def _kept_cuda(model, monkeypatch, device: str, dtype: str):
+    """The CUDA backend with FP8 weights kept as e4m3 bytes (the device gate opened on CPU tensors)."""
+    pytest.importorskip("triton")
+    from backends.cuda import fp8_linear
+    from backends.cuda.backend import CUDABackend
+    from backends.cuda.weights import QuantWeight
+
+    if device == "cpu":
+        monkeypatch.setattr(fp8_linear, "no_fp8", lambda _device: None)
+    paths = []
+    real = fp8_linear.path
+    monkeypatch.setattr(fp8_linear, "path", lambda *a: paths.append(real(*a)) or paths[-1])
+    b = CUDABackend(model, device=device, dtype=dtype, cuda_graph=False, progress=False)
+    if device == "cpu":
+        b.runner.target = "numpy"
+    kept = [p for p in b.params.values() if isinstance(p, QuantWeight)]
+    assert len(kept) >= 4 and all(p.scales is not None and p.data.dtype == torch.uint8 for p in kept)
+    return b, paths
+
+
+# (case, the path its linears take, logit tolerance): block scales go through an exact fp32 dequantization; row-wise
+# scales through _scaled_mm on e4m3 activations (dynamic per-row quantization: up to 2^-4 of a value, ~12% of these
+# tiny random models' logits), whose arithmetic test_fp8_linear_is_its_definition checks exactly.
+KEPT = [("blockwise", "blockwise", 1e-4), ("ct_channel", "scaled_mm", 0.25)]
+
+
+@pytest.mark.parametrize("group,path", [(64, "blockwise"), (192, "scaled_mm")])
+def test_fp8_linear_is_its_definition(group, path):
+    """fp8_linear on CPU tensors against W decoded by the engine's e4m3 table and x rounded to e4m3 row by row by
+    torch (the scaled_mm path's dynamic activation scales), in float64; chunks of 16 rows for the blockwise path."""
+    pytest.importorskip("triton")
+    from backends.cuda import fp8_linear
+
+    rng = np.random.default_rng(0)
+    n, k = 48, 192
+    codes = (torch.from_numpy(rng.standard_normal((n, k), np.float32)) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = rng.uniform(0.5, 2, (n, k // group)).astype(np.float32)
+    x = torch.from_numpy(rng.standard_normal((5, k), np.float32) * rng.uniform(0.1, 3, (5, 1)).astype(np.float32))
+    assert fp8_linear.path(group, (n, k), torch.float32, x.device) == path
+    y = fp8_linear.fp8_linear(x, codes, torch.from_numpy(scales), chunk_bytes=16 * k * 4).numpy()
+    w = fp8_blocks.dequantize(fp8_blocks.pack(codes.numpy(), scales, group), (n, k), group).astype(np.float64)
+    xr = x.double()
+    if path == "scaled_mm":
+        xs = x.abs().amax(1, keepdim=True) / 448
+        xr = (x / xs).to(torch.float8_e4m3fn).double() * xs.double()
+    want = xr.numpy() @ w.T
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def _check_kept(b, paths, model, path, rtol):
+    ref = ReferenceRunner(model, max_tokens=64, block_size=8)
+    for prompts in STEPS:
+        _, want = ref.greedy(prompts, 1)
+        _, got = backend_greedy(b, ref, prompts, 1, 8)
+        assert_close(got.astype(np.float32), want, rtol)
+    assert set(paths) == {path}
+
+
+@pytest.mark.parametrize("name,path,rtol", KEPT)
+def test_kept_fp8_path_on_cpu_tensors(ckpt, monkeypatch, name, path, rtol):
+    _, folder = ckpt(name)
+    model = load_model(folder, progress=False)
+    b, paths = _kept_cuda(model, monkeypatch, "cpu", "f32")
+    _check_kept(b, paths, model, path, rtol)
+
+
+@pytest.mark.parametrize("name,path", [(n, p) for n, p, _ in KEPT])
+def test_gpu_fp8_path(ckpt, monkeypatch, name, path):
+    """On a GPU of compute capability 8.9+ in bf16 (bf16's own rounding: 3e-2 for both paths)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA GPU of compute capability 8.9 or higher")
+    _, folder = ckpt(name)
+    model = load_model(folder, progress=False)
+    b, paths = _kept_cuda(model, monkeypatch, "cuda", "bf16")
+    _check_kept(b, paths, model, path, 3e-2)
+
+
+def _scale_bug(change):
+    real = fp8_checkpoints.float_tensor
+    return lambda mp: mp.setattr(fp8_checkpoints, "float_tensor", lambda *a: change(real(*a).copy()))
+
+
+def _double_one(s):
+    s.reshape(-1)[min(1, s.size - 1)] *= 2
+    return s
+
+
+PLANTED = {  # a bug -> the case that must expose it
+    "one block's scale wrong": ("blockwise", _scale_bug(_double_one)),
+    "block rows off by one": ("blockwise", _scale_bug(lambda s: np.roll(s, 1, axis=0))),
+    "block columns off by one": ("ct_block", _scale_bug(lambda s: np.roll(s, 1, axis=1))),
+    "scale_inv taken as a divisor": ("blockwise", _scale_bug(lambda s: 1 / s)),
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # a scale inverted overflows the interpreter's activations
+@pytest.mark.parametrize("bug", PLANTED)
+def test_planted_bug_fails_the_check(ckpt, bug, monkeypatch):
+    name, plant = PLANTED[bug]
+    dense, folder = ckpt(name)
+    plant(monkeypatch)
+    runner = ReferenceRunner(load_model(folder, progress=False), max_tokens=64)
+    with pytest.raises(AssertionError, match="max abs err"):
+        assert_close(runner.prompt_logits(PROMPT), hf_logits(dense, PROMPT))
+
+
+_CT = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
+    ({**_CT, "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "group"}}}},
+     "strategy 'group'"),
+    ({**_CT, "config_groups": {"g": {"weights": {"type": "float", "num_bits": 4, "strategy": "tensor"}}}},
+     "4-bit weights of type 'float'"),
+    ({**_CT, "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "tensor"},
+                                     "input_activations": {"dynamic": False}}}}, "static input activation scales"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 40]}, r"in blocks of \[128, 40\]; expected \[2, 5\]"),
+])
+def test_unsupported_variants_are_named(ckpt, tmp_path, change, message):
+    _, folder = ckpt("blockwise")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = change
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(ModelFormatError, match=message):
+        load_model(tmp_path, progress=False)
