@@ -1,7 +1,7 @@
 """A linear over FP8 weights (ir/formats/fp8_blocks.py) kept as their e4m3 bytes on a device with FP8 (compute
 capability 8.9 and up: Ada, Hopper), and the one place its path is chosen:
 - one scale a row (per-channel and per-tensor checkpoints): torch._scaled_mm on x quantized to e4m3 row by row, as
-  the checkpoints' dynamic activation scheme asks (cuBLASLt's row-wise scaling: a bf16 output on a GPU);
+  the checkpoints' dynamic activation scheme asks (row-wise scaling: a bf16 output, on Hopper);
 - scales per block of inputs (DeepSeek-V3 / Qwen3-FP8's 128x128): W dequantized to x's dtype a chunk of rows at a
   time (each value times its block's scale in fp32, then rounded once), then one GEMM; a DSL fp8 `dot` that reads
   the bytes in the GEMM's loop is what replaces it (docs/ARCHITECTURE.md).
@@ -12,6 +12,7 @@ from __future__ import annotations
 from backends.cuda.runtime import torch
 
 MIN_CAPABILITY = (8, 9)
+ROWWISE_CAPABILITY = (9, 0)  # row-wise scaled _scaled_mm: Hopper's cuBLASLt/CUTLASS path; Ada takes the blockwise one
 E4M3_MAX = 448.0
 
 
@@ -28,8 +29,10 @@ def no_fp8(device: torch.device) -> str | None:
 def path(group: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> str:
     """"scaled_mm" or "blockwise" for weights [N, K] with a scale a `group` inputs, computed in `dtype`."""
     n, k = shape
-    rowwise_out = dtype == torch.bfloat16 or device.type != "cuda"  # cuBLASLt's row-wise scaling writes bf16 only
-    if group == k and k % 16 == 0 and n % 16 == 0 and rowwise_out:
+    # On a GPU, row-wise scaling writes bf16 only, and wants Hopper; on CPU tensors (tests) any float output.
+    rowwise = device.type != "cuda" or (dtype == torch.bfloat16 and
+                                        torch.cuda.get_device_capability(device) >= ROWWISE_CAPABILITY)
+    if group == k and k % 16 == 0 and n % 16 == 0 and rowwise:
         return "scaled_mm"
     return "blockwise"
 
