@@ -15,10 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from int_quant_ckpt import LINEARS, tiny_config
-from safetensors.torch import save_file
-
-from tools.tiny_hf import random_causal_lm
+from int_quant_ckpt import write_quantized
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -92,23 +89,8 @@ def _quant_config(case: Case) -> dict:
 
 def write_checkpoint(folder: Path, case: Case, seed: int = 0):
     """The FP8 checkpoint in `folder`; returns the dense transformers model of its dequantized weights."""
-    model = random_causal_lm(tiny_config(case.hidden), seed)
-    tensors = {}
-    for name, p in model.state_dict().items():
-        prefix = name.removesuffix(".weight")
-        if not any(prefix.endswith(lin) for lin in LINEARS):
-            tensors[name] = p.contiguous()
-            continue
-        parts, wd = (_blockwise if case.method == "fp8" else _ct)(p.detach().clone(), case)
-        with torch.no_grad():
-            p.copy_(wd)
-        tensors.update({f"{prefix}.{k}": v.contiguous() for k, v in parts.items()})
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"))
-    cfg = model.config.to_dict()
-    cfg["quantization_config"] = _quant_config(case)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return model
+    pack = _blockwise if case.method == "fp8" else _ct
+    return write_quantized(folder, case.hidden, seed, lambda _prefix, w: pack(w, case), _quant_config(case))
 
 
 def dequantized_reference(codes: np.ndarray) -> np.ndarray:

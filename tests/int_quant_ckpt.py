@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
@@ -122,33 +123,70 @@ def _quant_config(case: Case) -> dict:
     return json.loads(cfg.model_dump_json())
 
 
-def write_checkpoint(folder: Path, case: Case, seed: int = 0):
-    """The quantized checkpoint in `folder`; returns the dense transformers model of its dequantized weights."""
-    if case.method == "awq" and (case.desc_act or case.bits != 4):
-        raise ValueError("AWQ GEMM is 4-bit, without act order")
-    rng = np.random.default_rng(seed)
-    model = random_causal_lm(tiny_config(case.hidden), seed)
+def write_quantized(folder: Path, hidden: int, seed: int, quantize, quant_config: dict):
+    """A tiny llama in `folder` with each linear's weight w replaced by the tensors of quantize(name prefix, w) ->
+    (tensors by suffix, dequantized w) and `quant_config` in its config.json; returns the dense transformers model of
+    the dequantized weights."""
+    model = random_causal_lm(tiny_config(hidden), seed)
     tensors = {}
     for name, p in model.state_dict().items():
         prefix = name.removesuffix(".weight")
         if not any(prefix.endswith(lin) for lin in LINEARS):
             tensors[name] = p.contiguous()
             continue
+        parts, wd = quantize(prefix, p.detach().clone())
+        with torch.no_grad():
+            p.copy_(wd)
+        tensors.update({f"{prefix}.{k}": v.contiguous() for k, v in parts.items()})
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = quant_config
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+def with_quant_config(folder: Path, out: Path, quant_config: dict) -> Path:
+    """`out` as `folder`'s checkpoint (its weights linked) under another quantization_config."""
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = quant_config
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "model.safetensors").symlink_to(folder / "model.safetensors")
+    return out
+
+
+def checkpoint_cache(tmp_path_factory, cases: dict, write, packer):
+    """For a module fixture: case name -> (dense reference, folder), each written once by write(folder, case);
+    packer(case) names the module the case's packer needs (skipped without it), or None."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            if (module := packer(cases[name])) is not None:
+                pytest.importorskip(module)
+            folder = tmp_path_factory.mktemp(name)
+            cache[name] = (write(folder, cases[name]), folder)
+        return cache[name]
+
+    return get
+
+
+def write_checkpoint(folder: Path, case: Case, seed: int = 0):
+    """The quantized checkpoint in `folder`; returns the dense transformers model of its dequantized weights."""
+    if case.method == "awq" and (case.desc_act or case.bits != 4):
+        raise ValueError("AWQ GEMM is 4-bit, without act order")
+    rng = np.random.default_rng(seed)
+
+    def quantize(prefix, p):
         w = p.numpy()
         q, zeros, scales, g_idx = _draw(w, case, rng)
         wd = dequantized(q, zeros, scales, g_idx)
-        with torch.no_grad():
-            p.copy_(torch.from_numpy(wd))
         if case.method == "gptq":
             parts = _gptq(q, zeros, scales, g_idx, case)
         elif case.method == "awq":
             parts = _awq(q, zeros, scales, wd, case)
         else:
             parts = _ct(q, zeros, scales, wd, case)
-        tensors.update({f"{prefix}.{k}": v.contiguous() for k, v in parts.items()})
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"))
-    cfg = model.config.to_dict()
-    cfg["quantization_config"] = _quant_config(case)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return model
+        return parts, torch.from_numpy(wd)
+
+    return write_quantized(folder, case.hidden, seed, quantize, _quant_config(case))

@@ -7,7 +7,6 @@ must fail the same check."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 import torch
 from backend_greedy import backend_greedy
 from fp8_ckpt import Case, dequantized_reference, write_checkpoint
+from int_quant_ckpt import checkpoint_cache, with_quant_config
 from tiny_hf import assert_close, hf_logits
 
 from ir.formats import fp8_blocks, fp8_checkpoints
@@ -35,17 +35,8 @@ STEPS = ([PROMPT, [4, 5, 6]], [PROMPT[:4], [4, 5, 6]])
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """case -> (dense transformers reference, folder), each written once."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            if CASES[name].method == "compressed-tensors":
-                pytest.importorskip("compressed_tensors")
-            folder = tmp_path_factory.mktemp(name)
-            cache[name] = (write_checkpoint(folder, CASES[name]), folder)
-        return cache[name]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, CASES, write_checkpoint,
+                            lambda c: "compressed_tensors" if c.method == "compressed-tensors" else None)
 
 
 def test_e4m3_table_is_torchs_float8_e4m3fn():
@@ -227,9 +218,6 @@ _CT = {"quant_method": "compressed-tensors", "format": "float-quantized"}
 ])
 def test_unsupported_variants_are_named(ckpt, tmp_path, change, message):
     _, folder = ckpt("blockwise")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = change
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with_quant_config(folder, tmp_path, change)
     with pytest.raises(ModelFormatError, match=message):
         load_model(tmp_path, progress=False)

@@ -7,13 +7,11 @@ once and must fail the same check."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 from backend_greedy import backend_greedy
-from int_quant_ckpt import Case, write_checkpoint
+from int_quant_ckpt import Case, checkpoint_cache, with_quant_config, write_checkpoint
 from tiny_hf import assert_close, hf_logits
 
 from ir.formats import int_checkpoints
@@ -44,16 +42,8 @@ STEPS = ([PROMPT, [4, 5, 6]], [PROMPT[:4], [4, 5, 6]])
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """case -> (dense transformers reference, folder), each written once."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            pytest.importorskip("compressed_tensors" if CASES[name].method == "compressed-tensors" else "awq")
-            folder = tmp_path_factory.mktemp(name)
-            cache[name] = (write_checkpoint(folder, CASES[name]), folder)
-        return cache[name]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, CASES, write_checkpoint,
+                            lambda c: "compressed_tensors" if c.method == "compressed-tensors" else "awq")
 
 
 def test_quantized_linears_load_as_int_groups(ckpt):
@@ -188,9 +178,6 @@ def test_planted_bug_fails_the_check(ckpt, bug, monkeypatch):
 ])
 def test_unsupported_variants_are_named(ckpt, tmp_path, change, message):
     _, folder = ckpt("gptq_sym")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = change
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with_quant_config(folder, tmp_path, change)
     with pytest.raises(ModelFormatError, match=message):
         load_model(tmp_path, progress=False)
