@@ -146,6 +146,17 @@ def write_quantized(folder: Path, hidden: int, seed: int, quantize, quant_config
     return model
 
 
+def check_interpreter(folder: Path, dense, prompt: list[int]) -> None:
+    """The interpreter on the checkpoint in `folder` against `dense` (transformers) on `prompt`, logits to 1e-4."""
+    from tiny_hf import assert_close, hf_logits
+
+    from ir.loader import load_model
+    from ir.reference import ReferenceRunner
+
+    runner = ReferenceRunner(load_model(folder, progress=False), max_tokens=64)
+    assert_close(runner.prompt_logits(prompt), hf_logits(dense, prompt))
+
+
 def with_quant_config(folder: Path, out: Path, quant_config: dict) -> Path:
     """`out` as `folder`'s checkpoint (its weights linked) under another quantization_config."""
     cfg = json.loads((folder / "config.json").read_text())

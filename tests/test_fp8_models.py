@@ -14,8 +14,8 @@ import pytest
 import torch
 from backend_greedy import backend_greedy
 from fp8_ckpt import Case, dequantized_reference, write_checkpoint
-from int_quant_ckpt import checkpoint_cache, with_quant_config
-from tiny_hf import assert_close, hf_logits
+from int_quant_ckpt import check_interpreter, checkpoint_cache, with_quant_config
+from tiny_hf import assert_close
 
 from ir.formats import fp8_blocks, fp8_checkpoints
 from ir.formats.errors import ModelFormatError
@@ -59,8 +59,7 @@ def test_fp8_linears_load_as_fp8_blocks(ckpt):
 @pytest.mark.parametrize("name", CASES)
 def test_interpreter_matches_dequantized_model(ckpt, name):
     dense, folder = ckpt(name)
-    runner = ReferenceRunner(load_model(folder, progress=False), max_tokens=64)
-    assert_close(runner.prompt_logits(PROMPT), hf_logits(dense, PROMPT))
+    check_interpreter(folder, dense, PROMPT)
 
 
 def _backend(kind: str, model):
@@ -197,9 +196,8 @@ def test_planted_bug_fails_the_check(ckpt, bug, monkeypatch):
     name, plant = PLANTED[bug]
     dense, folder = ckpt(name)
     plant(monkeypatch)
-    runner = ReferenceRunner(load_model(folder, progress=False), max_tokens=64)
     with pytest.raises(AssertionError, match="max abs err"):
-        assert_close(runner.prompt_logits(PROMPT), hf_logits(dense, PROMPT))
+        check_interpreter(folder, dense, PROMPT)
 
 
 _CT = {"quant_method": "compressed-tensors", "format": "float-quantized"}

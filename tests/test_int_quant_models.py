@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from backend_greedy import backend_greedy
-from int_quant_ckpt import Case, checkpoint_cache, with_quant_config, write_checkpoint
+from int_quant_ckpt import Case, check_interpreter, checkpoint_cache, with_quant_config, write_checkpoint
 from tiny_hf import assert_close, hf_logits
 
 from ir.formats import int_checkpoints
@@ -62,8 +62,7 @@ def test_quantized_linears_load_as_int_groups(ckpt):
 @pytest.mark.parametrize("name", CASES)
 def test_interpreter_matches_dequantized_model(ckpt, name):
     dense, folder = ckpt(name)
-    runner = ReferenceRunner(load_model(folder, progress=False), max_tokens=64)
-    assert_close(runner.prompt_logits(PROMPT), hf_logits(dense, PROMPT))
+    check_interpreter(folder, dense, PROMPT)
 
 
 @pytest.mark.parametrize("name", ["ct_i4", "ct_i8"])
@@ -162,9 +161,8 @@ def test_planted_bug_fails_the_check(ckpt, bug, monkeypatch):
     name, plant = PLANTED[bug]
     dense, folder = ckpt(name)
     plant(monkeypatch)
-    runner = ReferenceRunner(load_model(folder, progress=False), max_tokens=64)
     with pytest.raises(AssertionError, match="max abs err"):
-        assert_close(runner.prompt_logits(PROMPT), hf_logits(dense, PROMPT))
+        check_interpreter(folder, dense, PROMPT)
 
 
 @pytest.mark.parametrize("change,message", [
