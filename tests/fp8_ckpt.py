@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from int_quant_ckpt import write_quantized
+from int_quant_ckpt import LINEARS, write_quantized
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -27,6 +27,7 @@ class Case:
     block: tuple[int, int] = (128, 128)
     bf16_scales: bool = False
     hidden: int = 192
+    embed: bool = False  # the embedding table in FP8 too (no checkpoint we know does; the backends must not care)
 
 
 def _block_scales(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -90,7 +91,8 @@ def _quant_config(case: Case) -> dict:
 def write_checkpoint(folder: Path, case: Case, seed: int = 0):
     """The FP8 checkpoint in `folder`; returns the dense transformers model of its dequantized weights."""
     pack = _blockwise if case.method == "fp8" else _ct
-    return write_quantized(folder, case.hidden, seed, lambda _prefix, w: pack(w, case), _quant_config(case))
+    targets = LINEARS + (("model.embed_tokens",) if case.embed else ())
+    return write_quantized(folder, case.hidden, seed, lambda _prefix, w: pack(w, case), _quant_config(case), targets)
 
 
 def dequantized_reference(codes: np.ndarray) -> np.ndarray:

@@ -123,15 +123,15 @@ def _quant_config(case: Case) -> dict:
     return json.loads(cfg.model_dump_json())
 
 
-def write_quantized(folder: Path, hidden: int, seed: int, quantize, quant_config: dict):
-    """A tiny llama in `folder` with each linear's weight w replaced by the tensors of quantize(name prefix, w) ->
-    (tensors by suffix, dequantized w) and `quant_config` in its config.json; returns the dense transformers model of
-    the dequantized weights."""
+def write_quantized(folder: Path, hidden: int, seed: int, quantize, quant_config: dict, targets=LINEARS):
+    """A tiny llama in `folder` with each weight w of `targets` (by name suffix; the linears) replaced by the tensors
+    of quantize(name prefix, w) -> (tensors by suffix, dequantized w), and `quant_config` in its config.json; returns
+    the dense transformers model of the dequantized weights."""
     model = random_causal_lm(tiny_config(hidden), seed)
     tensors = {}
     for name, p in model.state_dict().items():
         prefix = name.removesuffix(".weight")
-        if not any(prefix.endswith(lin) for lin in LINEARS):
+        if not any(prefix.endswith(lin) for lin in targets):
             tensors[name] = p.contiguous()
             continue
         parts, wd = quantize(prefix, p.detach().clone())

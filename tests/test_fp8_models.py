@@ -27,6 +27,7 @@ CASES = {
     "ct_tensor": Case("compressed-tensors", "tensor"),
     "ct_channel": Case("compressed-tensors", "channel", bf16_scales=True),
     "ct_block": Case("compressed-tensors", "block", (64, 64)),
+    "blockwise_embed": Case("fp8", embed=True),
 }
 PROMPT = [3, 17, 99, 5, 60, 7, 8, 9, 10, 11, 12]
 STEPS = ([PROMPT, [4, 5, 6]], [PROMPT[:4], [4, 5, 6]])
@@ -115,7 +116,7 @@ def _kept_cuda(model, monkeypatch, device: str, dtype: str):
 # (case, the path its linears take, logit tolerance): block scales go through an exact fp32 dequantization; row-wise
 # scales through _scaled_mm on e4m3 activations (dynamic per-row quantization: up to 2^-4 of a value, ~12% of these
 # tiny random models' logits), whose arithmetic test_fp8_linear_is_its_definition checks exactly.
-KEPT = [("blockwise", "blockwise", 1e-4), ("ct_channel", "scaled_mm", 0.25)]
+KEPT = [("blockwise", "blockwise", 1e-4), ("ct_channel", "scaled_mm", 0.25), ("blockwise_embed", "blockwise", 1e-4)]
 
 
 @pytest.mark.parametrize("group,path", [(64, "blockwise"), (192, "scaled_mm")])
@@ -155,6 +156,7 @@ def test_kept_fp8_path_on_cpu_tensors(ckpt, monkeypatch, name, path, rtol):
     _, folder = ckpt(name)
     model = load_model(folder, progress=False)
     b, paths = _kept_cuda(model, monkeypatch, "cpu", "f32")
+    assert (getattr(b.params["embed"], "scales", None) is not None) == CASES[name].embed  # FP8 rows looked up too
     _check_kept(b, paths, model, path, rtol)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from backends.cuda import distributed, gemv_fusion, torch_ops
 from backends.cuda.decode_table import DecodeTable
+from backends.cuda.fp8_linear import dequantize as fp8_dequantize
 from backends.cuda.fp8_linear import fp8_linear
 from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
@@ -326,6 +327,8 @@ class Runner:
             inside = (local >= 0) & (local < table.shape[0])
             rows = self.embedding(table, torch.where(inside, local, torch.zeros_like(local)))
             return rows * inside.unsqueeze(-1).to(rows.dtype)
+        if isinstance(table, QuantWeight) and table.scales is not None:  # FP8 rows
+            return fp8_dequantize(table.data.index_select(0, ids), table.scales.index_select(0, ids), self.dtype)
         if isinstance(table, QuantWeight):
             from kernels_src.dequantize import dequantize_rows
 
