@@ -7,6 +7,10 @@ the dequantized difference relative to the values' RMS. The binaries are the GPU
 glibc): run it there, e.g.
 
     python -m tools.isq_vs_llama_quantize --llama-cpp .peers/llama.cpp-cuda-sm90.tar.xz
+
+or here with a CPU build of the same source (docs/BENCHMARKS.md, 2026-12-03, has the cmake lines):
+
+    python -m tools.isq_vs_llama_quantize --llama-cpp LLAMA_CPP_SRC/b/bin --vocab 128256 --hidden 256 --layers 1
 """
 
 from __future__ import annotations
