@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--d", metavar="ID[,ID...]", help="CUDA backend: the GPU to use (default 0), or several: tensor "
                      "parallel, one process per GPU (a power of two up to 8). Under torchrun or an MPI launcher each "
                      "rank takes its LOCAL_RANK's GPU instead")
+    eng.add_argument("--tp", metavar="N", type=_positive(), help="MLX backend: tensor parallel over N local processes "
+                     "(a power of two up to 8) joined by mx.distributed's ring on 127.0.0.1; implies --backend mlx "
+                     "(the CUDA backend's ranks are its --d GPUs)")
     # Test only: the CUDA backend on CPU tensors (Triton's interpreter), one process per --d id, gloo between them.
     eng.add_argument("--cpu-tensors", action="store_true", help=argparse.SUPPRESS)
     smp = ap.add_argument_group("sampling defaults (a request's own values win)")
@@ -121,7 +124,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.cpu_tensors:
         args.backend = "cuda"
     if args.d is not None and len(args.d) > 1 and args.backend == "mlx":
-        ap.error("tensor parallel (--d with several ids) runs on the CUDA backend; the MLX one takes no --d")
+        ap.error("tensor parallel on the MLX backend is --tp N; its --d takes no GPU ids")
+    if args.tp is not None:
+        if args.backend == "cuda" or args.d is not None:
+            ap.error("--tp N is the MLX backend's tensor parallel; the CUDA backend's ranks are its GPUs: --d 0,1")
+        n = args.tp
+        if n > 8 or n & (n - 1):
+            ap.error(f"--tp: tensor parallel runs on a power of two from 1 to 8 processes, not {n}")
+        args.backend = "mlx"
     args.launch = _launcher_rank(ap, args)
     if args.w and (args.f or args.m):
         ap.error("--w names a local folder; it cannot be combined with --f or --m")
@@ -256,6 +266,8 @@ def backend_options(args: argparse.Namespace) -> dict:
         out["device"] = devices[0] if len(devices) == 1 and args.launch is None else devices
     if args.launch is not None:
         out["rendezvous"] = args.launch
+    if getattr(args, "tp", None) and args.tp > 1:
+        out["tp"] = args.tp
     return out
 
 
