@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from backend_greedy import backend_greedy
 from test_tiny_models import prompt, saved  # noqa: F401  (saved is a fixture)
-from tiny_hf import assert_close, random_causal_lm
+from tiny_hf import assert_close, save_tiny_chat_qwen3
 
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
@@ -84,18 +84,7 @@ def test_a_ring_that_cannot_start_says_why(saved):  # noqa: F811
 def test_cli_tp_2_answers_as_one_process(tmp_path, smollm_path):
     """`--tp 2` through the engine (rank 0 in the CLI's process, its worker spawned) gives one process's greedy
     answer to a chat prompt."""
-    from transformers import Qwen3Config
-
-    from ir.loader import load_tokenizer
-
-    tok = load_tokenizer(smollm_path)  # SmolLM2's, from its GGUF, written as a tokenizer.json folder
-    cfg = Qwen3Config(vocab_size=tok.backend.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256, tie_word_embeddings=True)
-    random_causal_lm(cfg).save_pretrained(tmp_path)
-    tok.backend.save(str(tmp_path / "tokenizer.json"))
-    specials = {k: v for k, v in tok.special_tokens.items() if v}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**specials, "chat_template": tok.chat_template}))
+    save_tiny_chat_qwen3(tmp_path, smollm_path)
 
     def answer(tp: int) -> tuple[str, str]:
         run = subprocess.run([sys.executable, "-m", "frontend", "--w", str(tmp_path), "--tp", str(tp), "--prompt",

@@ -16,7 +16,7 @@ import time
 
 import pytest
 from test_engine_process import health
-from tiny_hf import random_causal_lm
+from tiny_hf import save_tiny_chat_qwen3
 
 from tests.serving import ServerProcess
 from tests.test_server import readme_blocks
@@ -26,19 +26,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm_path):
-    from transformers import Qwen3Config
-
-    from ir.loader import load_tokenizer
-
     folder = tmp_path_factory.mktemp("tp") / "SmolLM2-135M-Instruct"  # the name the README's example asks for
-    tok = load_tokenizer(smollm_path)  # SmolLM2's, from its GGUF, written as a tokenizer.json folder
-    cfg = Qwen3Config(vocab_size=tok.backend.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256, tie_word_embeddings=True)
-    random_causal_lm(cfg).save_pretrained(folder)
-    tok.backend.save(str(folder / "tokenizer.json"))
-    specials = {k: v for k, v in tok.special_tokens.items() if v}
-    (folder / "tokenizer_config.json").write_text(json.dumps({**specials, "chat_template": tok.chat_template}))
+    save_tiny_chat_qwen3(folder, smollm_path)
     with ServerProcess("--w", str(folder), "--d", "0,1", "--cpu-tensors", "--dtype", "f32", "--mem", "8",
                        "--on-engine-death", "restart") as s:
         yield s
