@@ -127,11 +127,11 @@ def create_backend(name: str, model: LoadedModel, **options) -> Backend:
         ignored = [k for k in CUDA_ONLY if options.pop(k, None) not in (None, True)]
         if ignored:
             log.warning("the mlx backend ignores %s", ", ".join(ignored))
-        tp = options.pop("tp", 1)
-        if tp > 1:
+        tp, ring = options.pop("tp", 1), options.pop("ring", None)
+        if tp > 1 or ring is not None:
             from backends.mlx import tensor_parallel  # several ranks over MLX's ring: this process is rank 0
 
-            return tensor_parallel.start(model, tp, **options)
+            return tensor_parallel.start(model, ring.world if ring else tp, ring=ring, **options)
         return MLXBackend(model, **options)
     if name == "cuda":
         if options.get("tp", 1) > 1:

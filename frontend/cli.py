@@ -133,6 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--tp: tensor parallel runs on a power of two from 1 to 8 processes, not {n}")
         args.backend = "mlx"
     args.launch = _launcher_rank(ap, args)
+    args.mlx_ring = _mlx_launch_rank(ap, args)
     if args.w and (args.f or args.m):
         ap.error("--w names a local folder; it cannot be combined with --f or --m")
     from frontend.protocol import SamplingFields, ServerDefaults, sampling_params
@@ -186,6 +187,25 @@ def _launcher_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):
     return rv
 
 
+def _mlx_launch_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):
+    """This process's Ring when mlx.launch started it as one rank of a ring (MLX_RANK, MLX_HOSTFILE), else None."""
+    if "MLX_RANK" not in os.environ or args.launch is not None:
+        return None
+    from backends.mlx.distributed import Ring
+
+    try:
+        ring = Ring.from_env()
+    except ValueError as e:
+        ap.error(str(e))
+    if ring is None or ring.world == 1:
+        return None
+    if args.d is not None or args.tp is not None or args.backend == "cuda":
+        ap.error("under mlx.launch the ranks are its processes on the MLX backend; --d, --tp and --backend cuda "
+                 "are not for it")
+    args.backend = "mlx"
+    return ring
+
+
 def setup_logging(log_file: str | None) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
@@ -213,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve(args.w, args.f, args.m)
         if args.launch is not None and args.launch.rank != 0:  # a launcher's worker rank: rank 0 serves
             return _serve_rank(args, str(source.path))
+        if args.mlx_ring is not None and args.mlx_ring.rank != 0:
+            return _serve_mlx_rank(args, str(source.path))
         log.info("loading %s from %s", source.id, source.path)
         spec = engine_spec(args, str(source.path))
         if args.prompt is not None or args.engine_in_process:  # else the engine process loads the weights
@@ -244,6 +266,17 @@ def _serve_rank(args: argparse.Namespace, path: str) -> int:
     return 0
 
 
+def _serve_mlx_rank(args: argparse.Namespace, path: str) -> int:
+    """A rank other than 0 of an mlx.launch ring: its shard, driven by rank 0 until rank 0 stops."""
+    from backends.mlx.tensor_parallel import worker_main
+
+    opts = backend_options(args)
+    ring = opts.pop("ring")
+    log.info("rank %d of %d of MLX's ring, serving rank 0's steps", ring.rank, ring.world)
+    worker_main({"model": path, "isq": args.isq, "ring": ring, "options": opts})
+    return 0
+
+
 def engine_config(args: argparse.Namespace):
     from frontend.engine.engine import EngineConfig
     from frontend.engine.scheduler import SchedulerConfig
@@ -268,6 +301,8 @@ def backend_options(args: argparse.Namespace) -> dict:
         out["rendezvous"] = args.launch
     if getattr(args, "tp", None) and args.tp > 1:
         out["tp"] = args.tp
+    if getattr(args, "mlx_ring", None) is not None:
+        out["ring"] = args.mlx_ring
     return out
 
 

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,22 +82,40 @@ def test_a_ring_that_cannot_start_says_why(saved):  # noqa: F811
         tensor_parallel.start(model, 8)
 
 
+def ring_ports() -> int:
+    """A port p with p + 1 free too (mlx.launch gives rank r the port p + r)."""
+    for _ in range(20):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+            return p
+    raise RuntimeError("no two consecutive free ports")
+
+
 def test_cli_tp_2_answers_as_one_process(tmp_path, smollm_path):
-    """`--tp 2` through the engine (rank 0 in the CLI's process, its worker spawned) gives one process's greedy
-    answer to a chat prompt."""
+    """`--tp 2` through the engine (rank 0 in the CLI's process, its worker spawned), and 2 ranks started by
+    mlx.launch (MLX_RANK, MLX_HOSTFILE: rank 1 serves rank 0's steps), give one process's greedy answer."""
     save_tiny_chat_qwen3(tmp_path, smollm_path)
 
-    def answer(tp: int) -> tuple[str, str]:
-        run = subprocess.run([sys.executable, "-m", "frontend", "--w", str(tmp_path), "--tp", str(tp), "--prompt",
+    def answer(*argv: str, launch: list[str] = ()) -> tuple[str, str]:
+        run = subprocess.run([*launch, sys.executable, "-m", "frontend", "--w", str(tmp_path), *argv, "--prompt",
                               "Hello there", "--max-tokens", "8", "--temperature", "0", "--dtype", "f32", "--mem", "8"],
                              cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr[-3000:]
         return run.stdout, run.stderr
 
-    one, _ = answer(1)
-    two, log = answer(2)
+    one, _ = answer("--backend", "mlx")
+    two, log = answer("--tp", "2")
     assert one.strip() and two == one
     assert "mlx tensor parallel: 2 ranks over the ring" in log
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    launched, log = answer(launch=[str(launcher), "--backend", "ring", "-n", "2", "-p", str(ring_ports()), "--"])
+    assert launched == one  # rank 0's answer alone: rank 1 prints nothing
+    assert "rank 1 of 2 of MLX's ring, serving rank 0's steps" in log
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -110,3 +129,16 @@ def test_cli_refuses_a_bad_tp(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--w", ".", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_an_unreadable_mlx_launch_hostfile(tmp_path, monkeypatch, capsys):
+    from frontend.cli import parse_args
+
+    bad = tmp_path / "hosts.json"
+    bad.write_text("[127.0.0.1:5000")
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("MLX_HOSTFILE", str(bad))
+    with pytest.raises(SystemExit):
+        parse_args(["--w", "."])
+    assert f"MLX_HOSTFILE {bad} (a JSON list of each rank's \"ip:port\" list) do not make a ring" in \
+        capsys.readouterr().err

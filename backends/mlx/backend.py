@@ -70,7 +70,8 @@ class MLXBackend(Backend):
 
     def describe(self) -> str:
         where = "metal" if self.metal else f"cpu, GEMMs via {fast_blas.status}"
-        return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}"
+        ranks = f", rank {self.rank} of {self.world}" if self.world > 1 else ""
+        return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}{ranks}"
 
     def kv_bytes_per_block(self, block_size: int, group: int | None = None) -> int:
         return self.kv_bytes(block_size, mx.zeros((1,), weights.DTYPES[self.dtype]).itemsize, group)

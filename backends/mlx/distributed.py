@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from backends.mlx.runtime import mx
@@ -20,18 +21,37 @@ _GROUP = None
 
 @dataclass(frozen=True)
 class Ring:
-    """One rank's place in the ring and every rank's address (rank r listens at hosts[r], "ip:port")."""
+    """One rank's place in the ring and every rank's addresses (rank r listens at hosts[r], each "ip:port")."""
 
     rank: int
-    hosts: tuple[str, ...]
+    hosts: tuple[tuple[str, ...], ...]
 
     @property
     def world(self) -> int:
         return len(self.hosts)
 
     @classmethod
-    def local(cls, rank: int, ports: list[int]) -> Ring:
-        return cls(rank, tuple(f"127.0.0.1:{p}" for p in ports))
+    def local(cls, rank: int, addresses: list[str]) -> Ring:
+        """One address a rank, e.g. "127.0.0.1:port"."""
+        return cls(rank, tuple((a,) for a in addresses))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Ring | None:
+        """mlx.launch's MLX_RANK and MLX_HOSTFILE (its JSON: each rank's list of "ip:port"); None when this process
+        was not launched as one rank of a ring."""
+        rank, path = env.get("MLX_RANK"), env.get("MLX_HOSTFILE")
+        if rank is None or not path:
+            return None
+        try:
+            with open(path) as f:
+                hosts = json.load(f)
+            return cls(int(rank), tuple(tuple(str(a) for a in h) for h in hosts))
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"mlx.launch's MLX_RANK {rank!r} and MLX_HOSTFILE {path} (a JSON list of each rank's "
+                             f"\"ip:port\" list) do not make a ring: {e}") from None
+
+    def where(self, rank: int | None = None) -> str:
+        return ",".join(self.hosts[self.rank if rank is None else rank])
 
 
 def init(ring: Ring) -> None:
@@ -43,7 +63,7 @@ def init(ring: Ring) -> None:
     if not mx.distributed.is_available():
         raise RuntimeError("this MLX build has no mx.distributed (tensor parallel needs its ring backend)")
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="mlx-ring-", delete=False) as f:
-        json.dump([[h] for h in ring.hosts], f)
+        json.dump([list(h) for h in ring.hosts], f)
     saved = {k: os.environ.get(k) for k in ("MLX_RANK", "MLX_HOSTFILE")}
     os.environ.update(MLX_RANK=str(ring.rank), MLX_HOSTFILE=f.name)
     try:
@@ -51,8 +71,8 @@ def init(ring: Ring) -> None:
     except RuntimeError as e:
         errno = re.search(r"error: (\d+)", str(e))  # MLX gives the socket's errno as a number
         why = f"{e} ({os.strerror(int(errno[1])).lower()})" if errno else str(e)
-        raise RuntimeError(f"MLX's ring could not start: rank {ring.rank} at {ring.hosts[ring.rank]} of "
-                           f"{', '.join(ring.hosts)}: {why}") from None
+        raise RuntimeError(f"MLX's ring could not start: rank {ring.rank} at {ring.where()} of "
+                           f"{' '.join(map(ring.where, range(ring.world)))}: {why}") from None
     finally:
         os.unlink(f.name)
         for k, v in saved.items():  # read by init only: later processes this one starts must not inherit them

@@ -24,17 +24,23 @@ log = logging.getLogger(__name__)
 CHANNEL = Channel(distributed.broadcast, lambda: None)  # MLX's group lasts as long as its process
 
 
-def start(model: LoadedModel, world: int, hosts: list[str] | None = None, **options) -> MLXBackend:
+def start(model: LoadedModel, world: int, hosts: list[str] | None = None, ring: Ring | None = None,
+          **options) -> MLXBackend:
     """Rank 0's backend over `world` local ranks, its workers spawned here; `hosts` ("ip:port", one a rank) where
-    the ranks listen, by default free ports on 127.0.0.1."""
+    the ranks listen, by default free ports on 127.0.0.1. Or, given `ring` (Ring.from_env: mlx.launch started
+    every rank, on one host or several), rank 0 of that ring, spawning nothing."""
+    if ring is None:
+        ring = Ring.local(0, hosts or [f"127.0.0.1:{tp_processes.free_port()}" for _ in range(world)])
+        spawned = range(1, ring.world)
+    else:
+        spawned = range(0)
+    if ring.world != world:
+        raise ValueError(f"{world} ranks need {world} ring addresses, not {ring.world}")
     check_world(world)
     shard(model.graph, 0, world)  # heads that do not split: refused before any process starts
-    ring = Ring(0, tuple(hosts)) if hosts else Ring.local(0, [tp_processes.free_port() for _ in range(world)])
-    if ring.world != world:
-        raise ValueError(f"{world} ranks need {world} ring addresses, not {ring.world}: {', '.join(ring.hosts)}")
     procs = {r: tp_processes.spawn("backends.mlx.tensor_parallel", {
         "model": str(model.path), "isq": model.isq, "options": options, "ring": Ring(r, ring.hosts)})
-        for r in range(1, world)}
+        for r in spawned}
     workers = Workers(procs, CHANNEL)
     atexit.register(workers.close)
     try:
@@ -49,11 +55,12 @@ def start(model: LoadedModel, world: int, hosts: list[str] | None = None, **opti
         raise
     backend.mirror, backend.workers = workers.send, workers
     workers.watch()
-    log.info("mlx tensor parallel: %d ranks over the ring at %s", world, ", ".join(ring.hosts))
+    log.info("mlx tensor parallel: %d ranks over the ring at %s", world, " ".join(map(ring.where, range(world))))
     return backend
 
 
 def worker_main(spec: dict) -> None:
+    """A rank other than 0: join the ring, load its shard, run rank 0's calls until told to stop."""
     ring = spec["ring"]
     distributed.init(ring)
     model = load_model(spec["model"], progress=False, isq=spec.get("isq"))  # rank 0's --isq: the same bytes
