@@ -171,39 +171,44 @@ def _device_ids(ap: argparse.ArgumentParser, text: str) -> list[int]:
 
 def _launcher_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):
     """This process's Rendezvous when torchrun or an MPI launcher started it as one rank of several, else None."""
-    if "WORLD_SIZE" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
-        return None
-    from backends.cuda.distributed import Rendezvous
+    def place():
+        from backends.cuda.distributed import Rendezvous
+        return Rendezvous.from_env()
 
-    try:
-        rv = Rendezvous.from_env()
-    except ValueError as e:
-        ap.error(str(e))
-    if rv is None or rv.world == 1:
-        return None
-    if args.d is not None:
-        ap.error("under torchrun or an MPI launcher each rank takes the GPU of its LOCAL_RANK; --d is not for it")
-    args.backend = "cuda"
-    return rv
+    return _launched(ap, args, ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"), place, "cuda", args.d is not None,
+                     "under torchrun or an MPI launcher each rank takes the GPU of its LOCAL_RANK; --d is not for it")
 
 
 def _mlx_launch_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):
     """This process's Ring when mlx.launch started it as one rank of a ring (MLX_RANK, MLX_HOSTFILE), else None."""
-    if "MLX_RANK" not in os.environ or args.launch is not None:
-        return None
-    from backends.mlx.distributed import Ring
+    def place():
+        from backends.mlx.distributed import Ring
+        return Ring.from_env()
 
+    if args.launch is not None:
+        return None
+    return _launched(ap, args, ("MLX_RANK",), place, "mlx",
+                     args.d is not None or args.tp is not None or args.backend == "cuda",
+                     "under mlx.launch the ranks are its processes on the MLX backend; --d, --tp and --backend cuda "
+                     "are not for it")
+
+
+def _launched(ap: argparse.ArgumentParser, args: argparse.Namespace, markers: tuple[str, ...], place,
+              backend: str, refused: bool, refusal: str):
+    """A launcher's rank (place(), read when one of `markers` is set) of more than one, on `backend`; the flags
+    that `refused` says were given are an error."""
+    if not any(m in os.environ for m in markers):
+        return None
     try:
-        ring = Ring.from_env()
+        rank = place()
     except ValueError as e:
         ap.error(str(e))
-    if ring is None or ring.world == 1:
+    if rank is None or rank.world == 1:
         return None
-    if args.d is not None or args.tp is not None or args.backend == "cuda":
-        ap.error("under mlx.launch the ranks are its processes on the MLX backend; --d, --tp and --backend cuda "
-                 "are not for it")
-    args.backend = "mlx"
-    return ring
+    if refused:
+        ap.error(refusal)
+    args.backend = backend
+    return rank
 
 
 def setup_logging(log_file: str | None) -> None:
