@@ -122,12 +122,22 @@ def create_backend(name: str, model: LoadedModel, **options) -> Backend:
     if name == "mlx":
         from backends.mlx.backend import MLXBackend
         if isinstance(options.get("device"), list | tuple) or options.get("rendezvous") is not None:
-            raise NotImplementedError("tensor parallel runs on the CUDA backend; the MLX one is a single process")
+            raise NotImplementedError("the MLX backend's tensor parallel is tp=N processes (--tp N), not GPU ids "
+                                      "or a torchrun launch")
         ignored = [k for k in CUDA_ONLY if options.pop(k, None) not in (None, True)]
         if ignored:
             log.warning("the mlx backend ignores %s", ", ".join(ignored))
+        tp, ring = options.pop("tp", 1), options.pop("ring", None)
+        if tp > 1 or ring is not None:
+            from backends.mlx import tensor_parallel  # several ranks over MLX's ring: this process is rank 0
+
+            return tensor_parallel.start(model, ring.world if ring else tp, ring=ring, **options)
         return MLXBackend(model, **options)
     if name == "cuda":
+        if options.get("tp", 1) > 1:
+            raise NotImplementedError("tp=N is the MLX backend's tensor parallel; the CUDA backend's ranks are its "
+                                      "devices (--d 0,1)")
+        options.pop("tp", None)
         try:
             from backends.cuda.backend import CUDABackend
         except ImportError as e:

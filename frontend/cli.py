@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--d", metavar="ID[,ID...]", help="CUDA backend: the GPU to use (default 0), or several: tensor "
                      "parallel, one process per GPU (a power of two up to 8). Under torchrun or an MPI launcher each "
                      "rank takes its LOCAL_RANK's GPU instead")
+    eng.add_argument("--tp", metavar="N", type=_positive(), help="MLX backend: tensor parallel over N local processes "
+                     "(a power of two up to 8) joined by mx.distributed's ring on 127.0.0.1; implies --backend mlx "
+                     "(the CUDA backend's ranks are its --d GPUs)")
     # Test only: the CUDA backend on CPU tensors (Triton's interpreter), one process per --d id, gloo between them.
     eng.add_argument("--cpu-tensors", action="store_true", help=argparse.SUPPRESS)
     smp = ap.add_argument_group("sampling defaults (a request's own values win)")
@@ -121,8 +124,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.cpu_tensors:
         args.backend = "cuda"
     if args.d is not None and len(args.d) > 1 and args.backend == "mlx":
-        ap.error("tensor parallel (--d with several ids) runs on the CUDA backend; the MLX one takes no --d")
+        ap.error("tensor parallel on the MLX backend is --tp N; its --d takes no GPU ids")
+    if args.tp is not None:
+        if args.backend == "cuda" or args.d is not None:
+            ap.error("--tp N is the MLX backend's tensor parallel; the CUDA backend's ranks are its GPUs: --d 0,1")
+        n = args.tp
+        if n > 8 or n & (n - 1):
+            ap.error(f"--tp: tensor parallel runs on a power of two from 1 to 8 processes, not {n}")
+        args.backend = "mlx"
     args.launch = _launcher_rank(ap, args)
+    args.mlx_ring = _mlx_launch_rank(ap, args)
     if args.w and (args.f or args.m):
         ap.error("--w names a local folder; it cannot be combined with --f or --m")
     from frontend.protocol import SamplingFields, ServerDefaults, sampling_params
@@ -160,20 +171,44 @@ def _device_ids(ap: argparse.ArgumentParser, text: str) -> list[int]:
 
 def _launcher_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):
     """This process's Rendezvous when torchrun or an MPI launcher started it as one rank of several, else None."""
-    if "WORLD_SIZE" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
-        return None
-    from backends.cuda.distributed import Rendezvous
+    def place():
+        from backends.cuda.distributed import Rendezvous
+        return Rendezvous.from_env()
 
+    return _launched(ap, args, ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"), place, "cuda", args.d is not None,
+                     "under torchrun or an MPI launcher each rank takes the GPU of its LOCAL_RANK; --d is not for it")
+
+
+def _mlx_launch_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):
+    """This process's Ring when mlx.launch started it as one rank of a ring (MLX_RANK, MLX_HOSTFILE), else None."""
+    def place():
+        from backends.mlx.distributed import Ring
+        return Ring.from_env()
+
+    if args.launch is not None:
+        return None
+    return _launched(ap, args, ("MLX_RANK",), place, "mlx",
+                     args.d is not None or args.tp is not None or args.backend == "cuda",
+                     "under mlx.launch the ranks are its processes on the MLX backend; --d, --tp and --backend cuda "
+                     "are not for it")
+
+
+def _launched(ap: argparse.ArgumentParser, args: argparse.Namespace, markers: tuple[str, ...], place,
+              backend: str, refused: bool, refusal: str):
+    """A launcher's rank (place(), read when one of `markers` is set) of more than one, on `backend`; the flags
+    that `refused` says were given are an error."""
+    if not any(m in os.environ for m in markers):
+        return None
     try:
-        rv = Rendezvous.from_env()
+        rank = place()
     except ValueError as e:
         ap.error(str(e))
-    if rv is None or rv.world == 1:
+    if rank is None or rank.world == 1:
         return None
-    if args.d is not None:
-        ap.error("under torchrun or an MPI launcher each rank takes the GPU of its LOCAL_RANK; --d is not for it")
-    args.backend = "cuda"
-    return rv
+    if refused:
+        ap.error(refusal)
+    args.backend = backend
+    return rank
 
 
 def setup_logging(log_file: str | None) -> None:
@@ -203,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve(args.w, args.f, args.m)
         if args.launch is not None and args.launch.rank != 0:  # a launcher's worker rank: rank 0 serves
             return _serve_rank(args, str(source.path))
+        if args.mlx_ring is not None and args.mlx_ring.rank != 0:
+            return _serve_mlx_rank(args, str(source.path))
         log.info("loading %s from %s", source.id, source.path)
         spec = engine_spec(args, str(source.path))
         if args.prompt is not None or args.engine_in_process:  # else the engine process loads the weights
@@ -234,6 +271,17 @@ def _serve_rank(args: argparse.Namespace, path: str) -> int:
     return 0
 
 
+def _serve_mlx_rank(args: argparse.Namespace, path: str) -> int:
+    """A rank other than 0 of an mlx.launch ring: its shard, driven by rank 0 until rank 0 stops."""
+    from backends.mlx.tensor_parallel import worker_main
+
+    opts = backend_options(args)
+    ring = opts.pop("ring")
+    log.info("rank %d of %d of MLX's ring, serving rank 0's steps", ring.rank, ring.world)
+    worker_main({"model": path, "isq": args.isq, "ring": ring, "options": opts})
+    return 0
+
+
 def engine_config(args: argparse.Namespace):
     from frontend.engine.engine import EngineConfig
     from frontend.engine.scheduler import SchedulerConfig
@@ -256,6 +304,10 @@ def backend_options(args: argparse.Namespace) -> dict:
         out["device"] = devices[0] if len(devices) == 1 and args.launch is None else devices
     if args.launch is not None:
         out["rendezvous"] = args.launch
+    if getattr(args, "tp", None) and args.tp > 1:
+        out["tp"] = args.tp
+    if getattr(args, "mlx_ring", None) is not None:
+        out["ring"] = args.mlx_ring
     return out
 
 

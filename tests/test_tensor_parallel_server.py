@@ -1,7 +1,8 @@
-"""The server with `--d 0,1` on CPU tensors (test only: --cpu-tensors, gloo, Triton's interpreter): a tiny random
-qwen3 with SmolLM2's vocabulary and tokenizer, served under SmolLM2's name, answers the README's curl example (its
-max_tokens cut to 4: every step runs under the interpreter in two processes); a worker killed in the middle of a
-request fails that request, and /health says 503 within a second (the engine is then restarted)."""
+"""The server with `--d 0,1` on CPU tensors (test only: --cpu-tensors, gloo, Triton's interpreter), and with
+`--tp 2` on MLX (its ring): a tiny random qwen3 with SmolLM2's vocabulary and tokenizer, served under SmolLM2's
+name, answers the README's curl example (its max_tokens cut to 4: on CUDA every step runs under the interpreter in
+two processes); a worker killed in the middle of a request fails that request, and /health says 503 within a second
+(the engine is then restarted)."""
 
 from __future__ import annotations
 
@@ -16,30 +17,24 @@ import time
 
 import pytest
 from test_engine_process import health
-from tiny_hf import random_causal_lm
+from tiny_hf import save_tiny_chat_qwen3
 
 from tests.serving import ServerProcess
 from tests.test_server import readme_blocks
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+TWO_RANKS = {
+    "cuda": pytest.param(("--d", "0,1", "--cpu-tensors"), id="cuda", marks=pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="triton is not installed")),
+    "mlx": pytest.param(("--backend", "mlx", "--tp", "2"), id="mlx", marks=pytest.mark.skipif(
+        importlib.util.find_spec("mlx") is None, reason="mlx is not installed")),
+}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm_path):
-    from transformers import Qwen3Config
-
-    from ir.loader import load_tokenizer
-
+@pytest.fixture(scope="module", params=TWO_RANKS.values())
+def server(request, tmp_path_factory, smollm_path):
     folder = tmp_path_factory.mktemp("tp") / "SmolLM2-135M-Instruct"  # the name the README's example asks for
-    tok = load_tokenizer(smollm_path)  # SmolLM2's, from its GGUF, written as a tokenizer.json folder
-    cfg = Qwen3Config(vocab_size=tok.backend.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256, tie_word_embeddings=True)
-    random_causal_lm(cfg).save_pretrained(folder)
-    tok.backend.save(str(folder / "tokenizer.json"))
-    specials = {k: v for k, v in tok.special_tokens.items() if v}
-    (folder / "tokenizer_config.json").write_text(json.dumps({**specials, "chat_template": tok.chat_template}))
-    with ServerProcess("--w", str(folder), "--d", "0,1", "--cpu-tensors", "--dtype", "f32", "--mem", "8",
+    save_tiny_chat_qwen3(folder, smollm_path)
+    with ServerProcess("--w", str(folder), *request.param, "--dtype", "f32", "--mem", "8",
                        "--on-engine-death", "restart") as s:
         yield s
 
@@ -61,7 +56,7 @@ def test_readme_curl_example_on_two_processes(server):
 def test_a_killed_worker_fails_its_request_and_health(server):
     (pid,) = map(int, re.findall(r"tp-worker pid (\d+) .*rank 1 of 2", server.log()))
     result = {}
-    request = threading.Thread(target=lambda: result.update(r=chat(server, 64)))
+    request = threading.Thread(target=lambda: result.update(r=chat(server, 200)))  # still running at 2 s
     request.start()
     time.sleep(2)  # into its decode steps
     os.kill(pid, signal.SIGKILL)

@@ -36,3 +36,22 @@ def saved_models(tmp_path_factory, make_hf, load: bool = False):
         return cache[case]
 
     return get
+
+
+def save_tiny_chat_qwen3(folder, tokenizer_path) -> None:
+    """A tiny random Qwen3 with a real tokenizer and chat template (SmolLM2's, from `tokenizer_path`'s GGUF, written
+    as a tokenizer.json folder) saved in `folder`: enough for the server's and the CLI's chat paths."""
+    import json
+
+    from transformers import Qwen3Config
+
+    from ir.loader import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_path)
+    cfg = Qwen3Config(vocab_size=tok.backend.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    random_causal_lm(cfg).save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    specials = {k: v for k, v in tok.special_tokens.items() if v}
+    (folder / "tokenizer_config.json").write_text(json.dumps({**specials, "chat_template": tok.chat_template}))

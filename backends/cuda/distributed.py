@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,12 +42,6 @@ class Rendezvous:
                        int(local))
         except ValueError as e:
             raise ValueError(f"the launcher's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT are not numbers: {e}") from None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init(rv: Rendezvous, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:

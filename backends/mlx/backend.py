@@ -16,7 +16,9 @@ from backends.mlx.metal_ops import KernelOps
 from backends.mlx.runtime import metal_available, mx
 from core.batch import Batch
 from ir.fusion import Fusions, concat_parts, fuse
+from ir.kv_groups import kv_layout
 from ir.loader import LoadedModel
+from ir.sharding import ShardedWeights, shard
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +28,24 @@ class MLXBackend(Backend):
 
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
                  compile: bool | None = None, kernels: str | None = None, progress: bool = True,
-                 fusions: Fusions | None = None):
+                 fusions: Fusions | None = None, rank: int = 0, world: int = 1):
+        """`rank` of `world`: this process runs that rank's graph (ir.sharding) in an MLX ring already joined
+        (backends.mlx.tensor_parallel starts them); `mirror`, when set, is told each call that runs it."""
         self.model = model
+        self.rank, self.world = rank, world
+        rank_graph = shard(model.graph, rank, world)
+        self._kv_layout = kv_layout(rank_graph)  # the rank's heads: its KV cache is sized per rank
+        self.mirror = None
+        self.workers = None  # rank 0's view of the other ranks (backends.tp_processes.Workers)
         self.metal = metal_available()
         # MLX's CPU quantized_matmul and its half-precision GEMMs are several times slower than fp32
         # through OpenBLAS (docs/BENCHMARKS.md), so the CPU default is dense fp32.
         self.dtype = dtype or ("f16" if self.metal else "f32")
         self.quantized = self.metal if quantized is None else quantized
-        params, fallbacks = weights.convert(model.graph, model.weights, self.dtype, self.quantized, progress)
+        stored = ShardedWeights(rank_graph, model.weights) if world > 1 else model.weights
+        params, fallbacks = weights.convert(rank_graph, stored, self.dtype, self.quantized, progress)
         # The fusion pass decides what runs fused, by the forms the weights now have.
-        self.graph = fuse(model.graph, {name: weights.format_of(p) for name, p in params.items()}, fusions or Fusions())
+        self.graph = fuse(rank_graph, {name: weights.format_of(p) for name, p in params.items()}, fusions or Fusions())
         self.params = concat_parts(self.graph, params, weights.concat)
         mx.eval([x for v in self.params.values() for x in weights.arrays(v)])
         del params
@@ -60,7 +70,8 @@ class MLXBackend(Backend):
 
     def describe(self) -> str:
         where = "metal" if self.metal else f"cpu, GEMMs via {fast_blas.status}"
-        return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}"
+        ranks = f", rank {self.rank} of {self.world}" if self.world > 1 else ""
+        return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}{ranks}"
 
     def kv_bytes_per_block(self, block_size: int, group: int | None = None) -> int:
         return self.kv_bytes(block_size, mx.zeros((1,), weights.DTYPES[self.dtype]).itemsize, group)
@@ -70,6 +81,8 @@ class MLXBackend(Backend):
         pools = [num_blocks] * layout.num_groups if isinstance(num_blocks, int) else list(num_blocks)
         if len(pools) != layout.num_groups:
             raise ValueError(f"{len(pools)} pool sizes for {layout.num_groups} KV groups")
+        if self.mirror is not None:
+            self.mirror("allocate_kv", num_blocks, block_size)
         self.kv = []
         for s, g in zip(layout.shapes, layout.group_of, strict=True):
             slots = (pools[g] + 1) * block_size  # the extra block is scratch for padding writes
@@ -85,6 +98,16 @@ class MLXBackend(Backend):
             raise RuntimeError("allocate_kv must be called before forward")
         if batch.num_groups != len(self.pools):
             raise ValueError(f"this model has {len(self.pools)} KV groups; the batch has {batch.num_groups}")
+        if self.workers is None:
+            return self._forward(batch)
+        try:
+            self.mirror("forward", batch)
+            return self._forward(batch)
+        except RuntimeError as e:  # a collective that lost its peer: say which worker died, if one did
+            self.workers.explain(e)
+            raise
+
+    def _forward(self, batch: Batch) -> np.ndarray:
         scratch = [n * self.block_size for n in self.pools]  # each pool's scratch slot
         if self.decode is not None and CompiledDecode.applies(batch):
             logits = self.decode(batch, self.kv, self.block_size, scratch)
@@ -99,6 +122,11 @@ class MLXBackend(Backend):
         logits = out["logits"].astype(mx.float32)
         mx.eval(logits, self.kv)
         return np.array(logits, copy=False)
+
+    def is_fatal(self, error: BaseException) -> bool:
+        """Over several ranks any failed step is: a rank may have died, or the ranks' collectives fallen out of
+        step."""
+        return self.world > 1 and not isinstance(error, ValueError)
 
     def memory(self) -> MemoryReport:
         wbytes = sum(v.nbytes for v in self.params.values())

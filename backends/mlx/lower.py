@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from backends.mlx import distributed
 from backends.mlx.attention import AttentionMeta, latent_attention, paged_attention
 from backends.mlx.runtime import mx
 from backends.mlx.weights import QuantLinear
@@ -19,7 +20,13 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def _embedding(table, ids):
+def _embedding(table, ids, vocab_start: int | None = None):
+    if vocab_start is not None:  # a vocab-parallel shard: its rows, zeros for the ids of other ranks
+        local = ids - vocab_start
+        rows = table.wq.shape[0] if isinstance(table, QuantLinear) else table.shape[0]
+        inside = (local >= 0) & (local < rows)
+        out = _embedding(table, mx.where(inside, local, 0))
+        return out * inside[..., None].astype(out.dtype)
     return table.rows(ids) if isinstance(table, QuantLinear) else table[ids]
 
 
@@ -100,6 +107,8 @@ OPS = {
     "concat": lambda x, y: mx.concatenate(_bcast(x, y), axis=-1),
     "moe_route": _moe_route,
     "moe_experts": _moe_experts,
+    "all_reduce": distributed.all_reduce,
+    "all_gather": distributed.all_gather,
 }
 
 
