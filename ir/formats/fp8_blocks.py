@@ -16,6 +16,7 @@ scale), so repeating a scale is exact. Kinds are named `F8E4M3_G{group}`.
 from __future__ import annotations
 
 import re
+from math import gcd
 
 import numpy as np
 
@@ -64,6 +65,45 @@ def block_bytes(group: int) -> int:
 def decode(codes: np.ndarray) -> np.ndarray:
     """fp32 values of e4m3 bytes (uint8), exactly."""
     return E4M3[np.asarray(codes, np.uint8)]
+
+
+def encode(x: np.ndarray) -> np.ndarray:
+    """e4m3 bytes (uint8) of finite values, rounded to nearest, ties to even, from the format's definition; beyond
+    +-448 saturated to +-448 (torch's float8_e4m3fn cast makes NaN of |x| > 464). NaN and infinities: ValueError."""
+    x = np.asarray(x, np.float64)  # every f32 is exact here, and so is each scaling below (powers of two)
+    if not np.isfinite(x).all():
+        raise ValueError("e4m3 encoding: NaN or infinite values have no e4m3 code here (saturating them would hide "
+                         "the bad weight)")
+    a = np.abs(x)
+    _, exp = np.frexp(a)  # a = f * 2**exp, f in [0.5, 1): a normal value's exponent is exp - 1
+    step = np.exp2(np.maximum(exp - 1, -6) - 3.0)  # the spacing of e4m3 values at a (2**-9 among the subnormals)
+    r = np.minimum(np.rint(a / step) * step, E4M3_MAX)  # np.rint: half to even on the 3-bit mantissa
+    _, e = np.frexp(r)
+    normal = r >= 2.0 ** -6
+    code = np.where(normal, ((e - 1 + 7) << 3) + (r / np.exp2(e - 1.0 - 3) - 8), r / 2.0 ** -9)
+    return (code.astype(np.uint8) | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)).astype(np.uint8)
+
+
+def pack_block_scales(codes: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, int]:
+    """(blocks, group) of e4m3 bytes [N, K] with one scale per [bn, bk] block of them (scales [ceil(N / bn),
+    ceil(K / bk)], edge blocks partial): groups of gcd(K, bk) inputs tile both the row and each block."""
+    (n, k), (bn, bk) = codes.shape, block
+    group = gcd(k, bk)
+    per_row = scales.reshape(-(-n // bn), -(-k // bk))[np.arange(n) // bn][:, np.arange(0, k, group) // bk]
+    return pack(codes, per_row, group), group
+
+
+def quantize_blockwise(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, int]:
+    """(blocks, group) of a matrix [N, K] as DeepSeek-V3 quantizes it: per [bn, bk] block (edge blocks partial)
+    scale = max |w| / 448 in f32 (1 for an all-zero block), codes = e4m3(w / scale)."""
+    (n, k), (bn, bk) = w.shape, block
+    w = np.asarray(w, np.float32)
+    padded = np.zeros((-(-n // bn) * bn, -(-k // bk) * bk), np.float32)
+    padded[:n, :k] = np.abs(w)
+    amax = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk).max(axis=(1, 3))
+    scales = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
+    full = np.repeat(np.repeat(scales, bn, axis=0), bk, axis=1)[:n, :k]
+    return pack_block_scales(encode(w / full), scales, block)
 
 
 def pack(codes: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
