@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ir.formats import fp8_blocks, int_groups
+from ir.isq import quantize_values
 
 
 def _torch_e4m3(x: np.ndarray) -> np.ndarray:
@@ -106,3 +107,16 @@ def test_int4_rtn_is_gptqs_quantizer(group):
     step = np.repeat(scales, group, axis=1)
     assert np.all(np.abs(back - w) <= step * (0.5 + 15 * 2.0 ** -11))
     assert (np.abs(back - w) / step).max() > 0.45  # and the bound is not loose
+
+
+@pytest.mark.parametrize("kind", ["I4_G128", "F8E4M3_G32"])
+def test_isq_slabs_are_the_whole_matrix(kind):
+    """--isq quantizes large matrices in slabs of rows on threads (whole 128-row blocks for fp8, each matrix of a
+    stack on its own): the bytes are the one-call quantizer's, with partial edge blocks."""
+    w = np.random.default_rng(3).standard_normal((2, 2100, 224)).astype(np.float32)
+    if kind.startswith("I4"):
+        w = w[..., :128]
+        want = int_groups.quantize_rtn(w.reshape(-1, 128), 4, 128)
+    else:
+        want = np.concatenate([fp8_blocks.quantize_blockwise(m)[0] for m in w])
+    np.testing.assert_array_equal(quantize_values(w, kind), want)

@@ -70,18 +70,19 @@ def decode(codes: np.ndarray) -> np.ndarray:
 def encode(x: np.ndarray) -> np.ndarray:
     """e4m3 bytes (uint8) of finite values, rounded to nearest, ties to even, from the format's definition; beyond
     +-448 saturated to +-448 (torch's float8_e4m3fn cast makes NaN of |x| > 464). NaN and infinities: ValueError."""
-    x = np.asarray(x, np.float64)  # every f32 is exact here, and so is each scaling below (powers of two)
+    x = np.asarray(x, np.float32)
     if not np.isfinite(x).all():
         raise ValueError("e4m3 encoding: NaN or infinite values have no e4m3 code here (saturating them would hide "
                          "the bad weight)")
-    a = np.abs(x)
-    _, exp = np.frexp(a)  # a = f * 2**exp, f in [0.5, 1): a normal value's exponent is exp - 1
-    step = np.exp2(np.maximum(exp - 1, -6) - 3.0)  # the spacing of e4m3 values at a (2**-9 among the subnormals)
-    r = np.minimum(np.rint(a / step) * step, E4M3_MAX)  # np.rint: half to even on the 3-bit mantissa
-    _, e = np.frexp(r)
-    normal = r >= 2.0 ** -6
-    code = np.where(normal, ((e - 1 + 7) << 3) + (r / np.exp2(e - 1.0 - 3) - 8), r / 2.0 ** -9)
-    return (code.astype(np.uint8) | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)).astype(np.uint8)
+    a = np.minimum(np.abs(x), np.float32(E4M3_MAX))
+    # Normal e4m3 values (from 2**-6) are f32 values with 3 mantissa bits: round the f32 bits to nearest even at bit
+    # 20 (a carry moves into the exponent, as it should), then rebias the exponent from 127 to 7.
+    u = a.view(np.uint32)
+    normal = ((u + np.uint32(0x7FFFF) + ((u >> 20) & 1)) >> 20).astype(np.int32) - ((127 - 7) << 3)
+    # Subnormals are multiples of 2**-9 (a * 512 is exact; np.rint is half to even); 8 * 2**-9 is code 8, 2**-6.
+    sub = np.rint(a * np.float32(512)).astype(np.int32)
+    code = np.where(a >= np.float32(2.0 ** -6), normal, sub).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << 7)
 
 
 def pack_block_scales(codes: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, int]:
@@ -97,13 +98,15 @@ def quantize_blockwise(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tu
     """(blocks, group) of a matrix [N, K] as DeepSeek-V3 quantizes it: per [bn, bk] block (edge blocks partial)
     scale = max |w| / 448 in f32 (1 for an all-zero block), codes = e4m3(w / scale)."""
     (n, k), (bn, bk) = w.shape, block
+    nb, kb = -(-n // bn), -(-k // bk)
     w = np.asarray(w, np.float32)
-    padded = np.zeros((-(-n // bn) * bn, -(-k // bk) * bk), np.float32)
-    padded[:n, :k] = np.abs(w)
-    amax = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk).max(axis=(1, 3))
+    if (nb * bn, kb * bk) != (n, k):  # partial edge blocks: zeros change no block's max
+        w = np.pad(w, ((0, nb * bn - n), (0, kb * bk - k)))
+    b = w.reshape(nb, bn, kb, bk)
+    amax = np.abs(b).max(axis=(1, 3))
     scales = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
-    full = np.repeat(np.repeat(scales, bn, axis=0), bk, axis=1)[:n, :k]
-    return pack_block_scales(encode(w / full), scales, block)
+    codes = encode(b / scales[:, None, :, None]).reshape(nb * bn, kb * bk)[:n, :k]
+    return pack_block_scales(np.ascontiguousarray(codes), scales, block)
 
 
 def pack(codes: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
