@@ -175,20 +175,25 @@ def test_quantized_model_stays_near_the_float_one(isq, saved):
     assert 0 < rel <= FLOAT_TOL[isq], f"{isq}: logits' RMS error {rel:.3f} of their std"
 
 
-def test_smollm_q8_0_keeps_its_greedy_tokens():
-    """The default model (a Q4_1 GGUF: dequantized and quantized again) with --isq q8_0 through the LLM API on MLX,
-    against the file as it is: the same 16 greedy tokens of a chat answer."""
+def test_smollm_q8_0_and_fp8_keep_its_greedy_tokens():
+    """The default model (a Q4_1 GGUF: dequantized and quantized again) with --isq q8_0 and --isq fp8 through the LLM
+    API on MLX, against the file as it is: the same 16 greedy tokens of a chat answer. (int4, RTN over Q4_1's error,
+    keeps the first 8: "Paris, France." for "Paris.")"""
     from core.sampling_params import SamplingParams
     from frontend.engine.llm import LLM
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain, isq = (LLM(backend="mlx", isq=q, progress=False, kv_cache_mb=16) for q in (None, "q8_0"))
+    plain = LLM(backend="mlx", progress=False, kv_cache_mb=16)
     assert {t.kind for t in plain.backend.model.weights.values()} == {"Q4_1", "Q8_0", "F32"}
-    assert {t.kind for t in isq.backend.model.weights.values()} == {"Q8_0", "F32"}
     ids = plain.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                               add_generation_prompt=True)
     want = plain.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert len(want) == 16 and isq.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert len(want) == 16
+    # fp8 keeps the tied Q8_0 embedding as stored; rows of 576 take groups of 64.
+    for isq, kinds in (("q8_0", {"Q8_0", "F32"}), ("fp8", {"F8E4M3_G128", "F8E4M3_G64", "Q8_0", "F32"})):
+        llm = LLM(backend="mlx", isq=isq, progress=False, kv_cache_mb=16)
+        assert {t.kind for t in llm.backend.model.weights.values()} == kinds
+        assert llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == want, isq
 
 
 # Stored kinds in the MoE model of rows of 64 (exp_gate, wq), 32 (exp_down) and 48 (sh_down) values.
