@@ -1,5 +1,6 @@
-"""In-situ quantization (`--isq TYPE`): a model's matrices quantized at load into a GGUF block format, so every
-backend takes them as it takes a GGUF file's.
+"""In-situ quantization (`--isq TYPE`): a model's matrices quantized at load into a GGUF block format (or, for int4
+and fp8, the integer-group and FP8 formats), so every backend takes them as it takes a GGUF file's (or a GPTQ or FP8
+checkpoint's).
 
 What is quantized follows llama.cpp's `llama-quantize` for a plain type (src/llama-quant.cpp):
 - every linear's matrix and every MoE expert stack: TYPE;
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from math import gcd, prod
 
@@ -85,7 +87,7 @@ def _widest(kind: str) -> str:
     return {"INT4": int_groups.kind_name(4, INT4_GROUPS[0]), "FP8": fp8_blocks.kind_name(FP8_BLOCK[1])}.get(kind, kind)
 
 
-def _by_rows(m: np.ndarray, step: int, fn) -> np.ndarray:
+def _by_rows(m: np.ndarray, step: int, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """fn over slabs of `step` rows of the matrix m, concatenated: bounded temporaries, and threads share out a large
     matrix (numpy lets go of the GIL inside its loops)."""
     slabs = [m[i:i + step] for i in range(0, m.shape[0], step)]
