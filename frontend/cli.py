@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--dtype", choices=["bf16", "f16", "f32"], help="activations and unquantized weights "
                      "(default: the backend's choice)")
     src.add_argument("--isq", metavar="TYPE", help="in-situ quantization: quantize the model's matrices at load to "
-                     f"a GGUF block type ({', '.join(ISQ_TYPES)}); the LM head as llama-quantize does")
+                     f"a GGUF block type, int4 (RTN groups of 128) or fp8 (e4m3, 128x128 block scales) "
+                     f"({', '.join(ISQ_TYPES)}); the LM head as llama-quantize does (int4, fp8: kept as stored)")
     net = ap.add_argument_group("server")
     net.add_argument("--h", metavar="HOST", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     net.add_argument("--p", metavar="PORT", type=int, default=2000, help="port (default 2000)")

@@ -1,5 +1,6 @@
-"""In-situ quantization (`--isq TYPE`): a model's matrices quantized at load into a GGUF block format, so every
-backend takes them as it takes a GGUF file's.
+"""In-situ quantization (`--isq TYPE`): a model's matrices quantized at load into a GGUF block format (or, for int4
+and fp8, the integer-group and FP8 formats), so every backend takes them as it takes a GGUF file's (or a GPTQ or FP8
+checkpoint's).
 
 What is quantized follows llama.cpp's `llama-quantize` for a plain type (src/llama-quant.cpp):
 - every linear's matrix and every MoE expert stack: TYPE;
@@ -10,17 +11,30 @@ What is quantized follows llama.cpp's `llama-quantize` for a plain type (src/lla
   shared-expert gate (one output row: ffn_gate_inp_shexp), and MLA's per-head head_linear stacks (attn_k_b/v_b).
 A row length that is not a whole number of blocks falls back as llama.cpp's tensor_type_fallback does: Q2_K and
 Q3_K to Q4_0, Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, and where even that does not fit the tensor stays as stored
-(llama.cpp writes F16). Unlike llama-quantize's Q*_K_S/M mixes, TYPE is not raised for some layers."""
+(llama.cpp writes F16). Unlike llama-quantize's Q*_K_S/M mixes, TYPE is not raised for some layers.
+
+`int4` and `fp8` quantize the same matrices and expert stacks into the engine's own formats instead:
+- int4: intgroup blocks (ir/formats/int_groups.py), 4-bit round-to-nearest, asymmetric, groups of 128 inputs, or 64
+  or 32 where a row is no whole group of 128 (or 64); a row of no whole group of 32 stays as stored;
+- fp8: e4m3 with one scale per 128x128 block (DeepSeek-V3's convention), the fp8 family (ir/formats/fp8_blocks.py);
+  a row whose length shares fewer than 16 inputs with 128 stays as stored.
+Both keep the LM head and the embedding (tied or not) as stored, as GPTQ, AWQ and DeepSeek-V3/Qwen3-FP8 checkpoints
+do: those are the formats' conventions, the head is the matrix most sensitive to error, and a table's rows are read
+a few at a time, so quantizing it saves memory but no time."""
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from math import prod
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from math import gcd, prod
 
+import numpy as np
 from tqdm.auto import tqdm
 
-from ir.formats.gguf_quantize import quantize
+from ir.formats import fp8_blocks, int_groups
+from ir.formats.gguf_quantize import CHUNK_ELEMS, THREADS, quantize
 from ir.formats.gguf_quants import QTYPES
 from ir.graph import Graph
 from ir.ops import OPS
@@ -29,18 +43,15 @@ from ir.weights import StoredTensor, WeightStore
 log = logging.getLogger(__name__)
 
 ISQ_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1", "q8_0": "Q8_0",
-             "q2k": "Q2_K", "q3k": "Q3_K", "q4k": "Q4_K", "q5k": "Q5_K", "q6k": "Q6_K"}
-# Values of --isq that candle-vllm takes and that wait for formats of their own here.
-_WAITING = {"int4": "the GPTQ/AWQ int4 weight format", "fp8": "the FP8 weight format"}
+             "q2k": "Q2_K", "q3k": "Q3_K", "q4k": "Q4_K", "q5k": "Q5_K", "q6k": "Q6_K", "int4": "INT4", "fp8": "FP8"}
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+INT4_GROUPS = (128, 64, 32)  # widest first: the first that divides a row
+FP8_BLOCK = (128, 128)
 
 
 def isq_kind(name: str) -> str:
-    """The GGUF type an --isq value names ("q4k" -> "Q4_K"), or ValueError saying what is accepted."""
+    """The type an --isq value names ("q4k" -> "Q4_K", "int4" -> "INT4"), or ValueError saying what is accepted."""
     key = name.strip().lower()
-    if key in _WAITING:
-        raise ValueError(f"--isq {key} is not built yet: it waits for {_WAITING[key]}; in-situ quantization takes "
-                         f"{', '.join(ISQ_TYPES)}")
     if key not in ISQ_TYPES:
         raise ValueError(f"unknown --isq type {name!r}; expected one of {', '.join(ISQ_TYPES)}")
     return ISQ_TYPES[key]
@@ -51,13 +62,51 @@ def _fits(kind: str, n: int) -> bool:
 
 
 def target_kind(kind: str, role: str, n: int) -> str | None:
-    """The type a matrix of `role` ("matrix", "embed" or "head") with rows of n values gets under --isq kind, after
-    llama.cpp's fallback; None where no block type fits (the tensor stays as stored)."""
+    """The stored kind a matrix of `role` ("matrix", "embed" or "head") with rows of n values gets under --isq kind,
+    after the fallbacks (llama.cpp's for the GGUF types); None where it stays as stored."""
+    if kind == "INT4":
+        group = next((g for g in INT4_GROUPS if n % g == 0), None)
+        return int_groups.kind_name(4, group) if role == "matrix" and group else None
+    if kind == "FP8":
+        group = gcd(n, FP8_BLOCK[1])
+        return fp8_blocks.kind_name(group) if role == "matrix" and group % 16 == 0 else None
     if role == "head":
         kind = "Q8_0" if kind == "Q8_0" or not _fits(kind, n) else "Q6_K"
     if not _fits(kind, n):
         kind = _FALLBACK.get(kind, kind)
     return kind if _fits(kind, n) else None
+
+
+def _block(kind: str) -> int:
+    """The values of a row one unit of `kind` takes (what a row length must be a multiple of to take it unchanged)."""
+    return {"INT4": INT4_GROUPS[0], "FP8": FP8_BLOCK[1]}.get(kind) or QTYPES[kind].block_size
+
+
+def _widest(kind: str) -> str:
+    """The stored kind a matrix gets under --isq `kind` where no fallback is needed."""
+    return {"INT4": int_groups.kind_name(4, INT4_GROUPS[0]), "FP8": fp8_blocks.kind_name(FP8_BLOCK[1])}.get(kind, kind)
+
+
+def _by_rows(m: np.ndarray, step: int, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """fn over slabs of `step` rows of the matrix m, concatenated: bounded temporaries, and threads share out a large
+    matrix (numpy lets go of the GIL inside its loops)."""
+    slabs = [m[i:i + step] for i in range(0, m.shape[0], step)]
+    if len(slabs) == 1:
+        return fn(m)
+    with ThreadPoolExecutor(THREADS) as pool:
+        return np.concatenate(list(pool.map(fn, slabs)), axis=0)
+
+
+def quantize_values(values: np.ndarray, want: str) -> np.ndarray:
+    """values (..., n) -> the stored bytes of kind `want` (a GGUF type, I4_G*, F8E4M3_G*)."""
+    n = values.shape[-1]
+    if (spec := int_groups.parse_kind(want)) is not None:
+        return _by_rows(values.reshape(-1, n), max(1, CHUNK_ELEMS // n), lambda r: int_groups.quantize_rtn(r, *spec))
+    if fp8_blocks.parse_kind(want) is not None:  # 128x128 blocks within each matrix of a stack: slabs of whole blocks
+        step = max(1, CHUNK_ELEMS // (n * FP8_BLOCK[0])) * FP8_BLOCK[0]
+        one = lambda r: fp8_blocks.quantize_blockwise(r, FP8_BLOCK)[0]  # noqa: E731
+        return np.concatenate([_by_rows(m, step, one) for m in values.reshape(-1, *values.shape[-2:])], axis=0)
+    return quantize(values, want)
 
 
 def roles(graph: Graph) -> dict[str, str]:
@@ -87,7 +136,7 @@ def roles(graph: Graph) -> dict[str, str]:
 
 
 def quantize_weights(graph: Graph, store: WeightStore, isq: str, progress: bool = True) -> None:
-    """Replace `store`'s matrices with --isq `isq`'s GGUF blocks, in place (see the module docstring for which)."""
+    """Replace `store`'s matrices with --isq `isq`'s blocks, in place (see the module docstring for which)."""
     kind = isq_kind(isq)
     plan = {}
     fallbacks: dict[tuple[str, int, str | None], list[str]] = defaultdict(list)
@@ -96,9 +145,13 @@ def quantize_weights(graph: Graph, store: WeightStore, isq: str, progress: bool 
         t = store[name]
         n = t.shape[-1]
         want = target_kind(kind, role, n)
-        if role == "head":
+        if role == "head" and kind in ("INT4", "FP8"):
+            log.info("isq %s: the LM head (%s) stays as stored, as GPTQ/AWQ/FP8 checkpoints keep it", kind, name)
+        elif role == "head":
             log.info("isq %s: the LM head (%s) as %s, llama-quantize's choice for output.weight", kind, name, want)
-        elif want != kind:
+        elif role == "embed" and kind in ("INT4", "FP8"):
+            continue  # kept as stored, as those checkpoints keep it (the module docstring says why)
+        elif want != _widest(kind):
             fallbacks[(kind, n, want)].append(name)
         if want is None or t.kind == want:
             continue
@@ -106,19 +159,24 @@ def quantize_weights(graph: Graph, store: WeightStore, isq: str, progress: bool 
             requantized.append(f"{name} ({t.kind})")
         plan[name] = want
     for (k, n, to), names in fallbacks.items():
-        log.warning("isq %s: %d matri%s with rows of %d values (not a whole number of %d-value blocks) %s, as "
-                    "llama.cpp's llama-quantize does: %s", k, len(names), "x" if len(names) == 1 else "ces", n,
-                    QTYPES[k].block_size, f"fall back to {to}" if to else "stay as stored (llama.cpp: F16)",
+        gguf = k in QTYPES
+        log.warning("isq %s: %d matri%s with rows of %d values (not a whole number of %d-value blocks) %s%s: %s", k,
+                    len(names), "x" if len(names) == 1 else "ces", n, _block(k),
+                    f"fall back to {to}" if to else "stay as stored" + (" (llama.cpp: F16)" if gguf else ""),
+                    ", as llama.cpp's llama-quantize does" if gguf else "",
                     ", ".join(names[:6]) + (", ..." if len(names) > 6 else ""))
     if requantized:
-        log.warning("isq %s: %d GGUF-quantized tensor(s) dequantized and quantized again (error adds up): %s", kind,
+        log.warning("isq %s: %d already quantized tensor(s) dequantized and quantized again (error adds up): %s", kind,
                     len(requantized), ", ".join(requantized[:6]) + (", ..." if len(requantized) > 6 else ""))
     total = sum(prod(store[p].shape) for p in plan)
     with tqdm(total=total, desc=f"isq {kind}", unit="weight", unit_scale=True, disable=not progress,
               leave=False) as bar:
         for name, want in plan.items():
             t = store[name]
-            blocks = quantize(t.values().reshape(t.shape), want)
+            try:
+                blocks = quantize_values(t.values().reshape(t.shape), want)
+            except ValueError as e:
+                raise ValueError(f"--isq {isq}: cannot quantize {name} ({t.source or 'no file name'}): {e}") from None
             store[name] = StoredTensor(blocks, want, t.shape, t.source)
             bar.update(prod(t.shape))
     log.info("isq %s: %d tensor(s) quantized (%s)", kind, len(plan),

@@ -1,7 +1,8 @@
 """In-situ quantization (`--isq`, ir/isq.py): which tensors become which GGUF type (llama-quantize's choices and
-fallbacks), the stored blocks against our quantizer on the float weights, and tiny random llamas quantized at load
-through MLX's CPU build and the CUDA backend on CPU tensors (the DSL's interpreter) against the numpy interpreter on
-the same quantized weights (tight), and the quantized models against the float model (loose, see FLOAT_TOL)."""
+fallbacks) or int4/fp8 kind, the stored blocks against our quantizer on the float weights, and tiny random llamas
+quantized at load through MLX's CPU build and the CUDA backend on CPU tensors (the DSL's interpreter) against the
+numpy interpreter on the same quantized weights (tight), and the quantized models against the float model (loose, see
+FLOAT_TOL)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ CASES = {"wide": dict(tie_word_embeddings=False), "wide_tied": dict(tie_word_emb
 # Backend vs the interpreter on the same quantized weights: fp32 on both sides, the only difference is rounding.
 SAME_WEIGHTS_TOL = 1e-4
 # Quantized vs float model: RMS of the first step's logit error over the logits' std. These random models amplify
-# weight error ~4x (q8_0's 0.5% per matrix moves the logits 2.3%); measured q8_0 0.023, q4k 0.27, q4_0 0.36. Logits
-# unrelated to the float model's (a wrong nibble order, scale or zero point) give ~1.4.
-FLOAT_TOL = {"q8_0": 0.035, "q4k": 0.35, "q4_0": 0.45}
+# weight error ~4x (q8_0's 0.5% per matrix moves the logits 2.3%); measured q8_0 0.023, q4k 0.27, q4_0 0.36, int4
+# (groups of 128) 0.33, fp8 (e4m3's 3 mantissa bits) 0.095. Logits unrelated to the float model's (a wrong nibble
+# order, scale or zero point) give ~1.4.
+FLOAT_TOL = {"q8_0": 0.035, "q4k": 0.35, "q4_0": 0.45, "int4": 0.42, "fp8": 0.13}
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +83,29 @@ def test_fallbacks_are_llama_cpps_and_logged(saved, caplog):
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="int4 is not built yet: it waits for the GPTQ/AWQ int4 weight format"):
-        isq_kind("int4")
-    with pytest.raises(ValueError, match="fp8 is not built yet"):
-        load_model("/nonexistent", isq="fp8")
     with pytest.raises(ValueError, match="unknown --isq type 'q4'; expected one of q4_0, q4_1"):
         isq_kind("q4")
+    with pytest.raises(ValueError, match="unknown --isq type 'int8'"):
+        load_model("/nonexistent", isq="int8")
+
+
+@pytest.mark.parametrize("isq", ["int4", "fp8"])
+def test_int4_fp8_kinds(isq, saved, caplog):
+    """The GGUF types' matrices, in groups of 128 (int4) or 128x128 blocks (fp8); rows of 64 and 96 take groups of 64
+    and 32, logged; the head and the embeddings stay as stored, as GPTQ/AWQ/FP8 checkpoints keep them."""
+    for case, want in (("wide", {"layers.0.wq": 128, "layers.0.w_down": 128}),
+                       ("narrow", {"layers.0.wq": 64, "layers.0.w_down": 32})):
+        _, folder = saved(case)
+        with caplog.at_level(logging.WARNING, logger="ir.isq"):
+            model = load_model(folder, progress=False, isq=isq)
+        kinds = model.weights.kinds()
+        name = "I4_G{}" if isq == "int4" else "F8E4M3_G{}"
+        assert {p: kinds[p] for p in want} == {p: name.format(g) for p, g in want.items()}
+        mats = [p for p, r in roles(model.graph).items() if r == "matrix"]
+        assert len(mats) == 7 and all(kinds[p] != "F32" for p in mats)
+        assert all(kinds[p] == "F32" for p in kinds if p not in mats)  # norms, lm_head, embed
+    assert f"isq {isq.upper()}: 1 matrix with rows of 96 values (not a whole number of 128-value blocks) fall " \
+           f"back to {name.format(32)}:" in caplog.text
 
 
 def test_cli_flag_reaches_the_engine(saved):
@@ -99,20 +118,23 @@ def test_cli_flag_reaches_the_engine(saved):
     assert kinds["layers.0.wq"] == "Q4_K" and kinds["lm_head"] == "Q6_K" and kinds["layers.0.attn_norm"] == "F32"
 
 
-def _backend(kind: str, model):
+def _backend(kind: str, model, kept: bool = True):
+    """The backend on `model`; `kept`: its matrices must reach it quantized (FP8 is dequantized at load on MLX and
+    CPU tensors)."""
     if kind == "mlx":
         from backends.mlx.backend import MLXBackend
         from backends.mlx.weights import QuantLinear
 
         b = MLXBackend(model, dtype="f32", quantized=True, progress=False)
-        assert any(isinstance(p, QuantLinear) for p in b.params.values()), "no matrix reached MLX as affine groups"
+        assert not kept or any(isinstance(p, QuantLinear) for p in b.params.values()), "no matrix reached MLX as " \
+            "affine groups"
         return b
     from backends.cuda.backend import CUDABackend
     from backends.cuda.weights import QuantWeight
 
     gpu = kind == "cuda-gpu"
     b = CUDABackend(model, device="cuda" if gpu else "cpu", dtype="f32", cuda_graph=False, progress=False)
-    assert any(isinstance(p, QuantWeight) for p in b.params.values()), "no matrix reached CUDA as GGUF blocks"
+    assert not kept or any(isinstance(p, QuantWeight) for p in b.params.values()), "no matrix reached CUDA quantized"
     if not gpu:
         b.runner.target = "numpy"  # the DSL's interpreter on CPU tensors
     return b
@@ -125,7 +147,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GP
 
 
 @pytest.mark.parametrize("backend", ["mlx", "cuda-cpu", pytest.param("cuda-gpu", marks=needs_gpu)])
-@pytest.mark.parametrize("isq", ["q4_0", "q4k"])
+@pytest.mark.parametrize("isq", ["q4_0", "q4k", "int4", "fp8"])
 def test_backends_match_the_interpreter(backend, isq, saved):
     pytest.importorskip("mlx.core" if backend == "mlx" else "triton")
     _, folder = saved("wide")
@@ -134,7 +156,8 @@ def test_backends_match_the_interpreter(backend, isq, saved):
     ref = ReferenceRunner(model, max_tokens=64, block_size=8)
     steps = 2 if backend == "cuda-cpu" else 4  # the DSL's interpreter takes ~3 s a decode step over these GEMVs
     ref_tokens, ref_first = ref.greedy(prompts, steps)
-    tokens, first = backend_greedy(_backend(backend, model), ref, prompts, steps, 8)
+    kept = isq != "fp8" or backend == "cuda-gpu" and torch.cuda.get_device_capability() >= (8, 9)
+    tokens, first = backend_greedy(_backend(backend, model, kept), ref, prompts, steps, 8)
     scale = float(np.abs(ref_first).max())
     tol = GPU_TOL if backend == "cuda-gpu" else SAME_WEIGHTS_TOL
     assert float(np.abs(first - ref_first).max()) <= tol * scale
@@ -152,42 +175,56 @@ def test_quantized_model_stays_near_the_float_one(isq, saved):
     assert 0 < rel <= FLOAT_TOL[isq], f"{isq}: logits' RMS error {rel:.3f} of their std"
 
 
-def test_smollm_q8_0_keeps_its_greedy_tokens():
-    """The default model (a Q4_1 GGUF: dequantized and quantized again) with --isq q8_0 through the LLM API on MLX,
-    against the file as it is: the same 16 greedy tokens of a chat answer."""
+def test_smollm_q8_0_and_fp8_keep_its_greedy_tokens():
+    """The default model (a Q4_1 GGUF: dequantized and quantized again) with --isq q8_0 and --isq fp8 through the LLM
+    API on MLX, against the file as it is: the same 16 greedy tokens of a chat answer. (int4, RTN over Q4_1's error,
+    keeps the first 8: "Paris, France." for "Paris.")"""
     from core.sampling_params import SamplingParams
     from frontend.engine.llm import LLM
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain, isq = (LLM(backend="mlx", isq=q, progress=False, kv_cache_mb=16) for q in (None, "q8_0"))
+    plain = LLM(backend="mlx", progress=False, kv_cache_mb=16)
     assert {t.kind for t in plain.backend.model.weights.values()} == {"Q4_1", "Q8_0", "F32"}
-    assert {t.kind for t in isq.backend.model.weights.values()} == {"Q8_0", "F32"}
     ids = plain.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                               add_generation_prompt=True)
     want = plain.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert len(want) == 16 and isq.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert len(want) == 16
+    # fp8 keeps the tied Q8_0 embedding as stored; rows of 576 take groups of 64.
+    for isq, kinds in (("q8_0", {"Q8_0", "F32"}), ("fp8", {"F8E4M3_G128", "F8E4M3_G64", "Q8_0", "F32"})):
+        llm = LLM(backend="mlx", isq=isq, progress=False, kv_cache_mb=16)
+        assert {t.kind for t in llm.backend.model.weights.values()} == kinds
+        assert llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids == want, isq
 
 
-def test_moe_stacks_quantize_and_routers_stay(tmp_path, caplog):
+# Stored kinds in the MoE model of rows of 64 (exp_gate, wq), 32 (exp_down) and 48 (sh_down) values.
+MOE_KINDS = {"q8_0": ("Q8_0", "Q8_0", "Q8_0", "F32"), "int4": ("I4_G64", "I4_G64", "I4_G32", "F32"),
+             "fp8": ("F8E4M3_G64", "F8E4M3_G64", "F8E4M3_G32", "F8E4M3_G16")}
+
+
+@pytest.mark.parametrize("isq", list(MOE_KINDS))
+def test_moe_stacks_quantize_and_routers_stay(isq, tmp_path, caplog):
     """Qwen2-MoE (layer 0 dense, a sigmoid-gated shared expert): expert stacks [E, out, in] quantized, the router and
     the shared expert's gate kept as llama-quantize keeps ffn_gate_inp*, the shared down projection (rows of 48) kept
-    as stored; through MLX against the interpreter on the same weights."""
+    as stored but by fp8 (groups of 16 in its 128-input block); through MLX against the interpreter on the same
+    weights."""
     from tools import check_arch
 
     cfg = check_arch.hf_config("qwen2_moe", 2)
     cfg.decoder_sparse_step, cfg.norm_topk_prob = 2, False
     random_causal_lm(cfg, 0).save_pretrained(tmp_path)
     with caplog.at_level(logging.WARNING, logger="ir.isq"):
-        model = load_model(tmp_path, progress=False, isq="q8_0")
+        model = load_model(tmp_path, progress=False, isq=isq)
     kinds = model.weights.kinds()
     assert model.weights["layers.1.exp_down"].shape == (8, 64, 32)
-    assert {kinds[f"layers.1.{p}"] for p in ("exp_gate", "exp_up", "exp_down", "sh_gate", "sh_up", "wq")} == {"Q8_0"}
-    assert kinds["layers.1.router"] == kinds["layers.1.sh_router"] == kinds["layers.1.sh_down"] == "F32"
-    assert "rows of 48 values (not a whole number of 32-value blocks) stay as stored" in caplog.text
+    assert tuple(kinds[f"layers.1.{p}"] for p in ("exp_gate", "wq", "exp_down", "sh_down")) == MOE_KINDS[isq]
+    assert kinds["layers.1.exp_up"] == kinds["layers.1.sh_gate"] == kinds["layers.1.sh_up"] == MOE_KINDS[isq][0]
+    assert kinds["layers.1.router"] == kinds["layers.1.sh_router"] == "F32"
+    if isq == "q8_0":
+        assert "rows of 48 values (not a whole number of 32-value blocks) stay as stored" in caplog.text
     pytest.importorskip("mlx.core")
     prompts = _prompts()
     ref = ReferenceRunner(model, max_tokens=64, block_size=8)
     ref_tokens, ref_first = ref.greedy(prompts, 3)
-    tokens, first = backend_greedy(_backend("mlx", model), ref, prompts, 3, 8)
+    tokens, first = backend_greedy(_backend("mlx", model, isq != "fp8"), ref, prompts, 3, 8)
     assert float(np.abs(first - ref_first).max()) <= SAME_WEIGHTS_TOL * float(np.abs(ref_first).max())
     assert tokens == ref_tokens

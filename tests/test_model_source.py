@@ -63,8 +63,6 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args, words", [
     (["--m", "nobody/nothing"], "not in the local Hugging Face cache"),
     (["--f", "/no/such/model.gguf"], "no such file"),
-    (["--isq", "int4"], "waits for the GPTQ/AWQ int4 weight format"),
-    (["--isq", "fp8"], "waits for the FP8 weight format"),
     (["--isq", "q9"], "unknown --isq type 'q9'; expected one of q4_0"),
     (["--d", "0,1,2"], "power of two from 1 to 8 GPUs, not 3"),
     (["--d", "0,0"], "each once"),

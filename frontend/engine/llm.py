@@ -23,7 +23,7 @@ class LLM:
                  kv_cache_mb: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512, decode_step_tokens: int = 0,
                  prefix_caching: bool = True, progress: bool = True, isq: str | None = None):
-        """`isq`: quantize the model's matrices at load to a GGUF type ("q4k", ...; see ir.isq)."""
+        """`isq`: quantize the model's matrices at load to a GGUF type ("q4k", ...), "int4" or "fp8" (see ir.isq)."""
         loaded = load_model(model or default_model_path(), progress=progress, isq=isq)
         options = {"dtype": dtype, "quantized": quantized, "progress": progress}
         self.backend = create_backend(backend, loaded, **{k: v for k, v in options.items() if v is not None})

@@ -22,7 +22,7 @@ class EngineSpec:
     backend_options: dict = field(default_factory=dict)
     config: EngineConfig = field(default_factory=EngineConfig)
     log_file: str | None = None  # the engine process logs there too (--log)
-    isq: str | None = None  # --isq: quantize the matrices at load to this GGUF type (ir.isq)
+    isq: str | None = None  # --isq: quantize the matrices at load to this GGUF type, int4 or fp8 (ir.isq)
 
     def load(self) -> LLMEngine:
         """Loads the weights onto the backend and sizes the KV cache: only the engine's owner calls this."""

@@ -16,6 +16,7 @@ scale), so repeating a scale is exact. Kinds are named `F8E4M3_G{group}`.
 from __future__ import annotations
 
 import re
+from math import gcd
 
 import numpy as np
 
@@ -64,6 +65,48 @@ def block_bytes(group: int) -> int:
 def decode(codes: np.ndarray) -> np.ndarray:
     """fp32 values of e4m3 bytes (uint8), exactly."""
     return E4M3[np.asarray(codes, np.uint8)]
+
+
+def encode(x: np.ndarray) -> np.ndarray:
+    """e4m3 bytes (uint8) of finite values, rounded to nearest, ties to even, from the format's definition; beyond
+    +-448 saturated to +-448 (torch's float8_e4m3fn cast makes NaN of |x| > 464). NaN and infinities: ValueError."""
+    x = np.asarray(x, np.float32)
+    if not np.isfinite(x).all():
+        raise ValueError("e4m3 encoding: NaN or infinite values have no e4m3 code here (saturating them would hide "
+                         "the bad weight)")
+    a = np.minimum(np.abs(x), np.float32(E4M3_MAX))
+    # Normal e4m3 values (from 2**-6) are f32 values with 3 mantissa bits: round the f32 bits to nearest even at bit
+    # 20 (a carry moves into the exponent, as it should), then rebias the exponent from 127 to 7.
+    u = a.view(np.uint32)
+    normal = ((u + np.uint32(0x7FFFF) + ((u >> 20) & 1)) >> 20).astype(np.int32) - ((127 - 7) << 3)
+    # Subnormals are multiples of 2**-9 (a * 512 is exact; np.rint is half to even); 8 * 2**-9 is code 8, 2**-6.
+    sub = np.rint(a * np.float32(512)).astype(np.int32)
+    code = np.where(a >= np.float32(2.0 ** -6), normal, sub).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << 7)
+
+
+def pack_block_scales(codes: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, int]:
+    """(blocks, group) of e4m3 bytes [N, K] with one scale per [bn, bk] block of them (scales [ceil(N / bn),
+    ceil(K / bk)], edge blocks partial): groups of gcd(K, bk) inputs tile both the row and each block."""
+    (n, k), (bn, bk) = codes.shape, block
+    group = gcd(k, bk)
+    per_row = scales.reshape(-(-n // bn), -(-k // bk))[np.arange(n) // bn][:, np.arange(0, k, group) // bk]
+    return pack(codes, per_row, group), group
+
+
+def quantize_blockwise(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, int]:
+    """(blocks, group) of a matrix [N, K] as DeepSeek-V3 quantizes it: per [bn, bk] block (edge blocks partial)
+    scale = max |w| / 448 in f32 (1 for an all-zero block), codes = e4m3(w / scale)."""
+    (n, k), (bn, bk) = w.shape, block
+    nb, kb = -(-n // bn), -(-k // bk)
+    w = np.asarray(w, np.float32)
+    if (nb * bn, kb * bk) != (n, k):  # partial edge blocks: zeros change no block's max
+        w = np.pad(w, ((0, nb * bn - n), (0, kb * bk - k)))
+    b = w.reshape(nb, bn, kb, bk)
+    amax = np.abs(b).max(axis=(1, 3))
+    scales = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
+    codes = encode(b / scales[:, None, :, None]).reshape(nb * bn, kb * bk)[:n, :k]
+    return pack_block_scales(np.ascontiguousarray(codes), scales, block)
 
 
 def pack(codes: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:

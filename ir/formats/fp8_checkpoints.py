@@ -104,9 +104,8 @@ def read_linear(tensors: Mapping, prefix: str, s: FP8Scheme, path: Path) -> Stor
     if group % 16:
         raise ModelFormatError(path, f"{name}: [{n}, {k}] weights in blocks of {bk} inputs leave groups of {group} "
                                "inputs; supported: multiples of 16")
-    per_row = scales.reshape(want)[np.arange(n) // bn][:, np.arange(0, k, group) // bk]  # [N, K / group]
-    codes = np.asarray(t.data).reshape(n, k)
-    return StoredTensor(fp8_blocks.pack(codes, per_row, group), fp8_format(group).name, (n, k), name)
+    blocks, _ = fp8_blocks.pack_block_scales(np.asarray(t.data).reshape(n, k), scales, (bn, bk))
+    return StoredTensor(blocks, fp8_format(group).name, (n, k), name)
 
 
 def linear_prefixes(tensors: Mapping, s: FP8Scheme) -> set[str]:

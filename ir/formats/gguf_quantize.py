@@ -84,9 +84,9 @@ _QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 QUANTIZABLE = tuple(_QUANTIZERS)
 
 # Values quantized per call: the k-quant searches hold a few dozen temporaries of this size.
-_CHUNK_ELEMS = 1 << 18
+CHUNK_ELEMS = 1 << 18
 # Chunks quantized at once: numpy lets go of the GIL inside its loops, so threads share out a large tensor.
-_THREADS = min(8, os.cpu_count() or 1)
+THREADS = min(8, os.cpu_count() or 1)
 
 
 def quantize(values: np.ndarray, kind: str) -> np.ndarray:
@@ -99,14 +99,14 @@ def quantize(values: np.ndarray, kind: str) -> np.ndarray:
     rb = row_bytes(s.name, x.shape[-1])  # checks that rows are a whole number of blocks
     blocks = np.ascontiguousarray(x).reshape(-1, s.block_size)
     out = np.empty((blocks.shape[0], s.type_size), dtype=np.uint8)
-    step = max(1, _CHUNK_ELEMS // s.block_size)
+    step = max(1, CHUNK_ELEMS // s.block_size)
     starts = range(0, blocks.shape[0], step)
 
     def one(i: int) -> None:
         out[i:i + step] = fn(blocks[i:i + step])
 
-    if len(starts) > 1 and _THREADS > 1:
-        with ThreadPoolExecutor(_THREADS) as pool:
+    if len(starts) > 1 and THREADS > 1:
+        with ThreadPoolExecutor(THREADS) as pool:
             list(pool.map(one, starts))
     else:
         for i in starts:

@@ -91,3 +91,25 @@ def dequantize(data: np.ndarray, shape: tuple[int, ...], bits: int, group: int) 
     qbytes, scales, biases = split(data, bits, group, rows, cols)
     q = unpack_q(qbytes, bits).reshape(rows, cols // group, group).astype(np.float32)
     return (q * scales[..., None] + biases[..., None]).reshape(shape)
+
+
+def quantize_rtn(w: np.ndarray, bits: int, group: int) -> np.ndarray:
+    """Blocks of w [N, K] rounded to nearest in asymmetric groups, GPTQ's RTN baseline (its Quantizer, sym=False):
+    the range [min(w, 0), max(w, 0)] (so 0 is exact and z in [0, 2^b - 1]), s = range / (2^b - 1) rounded to fp16 as
+    GPTQ/AWQ checkpoints store it (the layout is then exact), z = round(-min / s), q = clip(round(w / s) + z)."""
+    check(bits, group)
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"rows of {k} values are not a whole number of {group}-value groups")
+    top = (1 << bits) - 1
+    x = np.asarray(w, np.float32).reshape(n, k // group, group)
+    if not np.isfinite(x).all():
+        raise ValueError("integer quantization: NaN or infinite values have no code")
+    lo, hi = np.minimum(x.min(axis=-1), 0), np.maximum(x.max(axis=-1), 0)
+    zero = (lo == 0) & (hi == 0)  # an all-zero group: GPTQ's range [-1, 1] (it still decodes to exact zeros)
+    lo, hi = np.where(zero, np.float32(-1), lo), np.where(zero, np.float32(1), hi)
+    s = ((hi - lo) / np.float32(top)).astype(np.float16).astype(np.float32)
+    s = np.where(np.isfinite(s) & (s > 0), s, (hi - lo) / np.float32(top)).astype(np.float32)  # beyond fp16: f32
+    z = np.clip(np.rint(-lo / s), 0, top)
+    q = np.clip(np.rint(x / s[..., None]) + z[..., None], 0, top).astype(np.uint8)
+    return pack(q.reshape(n, k), s, z, bits, group)
