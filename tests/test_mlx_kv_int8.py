@@ -113,7 +113,11 @@ def test_tiny_models_over_reused_blocks(case, tmp_path, monkeypatch):
     TINY_RTOL of the plain float cache's; B's rows over A's reused 8-bit blocks as when B is prefilled on its own."""
     model = _tiny(case, tmp_path)
     groups = kv_layout(model.graph).num_groups
-    got = _steps(MLXBackend(model, progress=False, compile=False, kv_cache_dtype="int8"), groups)
+    int8 = MLXBackend(model, progress=False, compile=False, kv_cache_dtype="int8")
+    got = _steps(int8, groups)
+    # Codes, scales and biases of each cache: K and V, or MLA's one latent.
+    assert [len(layer) for layer in int8.kv] == [3 if case == "deepseek_v2" else 6] * model.config.num_layers
+    assert int8.kv[0][0].dtype == mx.uint32
     plain = _steps(MLXBackend(model, progress=False, compile=False), groups)
     write = kv_quant.write
 

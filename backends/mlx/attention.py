@@ -3,9 +3,10 @@
 The per-step metadata (which cache slots each sequence reads, masks) is computed once in numpy and
 shared by every layer. Decodes (one query token) are batched into one padded attention call;
 prefill chunks run one call each. Cache layout per layer: [num_slots, kv_heads, head_dim], where
-slot = block * block_size + offset; one extra block at the end is scratch for padding writes. A latent layer (MLA)
-has a key cache only, its values being each key's first value_dim. A model of several KV groups (core.kv_layout)
-gets one AttentionMeta per group, each over its own pool's tables and scratch slot.
+slot = block * block_size + offset; one extra block at the end is scratch for padding writes. An 8-bit cache
+(backends.mlx.kv_quant) is three arrays over the same slots, quantized as written and dequantized as gathered.
+A latent layer (MLA) has a key cache only, its values being each key's first value_dim. A model of several KV
+groups (core.kv_layout) gets one AttentionMeta per group, each over its own pool's tables and scratch slot.
 """
 
 from __future__ import annotations
