@@ -18,6 +18,7 @@ from backends.mlx.backend import MLXBackend
 from backends.mlx.runtime import mx
 from core.batch import make_batch
 from frontend import cli
+from frontend.engine.engine import EngineConfig, LLMEngine
 from ir.kv_groups import kv_layout
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
@@ -150,6 +151,11 @@ def test_bytes_per_token_halve_at_f16(tmp_path):
     assert int8.kv_bytes_per_block(BS) == BS * 2 * per_token
     assert int8.memory().kv_bytes == 6 * int8.kv_bytes_per_block(BS)
     assert f16.kv_bytes_per_block(BS) / int8.kv_bytes_per_block(BS) == pytest.approx(2 / 1.125)
+    # The engine sizes its pool by those bytes: the same budget holds 1.78x the blocks.
+    budget = 1000 * f16.kv_bytes_per_block(BS)
+    engines = [LLMEngine(b, EngineConfig(block_size=BS, kv_cache_bytes=budget, max_model_len=64)) for b in (f16, int8)]
+    assert [e.blocks.num_blocks for e in engines] == [1000, 1000 * 2 * 32 // 36]
+    assert int8.memory().kv_bytes <= budget + int8.kv_bytes_per_block(BS)  # + its scratch block
 
 
 def test_refusals(tmp_path, capsys):
