@@ -113,12 +113,29 @@ class Backend(ABC):
 
 
 CUDA_ONLY = ("device", "cuda_graph", "rendezvous")  # options only the CUDA backend takes
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # --kv-cache-dtype
+
+
+def kv_cache_int8(kv_cache_dtype: str, backend: str) -> bool:
+    """Whether `backend` ("mlx" or "cuda") keeps an 8-bit KV cache; what it cannot take is refused, saying what to
+    use instead."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp8" and backend == "mlx":
+        raise ValueError("--kv-cache-dtype fp8: MLX has no FP8 type; its 8-bit KV cache is --kv-cache-dtype int8")
+    if kv_cache_dtype != "auto" and backend == "cuda":
+        raise NotImplementedError(f"--kv-cache-dtype {kv_cache_dtype}: the CUDA backend's paged decode and prefill "
+                                  "kernels take an 8-bit KV cache next (issue 17); use --kv-cache-dtype auto there, or "
+                                  "int8 on --backend mlx")
+    return kv_cache_dtype == "int8"
 
 
 def create_backend(name: str, model: LoadedModel, **options) -> Backend:
     """`name` is "mlx", "cuda" or "auto" (cuda when a usable NVIDIA GPU is present, else mlx)."""
     if name == "auto":
         name = "cuda" if _cuda_usable() else "mlx"
+    if name in ("mlx", "cuda"):  # a KV cache dtype the backend cannot take: refused before anything starts
+        kv_cache_int8(options.get("kv_cache_dtype", "auto"), name)
     if name == "mlx":
         from backends.mlx.backend import MLXBackend
         if isinstance(options.get("device"), list | tuple) or options.get("rendezvous") is not None:

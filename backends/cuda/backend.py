@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from backends.base import Backend, MemoryReport
+from backends.base import Backend, MemoryReport, kv_cache_int8
 from backends.cuda import weights
 from backends.cuda.graphs import DecodeGraphs
 from backends.cuda.piecewise import PiecewiseGraphs
@@ -43,9 +43,12 @@ class CUDABackend(Backend):
 
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
                  device: str | torch.device | None = None, cuda_graph: bool = True, params: dict | None = None,
-                 progress: bool = True, fusions: Fusions | None = None, rank: int = 0, world: int = 1):
+                 progress: bool = True, fusions: Fusions | None = None, rank: int = 0, world: int = 1,
+                 kv_cache_dtype: str = "auto"):
         """`rank` of `world`: this process runs that rank's graph (ir.sharding) in a torch.distributed group already
-        joined (backends.cuda.tensor_parallel starts them); `mirror`, when set, is told each call that runs it."""
+        joined (backends.cuda.tensor_parallel starts them); `mirror`, when set, is told each call that runs it.
+        `kv_cache_dtype`: "auto" only, for now (base.kv_cache_int8 refuses the 8-bit caches)."""
+        kv_cache_int8(kv_cache_dtype, "cuda")
         self.model = model
         self.rank, self.world = rank, world
         self.rank_graph = shard(model.graph, rank, world)

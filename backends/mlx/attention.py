@@ -3,9 +3,10 @@
 The per-step metadata (which cache slots each sequence reads, masks) is computed once in numpy and
 shared by every layer. Decodes (one query token) are batched into one padded attention call;
 prefill chunks run one call each. Cache layout per layer: [num_slots, kv_heads, head_dim], where
-slot = block * block_size + offset; one extra block at the end is scratch for padding writes. A latent layer (MLA)
-has a key cache only, its values being each key's first value_dim. A model of several KV groups (core.kv_layout)
-gets one AttentionMeta per group, each over its own pool's tables and scratch slot.
+slot = block * block_size + offset; one extra block at the end is scratch for padding writes. An 8-bit cache
+(backends.mlx.kv_quant) is three arrays over the same slots, quantized as written and dequantized as gathered.
+A latent layer (MLA) has a key cache only, its values being each key's first value_dim. A model of several KV
+groups (core.kv_layout) gets one AttentionMeta per group, each over its own pool's tables and scratch slot.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backends.mlx import kv_quant
 from backends.mlx.runtime import mx
 from core.batch import Batch
 
@@ -144,8 +146,7 @@ def paged_attention(q, k, v, kc, vc, meta: AttentionMeta, *, scale: float, slidi
                     softcap: float | None, kernels=None):
     """Writes this step's k/v into the caches, then attends. Returns (out [T, Hq, Dv], kc, vc).
     With `kernels` (backends.mlx.metal_ops.KernelOps) decodes run the DSL's paged decode kernel."""
-    kc[meta.slots] = k
-    vc[meta.slots] = v
+    kc, vc = kv_quant.write(kc, meta.slots, k), kv_quant.write(vc, meta.slots, v)
     return attend_paged(q, kc, vc, meta, scale=scale, sliding_window=sliding_window, softcap=softcap,
                         kernels=kernels), kc, vc
 
@@ -154,7 +155,7 @@ def latent_attention(q, kv, kc, meta: AttentionMeta, *, value_dim: int, scale: f
                      softcap: float | None, kernels=None):
     """MLA over its latent cache: this step's latents kv [T, Hkv, D] written as keys, the values being the cached
     keys' first value_dim. Returns (out [T, Hq, value_dim], kc)."""
-    kc[meta.slots] = kv
+    kc = kv_quant.write(kc, meta.slots, kv)
     return attend_paged(q, kc, None, meta, scale=scale, sliding_window=sliding_window, softcap=softcap,
                         kernels=kernels, value_dim=value_dim), kc
 
@@ -162,10 +163,10 @@ def latent_attention(q, kv, kc, meta: AttentionMeta, *, value_dim: int, scale: f
 def attend_paged(q, kc, vc, meta: AttentionMeta, *, scale: float, sliding_window: int | None, softcap: float | None,
                  kernels=None, value_dim: int | None = None):
     """Attention of q over caches already holding this step's keys and values; vc None: the values are kc's first
-    value_dim (a latent cache)."""
+    value_dim (a latent cache). A cache may be a kv_quant.QuantizedCache, dequantized as it is read."""
 
     def values(keys, slots):
-        return keys[..., :value_dim] if vc is None else vc[slots]
+        return keys[..., :value_dim] if vc is None else kv_quant.read(vc, slots)
 
     parts = []
     if meta.decode_slots is not None:
@@ -176,21 +177,22 @@ def attend_paged(q, kc, vc, meta: AttentionMeta, *, scale: float, sliding_window
             qd = q[mx.array(meta.decode_rows)]
             if qd.shape[0] < bd:
                 qd = mx.pad(qd, [(0, bd - qd.shape[0]), (0, 0), (0, 0)])
-        if kernels is not None and meta.decode_tables is not None:
+        # The DSL's kernel reads float caches only: an 8-bit cache is read through mlx ops.
+        if kernels is not None and meta.decode_tables is not None and not isinstance(kc, kv_quant.QuantizedCache):
             # The DSL's kernel reads values as wide as keys: a latent's whole width, its first value_dim kept.
             out = kernels.paged_decode(qd, kc, kc if vc is None else vc, meta.block_size, meta.decode_tables,
                                        meta.decode_ctx_lens, meta.decode_slots.shape[1], scale, sliding_window,
                                        softcap)
             out = out if vc is not None else out[..., :value_dim]
         else:
-            keys = kc[meta.decode_slots]  # [Bd, L, Hkv, D]
+            keys = kv_quant.read(kc, meta.decode_slots)  # [Bd, L, Hkv, D]
             vals = values(keys, meta.decode_slots)
             out = _attend(qd[:, :, None, :], keys.transpose(0, 2, 1, 3), vals.transpose(0, 2, 1, 3),
                           meta.decode_mask(sliding_window), scale, softcap)[:, :, 0]
         parts.append(out if meta.decode_rows is None else out[: len(meta.decode_rows)])
     for i, p in enumerate(meta.prefills):
         qp = q[p.rows[0]: p.rows[1]].transpose(1, 0, 2)[None]
-        keys = kc[p.kv_slots]
+        keys = kv_quant.read(kc, p.kv_slots)
         vals = values(keys, p.kv_slots)
         out = _attend(qp, keys.transpose(1, 0, 2)[None], vals.transpose(1, 0, 2)[None],
                       meta.prefill_mask(i, sliding_window), scale, softcap)

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from backends.base import Backend, MemoryReport
-from backends.mlx import fast_blas, weights
+from backends.base import Backend, MemoryReport, kv_cache_int8
+from backends.mlx import fast_blas, kv_quant, weights
 from backends.mlx.attention import AttentionMeta
 from backends.mlx.decode_step import CompiledDecode
 from backends.mlx.lower import GraphRunner, StepContext
@@ -28,13 +28,18 @@ class MLXBackend(Backend):
 
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
                  compile: bool | None = None, kernels: str | None = None, progress: bool = True,
-                 fusions: Fusions | None = None, rank: int = 0, world: int = 1):
+                 fusions: Fusions | None = None, rank: int = 0, world: int = 1, kv_cache_dtype: str = "auto"):
         """`rank` of `world`: this process runs that rank's graph (ir.sharding) in an MLX ring already joined
-        (backends.mlx.tensor_parallel starts them); `mirror`, when set, is told each call that runs it."""
+        (backends.mlx.tensor_parallel starts them); `mirror`, when set, is told each call that runs it.
+        `kv_cache_dtype` "int8": the paged cache as 8-bit affine groups (backends.mlx.kv_quant)."""
         self.model = model
+        self.kv_int8 = kv_cache_int8(kv_cache_dtype, "mlx")
         self.rank, self.world = rank, world
         rank_graph = shard(model.graph, rank, world)
         self._kv_layout = kv_layout(rank_graph)  # the rank's heads: its KV cache is sized per rank
+        if self.kv_int8:  # a head dim MLX cannot group is refused before the weights load
+            for shape in self._kv_layout.shapes:
+                kv_quant.token_bytes(shape, 2)
         self.mirror = None
         self.workers = None  # rank 0's view of the other ranks (backends.tp_processes.Workers)
         self.metal = metal_available()
@@ -56,7 +61,7 @@ class MLXBackend(Backend):
         # through the DSL's CPU oracle (slow: for checking the wiring without a Mac).
         kernels = kernels or ("metal" if self.metal else None)
         self.kernels = KernelOps(kernels) if kernels else None
-        self.runner = GraphRunner(self.graph, self.params, weights.DTYPES[self.dtype], self.kernels)
+        self.runner = GraphRunner(self.graph, self.params, weights.DTYPES[self.dtype], self.kernels, self.kv_int8)
         # On MLX's CPU build the compiled step measured slower at batch 16 and no faster at batch 1
         # (docs/BENCHMARKS.md), so it is the Metal default only. The CPU oracle reads its inputs on
         # the host, which a traced (compiled) step cannot give it.
@@ -71,10 +76,16 @@ class MLXBackend(Backend):
     def describe(self) -> str:
         where = "metal" if self.metal else f"cpu, GEMMs via {fast_blas.status}"
         ranks = f", rank {self.rank} of {self.world}" if self.world > 1 else ""
-        return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}{ranks}"
+        kv = ", int8 KV cache" if self.kv_int8 else ""
+        return f"{where}, {self.dtype}, {'quantized' if self.quantized else 'dense'}{kv}{ranks}"
 
     def kv_bytes_per_block(self, block_size: int, group: int | None = None) -> int:
-        return self.kv_bytes(block_size, mx.zeros((1,), weights.DTYPES[self.dtype]).itemsize, group)
+        itemsize = weights.DTYPES[self.dtype].size
+        if not self.kv_int8:
+            return self.kv_bytes(block_size, itemsize, group)
+        layout = self.kv_layout()
+        layers = range(len(layout.shapes)) if group is None else layout.groups[group].layers
+        return block_size * sum(kv_quant.token_bytes(layout.shapes[i], itemsize) for i in layers)
 
     def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int) -> None:
         dt, layout = weights.DTYPES[self.dtype], self.kv_layout()
@@ -86,10 +97,11 @@ class MLXBackend(Backend):
         self.kv = []
         for s, g in zip(layout.shapes, layout.group_of, strict=True):
             slots = (pools[g] + 1) * block_size  # the extra block is scratch for padding writes
-            layer = [mx.zeros((slots, s.heads, s.key_dim), dt)]
-            if not s.values_in_keys:  # a latent layer's values are its keys' first value_dim
-                layer.append(mx.zeros((slots, s.heads, s.value_dim), dt))
-            self.kv.append(layer)
+            dims = [s.key_dim] + ([] if s.values_in_keys else [s.value_dim])  # a latent's values: its keys' start
+            if self.kv_int8:
+                self.kv.append(kv_quant.flat([kv_quant.allocate(slots, s.heads, d, dt) for d in dims]))
+            else:
+                self.kv.append([mx.zeros((slots, s.heads, d), dt) for d in dims])
         mx.eval(self.kv)
         self.block_size, self.pools = block_size, pools
 

@@ -39,7 +39,8 @@ class CompiledDecode:
                               key=lambda w: -1 if w is None else w)
         layout = kv_layout(runner.graph)
         self.num_groups, self.group_of = layout.num_groups, layout.group_of
-        self.arity = [1 if s.values_in_keys else 2 for s in layout.shapes]  # caches per layer (a latent: one)
+        # Arrays per layer: a latent has one cache, others two; an 8-bit cache is three arrays (backends.mlx.kv_quant).
+        self.arity = [(1 if s.values_in_keys else 2) * (3 if runner.kv_int8 else 1) for s in layout.shapes]
         self._fn = mx.compile(self._step)
 
     @staticmethod

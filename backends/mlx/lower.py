@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from backends.mlx import distributed
+from backends.mlx import distributed, kv_quant
 from backends.mlx.attention import AttentionMeta, latent_attention, paged_attention
 from backends.mlx.runtime import mx
 from backends.mlx.weights import QuantLinear
@@ -157,13 +157,14 @@ def _rope(x, ctx: StepContext, spec: RopeSpec):
 
 class GraphRunner:
     """Evaluates `graph` (ir.fusion's output) on mlx arrays. `kv` holds per-layer [k_cache, v_cache] ([latent_cache]
-    for a latent layer), updated in place."""
+    for a latent layer), each cache three arrays with `kv_int8` (backends.mlx.kv_quant), updated in place."""
 
-    def __init__(self, graph: Graph, params: dict, dtype, kernels=None):
+    def __init__(self, graph: Graph, params: dict, dtype, kernels=None, kv_int8: bool = False):
         self.graph = graph
         self.params = params
         self.dtype = dtype
         self.kernels = kernels  # backends.mlx.metal_ops.KernelOps, or None for plain mlx ops
+        self.kv_int8 = kv_int8
 
     def run(self, inputs: dict[str, mx.array], ctx: StepContext, kv: list[list[mx.array]]) -> dict[str, mx.array]:
         # Positions and the attention inputs reach their ops through `ctx`, already prepared.
@@ -187,15 +188,19 @@ class GraphRunner:
             if op == "rope_attention":
                 q, k = _rope(q, ctx, a["spec"]), _rope(k, ctx, a["spec"])
             layer = a["layer"]
-            out, kv[layer][0], kv[layer][1] = paged_attention(
-                q, k, v, kv[layer][0], kv[layer][1], ctx.attention_meta(layer), scale=a["scale"],
+            kc, vc = kv_quant.pack(kv[layer], self.kv_int8)
+            out, kc, vc = paged_attention(
+                q, k, v, kc, vc, ctx.attention_meta(layer), scale=a["scale"],
                 sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), kernels=self.kernels)
+            kv[layer][:] = kv_quant.flat([kc, vc])
             return out
         if op == "latent_attention":
             layer = a["layer"]
-            out, kv[layer][0] = latent_attention(
-                args[0], args[1], kv[layer][0], ctx.attention_meta(layer), value_dim=a["value_dim"], scale=a["scale"],
+            (kc,) = kv_quant.pack(kv[layer], self.kv_int8)
+            out, kc = latent_attention(
+                args[0], args[1], kc, ctx.attention_meta(layer), value_dim=a["value_dim"], scale=a["scale"],
                 sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), kernels=self.kernels)
+            kv[layer][:] = kv_quant.flat([kc])
             return out
         if op == "rope":
             return _rope(args[0], ctx, a["spec"])
