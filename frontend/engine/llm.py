@@ -24,9 +24,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512, decode_step_tokens: int = 0,
                  prefix_caching: bool = True, progress: bool = True, isq: str | None = None,
                  kv_cache_dtype: str | None = None):
-        """`isq`: quantize the model's matrices at load to a GGUF type ("q4k", ...), "int4" or "fp8"
-        (see ir.isq); `kv_cache_dtype`
-        "int8": the MLX backend's 8-bit KV cache (--kv-cache-dtype)."""
+        """`isq`: quantize the model's matrices at load to a GGUF type ("q4k", ...), "int4" or "fp8" (see
+        ir.isq); `kv_cache_dtype` "int8": the MLX backend's 8-bit KV cache (--kv-cache-dtype)."""
         loaded = load_model(model or default_model_path(), progress=progress, isq=isq)
         options = {"dtype": dtype, "quantized": quantized, "progress": progress, "kv_cache_dtype": kv_cache_dtype}
         self.backend = create_backend(backend, loaded, **{k: v for k, v in options.items() if v is not None})
