@@ -22,8 +22,11 @@ def q8_0(x: np.ndarray) -> StoredTensor:
 
 
 def test_every_format_knows_its_layout():
-    # intgroup formats enter the table as checkpoints name them (their group size is a checkpoint's)
-    assert {f.family for f in FORMATS.values()} - {"intgroup"} == {"dense", "gguf"}
+    # intgroup and fp8 formats enter the table as checkpoints (or --isq) name them: their group size is a
+    # checkpoint's, so which are there depends on what this process loaded before
+    assert {f.family for f in FORMATS.values()} - {"intgroup", "fp8"} == {"dense", "gguf"}
+    weight_format("I4_G128"), weight_format("F8E4M3_G128")  # one of each, whatever ran before
+    assert {f.family for f in FORMATS.values()} == {"dense", "gguf", "intgroup", "fp8"}
     for name, f in FORMATS.items():
         assert f.name == name and f.quantized == (f.family != "dense")
         row = 4 * f.block_elems
