@@ -11,6 +11,7 @@ import time
 from backends.base import KV_CACHE_DTYPES, kv_cache_int8
 from frontend.model_source import resolve
 from ir.isq import ISQ_TYPES, isq_kind
+from ir.sharding import check_world
 
 log = logging.getLogger("frontend")
 
@@ -134,9 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.tp is not None:
         if args.backend == "cuda" or args.d is not None:
             ap.error("--tp N is the MLX backend's tensor parallel; the CUDA backend's ranks are its GPUs: --d 0,1")
-        n = args.tp
-        if n > 8 or n & (n - 1):
-            ap.error(f"--tp: tensor parallel runs on a power of two from 1 to 8 processes, not {n}")
+        _world(ap, "--tp", args.tp, "processes")
         args.backend = "mlx"
     if args.kv_cache_dtype != "auto" and args.backend != "auto":
         try:
@@ -174,10 +173,15 @@ def _device_ids(ap: argparse.ArgumentParser, text: str) -> list[int]:
     ids = [x.strip() for x in text.split(",")]
     if not ids or not all(i.isdigit() for i in ids) or len(set(ids)) != len(ids):
         ap.error(f"--d takes GPU ids separated by commas, each once (0 or 0,1,2,3), got {text!r}")
-    n = len(ids)
-    if n > 8 or n & (n - 1):
-        ap.error(f"--d: tensor parallel runs on a power of two from 1 to 8 GPUs, not {n}")
+    _world(ap, "--d", len(ids), "GPUs")
     return [int(i) for i in ids]
+
+
+def _world(ap: argparse.ArgumentParser, flag: str, n: int, unit: str) -> None:
+    try:
+        check_world(n, unit)  # the rule the sharding pass holds ranks to
+    except ValueError as e:
+        ap.error(f"{flag}: {e}")
 
 
 def _launcher_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):

@@ -32,9 +32,10 @@ MAX_WORLD = 8
 _PER_HEAD = ("reshape", "rope", "rms_norm", "layer_norm")  # ops a head's values pass through on their way to a cache
 
 
-def check_world(world: int) -> None:
+def check_world(world: int, unit: str = "processes") -> None:
+    """A world size tensor parallel takes (a power of two up to MAX_WORLD), else a ValueError counting `unit`."""
     if not isinstance(world, int) or not 1 <= world <= MAX_WORLD or world & (world - 1):
-        raise ValueError(f"tensor parallel runs on a power of two from 1 to {MAX_WORLD} processes, not {world!r}")
+        raise ValueError(f"tensor parallel runs on a power of two from 1 to {MAX_WORLD} {unit}, not {world!r}")
 
 
 def shard(graph: Graph, rank: int, world: int) -> Graph:
