@@ -92,3 +92,21 @@ def test_aot_sm90(name, consts, tmp_path, monkeypatch):
     compiled = aot_compile(k, arch=90, num_warps=1 if name == "int_group_gemv" else 4)
     assert ".target sm_90a" in compiled.asm["ptx"]
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
+
+
+def test_linear_above_the_gemv_in_chunks(rng):
+    """backends.cuda.int_group_linear past the GEMV's rows: W dequantized a few rows at a time for the GEMM
+    (torch_ops.dequantized_matmul: 13 rows in chunks of 4, and in one) against x @ W.T of the numpy dequantizer."""
+    torch = pytest.importorskip("torch")
+    from backends.cuda.int_group_linear import int_group_linear
+    from ir.weight_formats import int_group_format
+
+    n, k, bits, group = 13, 128, 4, 32
+    w = blocks(rng, n, k, bits, group)
+    x = rng.standard_normal((ig.MAX_ROWS + 3, k)).astype(np.float32)
+    want = x @ int_groups.dequantize(w, (n, k), bits, group).T
+    qtype = int_group_format(bits, group).name
+    for chunk_rows in (4, n):
+        got = int_group_linear(torch.from_numpy(x), torch.from_numpy(w), qtype, (n, k), None, "triton-interpret",
+                               chunk_rows * k * 4)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -10,6 +10,7 @@ Elsewhere (MLX, older GPUs, CPU tensors) the weights are dequantized at load: `n
 from __future__ import annotations
 
 from backends.cuda.runtime import torch
+from backends.cuda.torch_ops import dequantized_matmul
 
 MIN_CAPABILITY = (8, 9)
 ROWWISE_CAPABILITY = (9, 0)  # row-wise scaled _scaled_mm: Hopper's cuBLASLt/CUTLASS path; Ada takes the blockwise one
@@ -54,9 +55,6 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, chunk
         y = torch._scaled_mm(xq, codes.view(torch.float8_e4m3fn).t(), scale_a=xs, scale_b=scales.view(1, n),
                              out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], n)
-    step = max(1, chunk_bytes // (k * 4))  # the fp32 product is the larger scratch
-    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        y[:, r0:r1] = x2 @ dequantize(codes[r0:r1], scales[r0:r1], x.dtype).T
+    y = dequantized_matmul(x2, n, k * 4, chunk_bytes,  # the fp32 product is the larger scratch
+                           lambda r0, r1: dequantize(codes[r0:r1], scales[r0:r1], x.dtype))
     return y.reshape(*x.shape[:-1], n)

@@ -7,6 +7,7 @@ is what replaces it (docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
 from backends.cuda.runtime import torch
+from backends.cuda.torch_ops import dequantized_matmul
 from ir.weight_formats import weight_format
 from kernels_src.int_group_gemv import MAX_ROWS, int_group_dequantize, int_group_gemv
 
@@ -23,9 +24,8 @@ def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tup
     if x2.shape[0] <= MAX_ROWS:
         return int_group_gemv(x2, data, bits, group, target=target).reshape(*x.shape[:-1], n)
     dtype = str(x.dtype).removeprefix("torch.")
-    step = max(1, chunk_bytes // (k * x.element_size()))
-    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        y[:, r0:r1] = x2 @ int_group_dequantize(data[r0:r1], bits, group, k, dtype=dtype, target=target).T
-    return y.reshape(*x.shape[:-1], n)
+
+    def rows(r0: int, r1: int):
+        return int_group_dequantize(data[r0:r1], bits, group, k, dtype=dtype, target=target)
+
+    return dequantized_matmul(x2, n, k * x.element_size(), chunk_bytes, rows).reshape(*x.shape[:-1], n)

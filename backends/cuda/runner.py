@@ -298,16 +298,11 @@ class Runner:
             return dequant_matmul(x2, w.data, w.qtype, target=self.target, pdl=self.pdl).reshape(*x.shape[:-1], n)
         from kernels_src.dequantize import dequantize_rows
 
-        step = max(1, DEQUANT_CHUNK_BYTES // (k * x.element_size()))
-        if step >= n:
-            y = x2 @ dequantize_rows(w.data, self._row_ids(0, n), w.qtype, k, dtype=x.dtype, target=self.target,
-                                     pdl=self.pdl).T
-        else:
-            y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-            for r0 in range(0, n, step):
-                rows = self._row_ids(r0, min(n, r0 + step))
-                wd = dequantize_rows(w.data, rows, w.qtype, k, dtype=x.dtype, target=self.target, pdl=self.pdl)
-                y[:, r0:r0 + len(rows)] = x2 @ wd.T
+        def rows(r0: int, r1: int):
+            return dequantize_rows(w.data, self._row_ids(r0, r1), w.qtype, k, dtype=x.dtype, target=self.target,
+                                   pdl=self.pdl)
+
+        y = torch_ops.dequantized_matmul(x2, n, k * x.element_size(), DEQUANT_CHUNK_BYTES, rows)
         return y.reshape(*x.shape[:-1], n)
 
     def _moe_experts(self, x, weights, ids, w_gate, w_up, w_down, *, act: str):

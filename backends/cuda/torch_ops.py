@@ -1,12 +1,27 @@
 """The IR ops the CUDA backend runs as plain torch ops, with no DSL kernel: a lone activation (the fused `gated`
-has one), layer norm, an RMS norm whose weight offset the kernel does not take, and a router too large for
-kernels_src/moe_route's one tile."""
+has one), layer norm, an RMS norm whose weight offset the kernel does not take, a router too large for
+kernels_src/moe_route's one tile; and the chunked dequantize-then-GEMM that every quantized family falls back to."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from backends.cuda.runtime import torch
 
 F = torch.nn.functional
+
+
+def dequantized_matmul(x2, n: int, row_bytes: int, chunk_bytes: int, rows: Callable[[int, int], object]):
+    """x2 @ W.T for W [n, K] that `rows(r0, r1)` dequantizes, chunk_bytes of it at a time (row_bytes a row): a
+    prefill's cuBLAS GEMM without a dense copy of W in memory."""
+    step = max(1, chunk_bytes // row_bytes)
+    if step >= n:
+        return x2 @ rows(0, n).T
+    y = torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        y[:, r0:r1] = x2 @ rows(r0, r1).T
+    return y
 
 
 def act(op: str, x):
