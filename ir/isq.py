@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from math import gcd, prod
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from ir.formats import fp8_blocks, int_groups
-from ir.formats.gguf_quantize import CHUNK_ELEMS, THREADS, quantize
+from ir.formats.gguf_quantize import quantize
 from ir.formats.gguf_quants import QTYPES
+from ir.formats.quant_common import CHUNK_ELEMS, by_rows
 from ir.graph import Graph
 from ir.ops import OPS
 from ir.weights import StoredTensor, WeightStore
@@ -87,25 +86,15 @@ def _widest(kind: str) -> str:
     return {"INT4": int_groups.kind_name(4, INT4_GROUPS[0]), "FP8": fp8_blocks.kind_name(FP8_BLOCK[1])}.get(kind, kind)
 
 
-def _by_rows(m: np.ndarray, step: int, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """fn over slabs of `step` rows of the matrix m, concatenated: bounded temporaries, and threads share out a large
-    matrix (numpy lets go of the GIL inside its loops)."""
-    slabs = [m[i:i + step] for i in range(0, m.shape[0], step)]
-    if len(slabs) == 1:
-        return fn(m)
-    with ThreadPoolExecutor(THREADS) as pool:
-        return np.concatenate(list(pool.map(fn, slabs)), axis=0)
-
-
 def quantize_values(values: np.ndarray, want: str) -> np.ndarray:
     """values (..., n) -> the stored bytes of kind `want` (a GGUF type, I4_G*, F8E4M3_G*)."""
     n = values.shape[-1]
     if (spec := int_groups.parse_kind(want)) is not None:
-        return _by_rows(values.reshape(-1, n), max(1, CHUNK_ELEMS // n), lambda r: int_groups.quantize_rtn(r, *spec))
+        return by_rows(values.reshape(-1, n), max(1, CHUNK_ELEMS // n), lambda r: int_groups.quantize_rtn(r, *spec))
     if fp8_blocks.parse_kind(want) is not None:  # 128x128 blocks within each matrix of a stack: slabs of whole blocks
         step = max(1, CHUNK_ELEMS // (n * FP8_BLOCK[0])) * FP8_BLOCK[0]
         one = lambda r: fp8_blocks.quantize_blockwise(r, FP8_BLOCK)[0]  # noqa: E731
-        return np.concatenate([_by_rows(m, step, one) for m in values.reshape(-1, *values.shape[-2:])], axis=0)
+        return np.concatenate([by_rows(m, step, one) for m in values.reshape(-1, *values.shape[-2:])], axis=0)
     return quantize(values, want)
 
 

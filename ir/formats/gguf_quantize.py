@@ -6,15 +6,13 @@ code, so the tests can hold it against both gguf-py and ggml's C compiled from s
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ir.formats import kquant_quantize as kq
 from ir.formats.gguf_quants import row_bytes, spec
-from ir.formats.quant_common import F32, abs_max_signed, f16_bytes, pack_nibbles
+from ir.formats.quant_common import CHUNK_ELEMS, F32, abs_max_signed, by_rows, f16_bytes, pack_nibbles
 
 __all__ = ["QUANTIZABLE", "quantize"]
 
@@ -83,11 +81,6 @@ _QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 QUANTIZABLE = tuple(_QUANTIZERS)
 
-# Values quantized per call: the k-quant searches hold a few dozen temporaries of this size.
-CHUNK_ELEMS = 1 << 18
-# Chunks quantized at once: numpy lets go of the GIL inside its loops, so threads share out a large tensor.
-THREADS = min(8, os.cpu_count() or 1)
-
 
 def quantize(values: np.ndarray, kind: str) -> np.ndarray:
     """values (..., n) with n a whole number of `kind`'s blocks -> uint8 [rows, row bytes] of GGUF blocks."""
@@ -98,17 +91,4 @@ def quantize(values: np.ndarray, kind: str) -> np.ndarray:
     x = np.asarray(values, dtype=F32)
     rb = row_bytes(s.name, x.shape[-1])  # checks that rows are a whole number of blocks
     blocks = np.ascontiguousarray(x).reshape(-1, s.block_size)
-    out = np.empty((blocks.shape[0], s.type_size), dtype=np.uint8)
-    step = max(1, CHUNK_ELEMS // s.block_size)
-    starts = range(0, blocks.shape[0], step)
-
-    def one(i: int) -> None:
-        out[i:i + step] = fn(blocks[i:i + step])
-
-    if len(starts) > 1 and THREADS > 1:
-        with ThreadPoolExecutor(THREADS) as pool:
-            list(pool.map(one, starts))
-    else:
-        for i in starts:
-            one(i)
-    return out.reshape(-1, rb)
+    return by_rows(blocks, max(1, CHUNK_ELEMS // s.block_size), fn).reshape(-1, rb)

@@ -1,13 +1,22 @@
-"""Arithmetic shared by the GGUF quantizers, written to round exactly as ggml's C reference does in float32.
+"""Arithmetic shared by the GGUF quantizers, written to round exactly as ggml's C reference does in float32, and the
+slab loop every quantizer (GGUF, int4, fp8) runs in.
 
 Every array here is float32 and every sum is sequential (np.add.accumulate), because ggml's reference quantizers add
 in index order without reassociation: numpy's pairwise `sum` would round differently and pick other quants."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 F32 = np.float32
+# Values quantized per call: the k-quant searches hold a few dozen temporaries of this size.
+CHUNK_ELEMS = 1 << 18
+# Slabs quantized at once: numpy lets go of the GIL inside its loops, so threads share out a large tensor.
+THREADS = min(8, os.cpu_count() or 1)
 # ggml-quants.c's GROUP_MAX_EPS: a group whose largest |x| is below it is all zero.
 GROUP_MAX_EPS = F32(1e-15)
 
@@ -56,3 +65,12 @@ def pack_crumbs(L: np.ndarray) -> np.ndarray:
 def pack_nibbles(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Two equally shaped arrays of 4-bit values as bytes lo | hi << 4."""
     return (lo.astype(np.uint8) & 0xF) | ((hi.astype(np.uint8) & 0xF) << 4)
+
+
+def by_rows(m: np.ndarray, step: int, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """fn over slabs of `step` rows of m, concatenated: bounded temporaries, and THREADS threads share them out."""
+    slabs = [m[i:i + step] for i in range(0, m.shape[0], step)]
+    if len(slabs) == 1:
+        return fn(m)
+    with ThreadPoolExecutor(THREADS) as pool:
+        return np.concatenate(list(pool.map(fn, slabs)), axis=0)
