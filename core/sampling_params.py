@@ -7,6 +7,17 @@ from dataclasses import dataclass, field
 # Temperatures below this are served as greedy (vLLM's _SAMPLING_EPS): in float32 a temperature of 1e-300 is 0,
 # and dividing the logits by it gives 0/0.
 GREEDY_BELOW = 1e-5
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutput:
+    """What a request's output must match, enforced by a token mask at every step. `spec` is text, so that it
+    travels to the engine process as it is: the schema's JSON ("json_schema"; None for any JSON object), the
+    regex, a JSON list of the choices, or the grammar's text (Lark or GBNF)."""
+
+    kind: str
+    spec: str | None = None
 
 
 @dataclass
@@ -29,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # response_format, structured_outputs, tool_choice "required"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +62,8 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (all(s for s in self.stop), "stop", "stop strings must not be empty"),
+            (self.structured is None or self.structured.kind in STRUCTURED_KINDS, "structured",
+             f"must be one of {', '.join(STRUCTURED_KINDS)}"),
         ]
         for ok, name, why in checks:
             if not ok:
