@@ -263,3 +263,29 @@ def test_is_fatal_probes_the_device(saved):  # noqa: F811
     out = subprocess.run([sys.executable, "-c", _PROBE, str(saved("qwen2")[1])], cwd=ROOT, env=child_env(),
                          capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["shape", "False", "assert", "True"], out.stdout + out.stderr[-2000:]
+
+
+@needs_cuda
+def test_one_row_steps_take_the_dense_gemv(saved, monkeypatch):  # noqa: F811
+    """On a GPU the default sends a one-row step's dense linears through kernels_src/dense_gemv (no prologues) and a
+    two-row step's through cuBLAS (fp16 weights: the GEMV's dtypes); the same tokens as with cuBLAS throughout, and
+    first logits within fp16's reach of the fp32 reference's."""
+    from backends.cuda import runner as runner_mod
+
+    calls = []
+    real = runner_mod.dense_gemv
+    monkeypatch.setattr(runner_mod, "dense_gemv", lambda x, w, **kw: calls.append(x.shape[0]) or real(x, w, **kw))
+    model = load_model(saved("qwen2")[1], progress=False)
+    b = make_backend(model, "cuda", dtype="f16", cuda_graph=False)
+    assert b.runner.dense_gemv and not b.runner.gemv_prologues and b.runner.gemv_max_rows == 1
+    ref = ReferenceRunner(model, max_tokens=64, block_size=4)
+    for prompts in ([prompt(1, 5)], [prompt(1, 5), prompt(2, 7)]):
+        _, ref_first = ref.greedy(prompts, 1)
+        b.runner.dense_gemv = False
+        plain, _ = backend_greedy(b, ref, prompts, 4, 4)
+        b.runner.dense_gemv = True
+        calls.clear()
+        tokens, first = backend_greedy(b, ref, prompts, 4, 4)
+        assert (set(calls) == {1}) if len(prompts) == 1 else not calls
+        assert tokens == plain
+        assert float(np.abs(first - ref_first).max()) <= 2e-2 * float(np.abs(ref_first).max())

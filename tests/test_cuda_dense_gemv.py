@@ -59,6 +59,7 @@ def _backend(model, on: bool = True, **kw):
 
     b = CUDABackend(model, device="cpu", dtype="f32", progress=False, **kw)
     b.runner.dense_gemv = on
+    b.runner.gemv_prologues, b.runner.gemv_max_rows = True, 8  # every chain and row count the kernel takes
     return b
 
 
@@ -121,7 +122,7 @@ def test_pieces_run_chains(saved, gemv_calls, monkeypatch):  # noqa: F811
 
     def on(self, *a, **kw):
         init(self, *a, **kw)
-        self.dense_gemv = True
+        self.dense_gemv, self.gemv_prologues, self.gemv_max_rows = True, True, 8
 
     monkeypatch.setattr(Runner, "__init__", on)
     _check_steps(load_model(saved("llama3_rope")[1], progress=False), "cpu")

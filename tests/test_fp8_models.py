@@ -131,6 +131,8 @@ def test_fp8_linear_is_its_definition(group, path):
     codes = (torch.from_numpy(rng.standard_normal((n, k), np.float32)) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
     scales = rng.uniform(0.5, 2, (n, k // group)).astype(np.float32)
     x = torch.from_numpy(rng.standard_normal((5, k), np.float32) * rng.uniform(0.1, 3, (5, 1)).astype(np.float32))
+    if path == "scaled_mm" and not fp8_linear.cpu_rowwise():
+        pytest.skip("this torch's CPU _scaled_mm takes one scale per operand only (2.11; 2.13 takes rows)")
     assert fp8_linear.path(group, (n, k), torch.float32, x.device) == path
     y = fp8_linear.fp8_linear(x, codes, torch.from_numpy(scales), chunk_bytes=16 * k * 4).numpy()
     w = fp8_blocks.dequantize(fp8_blocks.pack(codes.numpy(), scales, group), (n, k), group).astype(np.float64)

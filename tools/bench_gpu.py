@@ -89,10 +89,11 @@ ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): ea
     "no PDL on attention": ({"attention_pdl": False}, None, True),  # the decode/reduce (or prefill) launches only
     "no fused rope+KV write": ({}, {"rope_attention": False}, True),
     "no small decode partitions": ({"decode": DecodeTable(partitions=())}, None, True),
-    # off by default until measured: steps of 1-8 rows through kernels_src/dense_gemv, the norms and gated
-    # activation before the projections fused in (backends/cuda/gemv_fusion.py), or the GEMVs alone
-    "dense GEMV": ({"dense_gemv": True}, None, True),
-    "dense GEMV without prologues": ({"dense_gemv": True, "gemv_prologues": False}, None, True),
+    # the runner's default: one-row steps through kernels_src/dense_gemv; against cuBLAS throughout, the GEMV up to
+    # 8 rows, and with the norms and gated activation before the projections fused in (backends/cuda/gemv_fusion.py)
+    "no dense GEMV": ({"dense_gemv": False}, None, True),
+    "dense GEMV to 8 rows": ({"dense_gemv": True, "gemv_max_rows": 8}, None, True),
+    "dense GEMV with prologues": ({"dense_gemv": True, "gemv_prologues": True}, None, True),
 }
 
 

@@ -9,6 +9,8 @@ Elsewhere (MLX, older GPUs, CPU tensors) the weights are dequantized at load: `n
 
 from __future__ import annotations
 
+import functools
+
 from backends.cuda.runtime import torch
 from backends.cuda.torch_ops import dequantized_matmul
 
@@ -30,12 +32,25 @@ def no_fp8(device: torch.device) -> str | None:
 def path(group: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> str:
     """"scaled_mm" or "blockwise" for weights [N, K] with a scale a `group` inputs, computed in `dtype`."""
     n, k = shape
-    # On a GPU, row-wise scaling writes bf16 only, and wants Hopper; on CPU tensors (tests) any float output.
-    rowwise = device.type != "cuda" or (dtype == torch.bfloat16 and
-                                        torch.cuda.get_device_capability(device) >= ROWWISE_CAPABILITY)
+    # On a GPU, row-wise scaling writes bf16 only, and wants Hopper; on CPU tensors (tests) any float output, where
+    # this torch's CPU kernel takes row-wise scales at all.
+    rowwise = cpu_rowwise() if device.type != "cuda" else (
+        dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= ROWWISE_CAPABILITY)
     if group == k and k % 16 == 0 and n % 16 == 0 and rowwise:
         return "scaled_mm"
     return "blockwise"
+
+
+@functools.cache
+def cpu_rowwise() -> bool:
+    """Whether torch._scaled_mm takes row-wise scales on CPU tensors: torch 2.13's does, 2.11's (the H200's) asserts
+    that both scales are one number."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,12 +28,12 @@ def gemv_weight(w) -> bool:
     return isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in DTYPES and w.stride(1) == 1
 
 
-def gemv_rows(x) -> int | None:
-    """x's rows where the GEMV may take them (1-8, x of DTYPES or fp32), else None."""
+def gemv_rows(x, max_rows: int = dg.MAX_ROWS) -> int | None:
+    """x's rows where the GEMV may take them (1 to max_rows, at most the kernel's 8; x of DTYPES or fp32), else None."""
     if x.dim() < 1 or x.dtype not in (*DTYPES, torch.float32) or x.shape[-1] == 0:
         return None
     rows = x.numel() // x.shape[-1]
-    return rows if 1 <= rows <= dg.MAX_ROWS else None
+    return rows if 1 <= rows <= min(max_rows, dg.MAX_ROWS) else None
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def run(chain: Chain, nodes, i: int, env: dict, runner) -> int:
     args = runner.args(pro, env) if pro is not None else [env[lin.inputs[0].id]]
     x = args[0]
     w = runner.params[lin.inputs[1].name]
-    if x.dim() != 2 or gemv_rows(x) is None:
+    if x.dim() != 2 or gemv_rows(x, runner.gemv_max_rows) is None:
         return 0
     residual = env[_addend(chain.add, lin).id] if chain.add is not None else None
     if residual is not None and residual.stride(-1) != 1:

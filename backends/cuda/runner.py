@@ -92,11 +92,14 @@ class Runner:
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
         self.attention_pdl: bool | None = None  # the attention kernels' (None: as self.pdl)
         self.decode = DecodeTable()  # split-K partitions, grid cap and tile by batch size (a benchmark may swap it)
-        # Dense fp16/bf16 linears of 1-8 rows through kernels_src/dense_gemv instead of cuBLAS, with the norm or gated
-        # activation before them (and a residual add after) fused in where `gemv_prologues` (backends/cuda/
-        # gemv_fusion.py). Off until tools/sweep_dense_gemv and bench_gpu's "dense GEMV" ablation decide it.
-        self.dense_gemv = False
-        self.gemv_prologues = True
+        # Dense fp16/bf16 linears of up to `gemv_max_rows` rows through kernels_src/dense_gemv instead of cuBLAS, with
+        # the norm or gated activation before them (and a residual add after) fused in where `gemv_prologues`
+        # (backends/cuda/gemv_fusion.py). Measured on an H200 (docs/BENCHMARKS.md, 2026-12-03): one-row steps gain
+        # (Llama-3-8B batch 1 219 -> 250 tok/s, phi-3-mini 341 -> 422), four rows lose 3.5% on Llama's shapes, and
+        # the fused prologues lose at every size; so one row, no prologues, on a GPU (CPU tensors keep F.linear).
+        self.dense_gemv = device.type == "cuda"
+        self.gemv_prologues = False
+        self.gemv_max_rows = 1
         self._gemv_chains = gemv_fusion.plan(graph, params)
         self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
@@ -269,7 +272,7 @@ class Runner:
     def linear(self, x, w: Param, b=None):
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
-        elif self.dense_gemv and gemv_fusion.gemv_weight(w) and gemv_fusion.gemv_rows(x):
+        elif self.dense_gemv and gemv_fusion.gemv_weight(w) and gemv_fusion.gemv_rows(x, self.gemv_max_rows):
             x2 = x.reshape(-1, x.shape[-1])
             y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target,
                            pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
