@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import time
+import urllib.error
 import urllib.request
 
 import pytest
