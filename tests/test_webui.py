@@ -189,14 +189,15 @@ def test_an_error_is_shown_readably(page):
     assert turns(page) == [] and not by_id(page, "error").is_displayed()
 
 
-def sse_bytes(deltas: list[dict], finish: str) -> bytes:
-    """A chat completion stream in OpenAI's documented shape (the deltas, a finish, usage, [DONE]), with the \\r\\n
-    line ends a proxy may give on every other event."""
+def sse_bytes(deltas: list[dict], finish: str, error: dict | None = None) -> bytes:
+    """A chat completion stream in OpenAI's documented shape (the deltas, a finish, usage, [DONE]; or the deltas
+    and the server's error event), with the \\r\\n line ends a proxy may give on every other event."""
     chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
     events = [{**chunk, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
-    events += [{**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
-               {**chunk, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": len(deltas),
-                                                  "total_tokens": 5 + len(deltas)}}]
+    events += [{"error": error}] if error else [
+        {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+        {**chunk, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": len(deltas),
+                                           "total_tokens": 5 + len(deltas)}}]
     text = "".join(f"data: {json.dumps(e, ensure_ascii=False)}" + ("\r\n\r\n" if i % 2 else "\n\n")
                    for i, e in enumerate(events))
     return (text + "data: [DONE]\n\n").encode()
@@ -259,6 +260,17 @@ def test_reasoning_folded_and_tool_calls_shown(page):
     shown = [c.find_element(By.CSS_SELECTOR, "code").get_attribute("textContent") for c in calls]
     assert shown == [json.dumps(args, indent=2, ensure_ascii=False), "{}"]
     assert reply.find_element(By.CSS_SELECTOR, ".meta").text.startswith("finish: tool_calls")
+
+
+def test_an_error_event_mid_stream_is_shown(page):
+    fresh(page)
+    message = "the engine is not running: its process ended"  # what the server streams when the engine dies
+    error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
+    page.execute_async_script(SCRIPTED_FETCH, list(sse_bytes([{"content": "The capital"}], "", error)))
+    ask(page, "Hi")
+    assert wait(page, lambda: by_id(page, "error").is_displayed() and by_id(page, "error-text").text) == message
+    assert turns(page) == [("You", "Hi"), ("Assistant", "The capital")]  # what came before it stays, dimmed
+    assert len(page.find_elements(By.CSS_SELECTOR, "#log .msg.failed")) == 2
 
 
 @pytest.mark.skipif(not os.environ.get("WEBUI_SCREENSHOT"), reason="WEBUI_SCREENSHOT=docs/webui.png writes the "

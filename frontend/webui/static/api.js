@@ -97,7 +97,7 @@ export async function* streamChat(body, apiKey, signal) {
     } catch {
       throw new ApiError(`the server sent an event that is not JSON: ${data.slice(0, 200)}`);
     }
-    if (chunk.error) throw new ApiError(chunk.error.message || JSON.stringify(chunk.error), chunk.error.code);
+    if (chunk.error) throw new ApiError(chunk.error.message || JSON.stringify(chunk.error)); // an error event
     yield chunk;
   }
   throw new ApiError("the stream ended without [DONE]: the server may have stopped");
