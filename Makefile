@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 SERVE_STAMP := $(VENV)/.installed-serve
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup setup-serve serve test lint clean
+.PHONY: setup setup-serve serve test lint clean browser
 
 setup: $(TEST_STAMP)
 setup-serve: $(SERVE_STAMP)
@@ -31,7 +31,11 @@ serve: $(SERVE_STAMP)
 # a model) are built once; TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
-test: $(TEST_STAMP)
+# The web page's test drives a headless chromium: installed here when missing and apt-get can (as root).
+browser:
+	@tools/install_browser.sh
+
+test: $(TEST_STAMP) browser
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)

@@ -16,6 +16,7 @@ from frontend.metrics import CONTENT_TYPE
 from frontend.openapi import openapi_document
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from frontend.serving import OpenAIServing, encode_texts, off_loop
+from frontend.webui import add_routes as add_webui_routes
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -43,6 +44,7 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, name: str = "l
     # Sanic answers 413 (through on_error) from the Content-Length or while reading, before any handler runs.
     app.config.REQUEST_MAX_SIZE = serving.limits.max_request_bytes
     app.ctx.serving = serving
+    add_webui_routes(app)  # the chat page at /
 
     @app.on_request
     async def check_key(request: Request) -> HTTPResponse | None:
