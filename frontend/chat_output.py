@@ -139,10 +139,10 @@ class ParserChoice:
         parser: ToolParser | None = None
         if not tools or choice == "none":
             parser = None
-        elif choice == "required":
-            parser = RequiredParser(tools)
-        elif isinstance(choice, NamedToolChoice):
-            parser = NamedParser(choice.function.name, tools)
+        elif choice == "required" or isinstance(choice, NamedToolChoice):
+            # the schema constrains the output from its first token, so none of it is reasoning
+            reasoning = None
+            parser = RequiredParser(tools) if choice == "required" else NamedParser(choice.function.name, tools)
         elif self.tool_parser is not None:
             parser = PARSERS[self.tool_parser](tools)
         if reasoning is None and parser is None:

@@ -6,11 +6,13 @@ the reasoning and only `</think>` shows where it ends: the prompt tells which ca
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from frontend.tool_parsers.base import marker_prefix
 
 START, END = "<think>", "</think>"
+_LEADING_WS = re.compile(r"\s*")
 # deepseek_r1: the output starts in the reasoning whatever the prompt; qwen3 and auto: where the prompt leaves it
 # (an output that opens <think> itself is read as reasoning in every case).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -34,10 +36,10 @@ class Reasoning:
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of the output so far; a marker not yet whole is held back until it is."""
-        head = text.lstrip()
-        if head.startswith(START):
-            inside, i = True, len(text) - len(head) + len(START)
-        elif START.startswith(head) and not final:
+        lead = _LEADING_WS.match(text).end()
+        if text.startswith(START, lead):
+            inside, i = True, lead + len(START)
+        elif START.startswith(text[lead:lead + len(START)]) and lead + len(START) > len(text) and not final:
             return "", ""  # whitespace, or the start of <think>: undecided
         else:
             inside, i = self.starts_inside, 0

@@ -63,6 +63,16 @@ def test_reasoning_split_sync_and_streamed(tiny, client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_each_streamed_choice_has_its_own_reasoning(client):
+    kw = dict(model=None, messages=USER, max_tokens=5, temperature=1, seed=11, n=2)
+    whole = client.chat.completions.create(**kw)
+    got = ["", ""]
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            got[c.index] += getattr(c.delta, "reasoning_content", None) or ""
+    assert got == [c.message.reasoning_content for c in whole.choices] and got[0] != got[1]
+
+
 @pytest.mark.parametrize("extra", [{"chat_template_kwargs": {"enable_thinking": False}},
                                    {"reasoning_effort": "none"}])
 def test_thinking_off_gives_content(tiny, client, extra):

@@ -191,3 +191,26 @@ def test_tool_schema_required_and_named():
     named = tool_schema(tools, NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_time"}}))
     assert named == TOOLS[1]["function"]["parameters"]
     assert tool_schema(tools, "auto") is None and tool_schema(tools, "none") is None
+
+
+def test_parser_choice_from_flags_template_and_request():
+    from frontend.chat_output import ParserChoice
+    from frontend.protocol import ChatCompletionRequest
+    from tests.tool_templates import QWEN_TOOLS
+
+    auto = ParserChoice.resolve("auto", "auto", QWEN_TOOLS)
+    assert (auto.tool_parser, auto.reasoning_parser) == ("hermes", "qwen3")
+    assert ParserChoice.resolve("auto", "auto", "{{ messages }}") == ParserChoice(None, None)
+    assert ParserChoice.resolve("mistral", "none", QWEN_TOOLS) == ParserChoice("mistral", None)
+
+    def parsing(**body):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+        return auto.for_request(req, "<|im_start|>assistant\n<think>\n")
+
+    assert parsing().tools is None and parsing().reasoning.starts_inside
+    assert isinstance(parsing(tools=TOOLS).tools, PARSERS["hermes"])
+    assert parsing(tools=TOOLS, tool_choice="none").tools is None
+    forced = parsing(tools=TOOLS, tool_choice="required")  # the schema binds from the first token: no reasoning
+    assert isinstance(forced.tools, RequiredParser) and forced.reasoning is None
+    named = parsing(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert isinstance(named.tools, NamedParser) and named.tools.function == "get_time"
