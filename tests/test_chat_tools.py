@@ -69,3 +69,48 @@ def test_arguments_that_are_not_json_are_a_400():
     with pytest.raises(APIError) as e:
         template_messages(ChatCompletionRequest.model_validate({"messages": bad}).messages)
     assert e.value.param == "messages.1.tool_calls.1.function.arguments"
+
+
+def test_serving_streams_each_choice_through_its_own_parser(smollm_path):
+    """serving's chunk builder over two choices reported token by token, as the engine reports them (a hermes call in
+    one, plain text in the other): a role chunk each, the call's deltas in OpenAI's shape, finish_reason
+    tool_calls only where a call was made."""
+    from core.sampling_params import SamplingParams
+    from frontend.chat_output import ParserChoice
+    from frontend.engine.outputs import CompletionOutput, TokenView
+    from frontend.protocol import ServerDefaults
+    from frontend.serving import OpenAIServing, ServedModel
+    from ir.loader import load_tokenizer
+
+    tok = load_tokenizer(smollm_path)
+    serving = OpenAIServing(None, None, tok, ServedModel("m", 512, tok.vocab_size, 0), ServerDefaults(), 8)
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                "tools": [WEATHER_TOOL], "stream": True})
+    parsing = ParserChoice.resolve("hermes", "none", None).for_request(req, "")
+    chunks = serving._chat_chunks(SamplingParams(n=2), 0, [1, 2], parsing)
+    texts = ['Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+             "No call <here>."]
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    out = []
+    for step in range(max(map(len, ids))):
+        for index, seq in enumerate(ids):
+            if step >= len(seq):
+                continue
+            pieces = [tok.decode(seq[:k + 1])[len(tok.decode(seq[:k])):] for k in range(step + 1)]
+            last = step == len(seq) - 1
+            c = CompletionOutput(index, pieces, len(pieces), len("".join(pieces)), TokenView(seq, step + 1),
+                                 "stop" if last else None, None, None, pieces[-1], [seq[step]])
+            out += chunks(0, c, step == 0, last)
+    for index, finish in ((0, "tool_calls"), (1, "stop")):
+        mine = [c for c in out if c["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + [finish]
+        content = "".join(c["delta"].get("content", "") for c in mine)
+        calls = [tc for c in mine for tc in c["delta"].get("tool_calls", [])]
+        if index == 1:
+            assert content == texts[1] and not calls
+            continue
+        assert content == "Sure."
+        assert calls[0] == {"index": 0, "id": calls[0]["id"], "type": "function",
+                            "function": {"name": "get_weather", "arguments": ""}}
+        assert json.loads("".join(tc["function"]["arguments"] for tc in calls[1:])) == {"city": "Paris"}
