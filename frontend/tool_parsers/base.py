@@ -9,6 +9,7 @@ all once the output is complete (`final=True`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from frontend.tool_parsers.json_scan import decoded, members, skip_ws
@@ -111,3 +112,57 @@ def json_call_at(s: str, i: int, final: bool, keys: tuple[str, ...] = ("argument
         return None, end
     span = next((found[k] for k in keys if k in found), None)
     return Call(name, arguments_text(s, span, end is not None or final)), end
+
+
+def text_until(text: str, i: int, marker: str, final: bool) -> tuple[str, int]:
+    """The text from i to the next `marker`, and where the marker is (-1 when none is yet; then a tail that may
+    begin one is held back unless the output is final)."""
+    j = text.find(marker, i)
+    if j >= 0:
+        return text[i:j], j
+    tail = text[i:]
+    return (tail if final else tail[:len(tail) - marker_prefix(tail, marker)]), -1
+
+
+def tagged_calls(text: str, start: str, end: str, final: bool, read: Callable[[str, bool], Call | None]) \
+        -> list[str | Call]:
+    """Calls written between `start` and `end` tags with text around them; read(body, closed) reads one body, None
+    while its name is unknown. A body that closes without a name stays text, tags and all."""
+    parts: list[str | Call] = []
+    i = 0
+    while True:
+        piece, j = text_until(text, i, start, final)
+        parts.append(piece)
+        if j < 0:
+            return parts
+        close = text.find(end, j + len(start))
+        call = read(text[j + len(start):close if close >= 0 else len(text)], final or close >= 0)
+        if call is not None:
+            parts.append(call)
+        elif close >= 0 or final:
+            parts.append(text[j:close + len(end) if close >= 0 else len(text)])
+        if close < 0:
+            return parts
+        i = close + len(end)
+
+
+def json_call_list(text: str, i: int, final: bool, parts: list, keys: tuple[str, ...] = ("arguments", "parameters")) \
+        -> int | None:
+    """The calls of the JSON list whose '[' is at text[i], appended to `parts`; returns where the list ends (None
+    while it is open; where reading stopped if it is not a list of objects)."""
+    i += 1
+    while True:
+        call, end = json_call_at(text, i, final, keys)
+        if call is not None:
+            parts.append(call)
+        if end is None:
+            return None
+        i = skip_ws(text, end)
+        if i < len(text) and text[i] == ",":
+            i += 1
+        elif i < len(text) and text[i] == "]":
+            return i + 1
+        elif i < len(text):
+            return i
+        else:
+            return None

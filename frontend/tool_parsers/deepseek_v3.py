@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from frontend.tool_parsers.base import Call, ToolParser, arguments_text, marker_prefix
+from frontend.tool_parsers.base import Call, ToolParser, arguments_text, text_until
 from frontend.tool_parsers.json_scan import skip_ws, value_end
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -16,10 +16,10 @@ class DeepSeekV3Parser(ToolParser):
     name = "deepseek_v3"
 
     def segments(self, text: str, final: bool) -> list[str | Call]:
-        j = text.find(CALLS_BEGIN)
+        piece, j = text_until(text, 0, CALLS_BEGIN, final)
+        parts: list[str | Call] = [piece]
         if j < 0:
-            return [text if final else text[:len(text) - marker_prefix(text, CALLS_BEGIN)]]
-        parts: list[str | Call] = [text[:j]]
+            return parts
         i = j + len(CALLS_BEGIN)
         while True:
             i = skip_ws(text, i)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from frontend.tool_parsers.base import Call, ToolParser, arguments_text, json_call_at
+from frontend.tool_parsers.base import Call, ToolParser, arguments_text, json_call_list
 from frontend.tool_parsers.json_scan import skip_ws, value_end
 
 
@@ -18,18 +18,8 @@ class RequiredParser(ToolParser):
         if i >= len(text) or text[i] != "[":
             return [text] if final else []
         parts: list[str | Call] = []
-        i += 1
-        while True:
-            call, end = json_call_at(text, i, final, keys=("parameters", "arguments"))
-            if call is not None:
-                parts.append(call)
-            if end is None:
-                return parts
-            i = skip_ws(text, end)
-            if i < len(text) and text[i] == ",":
-                i += 1
-            else:
-                return parts
+        json_call_list(text, i, final, parts, keys=("parameters", "arguments"))
+        return parts
 
 
 class NamedParser(ToolParser):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from frontend.tool_parsers.base import Call, ToolParser, arguments_text, marker_prefix
+from frontend.tool_parsers.base import Call, ToolParser, arguments_text, tagged_calls
 from frontend.tool_parsers.json_scan import skip_ws, value_end
 
 START, END = "<tool_call>", "</tool_call>"
@@ -21,23 +21,7 @@ class Glm4Parser(ToolParser):
             bare = self._bare(text, final)
             if bare is not None:
                 return bare
-        parts: list[str | Call] = []
-        i = 0
-        while True:
-            j = text.find(START, i)
-            if j < 0:
-                tail = text[i:]
-                parts.append(tail if final else tail[:len(tail) - marker_prefix(tail, START)])
-                return parts
-            parts.append(text[i:j])
-            close = text.find(END, j)
-            body = text[j + len(START):close if close >= 0 else len(text)]
-            call = self._call(body, close >= 0 or final)
-            if call is not None:
-                parts.append(call)
-            if close < 0:
-                return parts
-            i = close + len(END)
+        return tagged_calls(text, START, END, final, self._call)
 
     def _call(self, body: str, closed: bool) -> Call | None:
         cut = [p for p in (body.find(KEY), body.find("\n")) if p >= 0]

@@ -3,7 +3,7 @@ v11 on, `name[ARGS]{...}` (optionally `name[CALL_ID]id[ARGS]{...}`), the marker 
 
 from __future__ import annotations
 
-from frontend.tool_parsers.base import Call, ToolParser, arguments_text, json_call_at, marker_prefix
+from frontend.tool_parsers.base import Call, ToolParser, arguments_text, json_call_list, text_until
 from frontend.tool_parsers.json_scan import skip_ws, value_end
 
 MARK, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -16,37 +16,17 @@ class MistralParser(ToolParser):
         parts: list[str | Call] = []
         i = 0
         while True:
-            j = text.find(MARK, i)
+            piece, j = text_until(text, i, MARK, final)
+            parts.append(piece)
             if j < 0:
-                tail = text[i:]
-                parts.append(tail if final else tail[:len(tail) - marker_prefix(tail, MARK)])
                 return parts
-            parts.append(text[i:j])
             k = skip_ws(text, j + len(MARK))
             if k >= len(text):
                 return parts
-            end = self._list(text, k, final, parts) if text[k] == "[" else self._named(text, k, final, parts)
+            end = json_call_list(text, k, final, parts) if text[k] == "[" else self._named(text, k, final, parts)
             if end is None:
                 return parts
             i = end
-
-    @staticmethod
-    def _list(text: str, k: int, final: bool, parts: list) -> int | None:
-        """v3: the JSON list of calls at text[k]; returns where it ends (None while open)."""
-        i = k + 1
-        while True:
-            call, end = json_call_at(text, i, final)
-            if call is not None:
-                parts.append(call)
-            if end is None:
-                return None
-            i = skip_ws(text, end)
-            if i < len(text) and text[i] == ",":
-                i += 1
-            elif i < len(text) and text[i] == "]":
-                return i + 1
-            elif i < len(text):
-                return i  # not a list after all: what follows is text
 
     @staticmethod
     def _named(text: str, k: int, final: bool, parts: list) -> int | None:
