@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -11,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from core.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
-from frontend.chat_output import OutputParsing, ParserChoice
+from core.sampling_params import SamplingParams, SamplingParamsError
+from frontend.chat_output import ChoiceReader, OutputParsing, ParserChoice
 from frontend.engine.engine import CompletionOutput, RequestOutput
 from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFailedError
 from frontend.errors import APIError, bad_request
@@ -28,7 +27,7 @@ from frontend.protocol import (
     sampling_params,
 )
 from frontend.responses import Reply, chat_choice, chat_delta, parsed_choice, parsed_delta, sse, text_choice
-from frontend.tools import check_tools, template_messages, template_tools, tool_schema
+from frontend.tools import check_tools, template_kwargs, template_messages, tool_params
 
 if TYPE_CHECKING:
     from frontend.async_engine import AsyncEngine
@@ -144,15 +143,8 @@ class OpenAIServing:
         check_tools(req.tools, getattr(req, "tool_choice", None))
         self.limits.check_messages(req.messages)
         messages = template_messages(req.messages)
-        kwargs = dict(req.chat_template_kwargs or {})
-        effort = getattr(req, "reasoning_effort", None)
-        if effort is not None:  # as vLLM: the template reads it; "none" also means no thinking for the others
-            kwargs.setdefault("reasoning_effort", effort)
-            if effort == "none":
-                kwargs.setdefault("enable_thinking", False)
         try:
-            text = self.tokenizer.render_chat(messages, req.add_generation_prompt, tools=template_tools(req),
-                                              **kwargs)
+            text = self.tokenizer.render_chat(messages, req.add_generation_prompt, **template_kwargs(req))
         except Exception as e:  # a template's raise_exception() (roles must alternate, ...) is the client's problem
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
         # as apply_chat_template: the template writes the special tokens itself
@@ -168,7 +160,7 @@ class OpenAIServing:
         top = req.top_logprobs or 0
         params = self._params(req, [prompt], asked, param, top if req.logprobs else None)
         parsing = self.parsers.for_request(req, text)
-        self._tool_params(req, params, parsing)
+        tool_params(req, params, parsing)
         reply = Reply("chat", self.model.id, prompt_tokens=len(prompt))
         if req.stream:
             await self._stream(reply, [prompt], params, await stream(),
@@ -184,17 +176,8 @@ class OpenAIServing:
                            parsed_choice(c.index, *parsing.message(c.text, c.finish_reason), c.stop_reason, lp))
         return reply.body(choices)
 
-    @staticmethod
-    def _tool_params(req: ChatCompletionRequest, params: SamplingParams, parsing: OutputParsing | None) -> None:
-        """Markers kept in the text for the tool parser; the JSON schema tool_choice required / a function sets."""
-        if parsing is not None and parsing.tools is not None and parsing.tools.keep_special_tokens:
-            params.skip_special_tokens = False  # as vLLM's parsers ask: [TOOL_CALLS], <|python_tag|> are special
-        if req.tools and req.tool_choice not in (None, "auto", "none"):
-            schema = tool_schema(req.tools, req.tool_choice)
-            params.structured = StructuredOutput("json_schema", json.dumps(schema))
-
     def _chat_chunks(self, params: SamplingParams, top: int, prompt: list[int], parsing: OutputParsing | None):
-        readers: dict[int, Any] = {}  # a choice's own parser state, for n > 1
+        readers: dict[int, ChoiceReader] = {}  # a choice's own parser state, for n > 1
 
         def chunks(_: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
             new = _new_logprobs(c, params)
@@ -202,7 +185,7 @@ class OpenAIServing:
             lp = self.logprobs.chat(new, top, context_ids(prompt, c.token_view, start)) if new else None
             out = [chat_delta(c.index, "", None, None, role=True)] if first else []
             if parsing is not None:
-                reader = readers.setdefault(c.index, parsing.reader())
+                reader = readers.get(c.index) or readers.setdefault(c.index, parsing.reader())
                 deltas = reader.feed(c.delta_text, last) or ([{}] if lp or last else [])
                 for k, delta in enumerate(deltas):
                     end = last and k == len(deltas) - 1

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from core.sampling_params import SamplingParams, StructuredOutput
+from frontend.chat_output import OutputParsing
 from frontend.errors import bad_request
-from frontend.protocol import ChatCompletionRequest, Message, NamedToolChoice, ToolDef
+from frontend.protocol import ChatCompletionRequest, Message, NamedToolChoice, TokenizeRequest, ToolDef
 
 
 def check_tools(tools: list[ToolDef] | None, choice: Any) -> None:
@@ -67,9 +69,30 @@ def _arguments(text: str, where: str) -> Any:
         raise bad_request(f"{where}: not valid JSON ({e.msg} at character {e.pos})", where) from None
 
 
-def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def template_tools(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]] | None:
     """The tools as templates read them (OpenAI's shape, unset fields left out)."""
     return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+
+
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """What the template gets beside the messages: tools, chat_template_kwargs, and reasoning_effort as vLLM hands
+    it over ("none" also sets enable_thinking false, the switch most thinking templates read)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+        if effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+    return {"tools": template_tools(req), **kwargs}
+
+
+def tool_params(req: ChatCompletionRequest, params: SamplingParams, parsing: OutputParsing | None) -> None:
+    """Markers kept in the text for the tool parser; the JSON schema tool_choice required / a function sets."""
+    if parsing is not None and parsing.tools is not None and parsing.tools.keep_special_tokens:
+        params.skip_special_tokens = False  # as vLLM's parsers ask: [TOOL_CALLS], <|python_tag|> are special
+    schema = tool_schema(req.tools, req.tool_choice) if req.tools else None
+    if schema is not None:
+        params.structured = StructuredOutput("json_schema", json.dumps(schema))
 
 
 def tool_schema(tools: list[ToolDef], choice: Any) -> dict[str, Any] | None:

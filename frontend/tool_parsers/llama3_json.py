@@ -21,7 +21,7 @@ class Llama3JsonParser(ToolParser):
         if i >= len(text):
             return [] if not final or text.strip() == "" else [text[i:]]
         if text[i] != "{":
-            return [text[i:] if text.startswith(TAG) else text]
+            return [text[i:] if TAG in text[:i] else text]  # not JSON: text (the tag, a marker, left out)
         calls: list[str | Call] = []
         while True:
             call, end = json_call_at(text, i, final)
