@@ -106,7 +106,9 @@ def parser() -> argparse.ArgumentParser:
                      "when serving: --max-gen-tokens is the default there)")
     one.add_argument("--seed", type=int, help="with --prompt, its seed; when serving, the engine's seed (as "
                      "vLLM's): requests without a seed of their own draw from streams derived from it")
+    from frontend.chat_output import ParserChoice
     from frontend.limits import ServingLimits
+    ParserChoice.add_flags(ap)
     ServingLimits.add_flags(ap, _positive())
     return ap
 

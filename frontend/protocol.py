@@ -29,15 +29,50 @@ class TextPart(_Model):
     text: str
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string, as the API returned them")
+
+
+class ToolCall(_Model):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls (its content may be null)")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+class FunctionDef(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$", description="letters, digits, _ . : -; at most 64")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of type object")
+    strict: bool | None = None
+
+
+class ToolDef(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingFields(_Model):
@@ -75,8 +110,12 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
     response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"} for now")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported yet")
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(None, description="functions the model may call (reach the template)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default auto with tools; required and a named function constrain the output's JSON")
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="handed to the chat template; none also sets enable_thinking false")
 
 
 class CompletionRequest(SamplingFields):
@@ -94,6 +133,8 @@ class TokenizeRequest(_Model):
     messages: list[Message] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Model):

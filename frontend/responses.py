@@ -70,6 +70,21 @@ def chat_delta(index: int, text: str | None, logprobs: dict | None, finish_reaso
     return choice
 
 
+def parsed_choice(index: int, message: dict[str, Any], finish_reason: str | None, stop_reason: str | int | None,
+                  logprobs: dict | None) -> dict[str, Any]:
+    """A chat choice whose output was read by the tool-call and reasoning parsers (frontend/chat_output.py)."""
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def parsed_delta(index: int, delta: dict[str, Any], logprobs: dict | None, finish_reason: str | None,
+                 stop_reason: str | int | None = None) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
+
+
 def text_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
                 stop_reason: str | int | None = None) -> dict[str, Any]:
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

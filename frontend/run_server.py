@@ -11,6 +11,7 @@ import sys
 import time
 
 from frontend.async_engine import AsyncEngine
+from frontend.chat_output import ParserChoice
 from frontend.engine.engine import LLMEngine
 from frontend.engine_errors import EngineDeadError
 from frontend.engine_proc.spec import LOAD_ERRORS, EngineSpec
@@ -35,8 +36,12 @@ def serve(args: argparse.Namespace, model_id: str, spec: EngineSpec, engine: LLM
     handle.on_step = metrics.after_step
     model = ServedModel(model_id, info.max_model_len, info.vocab_size, int(time.time()),
                         info.kv_tokens)
+    parsers = ParserChoice.resolve(args.tool_call_parser, args.reasoning_parser,
+                                   getattr(tokenizer, "chat_template", None))
+    log.info("tool calls read as %s, reasoning by %s", parsers.tool_parser or "text",
+             parsers.reasoning_parser or "none")
     serving = OpenAIServing(handle, metrics, tokenizer, model, args.defaults, args.max_waiting,
-                            ServingLimits.from_args(args))
+                            ServingLimits.from_args(args), parsers)
     app = build_app(serving, args.api_key)
     policy = _OnDeath(app, handle, args.on_engine_death, model)
     handle.on_death = policy

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core.sampling_params import SamplingParams, SamplingParamsError
+from frontend.chat_output import ChoiceReader, OutputParsing, ParserChoice
 from frontend.engine.engine import CompletionOutput, RequestOutput
 from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFailedError
 from frontend.errors import APIError, bad_request
@@ -25,7 +26,8 @@ from frontend.protocol import (
     TokenizeRequest,
     sampling_params,
 )
-from frontend.responses import Reply, chat_choice, chat_delta, sse, text_choice
+from frontend.responses import Reply, chat_choice, chat_delta, parsed_choice, parsed_delta, sse, text_choice
+from frontend.tools import check_tools, template_kwargs, template_messages, tool_params
 
 if TYPE_CHECKING:
     from frontend.async_engine import AsyncEngine
@@ -60,7 +62,8 @@ class ServedModel:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine | EngineClient, metrics: Metrics, tokenizer, model: ServedModel,
-                 defaults: ServerDefaults, max_waiting: int, limits: ServingLimits | None = None):
+                 defaults: ServerDefaults, max_waiting: int, limits: ServingLimits | None = None,
+                 parsers: ParserChoice | None = None):
         self.engine = engine
         self.metrics = metrics
         self.tokenizer = tokenizer
@@ -69,6 +72,7 @@ class OpenAIServing:
         self.max_waiting = max_waiting
         self.limits = limits or ServingLimits()
         self.logprobs = LogprobFormatter(tokenizer)
+        self.parsers = parsers or ParserChoice.resolve("auto", "auto", getattr(tokenizer, "chat_template", None))
 
     # -- shared checks ------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -127,51 +131,67 @@ class OpenAIServing:
 
     # -- chat ---------------------------------------------------------------------------------------
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        if getattr(req, "tools", None) and req.tool_choice != "none":
-            raise bad_request("tools are not supported yet", "tools")
+        return self.chat_inputs(req)[1]
+
+    def chat_inputs(self, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
+        """The rendered template and its ids."""
         fmt = getattr(req, "response_format", None)
         if fmt and fmt.get("type") != "text":
             raise bad_request("response_format: only {\"type\": \"text\"} is supported yet", "response_format")
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    | ({"name": m.name} if m.name else {}) for m in req.messages]
+        check_tools(req.tools, getattr(req, "tool_choice", None))
         self.limits.check_messages(req.messages)
+        messages = template_messages(req.messages)
         try:
-            text = self.tokenizer.render_chat(messages, req.add_generation_prompt,
-                                              **(getattr(req, "chat_template_kwargs", None) or {}))
+            text = self.tokenizer.render_chat(messages, req.add_generation_prompt, **template_kwargs(req))
         except Exception as e:  # a template's raise_exception() (roles must alternate, ...) is the client's problem
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
         # as apply_chat_template: the template writes the special tokens itself
-        return encode_texts(self.tokenizer, [text], add_special_tokens=False)[0]
+        return text, encode_texts(self.tokenizer, [text], add_special_tokens=False)[0]
 
     async def chat(self, req: ChatCompletionRequest, stream: Callable[[], Awaitable[Send]]) -> dict | None:
         self._check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
-        prompt = await off_loop(self.chat_prompt, req)
+        text, prompt = await off_loop(self.chat_inputs, req)
         asked, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens else \
             (req.max_tokens, "max_tokens")
         top = req.top_logprobs or 0
         params = self._params(req, [prompt], asked, param, top if req.logprobs else None)
+        parsing = self.parsers.for_request(req, text)
+        tool_params(req, params, parsing)
         reply = Reply("chat", self.model.id, prompt_tokens=len(prompt))
         if req.stream:
-            await self._stream(reply, [prompt], params, await stream(), self._chat_chunks(params, top, prompt),
+            await self._stream(reply, [prompt], params, await stream(),
+                               self._chat_chunks(params, top, prompt, parsing),
                                req.stream_options and req.stream_options.include_usage)
             return None
         outs = await self._collect([prompt], params, reply)
         context = context_ids(prompt, [], 0)
-        choices = [chat_choice(c.index, c, self.logprobs.chat(c.logprobs, top, context) if req.logprobs else None)
-                   for c in outs[0].outputs]
+        choices = []
+        for c in outs[0].outputs:
+            lp = self.logprobs.chat(c.logprobs, top, context) if req.logprobs else None
+            choices.append(chat_choice(c.index, c, lp) if parsing is None else
+                           parsed_choice(c.index, *parsing.message(c.text, c.finish_reason), c.stop_reason, lp))
         return reply.body(choices)
 
-    def _chat_chunks(self, params: SamplingParams, top: int, prompt: list[int]):
+    def _chat_chunks(self, params: SamplingParams, top: int, prompt: list[int], parsing: OutputParsing | None):
+        readers: dict[int, ChoiceReader] = {}  # a choice's own parser state, for n > 1
+
         def chunks(_: int, c: CompletionOutput, first: bool, last: bool) -> list[dict[str, Any]]:
             new = _new_logprobs(c, params)
             start = c.num_tokens - len(c.delta_token_ids)
             lp = self.logprobs.chat(new, top, context_ids(prompt, c.token_view, start)) if new else None
             out = [chat_delta(c.index, "", None, None, role=True)] if first else []
-            if c.delta_text or lp or last:
+            if parsing is not None:
+                reader = readers.get(c.index) or readers.setdefault(c.index, parsing.reader())
+                deltas = reader.feed(c.delta_text, last) or ([{}] if lp or last else [])
+                for k, delta in enumerate(deltas):
+                    end = last and k == len(deltas) - 1
+                    out.append(parsed_delta(c.index, delta, lp if k == 0 else None,
+                                            reader.finish_reason(c.finish_reason) if end else None, c.stop_reason))
+            elif c.delta_text or lp or last:
                 out.append(chat_delta(c.index, c.delta_text, lp, c.finish_reason if last else None,
                                       c.stop_reason))
             return out

@@ -79,6 +79,20 @@ def test_greedy_chat_answers_paris(client):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_tools_are_taken_and_change_nothing_without_template_support(client):
+    """SmolLM2's template has no tools and no tool-call markers: the prompt, and so the greedy answer, stay the same
+    with tool_choice auto (whole) and none (streamed)."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    kw = dict(model=MODEL, messages=FRANCE, temperature=0, max_tokens=6)
+    plain = client.chat.completions.create(**kw)
+    r = client.chat.completions.create(**kw, tools=[weather], tool_choice="auto")
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    assert r.choices[0].message.tool_calls is None and r.usage.prompt_tokens == plain.usage.prompt_tokens == 37
+    stream = client.chat.completions.create(**kw, tools=[weather], tool_choice="none", stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == plain.choices[0].message.content
+
+
 def test_stream_equals_non_stream_and_usage_chunk(aclient):
     async def run():
         kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], temperature=0,
