@@ -21,11 +21,10 @@ The reference is int_group_gemv_ref (x @ W.T with the numpy dequantizer).
 
 from __future__ import annotations
 
-from kernels_src.dequant_gemm import _pow2_divisor, _sm_count, launch_split_k, split_k_for
+from kernels_src.dequant_gemm import _pow2_divisor, _sm_count, gemm_out, launch_split_k, split_k_for, split_k_tile
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.int_group_gemv import _check, _words_view
 from kernels_src.int_group_gemv import int_group_gemv_ref as int_group_matmul_ref
-from kernels_src.paged_attention import empty
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "default_tiles", "int_group_matmul", "int_group_matmul_ref"]
 
@@ -72,13 +71,7 @@ def int_group_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride,
         xv = tl.load(xrow + first)
         return tl.dot(wv, tl.trans(xv), acc) if SWAP else tl.dot(xv, tl.trans(wv), acc)
 
-    shape = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
-    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros(shape, tl.float32))
-    dst = y + tl.program_id(2).to(tl.int64) * split_stride
-    if SWAP:
-        tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
-    else:
-        tl.store(dst + m[:, None] * y_stride + n[None, :], acc, mask=(m[:, None] < m_rows) & (n[None, :] < n_rows))
+    split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
@@ -131,9 +124,7 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
     _check(w, bits, group, n, k)
     if m and elem_stride(x2, 1) != 1:
         raise ValueError(f"x [{m}, {k}] needs contiguous rows")
-    out = empty(x2, (m, n)) if out is None else out
-    if tuple(out.shape) != (m, n) or (m and n and elem_stride(out, 1) != 1):
-        raise ValueError(f"out {tuple(out.shape)} is not [{m}, {n}] with contiguous rows")
+    out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
     cfg = default_tiles(m, n, k, bits, group, _sm_count(x2))
