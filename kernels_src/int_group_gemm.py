@@ -26,9 +26,9 @@ from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.int_group_gemv import _check, _words_view
 from kernels_src.int_group_gemv import int_group_gemv_ref as int_group_matmul_ref
 
-__all__ = ["MAX_ROWS", "MIN_ROWS", "default_tiles", "int_group_matmul", "int_group_matmul_ref"]
+__all__ = ["MAX_ROWS", "default_tiles", "int_group_matmul", "int_group_matmul_ref"]
 
-MIN_ROWS, MAX_ROWS = 9, 256  # the rows it is meant for (the GEMV takes up to 8; any M runs: BLOCK_M rows a program)
+MAX_ROWS = 256  # the rows it is meant for, above the GEMV's 8 (any M runs: BLOCK_M rows a program)
 
 
 def _shifts(BITS: int):
@@ -76,7 +76,7 @@ def int_group_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride,
 
 # --- host side -------------------------------------------------------------------------------------------------
 
-STEP_ELEMS = 128  # inputs of a row a step (a group of 128 in one step; 8 words a row at 4 bits)
+STEP_ELEMS = 128  # inputs of a row a step (a group of 128 in one step: 16 words a row at 4 bits)
 MIN_SPLIT_STEPS = 4  # steps a split keeps at least (each ends in a partial's store and a read in the reduce)
 # rows bucket -> tiles (not yet swept on an H200: dequant_gemm's measured shapes for Q4_K, whose 4.5 bits a weight
 # and 128-input steps are the closest); M above 64 takes 128-row tiles, so 256 rows read W twice, not four times
