@@ -39,6 +39,18 @@ def _numel(shape) -> int:
     return TileType(tl.float32, tuple(shape)).numel
 
 
+def split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP: bool):
+    """A GEMM program's K loop (`acc = step(it, acc)` over its split's steps) and the store of its tile of y (or of
+    its split's fp32 partial): acc is [len(n), len(m)] under SWAP (W @ x.T), else [len(m), len(n)]."""
+    shape = (n.shape[0], m.shape[0]) if SWAP else (m.shape[0], n.shape[0])
+    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros(shape, tl.float32))
+    dst = y + tl.program_id(2).to(tl.int64) * split_stride
+    if SWAP:
+        tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+    else:
+        tl.store(dst + m[:, None] * y_stride + n[None, :], acc, mask=(m[:, None] < m_rows) & (n[None, :] < n_rows))
+
+
 def dequant_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
                         steps_per_split, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         KB: tl.constexpr, SWAP: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = False):
@@ -72,13 +84,7 @@ def dequant_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, s
             acc = tl.dot(wv, tl.trans(xv), acc) if SWAP else tl.dot(xv, tl.trans(wv), acc)
         return acc
 
-    shape = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
-    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros(shape, tl.float32))
-    dst = y + tl.program_id(2).to(tl.int64) * split_stride
-    if SWAP:
-        tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
-    else:
-        tl.store(dst + m[:, None] * y_stride + n[None, :], acc, mask=(m[:, None] < m_rows) & (n[None, :] < n_rows))
+    split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
 
 
 def dequant_gemm_reduce_kernel(part, y, n_rows, y_stride, split_stride, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
@@ -217,6 +223,15 @@ def default_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
     return cfg
 
 
+def gemm_out(x2, out, n: int):
+    """out [M, N] (made in x2's dtype when None), checked to be that shape with contiguous rows."""
+    m = x2.shape[0]
+    out = empty(x2, (m, n)) if out is None else out
+    if tuple(out.shape) != (m, n) or (m and n and elem_stride(out, 1) != 1):
+        raise ValueError(f"out {tuple(out.shape)} is not [{m}, {n}] with contiguous rows")
+    return out
+
+
 def _addr(a) -> int:
     return a.data_ptr() if hasattr(a, "data_ptr") else a.__array_interface__["data"][0]
 
@@ -240,9 +255,7 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
         raise ValueError("weight rows must start 2-byte aligned (the blocks' fp16 scales are read as such)")
     if m and elem_stride(x2, 1) != 1:
         x2 = x2.contiguous() if hasattr(x2, "contiguous") else np.ascontiguousarray(x2)
-    out = empty(x2, (m, n)) if out is None else out
-    if tuple(out.shape) != (m, n) or (m and n and elem_stride(out, 1) != 1):
-        raise ValueError(f"out {tuple(out.shape)} is not [{m}, {n}] with contiguous rows")
+    out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
     cfg = default_tiles(qtype, m, n, k, _sm_count(x2))

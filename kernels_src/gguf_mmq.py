@@ -28,11 +28,18 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats.gguf_quants import row_bytes
-from kernels_src.dequant_gemm import SMS, _sm_count, dequant_matmul_ref, launch_split_k, row_block, split_k_for
+from kernels_src.dequant_gemm import (
+    SMS,
+    _sm_count,
+    dequant_matmul_ref,
+    gemm_out,
+    launch_split_k,
+    row_block,
+    split_k_for,
+)
 from kernels_src.dequant_gemv_i8 import dequantize_x, quantize_x
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.gguf_gemv_common import _f16
-from kernels_src.paged_attention import empty
 
 __all__ = ["MAX_ROWS", "MMQ_QTYPES", "MMQ_TUNED", "mmq", "mmq_ref", "mmq_tiles"]
 
@@ -202,9 +209,7 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
     align = 4 if qtype == "Q4_K" else 2
     if addr % align or (n > 1 and elem_stride(w, 0) % align):
         raise ValueError(f"{qtype} weight rows must start {align}-byte aligned (the block headers are read as words)")
-    out = empty(x2, (m, n)) if out is None else out
-    if tuple(out.shape) != (m, n) or (m and n and elem_stride(out, 1) != 1):
-        raise ValueError(f"out {tuple(out.shape)} is not [{m}, {n}] with contiguous rows")
+    out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
     if xq is None:

@@ -10,8 +10,7 @@ by the scale and adds the bias once per lane and group, not once per weight.
   block's q words rounded up to a power of two, the rest masked), each word's PER fields shifted and masked out,
   each meeting the x values of its inputs, which are loaded PER strided tiles a step.
 - x is re-read by every program (from L1/L2: the GEMV is bound by W's bytes, x is M * K values).
-This is the first, plain kernel: a Marlin-class one (int4 unpacked in registers feeding tensor cores, split-K for small
-batches) is later work (docs/ARCHITECTURE.md).
+More rows take the tensor-core GEMM of int_group_gemm.py.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from kernels_src import (
     dequant_gemv_i8,
     dequantize,
     gguf_mmq,
+    int_group_gemm,
     int_group_gemv,
     kv_write,
     mla_decode,
@@ -386,8 +387,19 @@ register(KernelEntry(
     "int_group_gemv", int_group_gemv.int_group_gemv_kernel, dict(BITS=4, GROUP=128, M=1, STEP=2),
     _ptrs(BF16, "x", "y", w="*i32"), dict(m=1, n=14336, k=4096, bits=4, group=128, dtype=BF16), int_group_bytes,
     flops=lambda m, n, k, **_: 2 * m * n * k, launcher=int_group_gemv.int_group_gemv,
-    notes="the plain first kernel: one row a program; a Marlin-class one is later work"))
+    notes="1-8 rows: one row a program; int_group_gemm takes more"))
 register(KernelEntry(
     "int_group_dequantize", int_group_gemv.int_group_dequantize_kernel, dict(BITS=4, GROUP=128, STEP=2),
     _ptrs(BF16, "out", w="*i32"), dict(n=14336, k=4096, bits=4, group=128, dtype=BF16), int_group_bytes,
-    launcher=int_group_gemv.int_group_dequantize, notes="W for a cuBLAS GEMM at more than 8 rows"))
+    launcher=int_group_gemv.int_group_dequantize, notes="W for a cuBLAS GEMM past int_group_gemm's rows"))
+
+_tiles = int_group_gemm.default_tiles(16, 14336, 4096, 4, 128)
+for _key in ("num_warps", "num_stages", "SPLIT"):
+    _tiles.pop(_key)
+register(KernelEntry(
+    "int_group_gemm", int_group_gemm.int_group_gemm_kernel, dict(BITS=4, GROUP=128, PDL=True, **_tiles),
+    _ptrs(BF16, "x", w="*i32", y="*fp32"), dict(m=16, n=14336, k=4096, bits=4, group=128, dtype=BF16),
+    int_group_bytes, flops=lambda m, n, k, **_: 2 * m * n * k, launcher=int_group_gemm.int_group_matmul,
+    variants=(dequant_gemm.dequant_gemm_reduce_kernel,),
+    notes="9-256 rows; split-K writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: the bench "
+          "times both; tools/bench_int_group_gemm times it against cuBLAS"))

@@ -61,6 +61,12 @@ SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m9_padded", dict(m=9, n=77, 
 # integer groups: the bench's token, 8 rows of int8 in groups of 32, and group -1 (a whole 1024-wide row) at 3 rows
 SIZES["int_group_gemv"] = [("m1", dict(m=1, n=300, k=4096)), ("m8_i8_g32", dict(m=8, n=77, k=2048, bits=8, group=32)),
                            ("m3_row", dict(m=3, n=130, k=1024, group=1024))]
+# the GEMM: the bench's decode batch (split-K), 9 rows of int8 in groups of 32 (four groups a step), group -1 over a
+# 1024-wide row, a 64-row down projection, 256 rows on 128-row tiles, x @ W.T (swap off) at 33
+SIZES["int_group_gemm"] = [("m16", dict(m=16, n=300, k=4096)), ("m9_i8_g32", dict(m=9, n=77, k=2048, bits=8, group=32)),
+                           ("m17_row", dict(m=17, n=130, k=1024, group=1024)),
+                           ("m64_down", dict(m=64, n=520, k=14336)), ("m256", dict(m=256, n=200, k=1024, group=64)),
+                           ("m33_noswap", dict(m=33, n=130, k=2048, swap=False))]
 SIZES["int_group_dequantize"] = [("g128", dict(n=300, k=4096)), ("i8_g64", dict(n=77, k=1024, bits=8, group=64))]
 SIZES["moe_route"] = [("t16", dict(tokens=16)), ("t300", dict(tokens=300))]
 SIZES["moe_gemm"] = [("t16", dict(tokens=16)), ("t1", dict(tokens=1)), ("t300", dict(tokens=300, experts=16))]
@@ -96,7 +102,7 @@ SIZES |= {n: [("m1", dict(m=1, n=300, k=4096)), ("m3_odd", dict(m=3, n=77, k=100
               ("m8_phi3", dict(m=8, n=3072, k=8192))]
           for n in REGISTRY if n.startswith("dense_gemv")}
 # their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
-TRITON_ONLY = ("dequant_gemm_", "moe_gemm", "moe_gemv", "mmq_")
+TRITON_ONLY = ("dequant_gemm_", "moe_gemm", "moe_gemv", "mmq_", "int_group_gemm")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim"),

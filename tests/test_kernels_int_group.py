@@ -2,7 +2,7 @@
 interpreter and Triton's: the GEMV against x @ W.T with W from the numpy dequantizer, the dequantization bit for bit
 in fp32 (its products are the reference's) and rounded once in fp16; widths 4 and 8, groups of 32 to a whole row
 (not a power of two of words too), 1-8 rows, outputs poisoned with NaN first; Triton AOT builds for sm_90 without
-spills; the SIMT lowering through the DSL's CPU oracle."""
+spills; the SIMT lowering through the DSL's CPU oracle; backends.cuda.int_group_linear's paths by rows."""
 
 from __future__ import annotations
 
@@ -94,19 +94,45 @@ def test_aot_sm90(name, consts, tmp_path, monkeypatch):
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
 
 
-def test_linear_above_the_gemv_in_chunks(rng):
-    """backends.cuda.int_group_linear past the GEMV's rows: W dequantized a few rows at a time for the GEMM
-    (torch_ops.dequantized_matmul: 13 rows in chunks of 4, and in one) against x @ W.T of the numpy dequantizer."""
+def _linear(x, w, bits, group, chunk_bytes, perm=None):
     torch = pytest.importorskip("torch")
     from backends.cuda.int_group_linear import int_group_linear
     from ir.weight_formats import int_group_format
 
+    n, k = w.shape[0], x.shape[1]
+    return int_group_linear(torch.from_numpy(x), torch.from_numpy(w), int_group_format(bits, group).name, (n, k),
+                            perm, "triton-interpret", chunk_bytes).numpy()
+
+
+def test_linear_past_the_gemm_in_chunks(rng):
+    """backends.cuda.int_group_linear past the GEMM's rows: W dequantized a few rows at a time for the GEMM
+    (torch_ops.dequantized_matmul: 13 rows in chunks of 4, and in one) against x @ W.T of the numpy dequantizer."""
+    from kernels_src.int_group_gemm import MAX_ROWS
+
     n, k, bits, group = 13, 128, 4, 32
     w = blocks(rng, n, k, bits, group)
-    x = rng.standard_normal((ig.MAX_ROWS + 3, k)).astype(np.float32)
+    x = rng.standard_normal((MAX_ROWS + 3, k)).astype(np.float32)
     want = x @ int_groups.dequantize(w, (n, k), bits, group).T
-    qtype = int_group_format(bits, group).name
     for chunk_rows in (4, n):
-        got = int_group_linear(torch.from_numpy(x), torch.from_numpy(w), qtype, (n, k), None, "triton-interpret",
-                               chunk_rows * k * 4)
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+        got = _linear(x, w, bits, group, chunk_rows * k * 4)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("m", [ig.MAX_ROWS + 1, 256])
+def test_linear_rows_through_the_gemm(m, rng, monkeypatch):
+    """9-256 rows (act order's gather first) go through int_group_gemm's kernel and nothing else."""
+    torch = pytest.importorskip("torch")
+    from backends.cuda import int_group_linear as igl
+
+    calls = []
+    for fn in ("int_group_gemv", "int_group_matmul", "int_group_dequantize"):
+        real = getattr(igl, fn)
+        monkeypatch.setattr(igl, fn, lambda *a, _f=fn, _r=real, **kw: calls.append(_f) or _r(*a, **kw))
+    n, k, bits, group = 11, 64, 8, 32
+    w = blocks(rng, n, k, bits, group)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    perm = rng.permutation(k)
+    got = _linear(x, w, bits, group, 1 << 20, torch.from_numpy(perm))
+    want = x[:, perm] @ int_groups.dequantize(w, (n, k), bits, group).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    assert calls == ["int_group_matmul"]

@@ -20,6 +20,7 @@ from kernels_src import (
     dense_gemv,
     dequant_gemm,
     gguf_mmq,
+    int_group_gemm,
     int_group_gemv,
     kv_write,
     mla_decode,
@@ -226,7 +227,8 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            mla_decode.mla_decode_kernel,  # its simt-cpu case: test_kernels_mla.py
            dense_gemv.dense_gemv_kernel,  # its simt-cpu case: test_kernels_dense_gemv.py
            # their simt-cpu case: test_kernels_int_group.py
-           int_group_gemv.int_group_gemv_kernel, int_group_gemv.int_group_dequantize_kernel}
+           int_group_gemv.int_group_gemv_kernel, int_group_gemv.int_group_dequantize_kernel,
+           int_group_gemm.int_group_gemm_kernel}  # its simt-cpu case: test_kernels_int_group_gemm.py
 
 
 def test_every_registered_kernel_has_a_simt_case():

@@ -34,7 +34,7 @@ from tools.kernel_cases_attention import (
     paged_prefill_case,
 )
 from tools.kernel_cases_dense import dense_gemv_case
-from tools.kernel_cases_int_group import int_group_dequantize_case, int_group_gemv_case
+from tools.kernel_cases_int_group import int_group_dequantize_case, int_group_gemm_case, int_group_gemv_case
 
 # --- rows of a hidden state ---------------------------------------------------------------------------------------
 
@@ -364,6 +364,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_route": _moe_route,
     **{n: functools.partial(_moe, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf")},
     "int_group_gemv": functools.partial(int_group_gemv_case, name="int_group_gemv"),
+    "int_group_gemm": functools.partial(int_group_gemm_case, name="int_group_gemm"),
     "int_group_dequantize": functools.partial(int_group_dequantize_case, name="int_group_dequantize"),
 }
 

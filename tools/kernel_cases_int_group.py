@@ -1,11 +1,12 @@
 """The integer-group kernels' GPU cases for tools/kernel_cases.py: random valid blocks (fp16 scales, zero points) on
-the device, the GEMV and the dequantization checked on sampled rows against the numpy reference."""
+the device, the GEMV, the GEMM and the dequantization checked on sampled rows against the numpy reference."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ir.formats import int_groups
+from kernels_src import int_group_gemm as igm
 from kernels_src import int_group_gemv as ig
 from tools.kernel_case_base import Case, Dev, combine, compare, host, written
 
@@ -29,6 +30,25 @@ def int_group_gemv_case(d: Dev, p: dict, name: str) -> Case:
         return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
 
     return Case(name, p, lambda target: ig.int_group_gemv(x, w, bits, group, out=y, target=target), check,
+                lambda target: y.fill_(float("nan")))
+
+
+GEMM_KEYS = ("block_m", "block_n", "sub", "groups", "split_k", "swap", "num_warps", "num_stages")
+
+
+def int_group_gemm_case(d: Dev, p: dict, name: str) -> Case:
+    """int_group_matmul at default tiles unless p names launcher keywords (GEMM_KEYS); sampled columns against the
+    numpy reference."""
+    m, n, k, bits, group, dt = p["m"], p["n"], p["k"], p["bits"], p["group"], d.dtype(p["dtype"])
+    w, x, y = int_group_weights(d, n, k, bits, group), d.randn((m, k), dt), d.nan((m, n), dt)
+    tiles = {key: p[key] for key in GEMM_KEYS if key in p}
+
+    def check():
+        i = d.sample(n)
+        want = igm.int_group_matmul_ref(host(x), host(w[i]), bits, group)
+        return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
+
+    return Case(name, p, lambda target: igm.int_group_matmul(x, w, bits, group, out=y, target=target, **tiles), check,
                 lambda target: y.fill_(float("nan")))
 
 

@@ -1,14 +1,17 @@
 """A linear over integer-group weights (GPTQ, AWQ, compressed-tensors; ir/formats/int_groups.py) kept packed on the
 device: act-order inputs gathered into the stored column order first, then the DSL's GEMV (kernels_src/
-int_group_gemv.py) for 1-8 rows, and above that W dequantized to x's dtype, a chunk of rows at a time, for cuBLAS.
-The dequantize-then-GEMM path writes W once a step: a Marlin-class kernel (int4 in registers feeding tensor cores)
-is what replaces it (docs/ARCHITECTURE.md)."""
+int_group_gemv.py) for 1-8 rows, its tensor-core GEMM (kernels_src/int_group_gemm.py) for 9-256, and past that W
+dequantized to x's dtype, a chunk of rows at a time, for cuBLAS: prefill's GEMMs are compute-bound, where cuBLAS on
+the dense W is the stronger kernel and writing W once a step costs little beside them (the GEMM's case against it is
+for an H200 to settle: tools/bench_int_group_gemm.py)."""
 
 from __future__ import annotations
 
 from backends.cuda.runtime import torch
 from backends.cuda.torch_ops import dequantized_matmul
 from ir.weight_formats import weight_format
+from kernels_src.int_group_gemm import MAX_ROWS as GEMM_ROWS
+from kernels_src.int_group_gemm import int_group_matmul
 from kernels_src.int_group_gemv import MAX_ROWS, int_group_dequantize, int_group_gemv
 
 
@@ -23,6 +26,8 @@ def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tup
     x2 = x2.contiguous()
     if x2.shape[0] <= MAX_ROWS:
         return int_group_gemv(x2, data, bits, group, target=target).reshape(*x.shape[:-1], n)
+    if x2.shape[0] <= GEMM_ROWS:
+        return int_group_matmul(x2, data, bits, group, target=target).reshape(*x.shape[:-1], n)
     dtype = str(x.dtype).removeprefix("torch.")
 
     def rows(r0: int, r1: int):

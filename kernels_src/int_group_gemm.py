@@ -1,0 +1,145 @@
+"""Dequantizing GEMM y[M, N] = x[M, K] @ W.T for 9..256 rows straight from integer-group blocks (GPTQ, AWQ,
+compressed-tensors in the intgroup layout of ir/formats/int_groups.py), on tensor cores: DSL kernel, launcher.
+
+The Marlin-class path: W's packed words are read once per BLOCK_M rows of x, unpacked and scaled in registers and fed
+to `tl.dot`; nothing is written back but y. (The GEMV, kernels_src/int_group_gemv.py, re-reads W for every few rows;
+dequantizing W to fp16 for cuBLAS writes and re-reads the whole matrix.)
+- A program owns a [BLOCK_M, BLOCK_N] tile of y and walks K a step of KG * SUB inputs at a time: KG whole groups
+  (SUB = GROUP, for groups of up to STEP_ELEMS) or a SUB-wide slice of one group (long groups, per-channel -1). Its
+  BLOCK_N rows' q words of the step are one [BLOCK_N, KG, SUB / PER] tile (PER = 32 / BITS fields a word) beside
+  their groups' scales and biases [BLOCK_N, KG, 1]; the fields, shifted out along a new last axis, make
+  [BLOCK_N, KG, SUB / PER, PER], which read row-major is the step's inputs in stored order (field j of word c is input
+  c * PER + j), so x's step is one contiguous [BLOCK_M, KG * SUB] load.
+- Each field decodes as q * scale + bias (fp32, the layout's affine form: exact for fp16/bf16 scales), rounded once
+  to x's dtype for the dot; accumulation is fp32.
+- SWAP (default): the dot is W [BLOCK_N, k] @ x.T [k, BLOCK_M], so the dequantized W is the MMA's register operand
+  (Hopper's wgmma takes A from registers, 64 rows a warpgroup) and the batch its N.
+- Rows of x past M and of W past N are clamped (read again, not stored), so no load is masked; split-K (small grids:
+  the down projection at 16 rows) shares dequant_gemm's fp32 partials and reduce kernel.
+The reference is int_group_gemv_ref (x @ W.T with the numpy dequantizer).
+"""
+
+from __future__ import annotations
+
+from kernels_src.dequant_gemm import _pow2_divisor, _sm_count, gemm_out, launch_split_k, split_k_for, split_k_tile
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.int_group_gemv import _check, _words_view
+from kernels_src.int_group_gemv import int_group_gemv_ref as int_group_matmul_ref
+
+__all__ = ["MAX_ROWS", "default_tiles", "int_group_matmul", "int_group_matmul_ref"]
+
+MAX_ROWS = 256  # the rows it is meant for, above the GEMV's 8 (any M runs: BLOCK_M rows a program)
+
+
+def _shifts(BITS: int):
+    """Bit offsets [PER] of a word's fields: input j of a word at bits BITS * j (low bits first)."""
+    return tl.arange(0, 32 // BITS) * BITS
+
+
+def _decode(q, scale, bias):
+    """Affine decode of unsigned q with its group's scale and bias (bias = -zero * scale), in fp32."""
+    return q.to(tl.float32) * scale + bias
+
+
+def int_group_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
+                          steps_per_split, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SUB: tl.constexpr, KG: tl.constexpr, SWAP: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (KG * SUB inputs
+    each); w is int32 words [N, row_words]; y is the output (split_stride 0) or fp32 partials [SPLIT, M, N]."""
+    PER = 32 // BITS
+    BW, STEP = 2 + GROUP // PER, KG * SUB  # words a block, inputs a step
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.minimum(n, n_rows - 1)  # past N: the last row, not stored
+    wrow = w + row.to(tl.int64)[:, None, None] * w_stride + tl.arange(0, KG)[None, :, None] * BW  # [N, KG, 1]
+    sw = tl.arange(0, SUB // PER)[None, None, :]  # a slice's q words
+    xrow = x + tl.minimum(m, m_rows - 1).to(tl.int64)[:, None] * x_stride + tl.arange(0, STEP)[None, :]
+    lo = tl.program_id(2) * steps_per_split
+    if PDL:  # x is an earlier kernel's output
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+
+    def step(it, acc):
+        first = it * STEP  # the step's first input: in group first // GROUP, at first % GROUP of it
+        blk = wrow + (first // GROUP) * BW
+        scale = tl.load(blk).to(tl.float32, bitcast=True)[:, :, :, None]  # [N, KG, 1, 1]
+        bias = tl.load(blk + 1).to(tl.float32, bitcast=True)[:, :, :, None]
+        words = tl.load(blk + 2 + (first % GROUP) // PER + sw)  # [N, KG, SUB / PER]
+        q = (words[:, :, :, None] >> _shifts(BITS)[None, None, None, :]) & ((1 << BITS) - 1)
+        wv = tl.reshape(_decode(q, scale, bias), (BLOCK_N, STEP)).to(xrow.dtype.element_ty)
+        xv = tl.load(xrow + first)
+        return tl.dot(wv, tl.trans(xv), acc) if SWAP else tl.dot(xv, tl.trans(wv), acc)
+
+    split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
+
+
+# --- host side -------------------------------------------------------------------------------------------------
+
+STEP_ELEMS = 128  # inputs of a row a step (a group of 128 in one step: 16 words a row at 4 bits)
+MIN_SPLIT_STEPS = 4  # steps a split keeps at least (each ends in a partial's store and a read in the reduce)
+# rows bucket -> tiles (not yet swept on an H200: dequant_gemm's measured shapes for Q4_K, whose 4.5 bits a weight
+# and 128-input steps are the closest); M above 64 takes 128-row tiles, so 256 rows read W twice, not four times
+TILES = {
+    16: dict(BLOCK_M=16, BLOCK_N=64, SWAP=True, num_warps=4, num_stages=3),
+    32: dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, num_warps=4, num_stages=3),
+    64: dict(BLOCK_M=64, BLOCK_N=128, SWAP=True, num_warps=8, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=64, SWAP=True, num_warps=8, num_stages=3),  # 128 x 128 spills at these steps
+}
+_KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", sub="SUB", groups="KG", split_k="SPLIT", swap="SWAP",
+             num_warps="num_warps", num_stages="num_stages")
+
+
+def rows_bucket(m: int) -> int:
+    return next(b for b in (16, 32, 64) if m <= b) if m <= 64 else 128
+
+
+def step_shape(group: int, k: int, step_elems: int = STEP_ELEMS) -> tuple[int, int]:
+    """(SUB, KG) of a step: whole groups (as many as fit step_elems and divide the row's) or a slice of one group,
+    the largest power of two dividing it (groups are multiples of 32, so 32 at least)."""
+    sub = _pow2_divisor(group, step_elems)
+    kg = _pow2_divisor(k // group, step_elems // group) if sub == group else 1
+    return sub, kg
+
+
+def default_tiles(m: int, n: int, k: int, bits: int, group: int, sms: int = 132) -> dict:
+    """BLOCK_M, BLOCK_N, SWAP, num_warps, num_stages from TILES by rows bucket, SUB and KG from step_shape, and SPLIT
+    (a power of two) grown until the grid fills the GPU while each split keeps MIN_SPLIT_STEPS steps."""
+    cfg = dict(TILES[rows_bucket(m)])
+    cfg["SUB"], cfg["KG"] = step_shape(group, k)
+    steps = k // (cfg["SUB"] * cfg["KG"])
+    cfg["SPLIT"] = split_k_for(m, n, cfg["BLOCK_M"], cfg["BLOCK_N"], steps, sms, MIN_SPLIT_STEPS)
+    return cfg
+
+
+def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "numpy", pdl: bool | None = None,
+                     block_m: int | None = None, block_n: int | None = None, sub: int | None = None,
+                     groups: int | None = None, split_k: int | None = None, swap: bool | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None):
+    """y [M, N] = x2 [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); x2 fp32 / fp16
+    / bf16, rows contiguous; out in x2's dtype. The keywords override default_tiles (sub = SUB, groups = KG)."""
+    w = _words_view(w)
+    m, k = x2.shape
+    n = w.shape[0]
+    _check(w, bits, group, n, k)
+    if m and elem_stride(x2, 1) != 1:
+        raise ValueError(f"x [{m}, {k}] needs contiguous rows")
+    out = gemm_out(x2, out, n)
+    if m == 0 or n == 0:
+        return out
+    cfg = default_tiles(m, n, k, bits, group, _sm_count(x2))
+    over = dict(block_m=block_m, block_n=block_n, sub=sub, groups=groups, split_k=split_k, swap=swap,
+                num_warps=num_warps, num_stages=num_stages)
+    cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
+    sub_, kg = cfg["SUB"], cfg["KG"]
+    per = 32 // bits
+    if sub_ % per or group % sub_ or (kg > 1 and sub_ != group) or (k // group) % kg:
+        raise ValueError(f"a step of {kg} x {sub_} inputs does not tile groups of {group} in a row of {k} "
+                         "(sub must divide the group; several groups a step only whole)")
+    nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
+    pdl = use_pdl(target, pdl)
+    kern = compile(int_group_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
+                   GROUP=group, PDL=pdl, **cfg)
+    return launch_split_k(kern, (w, x2), (m, n, elem_stride(w, 0), elem_stride(x2, 0)), out, k // (sub_ * kg),
+                          split, cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
+

@@ -1,0 +1,100 @@
+"""Time the integer-group GEMM against cuBLAS on a CUDA GPU, where backends/cuda/int_group_linear picks between them:
+`python -m tools.bench_int_group_gemm [--bits 4] [--group 128] [--rows 9,16,...] [--quick]`.
+
+For Llama-3-8B's projections (N x K: qkv 6144 x 4096, o 4096 x 4096, gate/up 28672 x 4096, down 4096 x 14336), bf16 x,
+at each row count: ours (int_group_matmul at default tiles), the dequantize path (W to bf16 in the runner's chunks,
+then cuBLAS: what int_group_linear runs past int_group_gemm.MAX_ROWS), cuBLAS on a bf16 W (a dense model's time)
+and, at 1-8 rows, the GEMV. Ours is checked against the numpy reference once a problem. Times are CUDA-graph
+replays (tools/bench_kernels.time_calls) over enough weight copies that W never sits in L2; prints one table, ours /
+the dequantize path's time last (below 1: ours wins)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import numpy as np
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (4, 8, 9, 16, 32, 64, 128, 256, 512, 2048)  # at 1-8 rows the GEMV (int_group_linear's path there) too
+L2_BYTES = 60 * 2**20  # an H200's L2 (and more than an H100's): weight copies cover three times it
+
+
+def _problem(torch, n: int, k: int, bits: int, group: int, copies: int):
+    from tools.kernel_case_base import Dev
+    from tools.kernel_cases_int_group import int_group_weights
+
+    w = int_group_weights(Dev(n * 31 + k), n, k, bits, group)
+    return [w] + [w.clone() for _ in range(copies - 1)]  # other addresses: no replay finds them in L2
+
+
+def bench(torch, name: str, n: int, k: int, m: int, bits: int, group: int, ws: list) -> dict:
+    from backends.cuda.runner import DEQUANT_CHUNK_BYTES
+    from backends.cuda.torch_ops import dequantized_matmul
+    from kernels_src.int_group_gemm import int_group_matmul, int_group_matmul_ref
+    from kernels_src.int_group_gemv import MAX_ROWS, int_group_dequantize, int_group_gemv
+    from tools.bench_kernels import time_calls
+    from tools.kernel_case_base import compare, host
+
+    x = torch.randn((m, k), device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
+    y = int_group_matmul(x, ws[0], bits, group, target="triton")
+    torch.cuda.synchronize()
+    err, problem = compare("y", host(y[:, :64]), int_group_matmul_ref(host(x), host(ws[0][:64]), bits, group),
+                           "bfloat16")
+    dense = [int_group_dequantize(w, bits, group, k, dtype="bfloat16", target="triton") for w in ws]
+
+    def ours():
+        for w in ws:
+            int_group_matmul(x, w, bits, group, out=y, target="triton")
+
+    def dequantized():
+        for w in ws:
+            rows = lambda r0, r1, w=w: int_group_dequantize(w[r0:r1], bits, group, k, dtype="bfloat16",
+                                                            target="triton")
+            dequantized_matmul(x, n, k * 2, DEQUANT_CHUNK_BYTES, rows)
+
+    def cublas():
+        for wd in dense:
+            torch.nn.functional.linear(x, wd)
+
+    def gemv():
+        for w in ws:
+            int_group_gemv(x, w, bits, group, out=y, target="triton")
+
+    fns = [("ours", ours), ("dequant+cublas", dequantized), ("cublas_bf16", cublas)]
+    fns += [("gemv", gemv)] if m <= MAX_ROWS else []
+    us = {key: time_calls(torch, fn, len(ws), contextlib.nullcontext, False)[0] for key, fn in fns}
+    return dict(shape=name, n=n, k=k, m=m, **us, ratio=us["ours"] / us["dequant+cublas"], err=err,
+                check=problem or "PASS")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench_int_group_gemm", description=__doc__.splitlines()[0])
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group", type=int, default=128, help="inputs a group (the row length K for -1)")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--quick", action="store_true", help="two shapes, 16 and 256 rows")
+    a = p.parse_args(argv)
+    import torch
+
+    rows = (16, 256) if a.quick else tuple(int(r) for r in a.rows.split(","))
+    shapes = {s: SHAPES[s] for s in (("o", "down") if a.quick else SHAPES)}
+    print(f"{'shape':8} {'N x K':>12} {'M':>5} {'ours us':>9} {'deq+cuBLAS us':>13} {'cuBLAS bf16 us':>14} "
+          f"{'GEMV us':>8} {'ours/deq':>8}  check", flush=True)
+    for name, (n, k) in shapes.items():
+        group = k if a.group == -1 else a.group
+        w_bytes = n * k * (a.bits + 64 / group) / 8
+        ws = _problem(torch, n, k, a.bits, group, max(1, min(8, int(np.ceil(3 * L2_BYTES / w_bytes)))))
+        for m in rows:
+            r = bench(torch, name, n, k, m, a.bits, group, ws)
+            gemv = f"{r['gemv']:8.1f}" if "gemv" in r else f"{'-':>8}"
+            print(f"{name:8} {f'{n}x{k}':>12} {m:5} {r['ours']:9.1f} {r['dequant+cublas']:13.1f} "
+                  f"{r['cublas_bf16']:14.1f} {gemv} {r['ratio']:8.2f}  {r['check']} (rel err {r['err']:.1e})",
+                  flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
