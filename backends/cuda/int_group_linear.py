@@ -16,8 +16,9 @@ from kernels_src.int_group_gemv import MAX_ROWS, int_group_dequantize, int_group
 
 
 def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tuple[int, int],
-                     perm: torch.Tensor | None, target: str, chunk_bytes: int) -> torch.Tensor:
-    """y = x @ W.T for W [N, K] stored as intgroup blocks `data` (uint8 [N, row_bytes]) of format `qtype`."""
+                     perm: torch.Tensor | None, target: str, chunk_bytes: int, pdl: bool | None = None) -> torch.Tensor:
+    """y = x @ W.T for W [N, K] stored as intgroup blocks `data` (uint8 [N, row_bytes]) of format `qtype`; `pdl` as
+    the runner's (None: wherever the target can)."""
     bits, group = weight_format(qtype).int_group
     n, k = shape
     x2 = x.reshape(-1, k)
@@ -27,7 +28,7 @@ def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tup
     if x2.shape[0] <= MAX_ROWS:
         return int_group_gemv(x2, data, bits, group, target=target).reshape(*x.shape[:-1], n)
     if x2.shape[0] <= GEMM_ROWS:
-        return int_group_matmul(x2, data, bits, group, target=target).reshape(*x.shape[:-1], n)
+        return int_group_matmul(x2, data, bits, group, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
     dtype = str(x.dtype).removeprefix("torch.")
 
     def rows(r0: int, r1: int):

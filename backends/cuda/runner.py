@@ -283,7 +283,8 @@ class Runner:
     def _quant_linear(self, x, w: QuantWeight):
         family = weight_format(w.qtype).family
         if family == "intgroup":
-            return int_group_linear(x, w.data, w.qtype, w.shape, w.perm, self.target, DEQUANT_CHUNK_BYTES)
+            return int_group_linear(x, w.data, w.qtype, w.shape, w.perm, self.target, DEQUANT_CHUNK_BYTES,
+                                    pdl=self.pdl)
         if family == "fp8":
             return fp8_linear(x, w.data, w.scales, DEQUANT_CHUNK_BYTES)
         n, k = w.shape
