@@ -56,3 +56,24 @@ def test_ablation_entries_and_the_decode_table_ab():
     for bad in (Namespace(ablations="no PDL at all", decode_table=""), Namespace(ablations="", decode_table="8:6:4")):
         with pytest.raises(SystemExit):
             ablation_entries(bad)
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_quantized_variants_decode_to_small_finite_weights(kind):
+    """bench_gpu --quant's random int4 / fp8 matrices (made on CPU here) decode, by the formats' own numpy
+    dequantizers, to finite weights below 0.5: random bytes could hold NaN scales or codes and poison the logits."""
+    import numpy as np
+
+    from ir.formats import fp8_blocks, int_groups
+    from tools.bench_gpu_model import fp8_params, int4_params
+
+    graph = loaded_model(model_config(1, "llama3-8b").with_(hidden_size=256, intermediate_size=512,
+                                                              vocab_size=1024)).graph
+    params = (int4_params if kind == "int4" else fp8_params)(graph, device="cpu")
+    w = params["layers.0.wq"]
+    n, k = w.shape
+    if kind == "int4":
+        vals = int_groups.dequantize(w.data.numpy(), (n, k), *int_groups.parse_kind(w.qtype))
+    else:
+        vals = fp8_blocks.decode(w.data.numpy()) * np.repeat(w.scales.numpy(), 128, axis=1)
+    assert np.isfinite(vals).all() and 0 < np.abs(vals).max() < 0.5

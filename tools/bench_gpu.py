@@ -5,7 +5,8 @@ GGUF Q4_K/Q6_K blocks laid out as Q4_K_M. The ceilings (copy bandwidth, bf16 GEM
 (llama's shape) are measured in the same run; every figure is printed with its ratios.
 
     python -m tools.bench_gpu [--shape llama3-8b|gemma2-9b|phi3-mini|qwen3-30b-a3b] [--batches 1,16,64] [--layers N]
-        [--no-peer] [--no-quant] [--ablate 1,64] [--ablations NAMES|none] [--decode-table SPEC] [--json FILE]
+        [--no-peer] [--no-quant | --quant q4km,int4,fp8] [--ablate 1,64] [--ablations NAMES|none]
+        [--decode-table SPEC] [--json FILE]
 
 --decode-table adds an A/B to the ablations: decode again with another split-K table (backends/cuda/decode_table.py;
 tools/bench_decode_attention prints one) on the same backend, graphs captured again.
@@ -25,7 +26,7 @@ import torch
 
 from backends.cuda.decode_table import DecodeTable
 from ir.config import ModelConfig
-from tools.bench_gpu_model import SHAPES, active_bytes, dense_params, loaded_model, model_config, q4_k_m_params
+from tools.bench_gpu_model import SHAPES, active_bytes, dense_params, loaded_model, model_config, quant_params
 
 GB = 1e9
 
@@ -266,7 +267,10 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--no-quant", action="store_true")
+    ap.add_argument("--no-quant", action="store_true", help="no quantized variant (as --quant '')")
+    ap.add_argument("--quant", default="q4km", help="quantized variants, of q4km (Q4_K/Q6_K blocks, batch 1 only), "
+                    "int4 (4-bit integer groups of 128, GPTQ's once loaded), fp8 (e4m3, a scale per 128 inputs): "
+                    "decode at --batches and prefill (default %(default)s)")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
     ap.add_argument("--ablate", default="1,64", help="batch sizes measured again with each optimisation switched "
                     "off in turn ('' for none)")
@@ -326,14 +330,24 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
-    if not args.no_quant:
-        qparams = q4_k_m_params(model.graph, args.layers)
-        res["q4km_bytes"] = weight_bytes(qparams)
-        engine = engine_for(model, qparams, 1, args.prompt + args.gen, not args.no_graphs)
+    res["quant"] = {}
+    for kind in [] if args.no_quant else [q for q in args.quant.split(",") if q]:
+        qparams = quant_params(kind, model.graph, args.layers)
+        nbytes = weight_bytes(qparams)
+        qbatches = [b for b in batches if kind != "q4km" or b == 1]  # Q4_K_M: batch 1 alone, as before --quant
+        engine = engine_for(model, qparams, max(qbatches), max(args.prompt + args.gen, args.prefill),
+                            not args.no_graphs)
         del qparams
-        res["q4km_decode_1"] = decode_rate(engine, 1, args.prompt, args.gen, cfg.vocab_size)
-        say(f"  Q4_K_M ({res['q4km_bytes'] / GB:.2f} GB) decode batch 1: {res['q4km_decode_1']:,.0f} tok/s")
+        fig = res["quant"][kind] = {"bytes": nbytes, "decode": {}}
+        for b in qbatches:
+            fig["decode"][b] = decode_rate(engine, b, args.prompt, args.gen, cfg.vocab_size)
+            say(f"  {kind} ({nbytes / GB:.2f} GB) decode batch {b}: {fig['decode'][b]:,.0f} tok/s")
+        if kind != "q4km":
+            fig["prefill_tps"] = prefill_rate(engine, args.prefill, cfg.vocab_size)
+            say(f"  {kind} prefill {args.prefill}: {fig['prefill_tps']:,.0f} tok/s")
         del engine
+        gc.collect()
+        torch.cuda.empty_cache()
     report(res, args)
 
 
@@ -343,9 +357,12 @@ def report(res: dict, args) -> None:
             for b, v in res["decode"].items()]
     rows.append((f"prefill {args.prefill} tok/s", res["prefill_tps"], res["prefill_tflops"] / res["gemm_tflops"],
                  None))
-    if "q4km_decode_1" in res:
-        rows.append(("Q4_K_M decode b1 tok/s", res["q4km_decode_1"], res["q4km_decode_1"] / (
-            res["copy_gbs"] * GB / res["q4km_bytes"]), None))
+    for kind, fig in res["quant"].items():
+        for b, v in fig["decode"].items():
+            rows.append((f"{kind} decode b{b} tok/s", v, v / (res["copy_gbs"] * GB / fig["bytes"]) if b == 1 else None,
+                         None))
+        if "prefill_tps" in fig:
+            rows.append((f"{kind} prefill {args.prefill} tok/s", fig["prefill_tps"], None, None))
     res["json_rows"] = rows
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(res, indent=1, default=str))

@@ -103,3 +103,52 @@ def q4_k_m_params(graph, layers: int) -> dict:
         rows = math.prod(p.shape[:-1])  # an expert stack [E, out, in] is E * out rows of blocks
         out[name] = QuantWeight(random_blocks(rows, p.shape[-1], q, gen), q, p.shape)
     return out
+
+
+def int4_params(graph, group: int = 128, device: str = "cuda") -> dict:
+    """Every matrix as 4-bit integer groups (GPTQ/AWQ's layout once read: ir/formats/int_groups.py): random nibbles,
+    a small f32 scale and bias a group, so that the logits stay finite; vectors bf16."""
+    from backends.cuda.weights import QuantWeight
+    from ir.formats import int_groups
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    for name, p in graph.params.items():
+        if len(p.shape) == 1:
+            out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
+            continue
+        rows, cols = math.prod(p.shape[:-1]), p.shape[-1]
+        size = int_groups.block_bytes(4, group)
+        blocks = torch.randint(0, 256, (rows, cols // group, size), dtype=torch.uint8, device=device, generator=gen)
+        head = torch.rand((rows, cols // group, 2), device=device, generator=gen) * 1e-3
+        blocks[:, :, :int_groups.HEADER_BYTES] = head.view(torch.uint8).reshape(rows, cols // group, -1)
+        out[name] = QuantWeight(blocks.reshape(rows, -1), int_groups.kind_name(4, group), p.shape)
+    return out
+
+
+def fp8_params(graph, group: int = 128, device: str = "cuda") -> dict:
+    """Every 2-D matrix as e4m3 bytes with an f32 scale a group of a row (what the block-wise FP8 checkpoints load
+    as); random finite codes (the exponent's top bit kept clear: never the NaN code); stacks and vectors bf16."""
+    from backends.cuda.weights import QuantWeight
+    from ir.formats import fp8_blocks
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    for name, p in graph.params.items():
+        if len(p.shape) != 2:
+            out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
+            continue
+        rows, cols = p.shape
+        codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, device=device, generator=gen) & 0xBF
+        scales = torch.rand((rows, cols // group), device=device, generator=gen) * 1e-3
+        out[name] = QuantWeight(codes, fp8_blocks.kind_name(group), p.shape, scales=scales)
+    return out
+
+
+def quant_params(kind: str, graph, layers: int) -> dict:
+    """bench_gpu --quant's variants: q4km, int4 or fp8."""
+    makers = {"q4km": lambda: q4_k_m_params(graph, layers), "int4": lambda: int4_params(graph),
+              "fp8": lambda: fp8_params(graph)}
+    if kind not in makers:
+        raise SystemExit(f"--quant {kind}: known variants are {', '.join(makers)}")
+    return makers[kind]()
