@@ -83,6 +83,10 @@ class Backend(ABC):
     def forward(self, batch: Batch) -> np.ndarray:
         """Run one step; returns float32 logits [len(batch.logits_indices), vocab]."""
 
+    def to_host(self, out) -> np.ndarray:
+        """A forward's result as float32 numpy (an embedding model's hidden states are pooled on the host)."""
+        return np.asarray(out, np.float32)
+
     @abstractmethod
     def memory(self) -> MemoryReport: ...
 
