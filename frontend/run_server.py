@@ -34,7 +34,7 @@ def serve(args: argparse.Namespace, model_id: str, spec: EngineSpec, engine: LLM
     metrics = Metrics(handle.stats, model_id)
     handle.on_step = metrics.after_step
     model = ServedModel(model_id, info.max_model_len, info.vocab_size, int(time.time()),
-                        info.kv_tokens)
+                        info.kv_tokens, info.pooling)
     serving = OpenAIServing(handle, metrics, tokenizer, model, args.defaults, args.max_waiting,
                             ServingLimits.from_args(args))
     app = build_app(serving, args.api_key)

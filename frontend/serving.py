@@ -26,6 +26,7 @@ from frontend.protocol import (
     sampling_params,
 )
 from frontend.responses import Reply, chat_choice, chat_delta, sse, text_choice
+from ir.pooling import Pooling
 
 if TYPE_CHECKING:
     from frontend.async_engine import AsyncEngine
@@ -56,6 +57,7 @@ class ServedModel:
     vocab_size: int
     created: int
     kv_tokens: int | None = None  # what the KV cache holds: one sequence can never grow past it
+    pooling: Pooling | None = None  # an embedding model's (ir.pooling): it serves /v1/embeddings alone
 
 
 class OpenAIServing:
@@ -121,6 +123,9 @@ class OpenAIServing:
     def _check_request(self, req: SamplingFields) -> None:
         """The limits and OpenAI's rules that need no tokenizer: checked before any tokenization."""
         self.check_model(req.model)
+        if self.model.pooling is not None:
+            raise bad_request(f"{self.model.id} is an embedding model (no LM head): it generates no text; use "
+                              "/v1/embeddings", "model")
         self.limits.check_sampling(req)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
