@@ -61,11 +61,17 @@ def test_mlx_embeddings_equal_transformers(models, mode):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_cuda_backend_on_cpu_embeddings_equal_transformers(models):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_cuda_backend_embeddings_equal_transformers(models, device):
+    """On CPU tensors here; on a GPU too where there is one (tools/gpu_check.sh's machine)."""
+    import torch
+
     from backends.cuda.backend import CUDABackend
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     decoder, model = models("last")
-    backend = CUDABackend(model, device="cpu", dtype="f32", progress=False)
+    backend = CUDABackend(model, device=device, dtype="f32", progress=False)
     _check(LLM.from_backend(backend, CHUNKED), decoder, "last")
 
 

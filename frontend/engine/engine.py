@@ -176,8 +176,8 @@ class LLMEngine:
             history = needs_history(params)
             seq = Sequence(request_id, i, prompt, params, generator, parent=seqs[0] if seqs else None,
                            needs_history=history, history=TokenHistory(prompt) if history else None)
-            seq.detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt, params) if self.tokenizer
-                               else NoText())
+            seq.detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt, params)
+                               if self.tokenizer and self.pooler is None else NoText())  # an embedding: no text
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = Request(request_id, prompt, seqs)
