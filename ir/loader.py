@@ -19,7 +19,7 @@ from ir.formats.gguf_file import GGUFFile
 from ir.formats.safetensors_file import read_safetensors, shard_files
 from ir.graph import Graph
 from ir.isq import isq_kind, quantize_weights
-from ir.pooling import Pooling, read_pooling, task_of
+from ir.pooling import Pooling, gguf_pooling, read_pooling, task_of
 from ir.weight_formats import FORMATS
 from ir.weights import StoredTensor, WeightSource, WeightStore
 
@@ -56,10 +56,7 @@ def load_model(path: str | Path, dtype: str = "f32", progress: bool = True, isq:
         raise FileNotFoundError(f"{path}: no such file or folder")
     if path.is_dir():
         return _load_hf_folder(path, dtype, progress, isq, task)
-    if task == "embed":
-        raise NotImplementedError(f"{path}: embeddings are served from Hugging Face folders (config.json + "
-                                  "safetensors), not GGUF files yet")
-    return _load_gguf(path, dtype, progress, isq)
+    return _load_gguf(path, dtype, progress, isq, task)
 
 
 def load_tokenizer(path: str | Path):
@@ -101,7 +98,7 @@ def _bind(arch: models.Architecture, cfg: ModelConfig, dtype: str, src: WeightSo
     return graph, store, {p: store[p].source for p in graph.params}
 
 
-def _load_gguf(path: Path, dtype: str, progress: bool, isq: str | None) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str, progress: bool, isq: str | None, task: str) -> LoadedModel:
     f = GGUFFile(path)
     meta = f.metadata
     if "general.architecture" not in meta:
@@ -120,8 +117,19 @@ def _load_gguf(path: Path, dtype: str, progress: bool, isq: str | None) -> Loade
         cfg = arch.config_from_gguf(meta, src, factors)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(path, f"metadata does not describe a {arch.name} model: {e}") from e
+    pooling = gguf_pooling(meta, task)
+    if pooling is not None:
+        cfg = cfg.with_(pooled=True)
     graph, weights, sources = _bind(arch, cfg, dtype, src, progress, isq)
-    return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path), sources, isq)
+    _check_pooled(path, arch, graph, pooling)
+    return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path), sources, isq, pooling)
+
+
+def _check_pooled(path: Path, arch: models.Architecture, graph: Graph, pooling: Pooling | None) -> None:
+    if pooling is not None and graph.result != "hidden":
+        raise NotImplementedError(f"{path}: {arch.name} cannot be served for embeddings yet (its graph has no "
+                                  "head-less output; llama's decoder family has: llama, mistral, qwen2, qwen3, "
+                                  "and their MoE variants)")
 
 
 def _gguf_tokenizer(meta: Mapping, path: Path):
@@ -181,10 +189,7 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None, t
 
     names = set(tensors) | {f"{p}.weight" for p in quantized}
     graph, weights, sources = _bind(arch, cfg, dtype, WeightSource("hf", folder, fetch, names), progress, isq)
-    if pooling is not None and graph.result != "hidden":
-        raise NotImplementedError(f"{folder}: {arch.name} cannot be served for embeddings yet (its graph has no "
-                                  "head-less output; llama's decoder family has: llama, mistral, qwen2, qwen3, "
-                                  "and their MoE variants)")
+    _check_pooled(folder, arch, graph, pooling)
     tok = None
     if (folder / "tokenizer.json").exists():
         from ir.tokenizer import Tokenizer

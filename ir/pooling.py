@@ -1,6 +1,6 @@
-"""Whether a model folder is served for embeddings, and how its hidden states are pooled: read from
-sentence-transformers' `modules.json` + `1_Pooling/config.json` (and a Normalize module) or asked for (--task embed),
-with Matryoshka dimensions as the HF config declares them (`is_matryoshka`, `matryoshka_dimensions`, as vLLM reads)."""
+"""Whether a model is served for embeddings, and how its hidden states are pooled: read from sentence-transformers'
+`modules.json` + `1_Pooling/config.json` (and a Normalize module), a GGUF file's pooling_type, or asked for (--task
+embed); Matryoshka dimensions as the HF config declares them (`is_matryoshka`, `matryoshka_dimensions`, as vLLM)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,26 @@ def read_pooling(folder: Path, hf: Mapping[str, Any], task: str = "auto") -> Poo
                                   "Transformer, Pooling and Normalize)")
     return Pooling(_mode(folder / str(pool.get("path", "1_Pooling")) / "config.json"), _ST + "Normalize" in types,
                    hidden, **matryoshka)
+
+
+_GGUF_MODES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's pooling_type (0 none, 4 rank)
+
+
+def gguf_pooling(meta: Mapping[str, Any], task: str = "auto") -> Pooling | None:
+    """A GGUF file's pooling: its `{arch}.pooling_type` (llama.cpp's embedding models carry it; their vectors are
+    normalized, as llama-server's are by default), or last token with --task embed where it has none."""
+    task = task_of(task)
+    if task == "generate":
+        return None
+    arch = meta["general.architecture"]
+    hidden = int(meta[f"{arch}.embedding_length"])
+    kind = int(meta.get(f"{arch}.pooling_type", 0))
+    if kind == 0:
+        return Pooling("last", True, hidden) if task == "embed" else None
+    if kind not in _GGUF_MODES:
+        raise NotImplementedError(f"GGUF {arch}.pooling_type {kind} (rank) is not supported; pooling types: "
+                                  + ", ".join(f"{k} ({m})" for k, m in _GGUF_MODES.items()))
+    return Pooling(_GGUF_MODES[kind], True, hidden)
 
 
 def _modules(folder: Path) -> list[dict] | None:

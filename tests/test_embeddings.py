@@ -146,3 +146,29 @@ def test_pooling_files_and_tasks(tmp_path):
         Pooling("last", True, 32, True).check_dimensions(33)
     with pytest.raises(ValueError, match="not a Matryoshka model"):
         Pooling("last", True, 32).check_dimensions(8)
+
+
+def test_a_gguf_embedding_model(models, tmp_path):
+    """llama.cpp's layout of an embedding model: qwen3 tensors without output.weight, qwen3.pooling_type LAST."""
+    import gguf
+    from gguf_write import add_rms_decoder, add_tensor, finish
+    from test_tiny_gguf import gguf_name
+
+    from backends.mlx.backend import MLXBackend
+
+    decoder, _ = models("last")
+    cfg, path = decoder.config, tmp_path / "embed.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    add_rms_decoder(w, cfg)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_pooling_type(gguf.PoolingType.LAST)
+    for name, t in decoder.state_dict().items():
+        add_tensor(w, gguf_name(f"model.{name}"), t.numpy())
+    finish(w)
+    model = load_model(path, progress=False)
+    assert model.pooling == Pooling("last", True, 64)
+    assert load_model(path, progress=False, task="generate").pooling is None
+    _check(LLM.from_backend(MLXBackend(model, progress=False), CHUNKED), decoder, "last")
