@@ -172,3 +172,19 @@ def test_a_gguf_embedding_model(models, tmp_path):
     assert model.pooling == Pooling("last", True, 64)
     assert load_model(path, progress=False, task="generate").pooling is None
     _check(LLM.from_backend(MLXBackend(model, progress=False), CHUNKED), decoder, "last")
+
+
+def test_cli_task_flags(models, capsys, monkeypatch):
+    from frontend import cli
+    from frontend.cli import main, parse_args
+
+    monkeypatch.setattr(cli, "setup_logging", lambda _log: None)  # the root logger stays pytest's
+
+    assert parse_args(["--runner", "pooling"]).task == "embed" and parse_args([]).task == "auto"
+    assert parse_args(["--task", "embed", "--runner", "pooling"]).task == "embed"
+    with pytest.raises(SystemExit):
+        parse_args(["--task", "generate", "--runner", "pooling"])
+    assert "disagree" in capsys.readouterr().err
+    folder = str(models("last")[1].path)
+    assert main(["--w", folder, "--prompt", "hi", "--mem", "4"]) == 2
+    assert "embedding model" in capsys.readouterr().err
