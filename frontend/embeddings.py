@@ -62,6 +62,7 @@ async def embeddings(serving: OpenAIServing, req: EmbeddingRequest) -> dict[str,
             raise bad_request(str(e), "input") from None
     serving.limits.check_waiting(serving.engine.num_waiting(), serving.engine.num_waiting_seqs(), len(prompts),
                                  len(prompts), serving.max_waiting)
+    # The completions' machinery runs the requests (metrics, aborts when the client leaves); the Reply only counts.
     reply = Reply("embedding", serving.model.id, prompt_tokens=sum(len(p) for p in prompts))
     outs = await serving._collect(prompts, SamplingParams(), reply)  # one sequence each
     data = [{"object": "embedding", "index": i, "embedding": encode(out.embedding, req.dimensions,
