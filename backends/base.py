@@ -81,7 +81,12 @@ class Backend(ABC):
 
     @abstractmethod
     def forward(self, batch: Batch) -> np.ndarray:
-        """Run one step; returns float32 logits [len(batch.logits_indices), vocab]."""
+        """Run one step; returns float32 logits [len(batch.logits_indices), vocab] (an embedding model's graph: its
+        final hidden states at those rows, [rows, hidden])."""
+
+    def to_host(self, out) -> np.ndarray:
+        """A forward's result as float32 numpy (an embedding model's hidden states are pooled on the host)."""
+        return np.asarray(out, np.float32)
 
     @abstractmethod
     def memory(self) -> MemoryReport: ...

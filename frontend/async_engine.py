@@ -71,7 +71,7 @@ class AsyncEngine(RequestStreams):
         self._stopping = False
         blocks = engine.blocks
         self.info = Ready(os.getpid(), engine.backend.model.config.vocab_size, engine.max_model_len,
-                          blocks.num_blocks, blocks.block_size, blocks.token_capacity)
+                          blocks.num_blocks, blocks.block_size, blocks.token_capacity, engine.backend.model.pooling)
         self.bounds = engine.bounds
         self._thread.start()
 

@@ -11,6 +11,7 @@ import time
 from backends.base import KV_CACHE_DTYPES, kv_cache_int8
 from frontend.model_source import resolve
 from ir.isq import ISQ_TYPES, isq_kind
+from ir.pooling import RUNNER_TASKS, TASKS, task_of
 from ir.sharding import check_world
 
 log = logging.getLogger("frontend")
@@ -46,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--isq", metavar="TYPE", help="in-situ quantization: quantize the model's matrices at load to "
                      f"a GGUF block type, int4 (RTN groups of 128) or fp8 (e4m3, 128x128 block scales) "
                      f"({', '.join(ISQ_TYPES)}); the LM head as llama-quantize does (int4, fp8: kept as stored)")
+    src.add_argument("--task", choices=TASKS, help="embed: serve the model for /v1/embeddings (pooled hidden states, "
+                     "no LM head); auto (default): embed when its sentence-transformers files say so")
+    src.add_argument("--runner", choices=list(RUNNER_TASKS), help="vLLM's spelling of --task (pooling: embed)")
     net = ap.add_argument_group("server")
     net.add_argument("--h", metavar="HOST", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     net.add_argument("--p", metavar="PORT", type=int, default=2000, help="port (default 2000)")
@@ -160,6 +164,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--seed must be in [0, 2**63)")
     if args.max_waiting < 0:
         ap.error("--max-waiting must be >= 0")
+    if args.task and args.runner and task_of(args.runner) != args.task:
+        ap.error(f"--task {args.task} and --runner {args.runner} disagree; give one")
+    args.task = task_of(args.runner) if args.runner else args.task or "auto"
     if args.engine_in_process and args.on_engine_death == "restart":
         ap.error("--on-engine-death restart needs the engine in its own process (not --engine-in-process)")
     if args.prompt is None:  # serving: one-shot flags that would be silently ignored are refused
@@ -265,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.prompt is not None:
+        if engine.pooler is not None:
+            print("error: this is an embedding model (no LM head): --prompt generates text; serve it and use "
+                  "/v1/embeddings", file=sys.stderr)
+            return 2
         return answer_once(engine, args)
     from frontend.run_server import serve
     return serve(args, source.id, spec, engine)
@@ -274,7 +285,8 @@ def engine_spec(args: argparse.Namespace, model_path: str):
     """What the engine (in its process or this one) is built from: the model, backend, engine config and --isq."""
     from frontend.engine_proc.spec import EngineSpec
 
-    return EngineSpec(model_path, args.backend, backend_options(args), engine_config(args), args.log, isq=args.isq)
+    return EngineSpec(model_path, args.backend, backend_options(args), engine_config(args), args.log, isq=args.isq,
+                      task=args.task)
 
 
 def _serve_rank(args: argparse.Namespace, path: str) -> int:
@@ -284,7 +296,8 @@ def _serve_rank(args: argparse.Namespace, path: str) -> int:
     opts = backend_options(args)
     device, rv = opts.pop("device")[0], opts.pop("rendezvous")
     log.info("rank %d of %d on %s, serving rank 0's steps", rv.rank, rv.world, device)
-    worker_main({"model": path, "isq": args.isq, "rendezvous": rv, "device": device, "options": opts})
+    worker_main({"model": path, "isq": args.isq, "task": args.task, "rendezvous": rv, "device": device,
+                 "options": opts})
     return 0
 
 
@@ -295,7 +308,7 @@ def _serve_mlx_rank(args: argparse.Namespace, path: str) -> int:
     opts = backend_options(args)
     ring = opts.pop("ring")
     log.info("rank %d of %d of MLX's ring, serving rank 0's steps", ring.rank, ring.world)
-    worker_main({"model": path, "isq": args.isq, "ring": ring, "options": opts})
+    worker_main({"model": path, "isq": args.isq, "task": args.task, "ring": ring, "options": opts})
     return 0
 
 

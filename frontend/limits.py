@@ -30,7 +30,8 @@ class ServingLimits:
         "max_stop": ("--max-stop", "stop strings in a request (default 4, as OpenAI)"),
         "max_stop_chars": ("--max-stop-chars", "characters in one stop string (default 256)"),
         "max_n": ("--max-n", "n, choices per prompt (default 128)"),
-        "max_prompts": ("--max-prompts", "prompts in one completions request (default 256)"),
+        "max_prompts": ("--max-prompts", "prompts in one completions request, inputs in one embeddings request "
+                        "(default 256)"),
         "max_request_seqs": ("--max-request-seqs", "prompts x n in one request (default 256)"),
         "max_logit_bias": ("--max-logit-bias", "logit_bias entries (default 1024)"),
         "max_messages": ("--max-messages", "messages in a chat request (default 2048)"),
@@ -83,6 +84,13 @@ class ServingLimits:
             raise bad_request(f"prompt: {count} prompts x n={n} asks for {count * n} sequences; at most "
                               f"{self.max_request_seqs} are allowed in one request", "prompt")
         self.check_chars(texts, "prompt")
+
+    def check_inputs(self, count: int, texts: list[str]) -> None:
+        """An embeddings request's inputs: at most max_prompts of them, each text at most max_prompt_chars."""
+        if count > self.max_prompts:
+            raise bad_request(f"input: at most {self.max_prompts} inputs are allowed in one request, got {count}",
+                              "input")
+        self.check_chars(texts, "input")
 
     def check_chars(self, texts: list[str], param: str) -> None:
         longest = max(map(len, texts), default=0)

@@ -6,10 +6,16 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 
 
 class ErrorDetail(BaseModel):
@@ -174,14 +180,32 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 
 
-_MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ErrorResponse, ModelList,
-           ModelCard,
-           ChatCompletion, Completion, ChatCompletionChunk, CompletionChunk, TokenizeResponse, DetokenizeResponse,
-           Health]
+_MODELS = [ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest,
+           ErrorResponse, ModelList, ModelCard,
+           ChatCompletion, Completion, ChatCompletionChunk, CompletionChunk, EmbeddingList, TokenizeResponse,
+           DetokenizeResponse, Health]
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -232,6 +256,7 @@ def openapi_document(model_id: str) -> dict[str, Any]:
             "/v1/chat/completions": _post("Chat completion", ChatCompletionRequest, ChatCompletion,
                                           ChatCompletionChunk),
             "/v1/completions": _post("Text completion", CompletionRequest, Completion, CompletionChunk),
+            "/v1/embeddings": _post("Embeddings (an embedding model's)", EmbeddingRequest, EmbeddingList, None),
             "/v1/models": _get("The served model", ModelList),
             "/v1/models/{model}": {"get": {"summary": "One model", "parameters": [
                 {"name": "model", "in": "path", "required": True, "schema": {"type": "string"},

@@ -127,6 +127,17 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = Field(None, description="not supported")
 
 
+class EmbeddingRequest(_Model):
+    """OpenAI's /v1/embeddings request."""
+
+    model: str | None = Field(None, description="the served model's id (default: that model)")
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] | \
+        Annotated[TokenIds, Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = Field("float", description="base64: little-endian float32")
+    dimensions: int | None = Field(None, ge=1, description="Matryoshka models only: truncated, then renormalized")
+    user: str | None = None
+
+
 class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None

@@ -35,7 +35,7 @@ def serve(args: argparse.Namespace, model_id: str, spec: EngineSpec, engine: LLM
     metrics = Metrics(handle.stats, model_id)
     handle.on_step = metrics.after_step
     model = ServedModel(model_id, info.max_model_len, info.vocab_size, int(time.time()),
-                        info.kv_tokens)
+                        info.kv_tokens, info.pooling)
     parsers = ParserChoice.resolve(args.tool_call_parser, args.reasoning_parser,
                                    getattr(tokenizer, "chat_template", None))
     log.info("tool calls read as %s, reasoning by %s", parsers.tool_parser or "text",

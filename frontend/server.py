@@ -11,10 +11,17 @@ from sanic import Request, Sanic
 from sanic.exceptions import SanicException
 from sanic.response import HTTPResponse, JSONResponse, json, raw
 
+from frontend.embeddings import embeddings
 from frontend.errors import APIError, from_validation
 from frontend.metrics import CONTENT_TYPE
 from frontend.openapi import openapi_document
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 from frontend.serving import OpenAIServing, encode_texts, off_loop
 from frontend.webui import add_routes as add_webui_routes
 
@@ -113,6 +120,10 @@ def build_app(serving: OpenAIServing, api_key: str | None = None, name: str = "l
     async def completions(request: Request) -> HTTPResponse | None:
         body = await serving.completion(parse(CompletionRequest, request), streamer(request))
         return None if body is None else json(body)
+
+    @app.post("/v1/embeddings")
+    async def embed(request: Request) -> HTTPResponse:
+        return json(await embeddings(serving, parse(EmbeddingRequest, request)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> HTTPResponse:

@@ -28,6 +28,7 @@ from frontend.protocol import (
 )
 from frontend.responses import Reply, chat_choice, chat_delta, parsed_choice, parsed_delta, sse, text_choice
 from frontend.tools import check_tools, template_kwargs, template_messages, tool_params
+from ir.pooling import Pooling
 
 if TYPE_CHECKING:
     from frontend.async_engine import AsyncEngine
@@ -58,6 +59,7 @@ class ServedModel:
     vocab_size: int
     created: int
     kv_tokens: int | None = None  # what the KV cache holds: one sequence can never grow past it
+    pooling: Pooling | None = None  # an embedding model's (ir.pooling): it serves /v1/embeddings alone
 
 
 class OpenAIServing:
@@ -125,6 +127,9 @@ class OpenAIServing:
     def _check_request(self, req: SamplingFields) -> None:
         """The limits and OpenAI's rules that need no tokenizer: checked before any tokenization."""
         self.check_model(req.model)
+        if self.model.pooling is not None:
+            raise bad_request(f"{self.model.id} is an embedding model (no LM head): it generates no text; use "
+                              "/v1/embeddings", "model")
         self.limits.check_sampling(req)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")

@@ -34,6 +34,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     source_model_type: str = ""
+    # An embedding model's graph (ir.pooling): it ends at the final norm, its output "hidden" instead of "logits".
+    pooled: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

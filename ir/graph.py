@@ -117,6 +117,11 @@ class Graph:
     def output(self, name: str, value: Value) -> None:
         self.outputs[name] = value
 
+    @property
+    def result(self) -> str:
+        """The name of what a step returns: "logits", or an embedding model's final "hidden" states (ir.pooling)."""
+        return "hidden" if "hidden" in self.outputs else "logits"
+
     def op(self, op: str, *inputs: Value | None, **attrs: Any) -> Value | tuple[Value, ...]:
         """Append a node; its result type comes from the op's shape and dtype inference (a tuple of values for an
         op with several results)."""

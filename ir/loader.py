@@ -19,6 +19,7 @@ from ir.formats.gguf_file import GGUFFile
 from ir.formats.safetensors_file import read_safetensors, shard_files
 from ir.graph import Graph
 from ir.isq import isq_kind, quantize_weights
+from ir.pooling import Pooling, gguf_pooling, read_pooling, task_of
 from ir.weight_formats import FORMATS
 from ir.weights import StoredTensor, WeightSource, WeightStore
 
@@ -35,19 +36,27 @@ class LoadedModel:
     tokenizer: object | None  # ir.tokenizer.Tokenizer
     sources: dict[str, str]  # IR parameter -> tensor name in the file
     isq: str | None = None  # the --isq type its matrices were quantized to at load (another process loads it so)
+    pooling: Pooling | None = None  # an embedding model: how its hidden states become a vector (ir.pooling)
+
+    @property
+    def task(self) -> str:
+        """The --task that loads this model again so (a tensor-parallel rank's)."""
+        return "embed" if self.pooling else "generate"
 
 
-def load_model(path: str | Path, dtype: str = "f32", progress: bool = True, isq: str | None = None) -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "f32", progress: bool = True, isq: str | None = None,
+               task: str = "auto") -> LoadedModel:
     """`path` is a .gguf file or a folder with config.json and *.safetensors; `isq` ("q4k", ...) quantizes its
-    matrices at load (ir.isq)."""
+    matrices at load (ir.isq); `task` "embed" serves it for embeddings, "auto" where its files say so (ir.pooling)."""
     if isq is not None:
         isq_kind(isq)  # a bad type fails before the weights are read
+    task = task_of(task)
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     if path.is_dir():
-        return _load_hf_folder(path, dtype, progress, isq)
-    return _load_gguf(path, dtype, progress, isq)
+        return _load_hf_folder(path, dtype, progress, isq, task)
+    return _load_gguf(path, dtype, progress, isq, task)
 
 
 def load_tokenizer(path: str | Path):
@@ -89,7 +98,7 @@ def _bind(arch: models.Architecture, cfg: ModelConfig, dtype: str, src: WeightSo
     return graph, store, {p: store[p].source for p in graph.params}
 
 
-def _load_gguf(path: Path, dtype: str, progress: bool, isq: str | None) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str, progress: bool, isq: str | None, task: str) -> LoadedModel:
     f = GGUFFile(path)
     meta = f.metadata
     if "general.architecture" not in meta:
@@ -108,8 +117,19 @@ def _load_gguf(path: Path, dtype: str, progress: bool, isq: str | None) -> Loade
         cfg = arch.config_from_gguf(meta, src, factors)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(path, f"metadata does not describe a {arch.name} model: {e}") from e
+    pooling = gguf_pooling(meta, task)
+    if pooling is not None:
+        cfg = cfg.with_(pooled=True)
     graph, weights, sources = _bind(arch, cfg, dtype, src, progress, isq)
-    return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path), sources, isq)
+    _check_pooled(path, arch, graph, pooling)
+    return LoadedModel(path, arch, cfg, graph, weights, _gguf_tokenizer(meta, path), sources, isq, pooling)
+
+
+def _check_pooled(path: Path, arch: models.Architecture, graph: Graph, pooling: Pooling | None) -> None:
+    if pooling is not None and graph.result != "hidden":
+        raise NotImplementedError(f"{path}: {arch.name} cannot be served for embeddings yet (its graph has no "
+                                  "head-less output; llama's decoder family has: llama, mistral, qwen2, qwen3, "
+                                  "and their MoE variants)")
 
 
 def _gguf_tokenizer(meta: Mapping, path: Path):
@@ -124,7 +144,7 @@ def _gguf_tokenizer(meta: Mapping, path: Path):
         return None
 
 
-def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None) -> LoadedModel:
+def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None, task: str) -> LoadedModel:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise ModelFormatError(folder, "no config.json: not a Hugging Face model folder")
@@ -137,16 +157,23 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None) -
         cfg = arch.config_from_hf(hf)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelFormatError(cfg_path, f"config does not describe a {arch.name} model: {e}") from e
+    pooling = read_pooling(folder, hf, task)
+    if pooling is not None:
+        cfg = cfg.with_(pooled=True)
     tensors = {}
     for shard in shard_files(folder):
         tensors.update(read_safetensors(shard))
+    if pooling is not None and not any(k.startswith("model.") for k in tensors):
+        # An embedding model saved as the bare decoder (Qwen3-Embedding: Qwen3Model's names, no "model.")
+        tensors = {f"model.{k}": t for k, t in tensors.items()}
     qc = hf.get("quantization_config")
     scheme = quant_checkpoints.scheme_from_config(qc, cfg_path) if qc else None
     # A quantized linear's tensors (qweight, scales, weight_scale_inv, ...) are seen by the architecture as one
     # `<linear>.weight`.
     quantized = quant_checkpoints.linear_prefixes(tensors, scheme) if scheme else set()
 
-    if cfg.tie_word_embeddings is False and "lm_head.weight" not in tensors and "lm_head" not in quantized:
+    if not cfg.pooled and cfg.tie_word_embeddings is False and "lm_head.weight" not in tensors and \
+            "lm_head" not in quantized:
         log.info("%s: no lm_head.weight; tying it to the embeddings", folder)
         cfg = cfg.with_(tie_word_embeddings=True)
 
@@ -162,12 +189,13 @@ def _load_hf_folder(folder: Path, dtype: str, progress: bool, isq: str | None) -
 
     names = set(tensors) | {f"{p}.weight" for p in quantized}
     graph, weights, sources = _bind(arch, cfg, dtype, WeightSource("hf", folder, fetch, names), progress, isq)
+    _check_pooled(folder, arch, graph, pooling)
     tok = None
     if (folder / "tokenizer.json").exists():
         from ir.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(folder)
-    return LoadedModel(folder, arch, cfg, graph, weights, tok, sources, isq)
+    return LoadedModel(folder, arch, cfg, graph, weights, tok, sources, isq, pooling)
 
 
 def dense_weights(model: LoadedModel) -> dict[str, np.ndarray]:

@@ -226,6 +226,12 @@ def test_bad_completion_requests_get_400(server):
             assert "8192" in message
 
 
+def test_a_generation_model_refuses_embeddings(client):
+    with pytest.raises(openai.BadRequestError, match="generates text and has no embeddings") as e:
+        client.embeddings.create(model=MODEL, input="hello")
+    assert e.value.body["param"] == "model"
+
+
 def test_unknown_model_is_404_and_unknown_route_too(server, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-17", messages=FRANCE)
@@ -248,7 +254,8 @@ def test_tokenize_detokenize(server):
 def test_openapi_document(server):
     with urllib.request.urlopen(server.base + "/openapi.json") as r:
         doc = json.loads(r.read())
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(doc["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize",
+            "/detokenize"} <= set(doc["paths"])
     schema = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert "messages" in schema["required"]
     top_p = schema["properties"]["top_p"]["anyOf"]

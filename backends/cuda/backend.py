@@ -85,7 +85,8 @@ class CUDABackend(Backend):
         self.params = concat_parts(self.graph, params, weights.concat)
         del params
         self.runner = Runner(self.graph, self.params, weights.DTYPES[self.dtype], self.device)
-        self.use_graphs = cuda_graph and self.device.type == "cuda"
+        # An embedding model never decodes (its requests are prefills): no decode graphs to capture.
+        self.use_graphs = cuda_graph and self.device.type == "cuda" and not model.config.pooled
         self.graphs: DecodeGraphs | None = None
         # Steps with prefill tokens, up to this many, replay in pieces (backends.cuda.piecewise); past it a step's GPU
         # time exceeds an eager step's host time (an 8B model: ~13 ms for 512 tokens on an H200), which then hides.
@@ -295,6 +296,9 @@ class CUDABackend(Backend):
             if logits is not None:
                 return logits
         return self.runner.run(ids, up(batch.logits_indices), meta)
+
+    def to_host(self, out: torch.Tensor) -> np.ndarray:
+        return out.float().cpu().numpy()
 
     def sample(self, logits, inputs):
         return self.sample_async(logits, inputs).result()

@@ -222,4 +222,4 @@ class PiecewiseGraphs:
             if env[vid].shape[:1] == (b,):
                 env[vid] = env[vid][:n]
         r.run_nodes(self.plan.tail, env, meta)
-        return env[r.graph.outputs["logits"].id].float()
+        return env[r.graph.outputs[r.graph.result].id].float()

@@ -151,7 +151,7 @@ class Runner:
         env = self.input_env(token_ids, logits_indices, meta.positions)
         self._step_rows = {}
         self.run_nodes(self.graph.nodes, env, meta)
-        return env[self.graph.outputs["logits"].id].float()
+        return env[self.graph.outputs[self.graph.result].id].float()
 
     def input_env(self, token_ids, logits_indices, positions) -> dict:
         """The graph's inputs by value id: the start of the environment `run_nodes` fills."""

@@ -50,7 +50,7 @@ def start(model: LoadedModel, devices: Sequence[str], rendezvous: Rendezvous | N
     if rendezvous is None:
         rendezvous = Rendezvous(0, world, "127.0.0.1", tp_processes.free_port())
         procs = {r: tp_processes.spawn("backends.cuda.tensor_parallel", {
-            "model": str(model.path), "isq": model.isq, "device": devices[r], "options": options,
+            "model": str(model.path), "isq": model.isq, "task": model.task, "device": devices[r], "options": options,
             "rendezvous": Rendezvous(r, world, rendezvous.addr, rendezvous.port, r)}) for r in range(1, world)}
     else:
         procs = {}
@@ -71,7 +71,8 @@ def start(model: LoadedModel, devices: Sequence[str], rendezvous: Rendezvous | N
 def worker_main(spec: dict) -> None:
     rv, device = spec["rendezvous"], torch.device(spec["device"])
     distributed.init(rv, device)
-    model = load_model(spec["model"], progress=False, isq=spec.get("isq"))  # rank 0's --isq: the same bytes
+    # rank 0's --isq and --task: the same bytes, the same graph
+    model = load_model(spec["model"], progress=False, isq=spec.get("isq"), task=spec.get("task", "auto"))
     tp_processes.serve(CUDABackend(model, device=device, rank=rv.rank, world=rv.world,
                                    **{"progress": False, **spec["options"]}), _receive)
     distributed.shutdown()

@@ -65,7 +65,8 @@ class MLXBackend(Backend):
         # On MLX's CPU build the compiled step measured slower at batch 16 and no faster at batch 1
         # (docs/BENCHMARKS.md), so it is the Metal default only. The CPU oracle reads its inputs on
         # the host, which a traced (compiled) step cannot give it.
-        compile = (self.metal if compile is None else compile) and kernels != "simt-cpu"
+        # An embedding model never decodes (its requests are prefills): nothing to compile.
+        compile = (self.metal if compile is None else compile) and kernels != "simt-cpu" and not model.config.pooled
         self.decode = CompiledDecode(self.runner, weights.DTYPES[self.dtype]) if compile else None
         self.kv: list[list[mx.array]] = []
         self.block_size = 0
@@ -131,7 +132,7 @@ class MLXBackend(Backend):
             ctx.group_metas, ctx.group_of = metas, self.kv_layout().group_of
         inputs = {"token_ids": mx.array(batch.token_ids), "logits_indices": mx.array(batch.logits_indices)}
         out = self.runner.run(inputs, ctx, self.kv)
-        logits = out["logits"].astype(mx.float32)
+        logits = out[self.runner.graph.result].astype(mx.float32)
         mx.eval(logits, self.kv)
         return np.array(logits, copy=False)
 

@@ -39,7 +39,8 @@ def start(model: LoadedModel, world: int, hosts: list[str] | None = None, ring: 
     check_world(world)
     shard(model.graph, 0, world)  # heads that do not split: refused before any process starts
     procs = {r: tp_processes.spawn("backends.mlx.tensor_parallel", {
-        "model": str(model.path), "isq": model.isq, "options": options, "ring": Ring(r, ring.hosts)})
+        "model": str(model.path), "isq": model.isq, "task": model.task, "options": options,
+        "ring": Ring(r, ring.hosts)})
         for r in spawned}
     workers = Workers(procs, CHANNEL)
     atexit.register(workers.close)
@@ -63,7 +64,8 @@ def worker_main(spec: dict) -> None:
     """A rank other than 0: join the ring, load its shard, run rank 0's calls until told to stop."""
     ring = spec["ring"]
     distributed.init(ring)
-    model = load_model(spec["model"], progress=False, isq=spec.get("isq"))  # rank 0's --isq: the same bytes
+    # rank 0's --isq and --task: the same bytes, the same graph
+    model = load_model(spec["model"], progress=False, isq=spec.get("isq"), task=spec.get("task", "auto"))
     backend = MLXBackend(model, rank=ring.rank, world=ring.world, **{"progress": False, **spec["options"]})
     tp_processes.serve(backend, distributed.receive)
 

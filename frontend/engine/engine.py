@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from backends.base import Backend
-from core.batch import make_batch
+from core.batch import Batch, make_batch
 from core.kv_layout import KVLimits
 from core.sampler import TokenHistory, make_generator, needs_history
 from core.sampling_params import SamplingParams
@@ -18,6 +18,7 @@ from frontend.engine.block_manager import BlockManager
 from frontend.engine.detokenizer import IncrementalDetokenizer
 from frontend.engine.group_blocks import GroupedBlockManager
 from frontend.engine.outputs import CompletionOutput, RequestOutput, TokenView
+from frontend.engine.pooling import PoolingStep
 from frontend.engine.request_bounds import RequestBounds
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from frontend.engine.sequence import Sequence, Status, TokenLogprob
@@ -109,13 +110,17 @@ class LLMEngine:
         model = backend.model
         self.tokenizer = model.tokenizer
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        if model.pooling is not None and model.pooling.mode != "last":  # a cached prefix's rows would be missed
+            self.config = config = replace(config, prefix_caching=False)
         backend.set_limits(config.scheduler.max_num_seqs, self.max_model_len, config.scheduler.max_num_batched_tokens)
         self.blocks = self._make_blocks(backend, config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}
         self.eos_ids = set(getattr(self.tokenizer, "eos_ids", ())) | set(model.config.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
-        self.overlap = config.async_scheduling and backend.chains_steps
+        # An embedding model's requests are prefills pooled into one vector each (pooling.py): nothing to overlap.
+        self.pooler = PoolingStep(self, model.pooling) if model.pooling is not None else None
+        self.overlap = config.async_scheduling and backend.chains_steps and self.pooler is None
         self._inflight: _Launched | None = None
         self._seeds = np.random.SeedSequence(config.seed) if config.seed is not None else None
 
@@ -158,6 +163,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
         self.check_request(prompt, params)
+        if self.pooler is not None and params.n != 1:
+            raise ValueError(f"an embedding request has one sequence, not n={params.n}")
         seqs: list[Sequence] = []
         for i in range(params.n):
             if params.seed is not None:
@@ -169,8 +176,8 @@ class LLMEngine:
             history = needs_history(params)
             seq = Sequence(request_id, i, prompt, params, generator, parent=seqs[0] if seqs else None,
                            needs_history=history, history=TokenHistory(prompt) if history else None)
-            seq.detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt, params) if self.tokenizer
-                               else NoText())
+            seq.detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt, params)
+                               if self.tokenizer and self.pooler is None else NoText())  # an embedding: no text
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = Request(request_id, prompt, seqs)
@@ -181,7 +188,7 @@ class LLMEngine:
         return RequestBounds(self.backend.model.config.vocab_size, self.max_model_len, self.blocks.token_capacity)
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        self.bounds.check(prompt, params)
+        self.bounds.check(prompt, None if self.pooler is not None else params)  # an embedding generates nothing
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -200,6 +207,8 @@ class LLMEngine:
         sequences hold placeholders) and are read back during the next step, after it is launched, so the GPU
         never waits for the host's bookkeeping. The next step takes its input tokens from the device. A step that
         cannot be launched blind (admissions, preemption, penalties that need the tokens) first reads back."""
+        if self.pooler is not None:
+            return self.pooler.step()
         prev, self._inflight = self._inflight, None
         touched: set[str] = set()
         if prev is not None and not self._can_chain():
@@ -236,11 +245,7 @@ class LLMEngine:
 
     def _launch(self, scheduled: list[ScheduledSeq], touched: set[str]) -> _Launched | None:
         keep = [i for i, s in enumerate(scheduled) if s.samples]
-        batch = make_batch([s.seq.tokens(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new)
-                            for s in scheduled],
-                           [s.seq.num_computed_tokens for s in scheduled],
-                           [s.seq.block_array() for s in scheduled], self.config.block_size,
-                           group_tables=[[s.seq.kv[g].array() for s in scheduled] for g in self._more_groups])
+        batch = self.make_batch(scheduled)
         batch.logits_indices = batch.logits_indices[keep]
         if self.overlap and any(s.seq.pending for s in scheduled):
             batch.prev_rows = np.array([s.seq.chain_row if s.seq.pending else -1 for s in scheduled], np.int32)
@@ -273,6 +278,14 @@ class LLMEngine:
             seq.pending += 1
             seq.chain_row = row
         return _Launched(seqs, slots, pending)
+
+    def make_batch(self, scheduled: list[ScheduledSeq]) -> Batch:
+        """The step's flat batch: each scheduled chunk's tokens, positions and block tables (every KV group's)."""
+        return make_batch([s.seq.tokens(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new)
+                           for s in scheduled],
+                          [s.seq.num_computed_tokens for s in scheduled],
+                          [s.seq.block_array() for s in scheduled], self.config.block_size,
+                          group_tables=[[s.seq.kv[g].array() for s in scheduled] for g in self._more_groups])
 
     def _min_tokens_params(self, seq: Sequence) -> SamplingParams:
         """The sequence's parameters with its stop tokens banned: a bias of -inf, applied by either sampler after

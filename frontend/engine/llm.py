@@ -23,10 +23,11 @@ class LLM:
                  kv_cache_mb: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512, decode_step_tokens: int = 0,
                  prefix_caching: bool = True, progress: bool = True, isq: str | None = None,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, task: str = "auto"):
         """`isq`: quantize the model's matrices at load to a GGUF type ("q4k", ...), "int4" or "fp8" (see
-        ir.isq); `kv_cache_dtype` "int8": the MLX backend's 8-bit KV cache (--kv-cache-dtype)."""
-        loaded = load_model(model or default_model_path(), progress=progress, isq=isq)
+        ir.isq); `kv_cache_dtype` "int8": the MLX backend's 8-bit KV cache (--kv-cache-dtype); `task` "embed" (or
+        "auto" for a model whose files say so): an embedding model, run by `embed` (ir.pooling)."""
+        loaded = load_model(model or default_model_path(), progress=progress, isq=isq, task=task)
         options = {"dtype": dtype, "quantized": quantized, "progress": progress, "kv_cache_dtype": kv_cache_dtype}
         self.backend = create_backend(backend, loaded, **{k: v for k, v in options.items() if v is not None})
         config = EngineConfig(
@@ -57,12 +58,34 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
                  = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion, all batched together; outputs in the prompts' order."""
+        if self.engine.pooler is not None:
+            raise ValueError("this is an embedding model (no LM head): use LLM.embed, not generate")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameter sets")
+        return self._run_all(prompts, plist, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Each prompt's pooled vector (`.embedding`, float32), as vLLM's LLM.embed; an embedding model only."""
+        if self.engine.pooler is None:
+            raise ValueError("this model generates text: LLM.embed needs an embedding model (task='embed')")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run_all(prompts, [SamplingParams()] * len(prompts), use_tqdm)
+
+    def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run_all(self, prompts: Sequence[Prompt], plist: list[SamplingParams],
+                 use_tqdm: bool | None) -> list[RequestOutput]:
         ids: list[str] = []
         try:  # a refused prompt, an interrupt or a failing step must not leave the earlier requests running
             for p, sp in zip(prompts, plist, strict=True):
@@ -72,14 +95,6 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-
-    def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["CompletionOutput", "RequestOutput", "TokenView"]
 
 
@@ -85,3 +87,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # the request failed (its sampling raised): finished, with this message
+    embedding: np.ndarray | None = None  # an embedding model's pooled vector (float32), once finished

@@ -66,7 +66,8 @@ def _serve(spec: EngineSpec, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: 
         return 2
     blocks = engine.blocks
     outbox.send(codec.encode(Ready(os.getpid(), engine.backend.model.config.vocab_size, engine.max_model_len,
-                                   blocks.num_blocks, blocks.block_size, blocks.token_capacity)))
+                                   blocks.num_blocks, blocks.block_size, blocks.token_capacity,
+                                   engine.backend.model.pooling)))
     try:
         EngineCore(engine, inbox, outbox, codec, parent_pid).run()
     except BaseException as e:  # noqa: BLE001 - whatever ends the loop, the API process hears why at once

@@ -23,13 +23,14 @@ class EngineSpec:
     config: EngineConfig = field(default_factory=EngineConfig)
     log_file: str | None = None  # the engine process logs there too (--log)
     isq: str | None = None  # --isq: quantize the matrices at load to this GGUF type, int4 or fp8 (ir.isq)
+    task: str = "auto"  # --task: "embed" serves it for embeddings (ir.pooling), "auto" where its files say so
 
     def load(self) -> LLMEngine:
         """Loads the weights onto the backend and sizes the KV cache: only the engine's owner calls this."""
         from backends.base import create_backend
         from ir.loader import load_model
 
-        model = load_model(self.model_path, progress=True, isq=self.isq)
+        model = load_model(self.model_path, progress=True, isq=self.isq, task=self.task)
         backend = create_backend(self.backend, model, **self.backend_options)
         engine = LLMEngine(backend, self.config)
         log.info("%s model on %s (%s); %s", model.arch.name, backend.name, backend.describe(),

@@ -9,11 +9,13 @@ transit). Outputs are deltas (new text, new ids, new logprobs): a full report ev
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from core.sampling_params import SamplingParams
 from frontend.engine.engine import LLMEngine
 from frontend.engine.outputs import CompletionOutput, RequestOutput, TokenView
 from frontend.engine.sequence import TokenLogprob
+from ir.pooling import Pooling
 
 Logprob = tuple[int, float, list[tuple[int, float]] | None]  # token, its logprob, the top (id, logprob) pairs
 
@@ -58,6 +60,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     finished: bool
     num_cached_tokens: int
     error: str | None
+    embedding: bytes | None = None  # an embedding model's vector: little-endian float32
 
 
 class Failure(msgspec.Struct, array_like=True):
@@ -73,6 +76,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int  # in every KV group's pool together
     block_size: int
     kv_tokens: int  # the longest sequence the KV cache holds (RequestBounds.kv_tokens)
+    pooling: Pooling | None = None  # an embedding model's (ir.pooling): the API serves /v1/embeddings alone
 
 
 class LoadFailed(msgspec.Struct, tag="load_failed", array_like=True):
@@ -110,7 +114,8 @@ def delta_of(out: RequestOutput) -> RequestDelta:
             end = c.num_tokens  # not len(c.token_ids): that would copy the whole list
             lp = [(e.token, e.logprob, e.top) for e in c.logprobs[end - len(c.delta_token_ids):end]]
         seqs.append(SeqDelta(c.index, c.delta_text, c.delta_token_ids, c.finish_reason, c.stop_reason, lp))
-    return RequestDelta(out.request_id, seqs, out.finished, out.num_cached_tokens, out.error)
+    vec = None if out.embedding is None else out.embedding.astype("<f4").tobytes()
+    return RequestDelta(out.request_id, seqs, out.finished, out.num_cached_tokens, out.error, vec)
 
 
 class RequestState:
@@ -140,8 +145,9 @@ class RequestState:
                 lps.extend(TokenLogprob(t, lp, top) for t, lp, top in d.logprobs)
             outs.append(CompletionOutput(d.index, pieces, len(pieces), text_len[0], TokenView(ids, len(ids)),
                                          d.finish_reason, d.stop_reason, lps, d.text, d.token_ids))
+        vec = None if delta.embedding is None else np.frombuffer(delta.embedding, "<f4")
         return RequestOutput(self.request_id, self.prompt, outs, delta.finished, delta.num_cached_tokens,
-                             delta.error)
+                             delta.error, vec)
 
 
 class Codec:

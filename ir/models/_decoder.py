@@ -35,11 +35,19 @@ def embed(g: Graph, cfg: ModelConfig, ids: Value) -> tuple[Value, Value]:
 
 def logits(g: Graph, cfg: ModelConfig, h: Value, table: Value, rows: Value, bias: bool = False) -> Value:
     """The final hidden states at `rows` through the LM head (the embedding when tied; phi's has a bias). The
-    builder outputs it as "logits", after whatever its architecture does to logits (a softcap, a scale)."""
+    builder outputs it as "logits", after whatever its architecture does to logits (a softcap, a scale). A pooled
+    config's graph has no head: the hidden states at `rows` themselves (see `output_name`)."""
+    if cfg.pooled:
+        return g.gather_rows(h, rows)
     head = table if cfg.tie_word_embeddings else g.param("lm_head", (cfg.vocab_size, cfg.hidden_size),
                                                          shard="column")
     b = g.param("lm_head_b", (cfg.vocab_size,), shard="column") if bias else None
     return g.linear(g.gather_rows(h, rows), head, b)
+
+
+def output_name(cfg: ModelConfig) -> str:
+    """What a builder that serves embeddings names its result: "hidden" (no head ran), else "logits"."""
+    return "hidden" if cfg.pooled else "logits"
 
 
 def layer_norm(g: Graph, x: Value, name: str, size: int, eps: float) -> Value:

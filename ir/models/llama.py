@@ -6,7 +6,7 @@ from __future__ import annotations
 from ir.config import ModelConfig
 from ir.graph import Graph, Value
 from ir.models import Architecture
-from ir.models._decoder import embed, logits, step_inputs
+from ir.models._decoder import embed, logits, output_name, step_inputs
 from ir.models._names import bind, layer_names, unpermute_qk
 from ir.rope import long_after
 from ir.weights import WeightSource
@@ -109,7 +109,7 @@ def prenorm_decoder(cfg: ModelConfig, dtype: str, attention=None, mlp=None) -> G
         x = g.rms_norm(h, g.param(f"layers.{i}.ffn_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
         h = g.add(h, mlp(g, cfg, x, i))
     h = g.rms_norm(h, g.param("final_norm", (cfg.hidden_size,)), eps=cfg.rms_norm_eps)
-    g.output("logits", logits(g, cfg, h, table, s.logits_rows))
+    g.output(output_name(cfg), logits(g, cfg, h, table, s.logits_rows))
     return g
 
 
