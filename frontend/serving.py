@@ -26,6 +26,7 @@ from frontend.protocol import (
     sampling_params,
 )
 from frontend.responses import Reply, chat_choice, chat_delta, sse, text_choice
+from frontend.structured_request import request_constraint
 
 if TYPE_CHECKING:
     from frontend.async_engine import AsyncEngine
@@ -108,6 +109,7 @@ class OpenAIServing:
             params = sampling_params(req, self.defaults, max_tokens, logprobs)
         except SamplingParamsError as e:
             raise bad_request(str(e), e.param) from None
+        params.structured = request_constraint(req)  # compiled (and cached) here: a bad one is a 400
         for p in prompts:
             try:
                 self.engine.check(p, params)
@@ -129,9 +131,6 @@ class OpenAIServing:
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         if getattr(req, "tools", None) and req.tool_choice != "none":
             raise bad_request("tools are not supported yet", "tools")
-        fmt = getattr(req, "response_format", None)
-        if fmt and fmt.get("type") != "text":
-            raise bad_request("response_format: only {\"type\": \"text\"} is supported yet", "response_format")
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
