@@ -15,7 +15,7 @@ from core.kv_layout import KVLimits
 from core.sampler import TokenHistory, make_generator, needs_history
 from core.sampling_params import SamplingParams
 from frontend.engine.block_manager import BlockManager
-from frontend.engine.detokenizer import IncrementalDetokenizer
+from frontend.engine.detokenizer import IncrementalDetokenizer, NoText
 from frontend.engine.group_blocks import GroupedBlockManager
 from frontend.engine.outputs import CompletionOutput, RequestOutput, TokenView
 from frontend.engine.request_bounds import RequestBounds
@@ -74,19 +74,6 @@ class _MinTokensView:
     @property
     def history(self) -> TokenHistory | None:
         return self.seq.history
-
-
-class NoText:
-    """Stands in for the detokenizer of a model without a tokenizer (token ids only)."""
-
-    stopped, stop_string, text, text_len = False, None, "", 0
-    pieces: tuple[str, ...] = ()
-
-    def add(self, token_id: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
 
 
 class Request:
