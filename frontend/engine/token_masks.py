@@ -26,10 +26,7 @@ class TokenMasks:
         self.eos_ids = sorted(t for t in eos_ids if 0 <= t < vocab_size)
         self._lltok: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self._eos_words = np.zeros((vocab_size + 31) // 32, np.int32)
-        for t in self.eos_ids:
-            self._eos_words[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-        self._buf = np.zeros((0, len(self._eos_words)), np.int32)
+        self._eos_words = self._buf = np.zeros(0, np.int32)
 
     def _library_tokenizer(self) -> llguidance.LLTokenizer:
         if self._lltok is None:
@@ -38,9 +35,17 @@ class TokenMasks:
                 raise GrammarError("structured outputs need the model's tokenizer (a `tokenizers` vocabulary)")
             if not self.eos_ids:
                 raise GrammarError("structured outputs need an end-of-sequence token, and this model has none")
-            # Logits rows may be longer than the vocabulary (padding): n_vocab covers them, never allowed.
-            self._lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            # Logits rows may be longer than the vocabulary (padding): n_vocab covers them, never allowed. A
+            # vocabulary longer than the rows keeps its size (the samplers ignore mask bits past a row's end).
+            n_vocab = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
+            self._lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=self.eos_ids)
             self._executor = llguidance.LLExecutor()
+            words = (self._lltok.vocab_size + 31) // 32
+            self._eos_words = np.zeros(words, np.uint32)
+            for t in self.eos_ids:
+                self._eos_words[t // 32] |= np.uint32(1 << (t % 32))
+            self._eos_words = self._eos_words.view(np.int32)
+            self._buf = np.zeros((0, words), np.int32)
         return self._lltok
 
     def matcher(self, structured) -> llguidance.LLMatcher:
