@@ -62,6 +62,9 @@ class TokenMasks:
         Under min_tokens the end-of-sequence tokens stay banned, as for any sequence, unless the constraint is
         complete and nothing else may follow: then the grammar wins."""
         rows = [(s, n) for s, n in zip(seqs, counts, strict=True) if s.grammar is not None and not s.finished]
+        for s in seqs:
+            if s.finished:  # ended by the read-back before this deferred sampling: its row is never used
+                s.token_mask = None
         if not rows:
             return
         if len(self._buf) < len(rows):
