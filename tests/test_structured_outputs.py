@@ -84,14 +84,27 @@ def test_smollm_outputs_match_their_schemas(make_engine, smollm):
     check_all(run_all(engine, jobs), jobs)
 
 
-def test_random_tiny_model_outputs_match_their_schemas_on_mlx(chat_model):
+@pytest.fixture(scope="module")
+def qwen3_model(tmp_path_factory, smollm_path):
+    """A tiny random Qwen3 whose vocabulary is a tokenizer.json folder (the HF path; chat_model's is the GGUF's)."""
+    from ir.loader import load_model
+    from tests.tiny_hf import save_tiny_chat_qwen3
+
+    folder = tmp_path_factory.mktemp("qwen3")
+    save_tiny_chat_qwen3(folder, smollm_path)
+    return load_model(folder, progress=False)
+
+
+@pytest.mark.parametrize("which, max_tokens", [("chat_model", 400), ("qwen3_model", 240)])
+def test_random_tiny_model_outputs_match_their_schemas_on_mlx(request, which, max_tokens):
     from backends.mlx.backend import MLXBackend
     from frontend.engine.engine import EngineConfig, LLMEngine
     from frontend.engine.scheduler import SchedulerConfig
 
-    engine = LLMEngine(MLXBackend(chat_model, progress=False),
+    model = request.getfixturevalue(which)
+    engine = LLMEngine(MLXBackend(model, progress=False),
                        EngineConfig(num_kv_blocks=512, block_size=16, scheduler=SchedulerConfig(max_num_seqs=32)))
-    jobs = constrained_jobs(chat_model.tokenizer, chat=False, max_tokens=400, seed=100)
+    jobs = constrained_jobs(model.tokenizer, chat=False, max_tokens=max_tokens, seed=100)
     check_all(run_all(engine, jobs), jobs)
 
 

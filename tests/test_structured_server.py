@@ -79,3 +79,30 @@ def test_bad_constraints_get_400(client, extra, param, words):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=extra)
     err = e.value.body
     assert err["param"] == param and words in err["message"] and "Traceback" not in err["message"], err
+
+
+@pytest.mark.parametrize("fields, kind", [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"response_format": FORMAT}, "json_schema"),
+    ({"structured_outputs": {"json": PERSON}}, "json_schema"),
+    ({"structured_outputs": {"json": json.dumps(PERSON), "disable_fallback": True}}, "json_schema"),
+    ({"structured_outputs": {"json_object": True}}, "json_object"),
+    ({"structured_outputs": {"regex": REGEX}}, "regex"),
+    ({"structured_outputs": {"grammar": 'root ::= "a" [0-9]+'}}, "grammar"),  # GBNF, translated to Lark
+    ({"guided_json": PERSON}, "json_schema"),
+    ({"guided_choice": CHOICES}, "choice"),
+    ({"guided_grammar": 'start: "x"'}, "grammar"),
+])
+def test_request_fields_map_onto_one_constraint(fields, kind):
+    """Each field, on chat and completion requests alike, becomes the StructuredOutput the engine enforces."""
+    from frontend.protocol import ChatCompletionRequest, CompletionRequest
+    from frontend.structured_request import request_constraint
+
+    for req in (ChatCompletionRequest(messages=ASK, **fields), CompletionRequest(prompt="x", **fields)):
+        so = request_constraint(req)
+        assert (so and so.kind) == kind
+        if kind == "json_schema":
+            assert json.loads(so.spec) == PERSON
+        if kind == "choice":
+            assert json.loads(so.spec) == CHOICES
