@@ -1,8 +1,9 @@
 """Next-token sampling for a batch in which every request keeps its own parameters and random stream: the
 specification every backend's sampler follows (backends.cuda.sampling does the same in torch).
 
-Order (vLLM's): logit_bias, repetition penalty, frequency and presence penalties; then greedy argmax,
-or temperature, top_k, top_p, min_p and one inverse-CDF draw. Logprobs come from the raw logits.
+Order (vLLM's): logit_bias, repetition penalty, frequency and presence penalties; then a structured output's token
+mask (disallowed tokens to -inf); then greedy argmax, or temperature, top_k, top_p, min_p and one inverse-CDF draw.
+Logprobs come from the raw logits.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 from core.sampling_params import SamplingParams
 
 __all__ = ["TOP_P_SLACK", "SampleResult", "Sampler", "SamplerInput", "TokenHistory", "adjusted_logits",
-           "adjusts_logits", "make_generator", "needs_history", "output_counts", "sampling_probs", "seen_ids"]
+           "adjusts_logits", "allowed_tokens", "make_generator", "needs_history", "output_counts", "sampling_probs",
+           "seen_ids"]
 
 _SMALL = 4096  # up to this many candidates one cumulative sum is cheapest; above, a two-level draw
 _BLOCK = 256
@@ -36,7 +38,8 @@ class SamplerInput(Protocol):
     generator: np.random.Generator
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # optional: `history`, a TokenHistory of these same tokens, which the penalties then read instead of the lists
+    # optional: `history`, a TokenHistory of these same tokens, which the penalties then read instead of the lists;
+    # `token_mask`, int32 words of a structured output's allowed tokens (bit t % 32 of word t // 32), or None
 
 
 class TokenHistory:
@@ -110,6 +113,12 @@ def adjusted_logits(row: np.ndarray, inp: SamplerInput) -> np.ndarray:
         out, counts = output_counts(inp, vocab)
         x[out] -= p.frequency_penalty * counts + p.presence_penalty
     return x
+
+
+def allowed_tokens(words: np.ndarray, vocab: int) -> np.ndarray:
+    """A token mask's words as one bool per token of a `vocab`-long row (ids past the words: not allowed)."""
+    bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), bitorder="little").view(bool)
+    return bits[:vocab] if len(bits) >= vocab else np.concatenate([bits, np.zeros(vocab - len(bits), bool)])
 
 
 def seen_ids(inp: SamplerInput, vocab: int) -> np.ndarray:
@@ -267,7 +276,8 @@ class Sampler:
         if logits.ndim != 2 or logits.shape[0] != len(inputs):
             raise ValueError(f"logits of shape {logits.shape} for {len(inputs)} inputs")
         params = [s.params for s in inputs]
-        plain = [p.greedy and not adjusts_logits(p) for p in params]
+        masks = [getattr(s, "token_mask", None) for s in inputs]
+        plain = [p.greedy and not adjusts_logits(p) and m is None for p, m in zip(params, masks, strict=True)]
         if all(plain) and all(p.logprobs is None for p in params):
             return [SampleResult(int(t)) for t in logits.argmax(axis=1)]
         rows = [i for i, ok in enumerate(plain) if ok]
@@ -275,17 +285,20 @@ class Sampler:
         results = []
         for i, (inp, p) in enumerate(zip(inputs, params, strict=True)):
             try:
-                results.append(_sample_one(logits[i], inp, p, greedy.get(i)))
+                results.append(_sample_one(logits[i], inp, p, greedy.get(i), masks[i]))
             except Exception as e:  # noqa: BLE001 - one request's parameters must not fail every other row
                 results.append(SampleResult(int(np.asarray(logits[i]).argmax()),
                                             error=f"sampling failed: {e.__class__.__name__}: {e}"))
         return results
 
 
-def _sample_one(row: np.ndarray, inp: SamplerInput, p: SamplingParams, token: int | None) -> SampleResult:
+def _sample_one(row: np.ndarray, inp: SamplerInput, p: SamplingParams, token: int | None,
+                mask: np.ndarray | None) -> SampleResult:
     """One row; `token` is its argmax when the batch already took it (a plain greedy row)."""
     if token is None:
-        x = adjusted_logits(row, inp) if adjusts_logits(p) else np.asarray(row, dtype=np.float32)
+        x = adjusted_logits(row, inp) if adjusts_logits(p) or mask is not None else np.asarray(row, dtype=np.float32)
+        if mask is not None:
+            x[~allowed_tokens(mask, x.shape[0])] = -np.inf
         token = int(x.argmax()) if p.greedy else _sample_row(x, p, inp.generator.random())
     if p.logprobs is None:
         return SampleResult(token)

@@ -100,6 +100,16 @@ class SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured outputs (frontend/structured_request.py): at most one of these a request
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+        '{"name", "schema", "strict"}}')
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: one of json (a schema), regex, choice, grammar (Lark or GBNF), json_object")
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -109,7 +119,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
-    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"} for now")
     tools: list[ToolDef] | None = Field(None, description="functions the model may call (reach the template)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default auto with tools; required and a named function constrain the output's JSON")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from core.sampling_params import SamplingParams, SamplingParamsError
+from core.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from frontend.chat_output import ChoiceReader, OutputParsing, ParserChoice
 from frontend.engine.engine import CompletionOutput, RequestOutput
 from frontend.engine_errors import EngineDeadError, RequestFailedError, StepFailedError
@@ -27,7 +27,8 @@ from frontend.protocol import (
     sampling_params,
 )
 from frontend.responses import Reply, chat_choice, chat_delta, parsed_choice, parsed_delta, sse, text_choice
-from frontend.tools import check_tools, template_kwargs, template_messages, tool_params
+from frontend.structured_request import request_constraint
+from frontend.tools import check_tools, template_kwargs, template_messages, tool_constraint, tool_params
 from ir.pooling import Pooling
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class OpenAIServing:
         return asked
 
     def _params(self, req: SamplingFields, prompts: list[list[int]], asked: int | None, param: str,
-                logprobs: int | None) -> SamplingParams:
+                logprobs: int | None, tool: StructuredOutput | None = None) -> SamplingParams:
         if req.logit_bias:
             for key in req.logit_bias:
                 if not token_id_key(key) or not 0 <= int(key) < self.model.vocab_size:
@@ -114,6 +115,7 @@ class OpenAIServing:
             params = sampling_params(req, self.defaults, max_tokens, logprobs)
         except SamplingParamsError as e:
             raise bad_request(str(e), e.param) from None
+        params.structured = request_constraint(req, tool)  # compiled (and cached) here: a bad one is a 400
         for p in prompts:
             try:
                 self.engine.check(p, params)
@@ -140,9 +142,6 @@ class OpenAIServing:
 
     def chat_inputs(self, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
         """The rendered template and its ids."""
-        fmt = getattr(req, "response_format", None)
-        if fmt and fmt.get("type") != "text":
-            raise bad_request("response_format: only {\"type\": \"text\"} is supported yet", "response_format")
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         check_tools(req.tools, getattr(req, "tool_choice", None))
@@ -163,7 +162,7 @@ class OpenAIServing:
         asked, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens else \
             (req.max_tokens, "max_tokens")
         top = req.top_logprobs or 0
-        params = self._params(req, [prompt], asked, param, top if req.logprobs else None)
+        params = self._params(req, [prompt], asked, param, top if req.logprobs else None, tool_constraint(req))
         parsing = self.parsers.for_request(req, text)
         tool_params(req, params, parsing)
         reply = Reply("chat", self.model.id, prompt_tokens=len(prompt))

@@ -87,17 +87,22 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, A
 
 
 def tool_params(req: ChatCompletionRequest, params: SamplingParams, parsing: OutputParsing | None) -> None:
-    """Markers kept in the text for the tool parser; the JSON schema tool_choice required / a function sets."""
+    """Markers kept in the text for the tool parser."""
     if parsing is not None and parsing.tools is not None and parsing.tools.keep_special_tokens:
         params.skip_special_tokens = False  # as vLLM's parsers ask: [TOOL_CALLS], <|python_tag|> are special
-    schema = tool_schema(req.tools, req.tool_choice) if req.tools else None
-    if schema is not None:
-        params.structured = StructuredOutput("json_schema", json.dumps(schema))
 
 
-def tool_schema(tools: list[ToolDef], choice: Any) -> dict[str, Any] | None:
+def tool_constraint(req: ChatCompletionRequest) -> StructuredOutput | None:
+    """The JSON schema tool_choice "required" or a named function holds the output to (None: free text), checked
+    with the request's other constraints (frontend/structured_request.py)."""
+    schema = tool_schema(req.tools, req.tool_choice, req.parallel_tool_calls is not False) if req.tools else None
+    return None if schema is None else StructuredOutput("json_schema", json.dumps(schema))
+
+
+def tool_schema(tools: list[ToolDef], choice: Any, parallel: bool = True) -> dict[str, Any] | None:
     """The JSON schema the output must match: for "required" a non-empty list of {name, parameters} (vLLM's
-    shape), for a named function its parameters; None for "auto" and "none"."""
+    shape; one call at most unless `parallel`: parallel_tool_calls), for a named function its parameters; None for
+    "auto" and "none"."""
     def params(t: ToolDef) -> dict[str, Any]:
         return t.function.parameters or {"type": "object", "properties": {}}
 
@@ -107,5 +112,6 @@ def tool_schema(tools: list[ToolDef], choice: Any) -> dict[str, Any] | None:
         return None
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                "parameters": params(t)},
-              "required": ["name", "parameters"]} for t in tools]
-    return {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    return {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}} | (
+        {"maxItems": 1} if not parallel else {})

@@ -112,3 +112,77 @@ def test_bad_tools_are_400s(client, tools, choice, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=None, messages=USER, tools=tools, max_tokens=2, **kw)
     assert e.value.body["param"] == param, e.value.body
+
+
+UNIT_TOOL = {"type": "function", "function": {
+    "name": "set_unit", "description": "Set the temperature unit",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+                   "additionalProperties": False}}}
+
+
+def _check_call(call, name: str, tools: list[dict]) -> dict:
+    """A call's name, its id and type, and its arguments valid against that tool's schema."""
+    import jsonschema
+
+    assert call.type == "function" and call.id and call.function.name == name
+    args = json.loads(call.function.arguments)
+    schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
+    jsonschema.validate(args, schema)
+    return args
+
+
+def round_trip(client, messages: list[dict], tools: list[dict], choice, name: str | None, seed: int) -> None:
+    """A forced tool call (sync, then streamed with the same seed: the same call), its answer sent back as a tool
+    message, and the model's next turn in free text. On random weights only the token mask makes the call valid."""
+    kw = dict(model=None, messages=messages, tools=tools, tool_choice=choice, max_tokens=100, temperature=1,
+              seed=seed, parallel_tool_calls=False)  # required: one call, then the array must close
+    r = client.chat.completions.create(**kw)
+    msg, finish = r.choices[0].message, r.choices[0].finish_reason
+    assert finish == "tool_calls" and not msg.content and msg.tool_calls
+    call = msg.tool_calls[0]
+    name = name or call.function.name
+    args = _check_call(call, name, tools)
+    pieces: dict[int, dict] = {}
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    for chunk in chunks:
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            got = pieces.setdefault(tc.index, {"name": "", "arguments": ""})
+            got["name"] += tc.function.name or "" if tc.function else ""
+            got["arguments"] += tc.function.arguments or "" if tc.function else ""
+    assert pieces[0]["name"] == name and json.loads(pieces[0]["arguments"]) == args
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+    after = client.chat.completions.create(model=None, messages=history, tools=tools, tool_choice="none",
+                                           max_tokens=4, temperature=0)
+    assert after.choices[0].finish_reason == "length" and not after.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_unit"}}])
+def test_forced_tool_call_round_trip(client, choice):
+    tools = [WEATHER_TOOL, UNIT_TOOL]
+    round_trip(client, USER, tools, choice, None if choice == "required" else "set_unit", seed=3)
+
+
+def test_forced_tool_call_async(tiny):
+    import asyncio
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=tiny.url, api_key="unused", max_retries=0, timeout=60)
+        r = await aclient.chat.completions.create(
+            model=None, messages=USER, tools=[UNIT_TOOL], tool_choice="required", parallel_tool_calls=False,
+            max_tokens=100, temperature=0)
+        await aclient.close()
+        return r
+
+    r = asyncio.run(main())
+    assert r.choices[0].finish_reason == "tool_calls"
+    _check_call(r.choices[0].message.tool_calls[0], "set_unit", [UNIT_TOOL])
+
+
+def test_tool_choice_and_response_format_together_are_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="at most one structured-output constraint"):
+        client.chat.completions.create(model=None, messages=USER, tools=[UNIT_TOOL], tool_choice="required",
+                                       response_format={"type": "json_object"}, max_tokens=8)
+

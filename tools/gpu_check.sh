@@ -117,13 +117,16 @@ CUDA_TESTS=(tests/test_cuda_backend.py tests/test_cuda_long_context.py tests/tes
     tests/test_arch_phi.py tests/test_arch_phi_gguf.py tests/test_arch_gemma.py tests/test_arch_moe.py
     tests/test_arch_deepseek.py tests/test_fusion.py tests/test_cuda_piecewise.py tests/test_isq.py
     tests/test_fp8_models.py tests/test_sharding.py tests/test_embeddings.py)
-SERVER_TESTS=(tests/test_server.py tests/test_chat_client.py tests/test_server_long_context.py)
+SERVER_TESTS=(tests/test_server.py tests/test_chat_client.py tests/test_server_long_context.py
+    tests/test_structured_server.py)
 
 # In order of what a change to the backend needs first; the kernel suite (~4 min) and its benchmark come last.
 step env any 60 env_info
 step tests_cuda gpu 240 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" "${CUDA_TESTS[@]}"
 step server_cuda smol 420 env TEST_SERVER_BACKEND=cuda "$PY" -m pytest -q -p no:cacheprovider --tb=short \
     "${SERVER_TESTS[@]}"
+# Structured outputs at batch 16: JSON-schema decode against free decode (target ratio >= 0.90; needs llguidance)
+step bench_structured smol 200 "$PY" -m tools.bench_structured --backend cuda
 step bench_gpu gpu 300 "$PY" -m tools.bench_gpu
 # The zoo issue's check: new architectures at full size decode at the fraction of the roofline llama's does.
 step bench_arch gpu 300 bash -c "for s in gemma2-9b phi3-mini; do '$PY' -m tools.bench_gpu --shape \$s --batches 1,16 \

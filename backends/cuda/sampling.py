@@ -19,7 +19,7 @@ from core.sampler import TOP_P_SLACK, SampleResult, SamplerInput, adjusts_logits
 __all__ = ["TorchSampler"]
 
 # Host arrays by the dtype they take on the device; each group is converted in one op.
-_LONG = ("b_row", "b_id", "r_row", "r_id", "f_row", "f_id", "s_row", "top_k", "p_row", "l_row")
+_LONG = ("b_row", "b_id", "r_row", "r_id", "f_row", "f_id", "s_row", "top_k", "p_row", "l_row", "m_row")
 _FLOAT = ("b_val", "rep", "temp", "min_p")  # float32: numpy applies these in float32
 _DOUBLE = ("fp", "pp", "f_cnt", "u", "top_p")
 _BLOCK = 256  # torch scans a row with one thread block; blocks of this size scan in parallel
@@ -60,7 +60,24 @@ def _host_arrays(inputs: Sequence[SamplerInput], vocab: int) -> dict[str, np.nda
     h["min_p"] = [params[i].min_p for i in sampled]
     h["p_row"] = [j for j, i in enumerate(sampled) if params[i].top_p < 1]  # among the sampled rows
     h["l_row"] = [i for i, p in enumerate(params) if p.logprobs is not None]
+    h["m_row"] = [i for i, s in enumerate(inputs) if getattr(s, "token_mask", None) is not None]
     return {k: np.asarray(h[k], dtype=np.float64) for k in _LONG + _FLOAT + _DOUBLE}
+
+
+def _mask_words(inputs: Sequence[SamplerInput], rows: list[int], device: torch.device) -> torch.Tensor:
+    """The masked rows' token-mask words [rows, words] as int32 on the device, in one copy."""
+    words = torch.from_numpy(np.stack([inputs[i].token_mask for i in rows]))
+    return words.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else words.to(device)
+
+
+def _apply_masks(x: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """x with each masked row's disallowed tokens at -inf (a token past the mask's words is disallowed)."""
+    vocab = x.shape[1]
+    ids = torch.arange(vocab, device=x.device)
+    word = (ids >> 5).clamp(max=words.shape[1] - 1)
+    allowed = ((words[:, word] >> (ids & 31).int()) & 1).bool() & (ids < 32 * words.shape[1])
+    x[rows] = torch.where(allowed, x[rows], float("-inf"))
+    return x
 
 
 def _to_device(h: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -194,13 +211,17 @@ class TorchSampler:
         logits = logits.float()
         params = [s.params for s in inputs]
         adjusts = any(adjusts_logits(p) for p in params)
+        masked = any(getattr(s, "token_mask", None) is not None for s in inputs)
         n, vocab = logits.shape
-        if not adjusts and all(p.greedy and p.logprobs is None for p in params):
+        if not adjusts and not masked and all(p.greedy and p.logprobs is None for p in params):
             tokens = logits.argmax(1)
             return tokens, PendingSample(tokens, n, [], [], 0)
         h = _host_arrays(inputs, vocab)
         d = _to_device(h, logits.device)
         x = _adjust(logits, d) if adjusts else logits
+        if masked:  # after the logit processors, before temperature and the cuts (vLLM's place)
+            rows = h["m_row"].astype(np.int64).tolist()
+            x = _apply_masks(x if adjusts else x.clone(), d["m_row"], _mask_words(inputs, rows, logits.device))
         tokens = x.argmax(1)  # greedy rows; sampled rows are overwritten below
         if len(h["s_row"]):
             rows = d["s_row"]

@@ -116,3 +116,16 @@ class IncrementalDetokenizer:
             if any(len(stop) > k and stop.startswith(tail) for stop in self.params.stop):
                 return k
         return 0
+
+
+class NoText:
+    """Stands in for the detokenizer of a model without a tokenizer (token ids only)."""
+
+    stopped, stop_string, text, text_len = False, None, "", 0
+    pieces: tuple[str, ...] = ()
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

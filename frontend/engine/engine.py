@@ -15,13 +15,14 @@ from core.kv_layout import KVLimits
 from core.sampler import TokenHistory, make_generator, needs_history
 from core.sampling_params import SamplingParams
 from frontend.engine.block_manager import BlockManager
-from frontend.engine.detokenizer import IncrementalDetokenizer
+from frontend.engine.detokenizer import IncrementalDetokenizer, NoText
 from frontend.engine.group_blocks import GroupedBlockManager
 from frontend.engine.outputs import CompletionOutput, RequestOutput, TokenView
 from frontend.engine.pooling import PoolingStep
 from frontend.engine.request_bounds import RequestBounds
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from frontend.engine.sequence import Sequence, Status, TokenLogprob
+from frontend.engine.token_masks import TokenMasks
 
 __all__ = ["CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput"]  # the outputs live in outputs.py
 
@@ -48,7 +49,8 @@ class _Launched:
 
     seqs: list[Sequence]  # the sampling sequences, in row order
     slots: list[int]  # where each one's token goes in its output_token_ids
-    pending: object  # .result() -> list[SampleResult]
+    pending: object  # .result() -> list[SampleResult]; None while a constrained step waits for the last one's tokens
+    logits: object = None  # then the logits it will sample from
 
 
 @dataclass(slots=True)
@@ -73,19 +75,6 @@ class _MinTokensView:
     @property
     def history(self) -> TokenHistory | None:
         return self.seq.history
-
-
-class NoText:
-    """Stands in for the detokenizer of a model without a tokenizer (token ids only)."""
-
-    stopped, stop_string, text, text_len = False, None, "", 0
-    pieces: tuple[str, ...] = ()
-
-    def add(self, token_id: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
 
 
 class Request:
@@ -117,6 +106,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}
         self.eos_ids = set(getattr(self.tokenizer, "eos_ids", ())) | set(model.config.eos_token_ids)
+        self.masks = TokenMasks(self.tokenizer, model.config.vocab_size, self.eos_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
         # An embedding model's requests are prefills pooled into one vector each (pooling.py): nothing to overlap.
         self.pooler = PoolingStep(self, model.pooling) if model.pooling is not None else None
@@ -165,6 +155,10 @@ class LLMEngine:
         self.check_request(prompt, params)
         if self.pooler is not None and params.n != 1:
             raise ValueError(f"an embedding request has one sequence, not n={params.n}")
+        if self.pooler is not None and params.structured is not None:
+            raise ValueError("an embedding request generates nothing to constrain")
+        # a GrammarError is a ValueError: the request is refused as any bad one, before a sequence is queued
+        grammars = [self.masks.matcher(params.structured) for _ in range(params.n)] if params.structured else None
         seqs: list[Sequence] = []
         for i in range(params.n):
             if params.seed is not None:
@@ -178,6 +172,7 @@ class LLMEngine:
                            needs_history=history, history=TokenHistory(prompt) if history else None)
             seq.detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt, params)
                                if self.tokenizer and self.pooler is None else NoText())  # an embedding: no text
+            seq.grammar = grammars[i] if grammars else None
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = Request(request_id, prompt, seqs)
@@ -216,9 +211,12 @@ class LLMEngine:
             prev = None
         scheduled = self.scheduler.schedule()
         self.stats["overlapped_steps"] += prev is not None and bool(scheduled)
-        launched = self._launch(scheduled, touched) if scheduled else None
+        launched = self._launch(scheduled, touched, prev is not None) if scheduled else None
         if prev is not None:
             self._resolve(prev, touched)
+        if launched is not None and launched.pending is None:  # its token masks needed prev's tokens
+            launched.pending = self._sample(launched.logits, launched.seqs, launched.slots)
+            launched.logits = None
         for s in scheduled:  # after the read-back: block hashes need the tokens
             self.blocks.commit(s.seq)
         if launched is not None:
@@ -243,7 +241,10 @@ class LLMEngine:
             live = live or not self._length_reached(seq, len(seq.output_token_ids))
         return live
 
-    def _launch(self, scheduled: list[ScheduledSeq], touched: set[str]) -> _Launched | None:
+    def _launch(self, scheduled: list[ScheduledSeq], touched: set[str], chained: bool) -> _Launched | None:
+        """Launch a step's forward and, unless it is `chained` behind an unread step and holds a constrained
+        sequence (whose mask needs that step's token: the engine samples it after the read-back, the device running
+        the forward meanwhile), its sampling."""
         keep = [i for i, s in enumerate(scheduled) if s.samples]
         batch = self.make_batch(scheduled)
         batch.logits_indices = batch.logits_indices[keep]
@@ -265,19 +266,24 @@ class LLMEngine:
             touched.update(s.seq.request_id for i, s in enumerate(scheduled) if i not in sampling)
         if not seqs:
             return None
-        inputs: list = seqs
+        slots = [len(seq.output_token_ids) for seq in seqs]
+        defer = chained and any(seq.grammar is not None for seq in seqs)
+        pending = None if defer else self._sample(logits, seqs, slots)
         for row, seq in enumerate(seqs):
-            if len(seq.output_token_ids) < seq.params.min_tokens:
-                inputs = inputs if inputs is not seqs else list(seqs)
-                inputs[row] = _MinTokensView(seq, self._min_tokens_params(seq))
-        pending = self.backend.sample_async(logits, inputs)
-        slots = []
-        for row, seq in enumerate(seqs):
-            slots.append(len(seq.output_token_ids))
             seq.output_token_ids.append(-1)
             seq.pending += 1
             seq.chain_row = row
-        return _Launched(seqs, slots, pending)
+        return _Launched(seqs, slots, pending, logits if defer else None)
+
+    def _sample(self, logits, seqs: list[Sequence], counts: list[int]):
+        """Start sampling one row per sequence; `counts[i]`: the tokens seqs[i] generated before this one."""
+        self.masks.fill(seqs, counts)
+        inputs: list = seqs
+        for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+            if n < seq.params.min_tokens and seq.grammar is None:  # a constrained one's mask bans its stops
+                inputs = inputs if inputs is not seqs else list(seqs)
+                inputs[row] = _MinTokensView(seq, self._min_tokens_params(seq))
+        return self.backend.sample_async(logits, inputs)
 
     def make_batch(self, scheduled: list[ScheduledSeq]) -> Batch:
         """The step's flat batch: each scheduled chunk's tokens, positions and block tables (every KV group's)."""
@@ -307,6 +313,12 @@ class LLMEngine:
             if res.error is not None:
                 self._fail_request(seq.request_id, res.error)
                 continue
+            complete = False
+            if seq.grammar is not None:
+                complete, error = self.masks.advance(seq, res.token)
+                if error is not None:
+                    self._fail_request(seq.request_id, error)
+                    continue
             seq.output_token_ids[slot] = res.token
             if seq.history is not None:
                 seq.history.add(res.token)
@@ -317,10 +329,12 @@ class LLMEngine:
             if res.logprob is not None:
                 seq.logprobs.append(TokenLogprob(res.token, res.logprob, res.top_logprobs))
             n_out = slot + 1
-            stop_token = self._is_stop_token(seq, res.token, n_out)
+            stop_token = self._is_stop_token(seq, res.token, n_out) or (complete and res.token in self.eos_ids)
             if not stop_token or seq.params.include_stop_str_in_output:
                 seq.detokenizer.add(res.token)  # like vLLM, the EOS/stop token adds no text by default
             reason = self._stop_reason(seq, stop_token, n_out)
+            if complete:  # nothing but the end may follow: it ends here (before min_tokens, or at max_tokens)
+                reason = "stop"
             if reason is not None:
                 del seq.output_token_ids[n_out:]  # a placeholder of a step launched blind
                 seq.pending = 0

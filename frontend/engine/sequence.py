@@ -97,6 +97,8 @@ class Sequence:
     needs_history: bool = False  # its sampling reads its tokens (penalties): never sampled blind
     history: TokenHistory | None = None  # then its tokens' counts, kept as they come
     min_tokens_params: SamplingParams | None = None  # params with the stop tokens banned, while under min_tokens
+    grammar: object | None = None  # a structured output's matcher (token_masks), advanced by each token read back
+    token_mask: np.ndarray | None = None  # its allowed tokens for the step being sampled (core.sampler)
 
     @property
     def num_tokens(self) -> int:
