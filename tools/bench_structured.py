@@ -54,8 +54,9 @@ def main() -> None:
                                              prefix_caching=False,
                                              scheduler=SchedulerConfig(max_num_seqs=args.batch)))
     tok = model.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"List {i + 5} people as JSON."}])
-               for i in range(args.batch)]
+    asks = [f"List {i + 5} people as JSON." for i in range(args.batch)]  # a synthetic GGUF has no chat template
+    prompts = [tok.apply_chat_template([{"role": "user", "content": a}]) if tok.chat_template else tok.encode(a)
+               for a in asks]
     free = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
     held = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True,
                           structured=StructuredOutput("json_schema", json.dumps(SCHEMA)))
