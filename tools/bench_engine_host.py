@@ -41,7 +41,7 @@ class StubBackend(Backend):
         cfg = ModelConfig(arch="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_layers=1,
                           num_heads=1, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope=RopeSpec(1e4, 64),
                           max_position_embeddings=max_len)
-        self.model = type("StubModel", (), {"config": cfg, "tokenizer": tokenizer})()
+        self.model = type("StubModel", (), {"config": cfg, "tokenizer": tokenizer, "pooling": None})()
         self.logits = np.zeros((1024, VOCAB), np.float32)
         if tokenizer is not None:
             words = [i for i in range(300, VOCAB) if tokenizer.decode([i]).strip().isalpha()]
