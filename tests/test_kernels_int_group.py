@@ -107,20 +107,20 @@ def _linear(x, w, bits, group, chunk_bytes, perm=None):
 def test_linear_past_the_gemm_in_chunks(rng):
     """backends.cuda.int_group_linear past the GEMM's rows: W dequantized a few rows at a time for the GEMM
     (torch_ops.dequantized_matmul: 13 rows in chunks of 4, and in one) against x @ W.T of the numpy dequantizer."""
-    from kernels_src.int_group_gemm import MAX_ROWS
+    from backends.cuda.int_group_linear import GEMM_ROWS
 
     n, k, bits, group = 13, 128, 4, 32
     w = blocks(rng, n, k, bits, group)
-    x = rng.standard_normal((MAX_ROWS + 3, k)).astype(np.float32)
+    x = rng.standard_normal((GEMM_ROWS + 3, k)).astype(np.float32)
     want = x @ int_groups.dequantize(w, (n, k), bits, group).T
     for chunk_rows in (4, n):
         got = _linear(x, w, bits, group, chunk_rows * k * 4)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("m", [ig.MAX_ROWS + 1, 256])
+@pytest.mark.parametrize("m", [ig.MAX_ROWS + 1, 64])
 def test_linear_rows_through_the_gemm(m, rng, monkeypatch):
-    """9-256 rows (act order's gather first) go through int_group_gemm's kernel and nothing else."""
+    """9 to GEMM_ROWS (64) rows (act order's gather first) go through int_group_gemm's kernel and nothing else."""
     torch = pytest.importorskip("torch")
     from backends.cuda import int_group_linear as igl
 

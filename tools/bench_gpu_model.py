@@ -114,7 +114,7 @@ def int4_params(graph, group: int = 128, device: str = "cuda") -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     out = {}
     for name, p in graph.params.items():
-        if len(p.shape) == 1:
+        if len(p.shape) == 1 or name == "embed":  # a GPTQ checkpoint's embedding stays 16-bit
             out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
             continue
         rows, cols = math.prod(p.shape[:-1]), p.shape[-1]
@@ -135,7 +135,7 @@ def fp8_params(graph, group: int = 128, device: str = "cuda") -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     out = {}
     for name, p in graph.params.items():
-        if len(p.shape) != 2:
+        if len(p.shape) != 2 or name == "embed":  # the FP8 checkpoints' embeddings stay 16-bit
             out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
             continue
         rows, cols = p.shape

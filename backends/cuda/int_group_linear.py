@@ -1,18 +1,20 @@
 """A linear over integer-group weights (GPTQ, AWQ, compressed-tensors; ir/formats/int_groups.py) kept packed on the
 device: act-order inputs gathered into the stored column order first, then the DSL's GEMV (kernels_src/
-int_group_gemv.py) for 1-8 rows, its tensor-core GEMM (kernels_src/int_group_gemm.py) for 9-256, and past that W
-dequantized to x's dtype, a chunk of rows at a time, for cuBLAS: prefill's GEMMs are compute-bound, where cuBLAS on
-the dense W is the stronger kernel and writing W once a step costs little beside them (the GEMM's case against it is
-for an H200 to settle: tools/bench_int_group_gemm.py)."""
+int_group_gemv.py) for 1-8 rows, its tensor-core GEMM (kernels_src/int_group_gemm.py) for 9-GEMM_ROWS, and past that
+W dequantized to x's dtype, a chunk of rows at a time, for cuBLAS: prefill's GEMMs are compute-bound, where cuBLAS on
+the dense W is the stronger kernel and writing W once a step costs little beside them."""
 
 from __future__ import annotations
 
 from backends.cuda.runtime import torch
 from backends.cuda.torch_ops import dequantized_matmul
 from ir.weight_formats import weight_format
-from kernels_src.int_group_gemm import MAX_ROWS as GEMM_ROWS
 from kernels_src.int_group_gemm import int_group_matmul
 from kernels_src.int_group_gemv import MAX_ROWS, int_group_dequantize, int_group_gemv
+
+# The GEMM's rows: on the H200 (docs/BENCHMARKS.md, 2026-12-03) it beat dequantize + cuBLAS at 16 rows (1.1x on
+# 4096x4096, 2.2x on 4096x14336) and lost at 256 (0.44x, 0.85x); between them unmeasured, so the middle in doublings.
+GEMM_ROWS = 64
 
 
 def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tuple[int, int],
