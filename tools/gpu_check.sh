@@ -128,6 +128,11 @@ step server_cuda smol 420 env TEST_SERVER_BACKEND=cuda "$PY" -m pytest -q -p no:
 # Structured outputs at batch 16: JSON-schema decode against free decode (target ratio >= 0.90; needs llguidance)
 step bench_structured smol 200 "$PY" -m tools.bench_structured --backend cuda
 step bench_gpu gpu 300 "$PY" -m tools.bench_gpu
+# The weight formats' issue: int4 integer groups and FP8 against bf16 on the same synthetic Llama-3-8B.
+step bench_quant gpu 200 "$PY" -m tools.bench_gpu --batches 1,64 --quant int4,fp8 --ablate '' --profile '' --no-peer \
+    --prefill 2048 --json "$OUT"/bench_quant.json
+# The integer-group GEMM against dequantize + cuBLAS (where int_group_linear's GEMM_ROWS should sit).
+step bench_int_gemm gpu 120 "$PY" -m tools.bench_int_group_gemm
 # The zoo issue's check: new architectures at full size decode at the fraction of the roofline llama's does.
 step bench_arch gpu 300 bash -c "for s in gemma2-9b phi3-mini; do '$PY' -m tools.bench_gpu --shape \$s --batches 1,16 \
     --ablate '' --profile '' --no-quant --prefill 1024 --json '$OUT'/bench_\$s.json || exit 1; done"
