@@ -8,6 +8,7 @@ engine reads only after launching the next step (`launch` returns before the dev
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,13 +71,22 @@ def _mask_words(inputs: Sequence[SamplerInput], rows: list[int], device: torch.d
     return words.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else words.to(device)
 
 
+@functools.cache
+def _bit_lookup(vocab: int, n_words: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each token id its mask word and that word's bit (0 for ids past the words: never allowed), made once per
+    vocabulary: a step's masking is then a gather, an and and a fill (it runs eagerly, outside the step's graph)."""
+    ids = torch.arange(vocab, device=device)
+    bit = torch.where(ids < 32 * n_words, torch.ones_like(ids, dtype=torch.int32) << (ids & 31).int(), 0)
+    return (ids >> 5).clamp(max=n_words - 1), bit
+
+
 def _apply_masks(x: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """x with each masked row's disallowed tokens at -inf (a token past the mask's words is disallowed)."""
-    vocab = x.shape[1]
-    ids = torch.arange(vocab, device=x.device)
-    word = (ids >> 5).clamp(max=words.shape[1] - 1)
-    allowed = ((words[:, word] >> (ids & 31).int()) & 1).bool() & (ids < 32 * words.shape[1])
-    x[rows] = torch.where(allowed, x[rows], float("-inf"))
+    word, bit = _bit_lookup(x.shape[1], words.shape[1], x.device)
+    banned = (words[:, word] & bit) == 0
+    if len(rows) == len(x):  # every row constrained (rows are in order): fill in place, no gather and scatter
+        return x.masked_fill_(banned, float("-inf"))
+    x[rows] = x[rows].masked_fill_(banned, float("-inf"))
     return x
 
 
