@@ -116,8 +116,11 @@ def _check(w, bits: int, group: int, n: int, k: int) -> None:
         raise ValueError(f"I{bits}_G{group} words {tuple(w.shape)} do not hold [{n}, {k}] (want [{n}, {rb // 4}])")
 
 
-def int_group_gemv(x, w, bits: int, group: int, *, out=None, step: int | None = None, target: str = "numpy"):
-    """y [M, N] = x [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); M <= 8."""
+def int_group_gemv(x, w, bits: int, group: int, *, out=None, step: int | None = None, num_warps: int = 1,
+                   target: str = "numpy"):
+    """y [M, N] = x [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); M <= 8. `step`
+    (groups a loop step) and `num_warps` default to the untuned first choice (tools/bench_int_group_gemm
+    --gemv-sweep times the others)."""
     w = _words_view(w)
     m, k = x.shape
     n = w.shape[0]
@@ -125,7 +128,7 @@ def int_group_gemv(x, w, bits: int, group: int, *, out=None, step: int | None = 
     if not 1 <= m <= MAX_ROWS or elem_stride(x, 1) != 1:
         raise ValueError(f"x [{m}, {k}] (rows contiguous) does not make a GEMV of 1-{MAX_ROWS} rows")
     out = empty(x, (m, n)) if out is None else out
-    kern = compile(int_group_gemv_kernel, target, num_warps=1, BITS=bits, GROUP=group, M=m,
+    kern = compile(int_group_gemv_kernel, target, num_warps=num_warps, BITS=bits, GROUP=group, M=m,
                    STEP=step or _step(bits, group))
     kern[(n,)](w, x, out, n, k // group, elem_stride(w, 0), elem_stride(x, 0), elem_stride(out, 0))
     return out
