@@ -120,6 +120,7 @@ def _kept_cuda(model, monkeypatch, device: str, dtype: str):
 BLOCK_PATHS = {"blockwise", "gemv"}
 KEPT = [("blockwise", BLOCK_PATHS, 1e-4), ("ct_channel", {"scaled_mm"}, 0.25),
         ("blockwise_embed", BLOCK_PATHS, 1e-4)]
+KEPT_IDS = [name for name, _, _ in KEPT]
 
 
 @pytest.mark.parametrize("group,rows,path", [(64, 5, "gemv"), (64, 9, "blockwise"), (192, 5, "scaled_mm")])
@@ -157,7 +158,7 @@ def _check_kept(b, paths, model, path, rtol):
     assert set(paths) == path
 
 
-@pytest.mark.parametrize("name,path,rtol", KEPT)
+@pytest.mark.parametrize("name,path,rtol", KEPT, ids=KEPT_IDS)
 def test_kept_fp8_path_on_cpu_tensors(ckpt, monkeypatch, name, path, rtol):
     _, folder = ckpt(name)
     model = load_model(folder, progress=False)
@@ -166,7 +167,7 @@ def test_kept_fp8_path_on_cpu_tensors(ckpt, monkeypatch, name, path, rtol):
     _check_kept(b, paths, model, path, rtol)
 
 
-@pytest.mark.parametrize("name,path,rtol", KEPT)
+@pytest.mark.parametrize("name,path,rtol", KEPT, ids=KEPT_IDS)
 def test_gpu_fp8_path(ckpt, monkeypatch, name, path, rtol):
     """On a GPU of compute capability 8.9+ in bf16 (bf16's own rounding: 3e-2 at least); row-wise scales take
     _scaled_mm on Hopper (9.0+), the GEMV and blockwise paths on Ada."""
