@@ -19,6 +19,7 @@ from kernels_src import (
     dequant_gemv,
     dequant_gemv_i8,
     dequantize,
+    fp8_gemv,
     gguf_mmq,
     int_group_gemm,
     int_group_gemv,
@@ -403,3 +404,12 @@ register(KernelEntry(
     variants=(dequant_gemm.dequant_gemm_reduce_kernel,),
     notes="9-256 rows; split-K writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: the bench "
           "times both; tools/bench_int_group_gemm times it against cuBLAS"))
+
+_tiles = fp8_gemv.default_tiles(4096, 1)
+_tiles.pop("num_warps")
+register(KernelEntry(
+    "fp8_gemv", fp8_gemv.fp8_gemv_kernel, dict(GROUP=128, M=1, EVEN_K=True, PDL=True, **_tiles),
+    _ptrs(BF16, "x", "y", codes="*u8", scales="*fp32"), dict(m=1, n=14336, k=4096, group=128, dtype=BF16),
+    lambda m, n, k, group, dtype: n * k + n * k // group * 4 + (m * k + m * n) * ITEMSIZE[dtype],
+    flops=lambda m, n, k, **_: 2 * m * n * k, launcher=fp8_gemv.fp8_gemv,
+    notes="1-8 rows over e4m3 bytes and f32 group scales (backends/cuda/fp8_linear.py's decode path)"))

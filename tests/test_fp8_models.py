@@ -113,16 +113,21 @@ def _kept_cuda(model, monkeypatch, device: str, dtype: str):
     return b, paths
 
 
-# (case, the path its linears take, logit tolerance): block scales go through an exact fp32 dequantization; row-wise
-# scales through _scaled_mm on e4m3 activations (dynamic per-row quantization: up to 2^-4 of a value, ~12% of these
-# tiny random models' logits), whose arithmetic test_fp8_linear_is_its_definition checks exactly.
-KEPT = [("blockwise", "blockwise", 1e-4), ("ct_channel", "scaled_mm", 0.25), ("blockwise_embed", "blockwise", 1e-4)]
+# (case, the paths its linears take, logit tolerance): block scales go through the fp8 GEMV at decode (1-8 rows) and an
+# exact fp32 dequantization in prefill; row-wise scales through _scaled_mm on e4m3 activations (dynamic per-row
+# quantization: up to 2^-4 of a value, ~12% of these tiny random models' logits), whose arithmetic
+# test_fp8_linear_is_its_definition checks exactly.
+BLOCK_PATHS = {"blockwise", "gemv"}
+KEPT = [("blockwise", BLOCK_PATHS, 1e-4), ("ct_channel", {"scaled_mm"}, 0.25),
+        ("blockwise_embed", BLOCK_PATHS, 1e-4)]
+KEPT_IDS = [name for name, _, _ in KEPT]
 
 
-@pytest.mark.parametrize("group,path", [(64, "blockwise"), (192, "scaled_mm")])
-def test_fp8_linear_is_its_definition(group, path):
+@pytest.mark.parametrize("group,rows,path", [(64, 5, "gemv"), (64, 9, "blockwise"), (192, 5, "scaled_mm")])
+def test_fp8_linear_is_its_definition(group, rows, path):
     """fp8_linear on CPU tensors against W decoded by the engine's e4m3 table and x rounded to e4m3 row by row by
-    torch (the scaled_mm path's dynamic activation scales), in float64; chunks of 16 rows for the blockwise path."""
+    torch (the scaled_mm path's dynamic activation scales), in float64; chunks of 16 rows for the blockwise path, the
+    GEMV (the DSL's numpy target) at 5 rows."""
     pytest.importorskip("triton")
     from backends.cuda import fp8_linear
 
@@ -130,11 +135,11 @@ def test_fp8_linear_is_its_definition(group, path):
     n, k = 48, 192
     codes = (torch.from_numpy(rng.standard_normal((n, k), np.float32)) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
     scales = rng.uniform(0.5, 2, (n, k // group)).astype(np.float32)
-    x = torch.from_numpy(rng.standard_normal((5, k), np.float32) * rng.uniform(0.1, 3, (5, 1)).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((rows, k), np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32))
     if path == "scaled_mm" and not fp8_linear.cpu_rowwise():
         pytest.skip("this torch's CPU _scaled_mm takes one scale per operand only (2.11; 2.13 takes rows)")
-    assert fp8_linear.path(group, (n, k), torch.float32, x.device) == path
-    y = fp8_linear.fp8_linear(x, codes, torch.from_numpy(scales), chunk_bytes=16 * k * 4).numpy()
+    assert fp8_linear.path(group, (n, k), torch.float32, x.device, rows) == path
+    y = fp8_linear.fp8_linear(x, codes, torch.from_numpy(scales), chunk_bytes=16 * k * 4, target="numpy").numpy()
     w = fp8_blocks.dequantize(fp8_blocks.pack(codes.numpy(), scales, group), (n, k), group).astype(np.float64)
     xr = x.double()
     if path == "scaled_mm":
@@ -150,10 +155,10 @@ def _check_kept(b, paths, model, path, rtol):
         _, want = ref.greedy(prompts, 1)
         _, got = backend_greedy(b, ref, prompts, 1, 8)
         assert_close(got.astype(np.float32), want, rtol)
-    assert set(paths) == {path}
+    assert set(paths) == path
 
 
-@pytest.mark.parametrize("name,path,rtol", KEPT)
+@pytest.mark.parametrize("name,path,rtol", KEPT, ids=KEPT_IDS)
 def test_kept_fp8_path_on_cpu_tensors(ckpt, monkeypatch, name, path, rtol):
     _, folder = ckpt(name)
     model = load_model(folder, progress=False)
@@ -162,14 +167,14 @@ def test_kept_fp8_path_on_cpu_tensors(ckpt, monkeypatch, name, path, rtol):
     _check_kept(b, paths, model, path, rtol)
 
 
-@pytest.mark.parametrize("name,path,rtol", KEPT)
+@pytest.mark.parametrize("name,path,rtol", KEPT, ids=KEPT_IDS)
 def test_gpu_fp8_path(ckpt, monkeypatch, name, path, rtol):
     """On a GPU of compute capability 8.9+ in bf16 (bf16's own rounding: 3e-2 at least); row-wise scales take
-    _scaled_mm on Hopper (9.0+), the blockwise path on Ada."""
+    _scaled_mm on Hopper (9.0+), the GEMV and blockwise paths on Ada."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU of compute capability 8.9 or higher")
     if torch.cuda.get_device_capability() < (9, 0):
-        path = "blockwise"
+        path = BLOCK_PATHS
     _, folder = ckpt(name)
     model = load_model(folder, progress=False)
     b, paths = _kept_cuda(model, monkeypatch, "cuda", "bf16")

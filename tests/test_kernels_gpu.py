@@ -68,6 +68,10 @@ SIZES["int_group_gemm"] = [("m16", dict(m=16, n=300, k=4096)), ("m9_i8_g32", dic
                            ("m64_down", dict(m=64, n=520, k=14336)), ("m256", dict(m=256, n=200, k=1024, group=64)),
                            ("m33_noswap", dict(m=33, n=130, k=2048, swap=False))]
 SIZES["int_group_dequantize"] = [("g128", dict(n=300, k=4096)), ("i8_g64", dict(n=77, k=1024, bits=8, group=64))]
+# FP8: the bench's token, 8 rows in groups of 16 on odd N (two rows a program), one scale a row (K) at 3 rows off
+# BLOCK_K (masked steps), 4 rows a program at 5 rows
+SIZES["fp8_gemv"] = [("m1", dict(m=1, n=300, k=4096)), ("m8_g16", dict(m=8, n=77, k=2048, group=16)),
+                     ("m3_row", dict(m=3, n=130, k=1040, group=1040)), ("m5_rows4", dict(m=5, n=99, k=1024, rows=4))]
 SIZES["moe_route"] = [("t16", dict(tokens=16)), ("t300", dict(tokens=300))]
 SIZES["moe_gemm"] = [("t16", dict(tokens=16)), ("t1", dict(tokens=1)), ("t300", dict(tokens=300, experts=16))]
 # the same over GGUF stacks: Q4_K_M's (Q6_K down), then each format the issue names, a prefill, padded rows

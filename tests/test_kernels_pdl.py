@@ -18,6 +18,7 @@ from kernels_src import (
     dense_gemv,
     dequant_gemv,
     dequantize,
+    fp8_gemv,
     kv_write,
     paged_attention,
     paged_prefill,
@@ -40,9 +41,10 @@ ALLOWED = {
     **{f"dequant_gemv_{q.lower()}": {"w"} for q in dequant_gemv.QTYPES},
     **{f"dequantize_{q.lower()}": {"w"} for q in dequantize.QTYPES},
     **{name: {"w", "g"} for name in REGISTRY if name.startswith("dense_gemv")},  # the weights and the norm's
+    "fp8_gemv": {"codes", "scales"},
 }
 # The GEMVs wait inside their loop over K, after each step's weight loads (and once more before the stores).
-LOOP_WAIT = {name for name in ALLOWED if name.startswith(("dequant_gemv_", "dense_gemv"))}
+LOOP_WAIT = {name for name in ALLOWED if name.startswith(("dequant_gemv_", "dense_gemv", "fp8_gemv"))}
 PDL_ENTRIES = sorted(name for name, e in REGISTRY.items() if "PDL" in split_params(e.fn)[1])
 
 
@@ -235,6 +237,17 @@ def run_dense_gemv(t, target, pdl, prologue="none"):
     return [out] + ([pro.sum_out] if prologue == "add_rms_norm" else [])
 
 
+def run_fp8_gemv(t, target, pdl):
+    """3 rows, K over several steps (64 a step) in groups of 32."""
+    rng = np.random.default_rng(11)
+    codes = rng.integers(0, 0x7F, (5, 160)).astype(np.uint8)  # finite codes, both signs below
+    codes |= rng.integers(0, 2, codes.shape).astype(np.uint8) << 7
+    out = t(_nan(3, 5))
+    fp8_gemv.fp8_gemv(t(_f32(rng, 3, 160)), t(codes), t(np.abs(_f32(rng, 5, 5))), out=out, block_k=64,
+                      target=target, pdl=pdl)
+    return [out]
+
+
 RUNS = {
     "rms_norm": run_rms_norm, "add_rms_norm": run_add_rms_norm, "gated_act": run_gated_act, "rope": run_rope,
     "kv_write": run_kv_write, "paged_decode_split": run_paged_decode,
@@ -245,9 +258,10 @@ RUNS = {
     **{f"dequant_gemv_{q}": lambda t, target, pdl, q=q: run_dequant_gemv(t, target, pdl, q)
        for q in dequant_gemv.QTYPES if q not in ("Q5_0", "Q5_1", "Q2_K", "Q3_K")},
     **{f"dense_gemv_{p}": lambda t, target, pdl, p=p: run_dense_gemv(t, target, pdl, p) for p in dense_gemv.PROLOGUES},
+    "fp8_gemv": run_fp8_gemv,
 }
-LAUNCHERS = (activations, dense_gemv, dequant_gemv, dequantize, kv_write, paged_attention, paged_prefill, rms_norm,
-             rope)
+LAUNCHERS = (activations, dense_gemv, dequant_gemv, dequantize, fp8_gemv, kv_write, paged_attention, paged_prefill,
+             rms_norm, rope)
 
 
 class _NoLaunch:

@@ -34,6 +34,7 @@ from tools.kernel_cases_attention import (
     paged_prefill_case,
 )
 from tools.kernel_cases_dense import dense_gemv_case
+from tools.kernel_cases_fp8 import fp8_gemv_case
 from tools.kernel_cases_int_group import int_group_dequantize_case, int_group_gemm_case, int_group_gemv_case
 
 # --- rows of a hidden state ---------------------------------------------------------------------------------------
@@ -366,6 +367,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "int_group_gemv": functools.partial(int_group_gemv_case, name="int_group_gemv"),
     "int_group_gemm": functools.partial(int_group_gemm_case, name="int_group_gemm"),
     "int_group_dequantize": functools.partial(int_group_dequantize_case, name="int_group_dequantize"),
+    "fp8_gemv": functools.partial(fp8_gemv_case, name="fp8_gemv"),
 }
 
 

@@ -2,9 +2,12 @@
 capability 8.9 and up: Ada, Hopper), and the one place its path is chosen:
 - one scale a row (per-channel and per-tensor checkpoints): torch._scaled_mm on x quantized to e4m3 row by row, as
   the checkpoints' dynamic activation scheme asks (row-wise scaling: a bf16 output, on Hopper);
-- scales per block of inputs (DeepSeek-V3 / Qwen3-FP8's 128x128): W dequantized to x's dtype a chunk of rows at a
-  time (each value times its block's scale in fp32, then rounded once), then one GEMM; a DSL fp8 `dot` that reads
-  the bytes in the GEMM's loop is what replaces it (docs/ARCHITECTURE.md).
+- scales per block of inputs (DeepSeek-V3 / Qwen3-FP8's 128x128), 1-8 rows (decode): the DSL's GEMV over the bytes
+  (kernels_src/fp8_gemv.py); also for one scale a row where _scaled_mm's row-wise scaling is not there. Per-channel
+  weights keep _scaled_mm at decode: the GEMV against it is unmeasured;
+- scales per block of inputs, more rows: W dequantized to x's dtype a chunk of rows at a time (each value times its
+  block's scale in fp32, then rounded once), then one GEMM; a DSL fp8 `dot` that reads the bytes in the GEMM's loop
+  is what replaces it (docs/ARCHITECTURE.md).
 Elsewhere (MLX, older GPUs, CPU tensors) the weights are dequantized at load: `no_fp8` says why, for the log."""
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import functools
 
 from backends.cuda.runtime import torch
 from backends.cuda.torch_ops import dequantized_matmul
+from kernels_src.fp8_gemv import MAX_ROWS, fp8_gemv
 
 MIN_CAPABILITY = (8, 9)
 ROWWISE_CAPABILITY = (9, 0)  # row-wise scaled _scaled_mm: Hopper's cuBLASLt/CUTLASS path; Ada takes the blockwise one
@@ -29,8 +33,9 @@ def no_fp8(device: torch.device) -> str | None:
     return None
 
 
-def path(group: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> str:
-    """"scaled_mm" or "blockwise" for weights [N, K] with a scale a `group` inputs, computed in `dtype`."""
+def path(group: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, rows: int) -> str:
+    """"scaled_mm", "gemv" or "blockwise" for `rows` rows of x times weights [N, K] with a scale a `group` inputs,
+    computed in `dtype`."""
     n, k = shape
     # On a GPU, row-wise scaling writes bf16 only, and wants Hopper; on CPU tensors (tests) any float output, where
     # this torch's CPU kernel takes row-wise scales at all.
@@ -38,7 +43,7 @@ def path(group: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.d
         dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= ROWWISE_CAPABILITY)
     if group == k and k % 16 == 0 and n % 16 == 0 and rowwise:
         return "scaled_mm"
-    return "blockwise"
+    return "gemv" if rows <= MAX_ROWS else "blockwise"
 
 
 @functools.cache
@@ -60,11 +65,16 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
     return w.view(rows, k).to(dtype)
 
 
-def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
-    """y = x @ W.T for W [N, K] as e4m3 bytes `codes` (uint8 [N, K]) and f32 `scales` [N, K / group]."""
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, chunk_bytes: int, target: str = "triton",
+               pdl: bool | None = None) -> torch.Tensor:
+    """y = x @ W.T for W [N, K] as e4m3 bytes `codes` (uint8 [N, K]) and f32 `scales` [N, K / group]; `target` and
+    `pdl` (None: wherever the target can) as the runner's, for the GEMV."""
     n, k = codes.shape
     x2 = x.reshape(-1, k)
-    if path(k // scales.shape[1], (n, k), x.dtype, x.device) == "scaled_mm":
+    how = path(k // scales.shape[1], (n, k), x.dtype, x.device, x2.shape[0])
+    if how == "gemv":
+        return fp8_gemv(x2.contiguous(), codes, scales, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
+    if how == "scaled_mm":
         xs = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp_min(1e-12)
         xq = (x2.float() / xs).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         y = torch._scaled_mm(xq, codes.view(torch.float8_e4m3fn).t(), scale_a=xs, scale_b=scales.view(1, n),

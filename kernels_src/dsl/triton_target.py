@@ -285,9 +285,10 @@ def _interpreted_stdlib():
             setattr(module, name, value)
 
 
-def aot_compile(k: KernelIR, arch: int = 90, num_warps: int = 4, num_stages: int = 3):
+def aot_compile(k: KernelIR, arch: int = 90, num_warps: int = 4, num_stages: int = 3, aligned: bool = False):
     """Compile for CUDA sm_`arch` without a GPU (ptxas ships in the triton wheel); returns triton's CompiledKernel
-    whose `.asm` holds ttir, ttgir, llir, ptx and cubin."""
+    whose `.asm` holds ttir, ttgir, llir, ptx and cubin. `aligned`: every parameter divisible by 16, as the JIT
+    specializes pointers and sizes that are (what vectorized loads need)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -298,6 +299,7 @@ def aot_compile(k: KernelIR, arch: int = 90, num_warps: int = 4, num_stages: int
                            "interpreted functions that the compiler cannot lower")
     # JITFunction, not triton.jit: under TRITON_INTERPRET=1 the latter makes an interpreted function
     fn = JITFunction(load_function(TritonRenderer().render(k), k.name))
-    src = ASTSource(fn, signature=k.signature)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(k.params))} if aligned else None
+    src = ASTSource(fn, signature=k.signature, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
