@@ -163,9 +163,7 @@ def test_refusals(tmp_path, capsys):
         MLXBackend(_tiny("llama16", tmp_path), progress=False, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="MLX has no FP8 type"):
         create_backend("mlx", None, kv_cache_dtype="fp8")
-    with pytest.raises(NotImplementedError, match="CUDA backend's paged decode and prefill kernels"):
-        create_backend("cuda", None, kv_cache_dtype="int8")
-    for backend, dtype, why in [("cuda", "int8", "take an 8-bit KV cache next"), ("mlx", "fp8", "no FP8 type"),
+    for backend, dtype, why in [("mlx", "fp8", "no FP8 type"),  # CUDA's: test_cuda_kv_int8
                                 ("mlx", "int4", "invalid choice")]:
         with pytest.raises(SystemExit):
             cli.parse_args(["--backend", backend, "--kv-cache-dtype", dtype])

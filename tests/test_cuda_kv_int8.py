@@ -1,0 +1,102 @@
+"""The CUDA backend's int8 KV cache (--kv-cache-dtype int8, kernels_src.kv_int8) against its 16-bit (here fp32)
+cache, on CPU tensors under Triton's interpreter: tiny random models (GQA with neox rope, two KV groups with a
+sliding window) keep their greedy tokens with logits within a stated tolerance, SmolLM2 keeps its 16 greedy tokens,
+the bytes a block as allocated, and the refusals (fp8, head dims, MLA's latent) with the CLI flag."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from backend_greedy import backend_greedy
+from test_tiny_models import TINY, prompt
+from tiny_hf import random_causal_lm
+from transformers import AutoConfig, LlamaConfig, Qwen2Config
+
+from frontend import cli
+from ir.loader import load_model
+from ir.reference import ReferenceRunner
+from tools import check_arch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+torch = pytest.importorskip("torch")
+
+# Of max |logit|: random tiny models attend sharply, so 8-bit keys move their logits by a few hundredths of the
+# largest; a wrong group, scale or slot moves them by whole units.
+TINY_RTOL = 0.05
+# SmolLM2's first-step logits (the largest ~25): the MLX int8 cache moves them by 0.27 (its affine groups); a wrong
+# scale moves them by whole units.
+SMOLLM_TOL = 0.5
+BS = 4
+
+
+def _backend(model, **kw):
+    from backends.cuda.backend import CUDABackend
+
+    return CUDABackend(model, device="cpu", dtype="f32", progress=False, **kw)
+
+
+def _tiny(case: str, tmp_path):
+    if case == "deepseek_v2":
+        cfg = check_arch.shrink(AutoConfig.for_model("deepseek_v2", first_k_dense_replace=1), 2)
+    elif case == "qwen2_swa":  # layer 1 windowed: two KV groups
+        cfg = Qwen2Config(**{**TINY, "head_dim": 32}, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                          tie_word_embeddings=False)
+    else:
+        cfg = LlamaConfig(**{**TINY, "head_dim": 32 if case == "llama" else 16})
+    random_causal_lm(cfg, 0).save_pretrained(tmp_path)
+    return load_model(tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2_swa"])
+def test_tiny_models_keep_their_tokens(case, tmp_path):
+    model = _tiny(case, tmp_path)
+    prompts = [prompt(1), prompt(2, 9), prompt(3, 17)]
+    ref = ReferenceRunner(model, max_tokens=64, block_size=BS)
+    want, want_first = backend_greedy(_backend(model), ref, prompts, 5, BS)
+    int8 = _backend(model, kv_cache_dtype="int8")
+    tokens, first = backend_greedy(int8, ref, prompts, 5, BS)
+    assert all(t.dtype == torch.int8 for layer in int8.kv for t in layer[:2])
+    err = float(np.abs(first - want_first).max()) / float(np.abs(want_first).max())
+    assert 0 < err < TINY_RTOL, err
+    assert tokens == want
+
+
+def test_bytes_a_block(tmp_path):
+    """A token's K and V take 1.125 bytes an element (a code, and an fp32 scale a group of 32) of fp32's 4, and the
+    allocation is what kv_bytes_per_block says (the engine sizes its pools by it)."""
+    model = _tiny("llama", tmp_path)
+    f32, int8 = _backend(model), _backend(model, kv_cache_dtype="int8")
+    per_token = 2 * 2 * 2 * 32  # layers, K and V, 2 heads of 32
+    assert int8.kv_bytes_per_block(BS) == BS * per_token * 9 // 8
+    assert f32.kv_bytes_per_block(BS) / int8.kv_bytes_per_block(BS) == pytest.approx(4 / 1.125)
+    int8.allocate_kv(5, BS)
+    assert int8.memory().kv_bytes == 5 * int8.kv_bytes_per_block(BS)
+
+
+def test_smollm_keeps_its_greedy_tokens(smollm):
+    """SmolLM2 (dense fp32 on CPU tensors) with the int8 cache: the same 16 greedy tokens as its fp32 cache."""
+    ids = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ref = ReferenceRunner(smollm, max_tokens=256, block_size=16)
+    want, want_first = backend_greedy(_backend(smollm, quantized=False), ref, [ids], 16, 16)
+    tokens, first = backend_greedy(_backend(smollm, quantized=False, kv_cache_dtype="int8"), ref, [ids], 16, 16)
+    assert tokens == want and "Paris" in smollm.tokenizer.decode(tokens[0])
+    err = float(np.abs(first - want_first).max())
+    assert 0 < err < SMOLLM_TOL, err
+
+
+def test_refusals_and_flag(tmp_path, capsys):
+    from backends.base import create_backend
+
+    with pytest.raises(ValueError, match="head dim of 16 is not a multiple of 32"):
+        _backend(_tiny("llama16", tmp_path / "a"), kv_cache_dtype="int8")
+    with pytest.raises(NotImplementedError, match="no latent \\(MLA\\) cache"):
+        _backend(_tiny("deepseek_v2", tmp_path / "b"), kv_cache_dtype="int8")
+    with pytest.raises(NotImplementedError, match="have no FP8 type"):
+        create_backend("cuda", None, kv_cache_dtype="fp8")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--backend", "cuda", "--kv-cache-dtype", "fp8"])
+    assert "its 8-bit KV cache is --kv-cache-dtype int8" in capsys.readouterr().err
+    assert cli.backend_options(cli.parse_args(["--backend", "cuda", "--kv-cache-dtype", "int8"]))[
+        "kv_cache_dtype"] == "int8"
