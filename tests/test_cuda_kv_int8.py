@@ -12,14 +12,11 @@ import os
 import numpy as np
 import pytest
 from backend_greedy import backend_greedy
-from test_tiny_models import TINY, prompt
-from tiny_hf import random_causal_lm
-from transformers import AutoConfig, LlamaConfig, Qwen2Config
+from kv_int8_models import tiny_model
+from test_tiny_models import prompt
 
 from frontend import cli
-from ir.loader import load_model
 from ir.reference import ReferenceRunner
-from tools import check_arch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 torch = pytest.importorskip("torch")
@@ -47,22 +44,10 @@ def _backend(model, device: str = "cpu", **kw):
     return CUDABackend(model, device=device, **{"dtype": "f32", "progress": False, **kw})
 
 
-def _tiny(case: str, tmp_path):
-    if case == "deepseek_v2":
-        cfg = check_arch.shrink(AutoConfig.for_model("deepseek_v2", first_k_dense_replace=1), 2)
-    elif case == "qwen2_swa":  # layer 1 windowed: two KV groups
-        cfg = Qwen2Config(**{**TINY, "head_dim": 32}, use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                          tie_word_embeddings=False)
-    else:
-        cfg = LlamaConfig(**{**TINY, "head_dim": 32 if case == "llama" else 16})
-    random_causal_lm(cfg, 0).save_pretrained(tmp_path)
-    return load_model(tmp_path, progress=False)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["llama", "qwen2_swa"])
 def test_tiny_models_keep_their_tokens(case, device, tmp_path):
-    model = _tiny(case, tmp_path)
+    model = tiny_model(case, tmp_path)
     prompts = [prompt(1), prompt(2, 9), prompt(3, 17)]
     ref = ReferenceRunner(model, max_tokens=64, block_size=BS)
     want, want_first = backend_greedy(_backend(model, device), ref, prompts, 5, BS)
@@ -77,7 +62,7 @@ def test_tiny_models_keep_their_tokens(case, device, tmp_path):
 def test_bytes_a_block(tmp_path):
     """A token's K and V take 1.125 bytes an element (a code, and an fp32 scale a group of 32) of fp32's 4, and the
     allocation is what kv_bytes_per_block says (the engine sizes its pools by it)."""
-    model = _tiny("llama", tmp_path)
+    model = tiny_model("llama", tmp_path)
     f32, int8 = _backend(model), _backend(model, kv_cache_dtype="int8")
     per_token = 2 * 2 * 2 * 32  # layers, K and V, 2 heads of 32
     assert int8.kv_bytes_per_block(BS) == BS * per_token * 9 // 8
@@ -104,9 +89,9 @@ def test_refusals_and_flag(tmp_path, capsys):
     from backends.base import create_backend
 
     with pytest.raises(ValueError, match="head dim of 16 is not a multiple of 32"):
-        _backend(_tiny("llama16", tmp_path / "a"), kv_cache_dtype="int8")
+        _backend(tiny_model("llama16", tmp_path / "a"), kv_cache_dtype="int8")
     with pytest.raises(NotImplementedError, match="no latent \\(MLA\\) cache"):
-        _backend(_tiny("deepseek_v2", tmp_path / "b"), kv_cache_dtype="int8")
+        _backend(tiny_model("deepseek_v2", tmp_path / "b"), kv_cache_dtype="int8")
     with pytest.raises(NotImplementedError, match="have no FP8 type"):
         create_backend("cuda", None, kv_cache_dtype="fp8")
     with pytest.raises(SystemExit):
