@@ -128,10 +128,9 @@ def kv_cache_int8(kv_cache_dtype: str, backend: str) -> bool:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
     if kv_cache_dtype == "fp8" and backend == "mlx":
         raise ValueError("--kv-cache-dtype fp8: MLX has no FP8 type; its 8-bit KV cache is --kv-cache-dtype int8")
-    if kv_cache_dtype != "auto" and backend == "cuda":
-        raise NotImplementedError(f"--kv-cache-dtype {kv_cache_dtype}: the CUDA backend's paged decode and prefill "
-                                  "kernels take an 8-bit KV cache next (issue 17); use --kv-cache-dtype auto there, or "
-                                  "int8 on --backend mlx")
+    if kv_cache_dtype == "fp8" and backend == "cuda":
+        raise NotImplementedError("--kv-cache-dtype fp8: the CUDA backend's attention kernels (the kernel DSL) have no "
+                                  "FP8 type yet; its 8-bit KV cache is --kv-cache-dtype int8")
     return kv_cache_dtype == "int8"
 
 

@@ -68,9 +68,9 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--kv-fraction", metavar="F", type=float, help="KV budget as a share of the memory free "
                      "after loading and a warm-up step (0 < F <= 1)")
     eng.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                     help="auto: the activations' dtype; int8 (MLX): K and V as 8-bit groups of 32 with a scale and "
-                     "bias each, about half the bytes a token of f16 (so twice the tokens in the budget); fp8: not "
-                     "yet (the CUDA kernels take the 8-bit caches next)")
+                     help="auto: the activations' dtype; int8: K and V as 8-bit groups of 32 with a scale (MLX: and a "
+                     "bias) each, about half the bytes a token of f16/bf16 (1.78x the tokens in the budget); fp8: "
+                     "not yet (no FP8 type in MLX or the CUDA kernels' DSL)")
     eng.add_argument("--block-size", metavar="N", type=_positive(), default=16, help="KV block size in tokens")
     eng.add_argument("--max-num-seqs", metavar="N", type=_positive(), default=64, help="sequences decoded together")
     eng.add_argument("--max-num-batched-tokens", metavar="N", type=_positive(), default=2048,

@@ -18,6 +18,8 @@ import numpy as np
 
 from ir.interpreter import attend_cached
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.kv_int8 import GROUP as QGROUP
+from kernels_src.kv_int8 import check_scales, scale_strides
 
 LOG2E = 1.4426950408889634
 NEG_BIG = -1.0e30  # running maxima start finite: rows with every key masked stay NaN-free
@@ -25,8 +27,10 @@ NO_WINDOW = 1 << 30
 
 
 def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window, kv_block_stride, kv_tok_stride,
-           kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP):
-    """Online softmax of query rows qv [M, BLOCK_D] (cache index qi [M]) over cache indices [lo, hi): (m, den, acc)."""
+           kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales=None):
+    """Online softmax of query rows qv [M, BLOCK_D] (cache index qi [M]) over cache indices [lo, hi): (m, den, acc).
+    `scales`: None for float caches; for int8 codes (kv_int8's layout) (k_scales, v_scales, their block, token and
+    head strides), each tile dequantized in registers to q's dtype before its dot."""
     n = tl.arange(0, BLOCK_N)
     rows = qv.shape[0]
     qk_scale = scale * LOG2E
@@ -41,6 +45,8 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
         # behind the QK dot. Triton's sm_90 pipeliner already issues both as cp.async, either way.
         kt = tl.load(k_cache + off[None, :] + d[:, None], mask=dmask[:, None] & valid[None, :], other=0.0)
         vt = tl.load(v_cache + off[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        if scales is not None:
+            kt, vt = dequantize_tiles(kt, vt, scales, blk, toks % BS, kvh, d, dmask, valid, qv.dtype)
         s = tl.dot(qv, kt)
         s = softcap * LOG2E * tl.tanh(s * (scale / softcap)) if SOFTCAP else s * qk_scale
         keep = valid[None, :] & (toks[None, :] <= qi[:, None]) & (toks[None, :] > qi[:, None] - window)
@@ -54,6 +60,16 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
             tl.zeros([rows, d.shape[0]], tl.float32))
     n_iter = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
     return tl.fori_loop(0, n_iter, body, init)
+
+
+def dequantize_tiles(kt, vt, scales, blk, tok, kvh, d, dmask, valid, dtype):
+    """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] int8 tiles times their group scales, as `dtype`."""
+    k_scales, v_scales, s_block, s_tok, s_head = scales
+    soff = blk * s_block + tok * s_tok + kvh * s_head
+    grp = d // QGROUP
+    ks = tl.load(k_scales + soff[None, :] + grp[:, None], mask=dmask[:, None] & valid[None, :], other=0.0)
+    vs = tl.load(v_scales + soff[:, None] + grp[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+    return (kt.to(tl.float32) * ks).to(dtype), (vt.to(tl.float32) * vs).to(dtype)
 
 
 def partition_len(ctx, max_parts, PARTITION, BLOCK_N):
@@ -77,6 +93,31 @@ def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, pa
                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
                         SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
+    decode_program(q, k_cache, v_cache, None, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
+                   softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
+                   kv_block_stride, kv_tok_stride, kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS,
+                   PARTITION, SPLIT, SOFTCAP, PDL)
+
+
+def paged_decode_int8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, out, part_m,
+                             part_l, part_acc, scale, softcap, window, max_parts, q_stride, q_head_stride, out_stride,
+                             out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride,
+                             sc_block_stride, sc_tok_stride, sc_head_stride, GROUP: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+                             SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
+    """paged_decode_kernel over an int8 cache (kv_int8's layout), dequantized in registers."""
+    decode_program(q, k_cache, v_cache, (k_scales, v_scales, sc_block_stride, sc_tok_stride, sc_head_stride),
+                   block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
+                   q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
+                   kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL)
+
+
+def decode_program(q, k_cache, v_cache, scales, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
+                   softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
+                   kv_block_stride, kv_tok_stride, kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS,
+                   PARTITION, SPLIT, SOFTCAP, PDL):
+    """One (sequence, KV head, partition) program of the decode kernels (`scales` as attend takes them)."""
     b, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     gmask, dmask = g < GROUP, d < HEAD_DIM
@@ -93,7 +134,7 @@ def paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, pa
     lo = tl.maximum(lo, ctx - window)
     qi = tl.full([BLOCK_G], ctx - 1, tl.int32)
     m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
-                       kv_block_stride, kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP)
+                       kv_block_stride, kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales)
     if SPLIT:
         row = (b * (tl.num_programs(1) * GROUP) + heads) * max_parts + part
         tl.store(part_m + row, m, mask=gmask)
@@ -166,6 +207,14 @@ def cache_strides(k_cache) -> tuple[int, int, int]:
     return elem_stride(k_cache, 0), elem_stride(k_cache, 1), elem_stride(k_cache, 2)
 
 
+def quant_args(k_cache, v_cache, k_scales, v_scales, float_kernel, int8_kernel) -> tuple:
+    """(cache arguments, kernel, scale strides) for float caches (no scales) or int8 ones with their scales."""
+    if k_scales is None and v_scales is None:
+        return (k_cache, v_cache), float_kernel, ()
+    check_scales(k_cache, v_cache, k_scales, v_scales)
+    return (k_cache, v_cache, k_scales, v_scales), int8_kernel, scale_strides(k_scales)
+
+
 def num_partitions(max_context: int, partition: int) -> int:
     return max(1, tl.cdiv(int(max_context), partition))
 
@@ -190,13 +239,14 @@ def decode_workspace(q, n_parts: int) -> tuple:
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, *, sliding_window: int | None = None,
                  softcap: float | None = None, out=None, max_context: int | None = None, partition: int = 512,
                  max_parts: int | None = None, block_n: int = 64, workspace=None, num_warps: int = 4,
-                 target: str = "numpy", pdl: bool | None = None):
+                 k_scales=None, v_scales=None, target: str = "numpy", pdl: bool | None = None):
     """Attention of q [B, Hq, D] (one token per sequence, the last of its context) over the paged caches.
 
     The grid has cdiv(max_context, partition) partitions (max_context: context_lens' maximum unless given, e.g. to
     keep the grid fixed under CUDA graphs), at most `max_parts`; a context longer than the grid's partitions of
     `partition` tokens is cut into that many longer ones, so any context is served by any grid.
-    `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D].
+    `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D]. `k_scales`, `v_scales`: the caches
+    are int8 codes with these group scales (kernels_src.kv_int8's layout).
     """
     group, bs = check_cache(q, k_cache, v_cache)
     n_seq, hq, d = q.shape
@@ -214,11 +264,13 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
                   BLOCK_D=max(16, tl.next_power_of_2(d)), BLOCK_N=block_n, BS=bs, PARTITION=partition,
                   SPLIT=split, SOFTCAP=bool(softcap))
     pdl = use_pdl(target, pdl)
-    kern = compile(paged_decode_kernel, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
+    caches, fn, sc_strides = quant_args(k_cache, v_cache, k_scales, v_scales, paged_decode_kernel,
+                                        paged_decode_int8_kernel)
+    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
     kern[n_seq, k_cache.shape[2], n_parts](
-        q, k_cache, v_cache, block_tables, context_lens, out, m, den, acc, float(scale), float(softcap or 0.0),
+        q, *caches, block_tables, context_lens, out, m, den, acc, float(scale), float(softcap or 0.0),
         int(sliding_window or NO_WINDOW), n_parts, elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),
-        elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache))
+        elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache), *sc_strides)
     if split:
         red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=d,
                       BLOCK_D=consts["BLOCK_D"], PARTITION=partition, BLOCK_N=block_n,

@@ -12,7 +12,15 @@ Decode tokens (q_len 1) are valid here too; paged_decode is the faster path when
 from __future__ import annotations
 
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
-from kernels_src.paged_attention import NO_WINDOW, attend, cache_strides, check_cache, empty, paged_attention_ref
+from kernels_src.paged_attention import (
+    NO_WINDOW,
+    attend,
+    cache_strides,
+    check_cache,
+    empty,
+    paged_attention_ref,
+    quant_args,
+)
 
 
 def paged_prefill_kernel(q, k_cache, v_cache, block_tables, context_lens, query_start, out, scale, softcap, window,
@@ -20,6 +28,28 @@ def paged_prefill_kernel(q, k_cache, v_cache, block_tables, context_lens, query_
                          kv_tok_stride, kv_head_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                          SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
+    prefill_program(q, k_cache, v_cache, None, block_tables, context_lens, query_start, out, scale, softcap, window,
+                    q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
+                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL)
+
+
+def paged_prefill_int8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, query_start, out,
+                              scale, softcap, window, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
+                              kv_block_stride, kv_tok_stride, kv_head_stride, sc_block_stride, sc_tok_stride,
+                              sc_head_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                              SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
+    """paged_prefill_kernel over an int8 cache (kv_int8's layout), dequantized in registers."""
+    prefill_program(q, k_cache, v_cache, (k_scales, v_scales, sc_block_stride, sc_tok_stride, sc_head_stride),
+                    block_tables, context_lens, query_start, out, scale, softcap, window, q_stride, q_head_stride,
+                    out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride, GROUP,
+                    HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL)
+
+
+def prefill_program(q, k_cache, v_cache, scales, block_tables, context_lens, query_start, out, scale, softcap, window,
+                    q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
+                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL):
+    """One (sequence, KV head, row tile) program of the prefill kernels (`scales` as attend takes them)."""
     b, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:  # q, the caches and the batch's tables may all be earlier kernels' outputs
         tl.wait_prior_grid()
@@ -41,7 +71,7 @@ def paged_prefill_kernel(q, k_cache, v_cache, block_tables, context_lens, query_
     lo = tl.maximum(first - window + 1, 0)
     hi = tl.where(first < ctx, last + 1, 0)  # tiles past the sequence's queries do nothing
     m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
-                       kv_block_stride, kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP)
+                       kv_block_stride, kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales)
     den = tl.where(den == 0.0, 1.0, den)
     tl.store(out + (q0 + t)[:, None] * out_stride + heads[:, None] * out_head_stride + d[None, :], acc / den[:, None],
              mask=mask)
@@ -50,10 +80,11 @@ def paged_prefill_kernel(q, k_cache, v_cache, block_tables, context_lens, query_
 def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, scale: float, *,
                   sliding_window: int | None = None, softcap: float | None = None, out=None,
                   max_query_len: int | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                  target: str = "numpy", pdl: bool | None = None):
+                  k_scales=None, v_scales=None, target: str = "numpy", pdl: bool | None = None):
     """Attention of flat varlen q [T, Hq, D] over the paged caches (see the module docstring); out [T, Hq, D].
 
-    `max_query_len` bounds the per-sequence query counts (computed from query_start when not given).
+    `max_query_len` bounds the per-sequence query counts (computed from query_start when not given). `k_scales`,
+    `v_scales`: the caches are int8 codes with these group scales (kernels_src.kv_int8's layout).
     """
     group, bs = check_cache(q, k_cache, v_cache)
     d = q.shape[2]
@@ -68,11 +99,13 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, 
     if n_tiles == 0 or len(context_lens) == 0:
         return out
     pdl = use_pdl(target, pdl)
-    kern = compile(paged_prefill_kernel, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
+    caches, fn, sc_strides = quant_args(k_cache, v_cache, k_scales, v_scales, paged_prefill_kernel,
+                                        paged_prefill_int8_kernel)
+    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
     kern[len(context_lens), k_cache.shape[2], n_tiles](
-        q, k_cache, v_cache, block_tables, context_lens, query_start, out, float(scale), float(softcap or 0.0),
+        q, *caches, block_tables, context_lens, query_start, out, float(scale), float(softcap or 0.0),
         int(sliding_window or NO_WINDOW), elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),
-        elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache))
+        elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache), *sc_strides)
     return out
 
 

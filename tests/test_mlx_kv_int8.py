@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from backend_greedy import backend_greedy, host
-from test_tiny_models import TINY, VOCAB
-from tiny_hf import random_causal_lm, random_prompt
-from transformers import AutoConfig, LlamaConfig, Qwen2Config
+from kv_int8_models import tiny_model
+from test_tiny_models import VOCAB
+from tiny_hf import random_prompt
 
 from backends.base import create_backend
 from backends.mlx import kv_quant
@@ -20,9 +20,7 @@ from core.batch import make_batch
 from frontend import cli
 from frontend.engine.engine import EngineConfig, LLMEngine
 from ir.kv_groups import kv_layout
-from ir.loader import load_model
 from ir.reference import ReferenceRunner
-from tools import check_arch
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # SmolLM2's first-step logits with the int8 cache differ from the f32 cache's by 0.27 at most (the largest logit is
@@ -81,19 +79,6 @@ def test_smollm_keeps_its_greedy_tokens(smollm, mlx_smollm):
     assert mlx_smollm.kv_bytes_per_block(16) / backend.kv_bytes_per_block(16) == pytest.approx(3.2)
 
 
-def _tiny(case: str, tmp_path):
-    if case == "deepseek_v2":  # a latent of 24 + 8: one group of 32
-        cfg = check_arch.shrink(AutoConfig.for_model("deepseek_v2", first_k_dense_replace=1), 2)
-        cfg.kv_lora_rank = 24
-    elif case == "qwen2_swa":  # layer 1 windowed: two KV groups
-        cfg = Qwen2Config(**{**TINY, "head_dim": 32}, use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                          tie_word_embeddings=False)
-    else:
-        cfg = LlamaConfig(**{**TINY, "head_dim": 32 if case == "llama" else 16})
-    random_causal_lm(cfg, 0).save_pretrained(tmp_path)
-    return load_model(tmp_path, progress=False)
-
-
 def _steps(backend: MLXBackend, groups: int) -> list[np.ndarray]:
     """Prompt A (6 blocks), then B sharing A's first 3 blocks (12 tokens cached) and adding 10, then one decode of
     each: every row's logits of each step."""
@@ -112,7 +97,7 @@ def _steps(backend: MLXBackend, groups: int) -> list[np.ndarray]:
 def test_tiny_models_over_reused_blocks(case, tmp_path, monkeypatch):
     """Every step's logits as the float cache's when its writes are numpy's 8-bit round trip (np_affine), and within
     TINY_RTOL of the plain float cache's; B's rows over A's reused 8-bit blocks as when B is prefilled on its own."""
-    model = _tiny(case, tmp_path)
+    model = tiny_model(case, tmp_path)
     groups = kv_layout(model.graph).num_groups
     int8 = MLXBackend(model, progress=False, compile=False, kv_cache_dtype="int8")
     got = _steps(int8, groups)
@@ -143,7 +128,7 @@ def test_tiny_models_over_reused_blocks(case, tmp_path, monkeypatch):
 def test_bytes_per_token_halve_at_f16(tmp_path):
     """At f16 a token's K and V take 1.125 bytes an element (a byte, and an f16 scale and bias a group of 32) of
     the f16 cache's 2: the engine's budget holds 1.78x the blocks."""
-    model = _tiny("llama", tmp_path)
+    model = tiny_model("llama", tmp_path)
     f16 = MLXBackend(model, dtype="f16", progress=False)
     int8 = MLXBackend(model, dtype="f16", progress=False, kv_cache_dtype="int8")
     int8.allocate_kv(5, BS)
@@ -160,12 +145,10 @@ def test_bytes_per_token_halve_at_f16(tmp_path):
 
 def test_refusals(tmp_path, capsys):
     with pytest.raises(ValueError, match="head .*dim of 16 is not a multiple of 32"):
-        MLXBackend(_tiny("llama16", tmp_path), progress=False, kv_cache_dtype="int8")
+        MLXBackend(tiny_model("llama16", tmp_path), progress=False, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="MLX has no FP8 type"):
         create_backend("mlx", None, kv_cache_dtype="fp8")
-    with pytest.raises(NotImplementedError, match="CUDA backend's paged decode and prefill kernels"):
-        create_backend("cuda", None, kv_cache_dtype="int8")
-    for backend, dtype, why in [("cuda", "int8", "take an 8-bit KV cache next"), ("mlx", "fp8", "no FP8 type"),
+    for backend, dtype, why in [("mlx", "fp8", "no FP8 type"),  # CUDA's: test_cuda_kv_int8
                                 ("mlx", "int4", "invalid choice")]:
         with pytest.raises(SystemExit):
             cli.parse_args(["--backend", backend, "--kv-cache-dtype", dtype])

@@ -262,6 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="the curve's contexts (1k = 1024)")
     ap.add_argument("--budget", type=float, default=540, help="seconds this stage may take: work that would start "
                     "later is skipped (and says so)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="ours: the KV cache's "
+                    "elements (int8: 1.125 bytes each; results.json merges by figure: give each run its own --out)")
     ap.add_argument("--force", action="store_true", help="prepare: write and quantize again even if files exist")
     ap.add_argument("--vocab-file", type=Path)
     ap.add_argument("--llama-cpp", type=Path, help="folder of llama.cpp binaries or its tarball")

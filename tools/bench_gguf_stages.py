@@ -151,7 +151,8 @@ def _ours_file(st: Stage, file: str, figs: list[Figure]) -> None:
 
     t = time.perf_counter()
     model = load_model(st.path(file), progress=False)
-    backend = CUDABackend(model, progress=False)  # the GGUF default: f16 compute, llama.cpp's
+    # the GGUF default: f16 compute, llama.cpp's
+    backend = CUDABackend(model, progress=False, kv_cache_dtype=st.args.kv_cache_dtype)
     info = st.results.data["files"][file]
     info.update(ours_load_s=time.perf_counter() - t, ours_resident_bytes=backend.memory().weights_bytes,
                 ours_backend=backend.describe())

@@ -26,6 +26,7 @@ from ir.kv_groups import kv_layout
 from ir.loader import LoadedModel
 from ir.sharding import ShardedWeights, shard
 from ir.weight_formats import FORMATS
+from kernels_src import kv_int8
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ class CUDABackend(Backend):
                  kv_cache_dtype: str = "auto"):
         """`rank` of `world`: this process runs that rank's graph (ir.sharding) in a torch.distributed group already
         joined (backends.cuda.tensor_parallel starts them); `mirror`, when set, is told each call that runs it.
-        `kv_cache_dtype`: "auto" only, for now (base.kv_cache_int8 refuses the 8-bit caches)."""
-        kv_cache_int8(kv_cache_dtype, "cuda")
+        `kv_cache_dtype`: "auto" (the activations' dtype) or "int8" (kernels_src.kv_int8's codes and scales)."""
+        self.kv_int8 = kv_cache_int8(kv_cache_dtype, "cuda")
         self.model = model
         self.rank, self.world = rank, world
         self.rank_graph = shard(model.graph, rank, world)
@@ -66,6 +67,8 @@ class CUDABackend(Backend):
         if wide:
             raise NotImplementedError(f"{model.arch.name}: values wider than keys {wide} are not on the CUDA backend; "
                                       "use --backend mlx")
+        if self.kv_int8:
+            self._check_int8_layout(model.arch.name)
         self.device = torch.device(device or "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -93,7 +96,7 @@ class CUDABackend(Backend):
         self.piecewise = self.use_graphs
         self.pieces: PiecewiseGraphs | None = None
         self.max_step_tokens = 2048
-        self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), or (latent,)
+        self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), (latent,) or int8's (k, v, ks, vs)
         self.block_size = 0
         self.max_num_seqs, self.max_model_len = 256, model.config.max_position_embeddings
         self._sampler = None
@@ -144,7 +147,7 @@ class CUDABackend(Backend):
         quant = sorted({p.qtype for p in self.params.values() if isinstance(p, weights.QuantWeight)})
         where += f", rank {self.rank} of {self.world}" if self.world > 1 else ""
         return (f"{where}, {self.dtype}, {'weights ' + '/'.join(quant) if quant else 'dense'}, "
-                f"CUDA graphs {'on' if self.use_graphs else 'off'}")
+                f"CUDA graphs {'on' if self.use_graphs else 'off'}{', int8 KV cache' if self.kv_int8 else ''}")
 
     # -- KV cache -----------------------------------------------------------------------------------
     def set_limits(self, max_num_seqs: int, max_model_len: int, max_step_tokens: int | None = None) -> None:
@@ -156,8 +159,22 @@ class CUDABackend(Backend):
         if max_step_tokens is not None:
             self.max_step_tokens = max_step_tokens
 
+    def _check_int8_layout(self, arch: str) -> None:
+        """The int8 cache takes K and V heads whose dims are multiples of kv_int8.GROUP; MLA's latent is refused."""
+        for s in self.kv_layout().shapes:
+            if s.values_in_keys:
+                raise NotImplementedError(f"{arch}: --kv-cache-dtype int8 on the CUDA backend has no latent (MLA) "
+                                          "cache yet (mla_decode reads 16-bit latents); use --kv-cache-dtype auto, or "
+                                          "--backend mlx")
+            kv_int8.check_head_dim(s.key_dim)
+
     def kv_bytes_per_block(self, block_size: int, group: int | None = None) -> int:
-        return self.kv_bytes(block_size, weights.DTYPES[self.dtype].itemsize, group)
+        if not self.kv_int8:
+            return self.kv_bytes(block_size, weights.DTYPES[self.dtype].itemsize, group)
+        layout = self.kv_layout()
+        groups = range(layout.num_groups) if group is None else (group,)
+        elements = sum(layout.shapes[i].elements for g in groups for i in layout.groups[g].layers)
+        return block_size * (elements + elements // kv_int8.GROUP * 4)  # a code each, an fp32 scale a group
 
     def default_kv_bytes(self) -> int:
         return self.kv_budget(DEFAULT_KV_FRACTION) if self.device.type == "cuda" else super().default_kv_bytes()
@@ -224,6 +241,10 @@ class CUDABackend(Backend):
 
         def caches(n: int, s) -> tuple[torch.Tensor, ...]:  # a latent layer's one cache: values in its keys
             dims = (s.key_dim,) if s.values_in_keys else (s.key_dim, s.value_dim)
+            if self.kv_int8:  # (k codes, v codes, k scales, v scales): kernels_src.kv_int8's layout
+                shape = (n, block_size, s.heads, s.key_dim)
+                return (*(torch.zeros(shape, dtype=torch.int8, device=self.device) for _ in dims),
+                        *(torch.zeros(kv_int8.scales_shape(shape), device=self.device) for _ in dims))
             return tuple(torch.zeros((n, block_size, s.heads, d), dtype=dt, device=self.device) for d in dims)
 
         try:

@@ -23,6 +23,7 @@ from ir.rope import RopeSpec, cos_sin, long_after
 from ir.weight_formats import weight_format
 from kernels_src import (
     activations,
+    kv_int8,
     kv_write,
     moe,
     moe_route,
@@ -218,13 +219,20 @@ class Runner:
 
     def _attention(self, node: Node, args, meta: StepMeta):
         a = node.attrs
-        kc, vc = self.kv[a["layer"]]
+        kc, vc, *scales = self.kv[a["layer"]]  # an int8 cache also has (k_scales, v_scales)
         slots, tables = meta.kv_group(self.group_of[a["layer"]])
         q, k, v = args[:3]
         dv = v.shape[2]
         if dv < kc.shape[3]:  # values narrower than keys, cached at the keys' width (CUDABackend.kv_layout)
             v = F.pad(v, (0, kc.shape[3] - dv))
-        if node.op == "attention":
+        if scales:  # int8: q and k rotated in place (rope_kv_write writes 16-bit caches), then the quantizing write
+            if node.op == "rope_attention":
+                q, k = self._own(node.inputs[0], q), self._own(node.inputs[1], k)
+                spec = a["spec"]
+                rope.rope(q, k, self.rope_rows(spec, meta), *self._rope[spec], interleaved=spec.style != "neox",
+                          target=self.target, pdl=self.pdl)
+            kv_int8.kv_write_int8(k, v, kc, vc, *scales, slots, target=self.target, pdl=self.pdl)
+        elif node.op == "attention":
             kv_write.kv_write(k, v, kc, vc, slots, target=self.target, pdl=self.pdl)
         else:  # rope_attention: q rotated in place, k rotated on its way into the cache, one kernel
             q = self._own(node.inputs[0], q)
@@ -232,7 +240,7 @@ class Runner:
             cos, sin = self._rope[spec]
             rope_kv_write.rope_kv_write(q, k, v, kc, vc, slots, self.rope_rows(spec, meta), cos, sin,
                                         interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
-        out = self._attend(q, kc, vc, tables, meta, a)
+        out = self._attend(q, kc, vc, tables, meta, a, scales)
         return out if out.shape[2] == dv else out[..., :dv]
 
     def _latent_attention(self, node: Node, args, meta: StepMeta):
@@ -253,11 +261,14 @@ class Runner:
                               max_parts=self.max_partitions(rows), target=self.target, pdl=self._attend_pdl)
         return self._attend(q, cache, cache, tables, meta, a)[..., :a["value_dim"]]
 
-    def _attend(self, q, kc, vc, tables, meta: StepMeta, a: dict):
-        """The decode (split-K) or prefill kernel over caches already holding this step's keys and values."""
+    def _attend(self, q, kc, vc, tables, meta: StepMeta, a: dict, scales=()):
+        """The decode (split-K) or prefill kernel over caches already holding this step's keys and values (int8
+        codes when `scales` holds their k and v scales)."""
         out = torch.empty((q.shape[0], q.shape[1], vc.shape[3]), dtype=q.dtype, device=q.device)
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
                   pdl=self._attend_pdl)
+        if scales:
+            kw.update(k_scales=scales[0], v_scales=scales[1])
         if meta.decode:
             rows = q.shape[0]
             block_n, num_warps = self.decode.tile(rows * self.kv_heads)

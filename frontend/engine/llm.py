@@ -25,7 +25,7 @@ class LLM:
                  prefix_caching: bool = True, progress: bool = True, isq: str | None = None,
                  kv_cache_dtype: str | None = None, task: str = "auto"):
         """`isq`: quantize the model's matrices at load to a GGUF type ("q4k", ...), "int4" or "fp8" (see
-        ir.isq); `kv_cache_dtype` "int8": the MLX backend's 8-bit KV cache (--kv-cache-dtype); `task` "embed" (or
+        ir.isq); `kv_cache_dtype` "int8": the 8-bit KV cache (--kv-cache-dtype); `task` "embed" (or
         "auto" for a model whose files say so): an embedding model, run by `embed` (ir.pooling)."""
         loaded = load_model(model or default_model_path(), progress=progress, isq=isq, task=task)
         options = {"dtype": dtype, "quantized": quantized, "progress": progress, "kv_cache_dtype": kv_cache_dtype}
