@@ -19,6 +19,7 @@ from kernels_src import (
     activations,
     dense_gemv,
     dequant_gemm,
+    fp8_gemv,
     gguf_mmq,
     int_group_gemm,
     int_group_gemv,
@@ -228,7 +229,8 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            dense_gemv.dense_gemv_kernel,  # its simt-cpu case: test_kernels_dense_gemv.py
            # their simt-cpu case: test_kernels_int_group.py
            int_group_gemv.int_group_gemv_kernel, int_group_gemv.int_group_dequantize_kernel,
-           int_group_gemm.int_group_gemm_kernel}  # its simt-cpu case: test_kernels_int_group_gemm.py
+           int_group_gemm.int_group_gemm_kernel,  # its simt-cpu case: test_kernels_int_group_gemm.py
+           fp8_gemv.fp8_gemv_kernel}  # its simt-cpu case: test_kernels_fp8_gemv.py
 
 
 def test_every_registered_kernel_has_a_simt_case():
