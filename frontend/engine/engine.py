@@ -277,7 +277,8 @@ class LLMEngine:
 
     def _sample(self, logits, seqs: list[Sequence], counts: list[int]):
         """Start sampling one row per sequence; `counts[i]`: the tokens seqs[i] generated before this one."""
-        self.masks.fill(seqs, counts)
+        if any(seq.grammar is not None for seq in seqs):  # else no row has a mask to set or clear: skip the walk
+            self.masks.fill(seqs, counts)
         inputs: list = seqs
         for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             if n < seq.params.min_tokens and seq.grammar is None:  # a constrained one's mask bans its stops
