@@ -88,21 +88,25 @@ def random_blocks(rows: int, cols: int, qtype: str, gen) -> torch.Tensor:
     return blocks.reshape(rows, -1)
 
 
+def _quantized(graph, device: str, keep, quantize) -> dict:
+    """Every parameter through quantize(name, shape, generator) -> QuantWeight, but those keep(name, shape) leaves
+    16-bit (ones in bf16: norms and what a checkpoint of that format stores unquantized)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {name: torch.ones(p.shape, dtype=torch.bfloat16, device=device) if keep(name, p.shape)
+            else quantize(name, p.shape, gen) for name, p in graph.params.items()}
+
+
 def q4_k_m_params(graph, layers: int) -> dict:
     from backends.cuda.weights import QuantWeight
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    out = {}
-    for name, p in graph.params.items():
-        if len(p.shape) == 1:
-            out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device="cuda")
-            continue
+    def quantize(name, shape, gen):
         parts = name.split(".")
         six = name == "lm_head" or (parts[-1] in ("wv", "w_down", "exp_down") and _q6_layer(int(parts[1]), layers))
         q = "Q6_K" if six else "Q4_K"
-        rows = math.prod(p.shape[:-1])  # an expert stack [E, out, in] is E * out rows of blocks
-        out[name] = QuantWeight(random_blocks(rows, p.shape[-1], q, gen), q, p.shape)
-    return out
+        rows = math.prod(shape[:-1])  # an expert stack [E, out, in] is E * out rows of blocks
+        return QuantWeight(random_blocks(rows, shape[-1], q, gen), q, shape)
+
+    return _quantized(graph, "cuda", lambda name, shape: len(shape) == 1, quantize)
 
 
 def int4_params(graph, group: int = 128, device: str = "cuda") -> dict:
@@ -111,19 +115,16 @@ def int4_params(graph, group: int = 128, device: str = "cuda") -> dict:
     from backends.cuda.weights import QuantWeight
     from ir.formats import int_groups
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    out = {}
-    for name, p in graph.params.items():
-        if len(p.shape) == 1 or name == "embed":  # a GPTQ checkpoint's embedding stays 16-bit
-            out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
-            continue
-        rows, cols = math.prod(p.shape[:-1]), p.shape[-1]
+    def quantize(name, shape, gen):
+        rows, cols = math.prod(shape[:-1]), shape[-1]
         size = int_groups.block_bytes(4, group)
         blocks = torch.randint(0, 256, (rows, cols // group, size), dtype=torch.uint8, device=device, generator=gen)
         head = torch.rand((rows, cols // group, 2), device=device, generator=gen) * 1e-3
         blocks[:, :, :int_groups.HEADER_BYTES] = head.view(torch.uint8).reshape(rows, cols // group, -1)
-        out[name] = QuantWeight(blocks.reshape(rows, -1), int_groups.kind_name(4, group), p.shape)
-    return out
+        return QuantWeight(blocks.reshape(rows, -1), int_groups.kind_name(4, group), shape)
+
+    # a GPTQ checkpoint's embedding stays 16-bit
+    return _quantized(graph, device, lambda name, shape: len(shape) == 1 or name == "embed", quantize)
 
 
 def fp8_params(graph, group: int = 128, device: str = "cuda") -> dict:
@@ -132,17 +133,14 @@ def fp8_params(graph, group: int = 128, device: str = "cuda") -> dict:
     from backends.cuda.weights import QuantWeight
     from ir.formats import fp8_blocks
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    out = {}
-    for name, p in graph.params.items():
-        if len(p.shape) != 2 or name == "embed":  # the FP8 checkpoints' embeddings stay 16-bit
-            out[name] = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
-            continue
-        rows, cols = p.shape
+    def quantize(name, shape, gen):
+        rows, cols = shape
         codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, device=device, generator=gen) & 0xBF
         scales = torch.rand((rows, cols // group), device=device, generator=gen) * 1e-3
-        out[name] = QuantWeight(codes, fp8_blocks.kind_name(group), p.shape, scales=scales)
-    return out
+        return QuantWeight(codes, fp8_blocks.kind_name(group), shape, scales=scales)
+
+    # the FP8 checkpoints' embeddings stay 16-bit
+    return _quantized(graph, device, lambda name, shape: len(shape) != 2 or name == "embed", quantize)
 
 
 def quant_params(kind: str, graph, layers: int) -> dict:
