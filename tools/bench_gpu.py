@@ -342,6 +342,16 @@ def main() -> None:
         for b in qbatches:
             fig["decode"][b] = decode_rate(engine, b, args.prompt, args.gen, cfg.vocab_size)
             say(f"  {kind} ({nbytes / GB:.2f} GB) decode batch {b}: {fig['decode'][b]:,.0f} tok/s")
+        fig["profile"] = {}
+        for b in [int(x) for x in args.profile.split(",") if x and int(x) in qbatches]:
+            try:  # where a quantized step's time goes: the formats' kernels against the 16-bit step's
+                fig["profile"][b] = kernel_profile(engine, b, args.prompt, cfg.vocab_size)
+            except Exception as e:  # noqa: BLE001  (a diagnostic, as above)
+                say(f"  ({kind} profile of batch {b} failed: {type(e).__name__}: {e})")
+                continue
+            say(f"  {kind} decode batch {b}, GPU time by kernel (us per step):")
+            for name, share, us in fig["profile"][b]:
+                say(f"    {us:9.1f} {share:6.1%}  {name}")
         if kind != "q4km":
             fig["prefill_tps"] = prefill_rate(engine, args.prefill, cfg.vocab_size)
             say(f"  {kind} prefill {args.prefill}: {fig['prefill_tps']:,.0f} tok/s")
