@@ -47,6 +47,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--gen", type=int, default=64, help="tokens decoded per sequence")
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs of each, interleaved")
+    p.add_argument("--profile", action="store_true", help="then one more run of each under cProfile: the host's "
+                   "milliseconds a step in the engine's parts (masks, sampling, read-back, forward's launch)")
     args = p.parse_args()
     model = load_model(args.model or default_model_path(), progress=False)
     backend = create_backend(args.backend, model, progress=False)
@@ -70,6 +72,31 @@ def main() -> None:
           f"{os.cpu_count()} cores; batch {args.batch}, {args.gen} tokens each, best of {args.repeats}")
     print(f"unconstrained {best['free']:.1f} tok/s, JSON schema {best['json_schema']:.1f} tok/s, "
           f"ratio {best['json_schema'] / best['free']:.3f}")
+    if args.profile:
+        for name, params in (("free", free), ("json_schema", held)):
+            host_profile(name, lambda params=params: decode_rate(engine, prompts, params), args.gen)
+
+
+PARTS = {"step": "engine.py:step", "launch": "engine.py:_launch", "forward": "forward", "sample": "engine.py:_sample",
+         "masks": "token_masks.py:fill", "sampler": "sample_async", "read-back": "engine.py:_resolve",
+         "matchers": "token_masks.py:advance", "report": "engine.py:_report"}
+
+
+def host_profile(name: str, run, steps: int) -> None:
+    """Host milliseconds a decode step spent in each of PARTS (cumulative, cProfile's clock) during one run."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, func): (cc, nc, tt, ct, callers)}
+    cells = []
+    for label, part in PARTS.items():  # a function's name, or file:name where the name is common
+        ct = sum(v[3] for (f, _, fn), v in stats.items() if part in (fn, f"{Path(f).name}:{fn}"))
+        cells.append(f"{label} {1e3 * ct / steps:.2f}")
+    print(f"host ms a step, {name}: " + ", ".join(cells))
 
 
 if __name__ == "__main__":
