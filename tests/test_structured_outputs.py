@@ -199,6 +199,35 @@ def test_samplers_apply_the_mask_alike_and_logprobs_stay_raw():
         assert not all(allowed_tokens(masks[5], vocab)[t] for t, _ in ours[5].top_logprobs) or trial
 
 
+def test_greedy_masked_rows_take_the_masked_argmax():
+    """The torch sampler's greedy path under masks (every row greedy: no host arrays, the words through its pinned
+    slots): the same tokens as numpy's sampler with every row masked, some rows, and across steps of other sizes."""
+    from backends.cuda.sampling import TorchSampler
+    from core.sampler import Sampler, allowed_tokens
+
+    rng = np.random.default_rng(1)
+    vocab = 1000
+    sampler = TorchSampler()  # one across the steps, as the backend keeps it
+    changed = 0
+
+    def sparse(words: int):  # about one token in eight allowed: the mask decides most rows' choice
+        r = [rng.integers(-2**31, 2**31, words, dtype=np.int64).astype(np.int32) for _ in range(3)]
+        return r[0] & r[1] & r[2]
+
+    for n, masked in ((4, {0, 1, 2, 3}), (6, {1, 4}), (3, {2}), (6, set(range(6)))):
+        logits = rng.normal(0, 3, (n, vocab)).astype(np.float32)
+        masks = [sparse((vocab + 31) // 32) for _ in range(n)]
+        rows = [_Row(SamplingParams(temperature=0), masks[i] if i in masked else None, i) for i in range(n)]
+        ours = [r.token for r in Sampler()(logits, rows)]
+        theirs = [r.token for r in sampler(torch.from_numpy(logits), rows)]
+        assert ours == theirs
+        for i in masked:
+            assert allowed_tokens(masks[i], vocab)[theirs[i]]
+            changed += theirs[i] != int(np.argmax(logits[i]))
+        assert all(theirs[i] == int(np.argmax(logits[i])) for i in range(n) if i not in masked)
+    assert changed >= 10  # of 15 masked rows: the masks did choose
+
+
 def test_min_tokens_yields_to_a_complete_grammar(make_engine, smollm):
     """min_tokens bans the end while the grammar could go on; once it is complete, the grammar wins: "stop"."""
     tok = smollm.tokenizer

@@ -65,10 +65,33 @@ def _host_arrays(inputs: Sequence[SamplerInput], vocab: int) -> dict[str, np.nda
     return {k: np.asarray(h[k], dtype=np.float64) for k in _LONG + _FLOAT + _DOUBLE}
 
 
-def _mask_words(inputs: Sequence[SamplerInput], rows: list[int], device: torch.device) -> torch.Tensor:
-    """The masked rows' token-mask words [rows, words] as int32 on the device, in one copy."""
-    words = torch.from_numpy(np.stack([inputs[i].token_mask for i in rows]))
-    return words.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else words.to(device)
+class _MaskStage:
+    """Pinned host slots for the masked rows' words, two in turn: a step's words are copied into one and sent to the
+    device from there, while the other's copy (the step before) may still be queued. No pinning a step."""
+
+    def __init__(self):
+        self.slots: list[torch.Tensor] = []
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def to_device(self, inputs: Sequence[SamplerInput], rows: list[int], device: torch.device) -> torch.Tensor:
+        """The masked rows' token-mask words [rows, words] as int32 on the device, in one copy."""
+        n, words = len(rows), len(inputs[rows[0]].token_mask)
+        if device.type != "cuda":
+            return torch.from_numpy(np.stack([inputs[i].token_mask for i in rows])).to(device)
+        i = self.turn = 1 - self.turn
+        if len(self.slots) < 2 or self.slots[i].shape[0] < n or self.slots[i].shape[1] != words:
+            shape = (max(n, self.slots[i].shape[0] if self.slots else 0), words)
+            self.slots = [torch.empty(shape, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self.events = [None, None]
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # the copy out of this slot two steps ago (long done in practice)
+        slot = self.slots[i][:n]
+        np.stack([inputs[r].token_mask for r in rows], out=slot.numpy())
+        out = slot.to(device, non_blocking=True)
+        self.events[i] = torch.cuda.Event()
+        self.events[i].record()
+        return out
 
 
 @functools.cache
@@ -80,12 +103,14 @@ def _bit_lookup(vocab: int, n_words: int, device: torch.device) -> tuple[torch.T
     return (ids >> 5).clamp(max=n_words - 1), bit
 
 
-def _apply_masks(x: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """x with each masked row's disallowed tokens at -inf (a token past the mask's words is disallowed)."""
+def _apply_masks(x: torch.Tensor, rows: torch.Tensor | list[int], words: torch.Tensor) -> torch.Tensor:
+    """x with each masked row's disallowed tokens at -inf (a token past the mask's words is disallowed); `rows` (in
+    order) index x's masked rows."""
     word, bit = _bit_lookup(x.shape[1], words.shape[1], x.device)
     banned = (words[:, word] & bit) == 0
     if len(rows) == len(x):  # every row constrained (rows are in order): fill in place, no gather and scatter
         return x.masked_fill_(banned, float("-inf"))
+    rows = torch.as_tensor(rows, device=x.device)  # a list only on the greedy path: its one small copy
     x[rows] = x[rows].masked_fill_(banned, float("-inf"))
     return x
 
@@ -210,6 +235,9 @@ class PendingSample:
 class TorchSampler:
     """Samples one token per row on the logits' device; row i belongs to inputs[i]. Never writes to the logits."""
 
+    def __init__(self):
+        self._stage = _MaskStage()
+
     def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplerInput]) -> list[SampleResult]:
         return self.launch(logits, inputs)[1].result()
 
@@ -223,7 +251,11 @@ class TorchSampler:
         adjusts = any(adjusts_logits(p) for p in params)
         masked = any(getattr(s, "token_mask", None) is not None for s in inputs)
         n, vocab = logits.shape
-        if not adjusts and not masked and all(p.greedy and p.logprobs is None for p in params):
+        if not adjusts and all(p.greedy and p.logprobs is None for p in params):
+            if masked:  # greedy rows under token masks (a JSON schema's usual case): the masked argmax alone
+                rows = [i for i, s in enumerate(inputs) if getattr(s, "token_mask", None) is not None]
+                words = self._stage.to_device(inputs, rows, logits.device)
+                logits = _apply_masks(logits.clone(), rows, words)
             tokens = logits.argmax(1)
             return tokens, PendingSample(tokens, n, [], [], 0)
         h = _host_arrays(inputs, vocab)
@@ -231,7 +263,8 @@ class TorchSampler:
         x = _adjust(logits, d) if adjusts else logits
         if masked:  # after the logit processors, before temperature and the cuts (vLLM's place)
             rows = h["m_row"].astype(np.int64).tolist()
-            x = _apply_masks(x if adjusts else x.clone(), d["m_row"], _mask_words(inputs, rows, logits.device))
+            words = self._stage.to_device(inputs, rows, logits.device)
+            x = _apply_masks(x if adjusts else x.clone(), d["m_row"], words)
         tokens = x.argmax(1)  # greedy rows; sampled rows are overwritten below
         if len(h["s_row"]):
             rows = d["s_row"]
