@@ -135,6 +135,7 @@ def test_chained_steps_sample_constrained_rows_after_the_read_back(chat_model):
     check_all(got, jobs)
     assert tokens(got) == tokens(want)
     assert chained.stats["overlapped_steps"] >= 5 and plain.stats["overlapped_steps"] == 0
+    assert chained.masks.filled_off_thread >= 5 and plain.masks.filled_off_thread == 0
 
 
 def test_preempted_sequences_keep_their_matchers(chat_model):

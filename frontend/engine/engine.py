@@ -49,7 +49,7 @@ class _Launched:
 
     seqs: list[Sequence]  # the sampling sequences, in row order
     slots: list[int]  # where each one's token goes in its output_token_ids
-    pending: object  # .result() -> list[SampleResult]; None while a constrained step waits for the last one's tokens
+    pending: object  # .result() -> list[SampleResult]; None while a constrained step's masks are filled
     logits: object = None  # then the logits it will sample from
 
 
@@ -211,12 +211,13 @@ class LLMEngine:
             prev = None
         scheduled = self.scheduler.schedule()
         self.stats["overlapped_steps"] += prev is not None and bool(scheduled)
+        if prev is not None and prev.pending is None:  # its masks were filled meanwhile: its sampling goes first
+            self._sample_deferred(prev)
         launched = self._launch(scheduled, touched, prev is not None) if scheduled else None
         if prev is not None:
             self._resolve(prev, touched)
-        if launched is not None and launched.pending is None:  # its token masks needed prev's tokens
-            launched.pending = self._sample(launched.logits, launched.seqs, launched.slots)
-            launched.logits = None
+        if launched is not None and launched.pending is None:  # its masks needed prev's tokens, now read back
+            self.masks.start(launched.seqs, launched.slots)  # filled off this thread until the next step samples
         for s in scheduled:  # after the read-back: block hashes need the tokens
             self.blocks.commit(s.seq)
         if launched is not None:
@@ -243,8 +244,9 @@ class LLMEngine:
 
     def _launch(self, scheduled: list[ScheduledSeq], touched: set[str], chained: bool) -> _Launched | None:
         """Launch a step's forward and, unless it is `chained` behind an unread step and holds a constrained
-        sequence (whose mask needs that step's token: the engine samples it after the read-back, the device running
-        the forward meanwhile), its sampling."""
+        sequence, its sampling. Such a step's masks need that step's tokens: after the read-back they are filled on
+        the library's threads while this thread finishes the step, and the next step() samples it before launching
+        its own forward (the device runs this forward meanwhile)."""
         keep = [i for i, s in enumerate(scheduled) if s.samples]
         batch = self.make_batch(scheduled)
         batch.logits_indices = batch.logits_indices[keep]
@@ -303,8 +305,14 @@ class LLMEngine:
             seq.min_tokens_params = replace(p, logit_bias={**(p.logit_bias or {}), **dict.fromkeys(stops, -np.inf)})
         return seq.min_tokens_params
 
+    def _sample_deferred(self, launched: _Launched) -> None:
+        launched.pending = self._sample(launched.logits, launched.seqs, launched.slots)
+        launched.logits = None
+
     def _resolve(self, launched: _Launched, touched: set[str]) -> None:
         """Read a launched step's tokens back: fill the placeholders, detokenize, stop."""
+        if launched.pending is None:  # a constrained step not sampled yet
+            self._sample_deferred(launched)
         results = launched.pending.result()
         now = time.monotonic()
         for seq, slot, res in zip(launched.seqs, launched.slots, results, strict=True):

@@ -4,6 +4,7 @@ samples, and the batch's allowed-token bitmasks computed together on the library
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
@@ -27,6 +28,9 @@ class TokenMasks:
         self._lltok: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._eos_words = self._buf = np.zeros(0, np.int32)
+        self._worker: ThreadPoolExecutor | None = None
+        self._started: tuple[Sequence, list, np.ndarray, Future] | None = None  # (seqs, rows, masks, the fill)
+        self.filled_off_thread = 0  # steps whose masks `start` filled (a statistic)
 
     def _library_tokenizer(self) -> llguidance.LLTokenizer:
         if self._lltok is None:
@@ -55,27 +59,58 @@ class TokenMasks:
             raise GrammarError(m.get_error())
         return m
 
+    def start(self, seqs: Sequence, counts: Sequence[int]) -> None:
+        """Begins the masks of a step whose sampling waits for the next step() (its matchers hold every token up to
+        it): the library fills them on its own threads, without the GIL, while the engine's thread reports the last
+        step and schedules the next. `fill` with the same `seqs` list waits for them."""
+        self._join()
+        rows, masks = self._rows(seqs)
+        if not rows:
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
+        job = self._worker.submit(fill_next_token_bitmask_par, self._executor,
+                                  [(s.grammar, i) for i, s in enumerate(rows)], masks)
+        self._started = (seqs, rows, masks, job)
+
     def fill(self, seqs: Sequence, counts: Sequence[int]) -> None:
         """Sets `token_mask` of every live constrained sequence of a sampling step (the others' stays None);
         `counts[i]`: the tokens seqs[i] generated before the one sampled now.
 
         Under min_tokens the end-of-sequence tokens stay banned, as for any sequence, unless the constraint is
         complete and nothing else may follow: then the grammar wins."""
-        rows = [(s, n) for s, n in zip(seqs, counts, strict=True) if s.grammar is not None and not s.finished]
+        if self._started is not None and self._started[0] is seqs:
+            _, rows, masks, job = self._started
+            self._started = None
+            job.result()
+            self.filled_off_thread += 1
+        else:
+            self._join()
+            rows, masks = self._rows(seqs)
+            if rows:
+                fill_next_token_bitmask_par(self._executor, [(s.grammar, i) for i, s in enumerate(rows)], masks)
         for s in seqs:
             if s.finished:  # ended by the read-back before this deferred sampling: its row is never used
                 s.token_mask = None
-        if not rows:
-            return
-        if len(self._buf) < len(rows):
-            self._buf = np.zeros((max(len(rows), 2 * len(self._buf)), self._buf.shape[1]), np.int32)
-        masks = self._buf[:len(rows)]
-        fill_next_token_bitmask_par(self._executor, [(s.grammar, i) for i, (s, _) in enumerate(rows)], masks)
-        for i, (s, n) in enumerate(rows):
+        minimum = {id(s): n < s.params.min_tokens for s, n in zip(seqs, counts, strict=True)}
+        for i, s in enumerate(rows):
             row = masks[i]
-            if n < s.params.min_tokens and not s.grammar.is_stopped():
+            if minimum[id(s)] and not s.grammar.is_stopped():
                 row &= ~self._eos_words
-            s.token_mask = row
+            s.token_mask = None if s.finished else row
+
+    def _rows(self, seqs: Sequence) -> tuple[list, np.ndarray]:
+        """The live constrained sequences of a step and mask rows for them (the buffer grows as needed)."""
+        rows = [s for s in seqs if s.grammar is not None and not s.finished]
+        if rows and len(self._buf) < len(rows):
+            self._buf = np.zeros((max(len(rows), 2 * len(self._buf)), self._buf.shape[1]), np.int32)
+        return rows, self._buf[:len(rows)]
+
+    def _join(self) -> None:
+        """Waits for a started fill that nobody collected (its step was resolved another way): the buffer is reused."""
+        if self._started is not None:
+            job, self._started = self._started[3], None
+            job.result()
 
     @staticmethod
     def advance(seq, token: int) -> tuple[bool, str | None]:
