@@ -88,15 +88,17 @@ def host_profile(name: str, run, steps: int) -> None:
     import pstats
 
     prof = cProfile.Profile()
+    t = time.perf_counter()
     prof.enable()
     run()
     prof.disable()
+    wall = time.perf_counter() - t
     stats = pstats.Stats(prof).stats  # {(file, line, func): (cc, nc, tt, ct, callers)}
     cells = []
     for label, part in PARTS.items():  # a function's name, or file:name where the name is common
         ct = sum(v[3] for (f, _, fn), v in stats.items() if part in (fn, f"{Path(f).name}:{fn}"))
         cells.append(f"{label} {1e3 * ct / steps:.2f}")
-    print(f"host ms a step, {name}: " + ", ".join(cells))
+    print(f"host ms a step, {name}: wall {1e3 * wall / steps:.2f} (profiled), " + ", ".join(cells))
 
 
 if __name__ == "__main__":
