@@ -37,11 +37,11 @@ from kernels_src.dequant_gemm import (
     row_block,
     split_k_for,
 )
-from kernels_src.dequant_gemv_i8 import dequantize_x, quantize_x
+from kernels_src.dequant_gemv_i8 import quantize_x
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.gguf_gemv_common import _f16
 
-__all__ = ["MAX_ROWS", "MMQ_QTYPES", "MMQ_TUNED", "mmq", "mmq_ref", "mmq_tiles"]
+__all__ = ["MAX_ROWS", "MMQ_QTYPES", "MMQ_TUNED", "MMQ_VARIANT", "VARIANTS", "mmq", "mmq_ref", "mmq_tiles"]
 
 MMQ_QTYPES = ("Q4_K", "Q6_K")
 SUPER = {"Q4_K": (256, 144), "Q6_K": (256, 210)}  # elements, bytes of a super-block
@@ -155,6 +155,11 @@ MIN_SPLIT_STEPS = 2  # super-blocks a split keeps at least
 # The runner takes this GEMM from MIN_ROWS rows (H200): at 2 rows the GEMVs are 1.3-2x faster; at 4-8 this is
 # 1.1-1.3x faster than Q4_K's and 1.1-2.8x than Q6_K's.
 MIN_ROWS = {"Q4_K": 4, "Q6_K": 4}
+# per32: x to int8 per 32 elements, each K = 32 MMA scaled in fp32 (this file's kernels); per256: x per 256, a
+# super-block's MMAs combined in int32 (gguf_mmq_sb.py). MMQ_VARIANT stays per32 until an H200 sweep says otherwise
+# (tools/sweep_mmq --variants per32,per256 prints MMQ_TUNED entries naming the faster one per problem).
+VARIANTS = ("per32", "per256")
+MMQ_VARIANT = "per32"
 MAX_ROWS = 32  # and up to here: at 64 rows dequant_gemm is 1.1-1.3x faster (Q4_K, H200)
 # (qtype, row bucket 16 / 32, n, k) -> launcher keywords measured best on an H200 (tools/sweep_mmq.py prints this
 # literal, 2026-12-01; 1.1-1.9x dequant_gemm's tuned tiles); a problem not listed takes mmq_tiles' rule.
@@ -180,23 +185,37 @@ MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
 
 def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
     """BLOCK_M (16 / 32 / 64 by M), BLOCK_N, SPLIT (a power of two, grown until every SM has WAVE_PROGRAMS
-    programs while each split keeps MIN_SPLIT_STEPS super-blocks and the partials fit PART_BYTES), num_warps."""
+    programs while each split keeps MIN_SPLIT_STEPS super-blocks and the partials fit PART_BYTES), num_warps, and
+    the variant (VARIANTS; MMQ_VARIANT unless MMQ_TUNED says otherwise)."""
     steps = k // SUPER[qtype.upper()][0]
     block_m, block_n = row_block(m), 64
     split = split_k_for(m, n, block_m, block_n, steps, sms, MIN_SPLIT_STEPS)
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=4, num_stages=None)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=4, num_stages=None, variant=MMQ_VARIANT)
     cfg.update({_KEYS[key]: v for key, v in MMQ_TUNED.get((qtype.upper(), block_m, n, k), {}).items()})
     return cfg
 
 
-_KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", split_k="SPLIT", num_warps="num_warps", num_stages="num_stages")
+_KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", split_k="SPLIT", num_warps="num_warps", num_stages="num_stages",
+             variant="variant")
+
+
+def _variant(name: str) -> tuple[dict, object]:
+    """(kernels by qtype, x pre-pass(x2, target) -> (q, d, d * sum(q) per 32)) of a variant."""
+    if name == "per32":
+        return KERNELS, lambda x2, target: quantize_x(x2, target=target, sums=True)
+    if name == "per256":
+        from kernels_src import gguf_mmq_sb
+
+        return gguf_mmq_sb.KERNELS, gguf_mmq_sb.quantize_x256
+    raise ValueError(f"mmq: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
 
 
 def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None = None, xq=None, **over):
     """y [M, N] = x2 [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, >= row_bytes], rows 4-byte
-    aligned), x quantized to int8 per 32 elements first (or given as xq: quantize_x(.., sums=True)'s triple, to
-    share one pre-pass between GEMMs of one input); out (made when not given) in x2's dtype. `over` overrides
-    mmq_tiles (block_m, block_n, split_k, num_warps, num_stages)."""
+    aligned), x quantized to int8 first (or given as xq: the variant's pre-pass triple, quantize_x(.., sums=True)
+    for per32 or gguf_mmq_sb.quantize_x256 for per256, to share one pre-pass between GEMMs of one input); out (made
+    when not given) in x2's dtype. `over` overrides mmq_tiles (block_m, block_n, split_k, num_warps, num_stages,
+    variant)."""
     qtype = qtype.upper()
     if qtype not in MMQ_QTYPES:
         raise ValueError(f"mmq: unsupported qtype {qtype!r} (supported: {', '.join(MMQ_QTYPES)})")
@@ -209,26 +228,34 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
     align = 4 if qtype == "Q4_K" else 2
     if addr % align or (n > 1 and elem_stride(w, 0) % align):
         raise ValueError(f"{qtype} weight rows must start {align}-byte aligned (the block headers are read as words)")
+    cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2))
+    cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
+    kernels, pre_pass = _variant(cfg.pop("variant"))
     out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
     if xq is None:
-        xq = quantize_x(x2 if elem_stride(x2, 1) == 1 else x2.contiguous(), target=target, sums=True)
+        xq = pre_pass(x2 if elem_stride(x2, 1) == 1 else x2.contiguous(), target)
     xq, xd, xs = xq
-    cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2))
-    cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
     pdl = use_pdl(target, pdl)
-    kern = compile(KERNELS[qtype], target, num_warps=nw, num_stages=ns, launch_pdl=pdl, PDL=pdl, **cfg)
+    kern = compile(kernels[qtype], target, num_warps=nw, num_stages=ns, launch_pdl=pdl, PDL=pdl, **cfg)
     args = (m, n, elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xd, 0))
+    if kernels is not KERNELS:  # per256: xs is strided apart from xd
+        args += (elem_stride(xs, 0),)
     return launch_split_k(kern, (w, xq, xd, xs), args, out, k // elems, split, cfg["BLOCK_M"], cfg["BLOCK_N"],
                           target, pdl)
 
 
-def mmq_ref(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:
-    """What mmq computes, in float64: x quantized as quantize_x does (numpy), times W decoded by our numpy
-    dequantizer. Against dequant_matmul_ref(x, ...) it differs by x's quantization alone."""
+def mmq_ref(x: np.ndarray, w: np.ndarray, qtype: str, variant: str = "per32") -> np.ndarray:
+    """What mmq computes, in float64: x quantized as the variant's pre-pass does (numpy), times W decoded by our
+    numpy dequantizer. Against dequant_matmul_ref(x, ...) it differs by x's quantization alone."""
     from kernels_src.dequant_gemv_i8 import quantize_x_ref
+    from kernels_src.gguf_mmq_sb import quantize_x256_ref
 
-    q, d = quantize_x_ref(np.asarray(x, np.float32))
-    return dequant_matmul_ref(dequantize_x(q, d), w, qtype)
+    if variant not in VARIANTS:
+        raise ValueError(f"mmq_ref: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
+    q, d = (quantize_x_ref if variant == "per32" else quantize_x256_ref)(np.asarray(x, np.float32))
+    group = x.shape[1] // d.shape[1]
+    xd = (q.reshape(q.shape[0], -1, group).astype(np.float32) * d[..., None]).reshape(q.shape)
+    return dequant_matmul_ref(xd, w, qtype)

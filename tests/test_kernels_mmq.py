@@ -1,8 +1,8 @@
-"""The int8 tensor-core GEMM (kernels_src/gguf_mmq.py) on random valid Q4_K and Q6_K blocks, outputs poisoned
-first: the DSL interpreter, Triton's interpreter and the SIMT lowering against x's int8 quantization times our
-numpy dequantizer (float64), tight; against x itself within what that quantization allows; 4..33 rows, ragged N,
-split-K; the x pre-pass's block sums; the DSL's int8 dot; and Triton AOT builds for sm_90 (int8 wgmma, no spills,
-the grid-dependency wait)."""
+"""The int8 tensor-core GEMM (kernels_src/gguf_mmq.py, both variants: per32 and gguf_mmq_sb.py's per256) on random
+valid Q4_K and Q6_K blocks, outputs poisoned first: the DSL interpreter, Triton's interpreter and the SIMT lowering
+against x's int8 quantization times our numpy dequantizer (float64), tight; against x itself within what that
+quantization allows; 4..33 rows, ragged N, split-K; the x pre-passes' scales and block sums; planted bugs; the DSL's
+int8 dot; and Triton AOT builds for sm_90 (int8 wgmma, no spills, the grid-dependency wait)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ from test_kernels_gemv import _stack_bytes, padded_weights
 
 from kernels_src import dequant_gemm as dgm
 from kernels_src import gguf_mmq as mq
+from kernels_src import gguf_mmq_sb as sb
 from kernels_src.dequant_gemv_i8 import int8_error_bound, quantize_x, quantize_x_ref
 from kernels_src.dsl import compile as dsl_compile
+from kernels_src.dsl import launch as dsl_launch
 from kernels_src.dsl import tl
+from kernels_src.gguf_mmq import _q4k_scale_min as _scale_min
 
 needs_aot = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
                                reason="AOT builds need triton, and TRITON_INTERPRET unset")
@@ -27,6 +30,9 @@ needs_aot = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRE
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+GROUP = {"per32": 32, "per256": 256}
 
 
 def _run(target, x, w, qtype, **kw):
@@ -39,42 +45,105 @@ def _run(target, x, w, qtype, **kw):
     return got
 
 
-def _check(got, x, w, qtype, tol):
-    want = mq.mmq_ref(x, w, qtype)
+def _check(got, x, w, qtype, tol, variant="per32"):
+    want = mq.mmq_ref(x, w, qtype, variant)
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
     exact = dgm.dequant_matmul_ref(x, w, qtype)  # x unquantized: within the quantization's bound
-    assert (np.abs(got - exact) <= int8_error_bound(x, w, qtype) + tol * np.abs(exact).max()).all()
+    bound = int8_error_bound(x, w, qtype, GROUP[variant])
+    assert (np.abs(got - exact) <= bound + tol * np.abs(exact).max()).all()
 
 
+@pytest.mark.parametrize("variant", mq.VARIANTS)
 @pytest.mark.parametrize("split", [None, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
 @pytest.mark.parametrize("m", [4, 17, 33])
-def test_mmq_interpreter(m, qtype, dtype, split, rng):
+def test_mmq_interpreter(m, qtype, dtype, split, variant, rng):
     """33 rows take a 64-row tile; 131 columns 3 tiles of 64, the last ragged; 3 super-blocks over 3 splits."""
     k = 768
     w = padded_weights(rng, qtype, 131, k)
     x = rng.standard_normal((m, k)).astype(dtype)
-    _check(_run("numpy", x, w, qtype, split_k=split), x.astype(np.float32), w, qtype,
-           1e-5 if dtype == np.float32 else 2e-3)
+    _check(_run("numpy", x, w, qtype, split_k=split, variant=variant), x.astype(np.float32), w, qtype,
+           1e-5 if dtype == np.float32 else 2e-3, variant)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton/torch not installed")
+@pytest.mark.parametrize("variant", mq.VARIANTS)
 @pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
-def test_mmq_triton_interpreter(qtype, rng):
+def test_mmq_triton_interpreter(qtype, variant, rng):
     k = 512
     w = padded_weights(rng, qtype, 37, k)
     x = rng.standard_normal((20, k)).astype(np.float32)
-    _check(_run("triton-interpret", x, w, qtype, split_k=2), x, w, qtype, 1e-5)
+    _check(_run("triton-interpret", x, w, qtype, split_k=2, variant=variant), x, w, qtype, 1e-5, variant)
 
 
+@pytest.mark.parametrize("variant", mq.VARIANTS)
 @pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
-def test_mmq_simt_cpu(qtype, rng):
+def test_mmq_simt_cpu(qtype, variant, rng):
     """The SIMT lowering (the CPU oracle of the Metal and CUDA C emitters) runs the int8 dot too."""
     k = 512
     w = padded_weights(rng, qtype, 19, k)
     x = rng.standard_normal((18, k)).astype(np.float32)
-    _check(_run("simt-cpu", x, w, qtype, block_n=16, split_k=2), x, w, qtype, 1e-5)
+    _check(_run("simt-cpu", x, w, qtype, block_n=16, split_k=2, variant=variant), x, w, qtype, 1e-5, variant)
+
+
+def test_per256_extremes(rng):
+    """Every nibble 15 (and 0), the largest 6-bit scales and mins, x at +-max|x| everywhere: the int32 sums at
+    their bound (|S| < 3.8e8) stay exact, and the high nibbles' -128 offset is taken back."""
+    k, n = 512, 20
+    w = padded_weights(rng, "Q4_K", n, k)
+    blocks = w[:, :288].reshape(n, 2, 144)
+    blocks[:, :, 4:16] = 0xFF  # every scale and min 63
+    blocks[:10, :, 16:] = 0xFF  # quants 15 (rows 10.. keep random ones)
+    blocks[10:12, :, 16:] = 0x00
+    x = np.where(rng.random((6, k)) < 0.5, -3.0, 3.0).astype(np.float32)
+    _check(_run("numpy", x, w, "Q4_K", variant="per256"), x, w, "Q4_K", 1e-5, "per256")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_quantize_x256(target, rng):
+    """One scale per 256 elements (max|x| / 127), q rounded half to even, and d * sum(q) per 32; a zero block."""
+    x = rng.standard_normal((3, 768)).astype(np.float32)
+    x[1, 256:512] = 0
+    xq, xd, xs = (host(a) for a in sb.quantize_x256(dev(x, target), target=target))
+    q, d = sb.quantize_x256_ref(x)
+    np.testing.assert_array_equal(xq, q)
+    np.testing.assert_array_equal(xd, np.abs(x).reshape(3, 3, 256).max(-1).astype(np.float32) * np.float32(1 / 127))
+    np.testing.assert_allclose(xs, np.repeat(d, 8, axis=1) * q.reshape(3, -1, 32).astype(np.float32).sum(-1),
+                               rtol=1e-6)
+    assert (xd[1, 1] == 0) and not q[1, 256:512].any()
+
+
+def test_per256_error_is_the_coarser_group():
+    """The bound of one scale a super-block is above per32's (Gaussian x: about 1.2-1.4x) and mmq's error is within
+    it: what x's coarser quantization costs, stated."""
+    rng = np.random.default_rng(7)
+    w = padded_weights(rng, "Q4_K", 64, 1024)
+    x = rng.standard_normal((8, 1024)).astype(np.float32)
+    b32, b256 = (int8_error_bound(x, w, "Q4_K", g).mean() for g in (32, 256))
+    assert 1.1 < b256 / b32 < 1.6
+    exact = dgm.dequant_matmul_ref(x, w, "Q4_K")
+    errs = [np.abs(mq.mmq(x, w, "Q4_K", variant=v) - exact).mean() for v in mq.VARIANTS]
+    assert errs[0] < errs[1] < b256
+
+
+PLANTED = {  # a bug of the per256 kernel -> how it is planted
+    "scale and min swapped": lambda mp, x: (mp.setattr(sb, "_q4k_scale_min", lambda wd, j: _scale_min(wd, j)[::-1]),
+                                            None)[1],
+    "high nibbles' offset left out": lambda mp, x: (mp.setattr(sb, "_high_nibbles", lambda v: v & 0xF0), None)[1],
+    "x scaled per 32": lambda mp, x: quantize_x(x, sums=True),
+}
+
+
+@pytest.mark.parametrize("bug", PLANTED)
+def test_per256_planted_bug_fails(bug, rng, monkeypatch):
+    w = padded_weights(rng, "Q4_K", 40, 512)
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    monkeypatch.setattr(dsl_launch, "_kernels", {})  # traced afresh with the bug, forgotten after
+    monkeypatch.setattr(dsl_launch, "_compiled", {})
+    pre = PLANTED[bug](monkeypatch, x)
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+        _check(_run("numpy", x, w, "Q4_K", variant="per256", xq=pre), x, w, "Q4_K", 1e-5, "per256")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -146,9 +215,10 @@ def test_dsl_int8_dot_needs_k_32():
 
 
 @needs_aot
+@pytest.mark.parametrize("variant", mq.VARIANTS)
 @pytest.mark.parametrize("qtype,m,n,k", [("Q4_K", 16, 14336, 4096), ("Q6_K", 16, 4096, 14336),
                                          ("Q4_K", 32, 4096, 4096)])
-def test_aot_sm90(qtype, m, n, k, tmp_path, monkeypatch):
+def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -159,11 +229,12 @@ def test_aot_sm90(qtype, m, n, k, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     cfg = mq.mmq_tiles(qtype, m, n, k)
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages") or 3, cfg.pop("SPLIT")
-    kern = dsl_compile(mq.KERNELS[qtype], "triton", PDL=True, **cfg)
+    cfg.pop("variant")
+    kern = dsl_compile((mq.KERNELS if variant == "per32" else sb.KERNELS)[qtype], "triton", PDL=True, **cfg)
     sig = dict(w="*u8", xq="*i8", xd="*fp32", xs="*fp32", y="*bf16" if split == 1 else "*fp32")
     kir = kern.trace(signature=sig | {p: "i32" for p in kern.runtime_params if p not in sig})
     div16 = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kir.params)
-             if p.name in ("w", "xq", "xd", "xs", "y", "w_stride", "xq_stride", "y_stride")}
+             if p.name in ("w", "xq", "xd", "xs", "y", "w_stride", "xq_stride", "xs_stride", "y_stride")}
     fn = JITFunction(load_function(TritonRenderer().render(kir), kir.name))
     c = triton.compile(ASTSource(fn, signature=kir.signature, attrs=div16), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": nw, "num_stages": ns})

@@ -1,0 +1,164 @@
+"""MMQ with one x scale per super-block (gguf_mmq.mmq's variant "per256"): the sub-block MMAs of a super-block are
+combined in int32, and fp32 is entered once per super-block and output.
+
+gguf_mmq's first kernels ("per32") quantize x per 32 elements, so every K = 32 MMA's int32 tile is converted and
+scaled in fp32 before the next (the sm_90 SASS: 96-128 I2FP, 128 FFMA and 96 FMUL a super-block against 8 IGMMA).
+Here x is quantized per 256 elements (quantize_x256_kernel: one d per super-block, as ggml's Q8_K, plus d * sum(q)
+per 32), so a super-block's dots share one x scale and add up exactly in int32:
+- Q4_K: sub-block j's dot is d sc_j dx sum(q xq) - dmin mn_j dx sum(xq). The low nibbles are `v & 15`; the high
+  ones are taken as `(v & 0xF0) ^ 0x80` = 16 q - 128 (an int8), so both operands come from byte-wise AND/XOR, which
+  the compiler does on 4 packed bytes at once (a shift of uint8 lanes is unpacked byte by byte: 114 PRMT a
+  super-block in the per32 kernel). Hence S = sum_even 16 sc_j D_j + sum_odd sc_j D_j in int32 (one IMAD an
+  output and sub-block), y += d dx S / 16, and the minimums plus the high nibbles' offset (+128 sum(xq) per odd
+  sub-block) go in fp32: (8 d sc_j [j odd] - dmin mn_j) * (dx sum(xq_j)), one FFMA an output and sub-block.
+  |S| <= 4 (16 * 63 * 15 * 127 * 32) + 4 (63 * 128 * 127 * 32) < 3.8e8 < 2**31.
+- Q6_K: its sixteen 16-element dots (gguf_mmq's masked halves) times their int8 scales add up in int32
+  (|S| <= 16 * 128 * 32 * 127 * 16 < 1.4e8), y += d dx S.
+Accuracy: x moves by at most half its super-block's step, max|x| / 254 over 256 elements instead of 32
+(int8_error_bound(.., group=256)): on Gaussian x about 1.25x the per32 error (the expected max of 256 |N(0,1)|
+draws is ~3.0 against ~2.4 for 32); an outlier of an activation costs its whole super-block precision, as it does
+llama.cpp's CPU k-quant dot products, which quantize x to Q8_K the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels_src.dequant_gemv_i8 import _ONES, _absmax, _quantize
+from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.gguf_gemv_common import _f16, _x_vals
+from kernels_src.gguf_mmq import _q4k_scale_min
+from kernels_src.paged_attention import empty
+
+__all__ = ["KERNELS", "quantize_x256", "quantize_x256_ref"]
+
+GROUP = 256  # x elements a scale
+
+
+def quantize_x256_kernel(x, xq, xd, xs, x_stride, xq_stride, xd_stride, xs_stride):
+    """x [M, K] to int8 q [M, K], fp32 d [M, K / 256] (max|x| / 127 of each 256 elements) and fp32 xs [M, K / 32]
+    (d * sum(q) of each 32); program (super-block, row)."""
+    tl.launch_dependents()  # the GEMM after this may start now: it waits for q before its first x load
+    m, sb = tl.program_id(1), tl.program_id(0)
+    blk = 8 * sb + tl.arange(0, 8)[:, None]  # the super-block's 32-element blocks
+    quad = 8 * blk + tl.arange(0, 8)[None, :]  # [8, 8]: 4 elements each
+    vals = _x_vals(x + m * x_stride, quad, 4)
+    amax = tl.max(_absmax(vals, (-1,)), axis=0, keep_dims=True)  # [1, 1]
+    word, d = _quantize(vals, amax)
+    tl.store(xq.to(tl.pointer_type(tl.uint32)) + m * (xq_stride // 4) + quad, word)
+    tl.store(xd + m * xd_stride + sb + tl.zeros((1, 1), tl.int32), d)
+    sums = tl.sum(tl.dot4(_ONES, word, 0), axis=-1, keep_dims=True).to(tl.float32)
+    tl.store(xs + m * xs_stride + blk, d * sums)
+
+
+def quantize_x256(x, target: str = "numpy"):
+    """(int8 q [M, K], fp32 d [M, K / 256], fp32 d * sum(q) [M, K / 32]) of x [M, K] (K a multiple of 256)."""
+    m, k = x.shape
+    xq, xd, xs = empty(x, (m, k), "int8"), empty(x, (m, k // GROUP), "float32"), empty(x, (m, k // 32), "float32")
+    compile(quantize_x256_kernel, target, num_warps=1)[k // GROUP, m](
+        x, xq, xd, xs, elem_stride(x, 0), elem_stride(xq, 0), elem_stride(xd, 0), elem_stride(xs, 0))
+    return xq, xd, xs
+
+
+def quantize_x256_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_x256 in numpy (fp32 arithmetic): (int8 q [M, K], d [M, K / 256])."""
+    x = np.asarray(x, np.float32)
+    b = x.reshape(x.shape[0], -1, GROUP)
+    amax = np.abs(b).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(b * inv).astype(np.int8).reshape(x.shape)
+    return q, (amax[..., 0] * np.float32(1 / 127)).astype(np.float32)
+
+
+def _high_nibbles(v):
+    """16 q - 128 for the high nibbles q of bytes v, as int8 bits: an AND and an XOR (no byte shift)."""
+    return (v & 0xF0) ^ 0x80
+
+
+def _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N):
+    """(m, n, W row pointers, clamped x rows, x's K-major [32, BLOCK_M] sub-block pointers) of this program."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride  # past N: the last row, not stored
+    mc = tl.minimum(m, m_rows - 1).to(tl.int64)  # past M: the last row, not stored
+    return m, n, wrow, mc, xq + mc[None, :] * xq_stride + tl.arange(0, 32)[:, None]
+
+
+def _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N):
+    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
+    dst = y + tl.program_id(2).to(tl.int64) * split_stride
+    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+
+
+def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, xs_stride, y_stride,
+                      split_stride, n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """Program (i, j, s) as gguf_mmq.mmq_q4k_kernel, on quantize_x256's output: xd one scale a super-block, xs
+    d * sum(q) a 32-element block."""
+    m, n, wrow, mc, xrow = _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N)
+    e = tl.arange(0, 32)
+    drow, srow = xd + mc * xd_stride, xs + mc * xs_stride
+    lo = tl.program_id(2) * steps_per_split
+    if PDL:  # x is the pre-pass's output
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+
+    def step(sb, acc):
+        blk = wrow + sb * 144
+        head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
+        words = [tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)]
+        d, dmin = _f16(head), _f16(head >> 16)
+        isum = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
+        for c in range(4):
+            v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])  # [BLOCK_N, 32] bytes
+            for h in range(2):
+                j = 2 * c + h
+                q = _high_nibbles(v) if h else (v & 15)
+                dot = tl.dot(q.to(tl.int8, bitcast=True), tl.load(xrow + sb * 256 + 32 * j))
+                sc, mn = _q4k_scale_min(words, j)
+                isum = isum + dot * (sc if h else 16 * sc).to(tl.int32)[:, None]
+                coef = dmin * mn.to(tl.float32)
+                coef = (8.0 * d * sc.to(tl.float32) - coef) if h else -coef
+                acc = acc + coef[:, None] * tl.load(srow + sb * 8 + j)[None, :]
+        scale = (d * 0.0625)[:, None] * tl.load(drow + sb)[None, :]
+        return acc + scale * isum.to(tl.float32)
+
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
+
+
+def mmq_sb_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, xs_stride, y_stride,
+                      split_stride, n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """gguf_mmq.mmq_q6k_kernel's quants and masked half-chunk MMAs, their int8 scales applied in int32 and fp32
+    entered once a super-block (xs unused: no minimums)."""
+    m, n, wrow, mc, xrow = _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N)
+    e = tl.arange(0, 32)
+    first = (e < 16)[None, :]
+    drow = xd + mc * xd_stride
+    lo = tl.program_id(2) * steps_per_split
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+
+    def step(sb, acc):
+        blk = wrow + sb * 210
+        d = tl.load((blk + 208).to(tl.pointer_type(tl.float16))).to(tl.float32)
+        sc = blk.to(tl.pointer_type(tl.int8)) + 192
+        isum = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
+        for h in range(2):
+            qh = tl.load(blk[:, None] + 128 + 32 * h + e[None, :])
+            ql = [tl.load(blk[:, None] + 64 * h + 32 * j + e[None, :]) for j in range(2)]
+            for k in range(4):
+                nib = (ql[k % 2] >> 4) if k >= 2 else (ql[k % 2] & 15)
+                q = (nib | (((qh >> (2 * k)) & 3) << 4)).to(tl.int8) - 32
+                xv = tl.load(xrow + sb * 256 + 32 * (4 * h + k))
+                for u in range(2):
+                    part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv)
+                    isum = isum + part * tl.load(sc + 8 * h + 2 * k + u).to(tl.int32)[:, None]
+        return acc + (d[:, None] * tl.load(drow + sb)[None, :]) * isum.to(tl.float32)
+
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
+
+
+KERNELS = {"Q4_K": mmq_sb_q4k_kernel, "Q6_K": mmq_sb_q6k_kernel}
