@@ -27,7 +27,6 @@ import numpy as np
 from kernels_src.dequant_gemv_i8 import _ONES, _absmax, _quantize
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.gguf_gemv_common import _f16, _x_vals
-from kernels_src.gguf_mmq import _q4k_scale_min
 from kernels_src.paged_attention import empty
 
 __all__ = ["KERNELS", "quantize_x256", "quantize_x256_ref"]
@@ -76,6 +75,20 @@ def _high_nibbles(v):
     return (v & 0xF0) ^ 0x80
 
 
+def _scale_words(words):
+    """Q4_K's 6-bit scales and mins packed a byte each, 4 to a word (as llama.cpp unpacks them): (sc 0-3, sc 4-7,
+    mn 0-3, mn 4-7) from the three words of scale bytes: sub-blocks 4-7 take 4 bits from byte j + 4 and their top 2
+    from bits 6-7 of byte j - 4 (scales) or j (mins)."""
+    w0, w1, w2 = words
+    return (w0 & 0x3F3F3F3F, (w2 & 0x0F0F0F0F) | ((w0 >> 2) & 0x30303030),
+            w1 & 0x3F3F3F3F, ((w2 >> 4) & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030))
+
+
+def _byte_f32(word, k: int):
+    """Byte k of a word as fp32, without a conversion instruction: its bits under 2**23's exponent, minus 2**23."""
+    return (((word >> (8 * k)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
 def _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N):
     """(m, n, W row pointers, clamped x rows, x's K-major [32, BLOCK_M] sub-block pointers) of this program."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,6 +122,7 @@ def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
         head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
         words = [tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)]
         d, dmin = _f16(head), _f16(head >> 16)
+        scs = _scale_words(words)
         isum = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
         for c in range(4):
             v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])  # [BLOCK_N, 32] bytes
@@ -116,10 +130,11 @@ def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
                 j = 2 * c + h
                 q = _high_nibbles(v) if h else (v & 15)
                 dot = tl.dot(q.to(tl.int8, bitcast=True), tl.load(xrow + sb * 256 + 32 * j))
-                sc, mn = _q4k_scale_min(words, j)
-                isum = isum + dot * (sc if h else 16 * sc).to(tl.int32)[:, None]
-                coef = dmin * mn.to(tl.float32)
-                coef = (8.0 * d * sc.to(tl.float32) - coef) if h else -coef
+                sw, mw, b = scs[j // 4], scs[2 + j // 4], j % 4
+                sc = ((sw >> (8 * b)) & 0xFF) if h else ((sw << 4) >> (8 * b)) & 0xFF0  # 16 sc for the low nibbles
+                isum = isum + dot * sc.to(tl.int32)[:, None]
+                coef = dmin * _byte_f32(mw, b)
+                coef = (8.0 * d * _byte_f32(sw, b) - coef) if h else -coef
                 acc = acc + coef[:, None] * tl.load(srow + sb * 8 + j)[None, :]
         scale = (d * 0.0625)[:, None] * tl.load(drow + sb)[None, :]
         return acc + scale * isum.to(tl.float32)

@@ -21,7 +21,6 @@ from kernels_src.dequant_gemv_i8 import int8_error_bound, quantize_x, quantize_x
 from kernels_src.dsl import compile as dsl_compile
 from kernels_src.dsl import launch as dsl_launch
 from kernels_src.dsl import tl
-from kernels_src.gguf_mmq import _q4k_scale_min as _scale_min
 
 needs_aot = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
                                reason="AOT builds need triton, and TRITON_INTERPRET unset")
@@ -127,9 +126,18 @@ def test_per256_error_is_the_coarser_group():
     assert errs[0] < errs[1] < b256
 
 
+_words = sb._scale_words
+
+
+def _no_top_bits(words):
+    s = _words(words)
+    return (s[0], s[1] & 0x0F0F0F0F, s[2], s[3])
+
+
 PLANTED = {  # a bug of the per256 kernel -> how it is planted
-    "scale and min swapped": lambda mp, x: (mp.setattr(sb, "_q4k_scale_min", lambda wd, j: _scale_min(wd, j)[::-1]),
-                                            None)[1],
+    "scales and mins swapped": lambda mp, x: (mp.setattr(sb, "_scale_words", lambda w: _words(w)[2:] + _words(w)[:2]),
+                                              None)[1],
+    "scales 4-7 without their top bits": lambda mp, x: (mp.setattr(sb, "_scale_words", _no_top_bits), None)[1],
     "high nibbles' offset left out": lambda mp, x: (mp.setattr(sb, "_high_nibbles", lambda v: v & 0xF0), None)[1],
     "x scaled per 32": lambda mp, x: quantize_x(x, sums=True),
 }
