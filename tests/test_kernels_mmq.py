@@ -21,6 +21,8 @@ from kernels_src.dequant_gemv_i8 import int8_error_bound, quantize_x, quantize_x
 from kernels_src.dsl import compile as dsl_compile
 from kernels_src.dsl import launch as dsl_launch
 from kernels_src.dsl import tl
+from kernels_src.dsl.triton_target import aot_compile
+from kernels_src.registry import REGISTRY
 
 needs_aot = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
                                reason="AOT builds need triton, and TRITON_INTERPRET unset")
@@ -249,3 +251,19 @@ def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx and ".s8.s8" in ptx and "griddepcontrol.wait" in ptx
     assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
+
+
+@needs_aot
+def test_per256_sass_mix(capsys):
+    """The speed proxy on a CPU (tools/dump_kernel --target sass-mix, the registry's 16-row tiles, sm_90): per256's
+    Q4_K loop a super-block keeps to ~550 instructions against per32's ~890, with no byte unpacking (PRMT) and no
+    int-to-float conversion per sub-block (I2FP), and spills nothing."""
+    from tools.dump_kernel import main
+    from tools.sass_mix import loop_mix
+
+    assert main(["mmq_sb_q4_k", "--target", "sass-mix"]) == 0
+    assert capsys.readouterr().out.startswith("main loop: ")
+    e, old = REGISTRY["mmq_sb_q4_k"], REGISTRY["mmq_q4_k"]
+    new_mix, old_mix = (loop_mix(aot_compile(x.trace(), num_warps=4, aligned=True).asm["cubin"]) for x in (e, old))
+    assert new_mix.stack == 0 and new_mix.instructions <= 600 < 1.4 * 600 <= old_mix.instructions
+    assert new_mix.opcodes["IGMMA"] == 8 and new_mix.opcodes["PRMT"] <= 4 and new_mix.opcodes["I2FP"] <= 8
