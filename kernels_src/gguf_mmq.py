@@ -183,15 +183,22 @@ MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
 }
 
 
-def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
+def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS, variant: str | None = None) -> dict:
     """BLOCK_M (16 / 32 / 64 by M), BLOCK_N, SPLIT (a power of two, grown until every SM has WAVE_PROGRAMS
     programs while each split keeps MIN_SPLIT_STEPS super-blocks and the partials fit PART_BYTES), num_warps, and
-    the variant (VARIANTS; MMQ_VARIANT unless MMQ_TUNED says otherwise)."""
+    the variant (VARIANTS: the one given, else MMQ_TUNED's for the problem, else MMQ_VARIANT). per256 from 32 rows
+    takes 8 warps (two warpgroups share the rows: at 4 the sm_90 build spills at 64 rows, and builds the minimums'
+    MMA operand through shared memory at 32)."""
     steps = k // SUPER[qtype.upper()][0]
     block_m, block_n = row_block(m), 64
     split = split_k_for(m, n, block_m, block_n, steps, sms, MIN_SPLIT_STEPS)
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=4, num_stages=None, variant=MMQ_VARIANT)
-    cfg.update({_KEYS[key]: v for key, v in MMQ_TUNED.get((qtype.upper(), block_m, n, k), {}).items()})
+    tuned = MMQ_TUNED.get((qtype.upper(), block_m, n, k), {})
+    if variant is not None and tuned.get("variant", MMQ_VARIANT) != variant:
+        tuned = {}  # measured for the other variant
+    variant = variant or tuned.get("variant", MMQ_VARIANT)
+    warps = 8 if variant == "per256" and block_m >= 32 else 4
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=warps, num_stages=None, variant=variant)
+    cfg.update({_KEYS[key]: v for key, v in tuned.items()})
     return cfg
 
 
@@ -200,20 +207,21 @@ _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", split_k="SPLIT", num_warps="n
 
 
 def _variant(name: str) -> tuple[dict, object]:
-    """(kernels by qtype, x pre-pass(x2, target) -> (q, d, d * sum(q) per 32)) of a variant."""
+    """(kernels by qtype, x pre-pass(x2, qtype, block_m, target) -> (q, d, sums)) of a variant."""
     if name == "per32":
-        return KERNELS, lambda x2, target: quantize_x(x2, target=target, sums=True)
+        return KERNELS, lambda x2, qtype, block_m, target: quantize_x(x2, target=target, sums=True)
     if name == "per256":
         from kernels_src import gguf_mmq_sb
 
-        return gguf_mmq_sb.KERNELS, gguf_mmq_sb.quantize_x256
+        return gguf_mmq_sb.KERNELS, gguf_mmq_sb.pre_pass
     raise ValueError(f"mmq: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
 
 
 def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None = None, xq=None, **over):
     """y [M, N] = x2 [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, >= row_bytes], rows 4-byte
     aligned), x quantized to int8 first (or given as xq: the variant's pre-pass triple, quantize_x(.., sums=True)
-    for per32 or gguf_mmq_sb.quantize_x256 for per256, to share one pre-pass between GEMMs of one input); out (made
+    for per32 or gguf_mmq_sb.pre_pass (its layout depends on BLOCK_M) for per256, to share one pre-pass between
+    GEMMs of one input); out (made
     when not given) in x2's dtype. `over` overrides mmq_tiles (block_m, block_n, split_k, num_warps, num_stages,
     variant)."""
     qtype = qtype.upper()
@@ -228,14 +236,14 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
     align = 4 if qtype == "Q4_K" else 2
     if addr % align or (n > 1 and elem_stride(w, 0) % align):
         raise ValueError(f"{qtype} weight rows must start {align}-byte aligned (the block headers are read as words)")
-    cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2))
+    cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2), over.get("variant"))
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     kernels, pre_pass = _variant(cfg.pop("variant"))
     out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
     if xq is None:
-        xq = pre_pass(x2 if elem_stride(x2, 1) == 1 else x2.contiguous(), target)
+        xq = pre_pass(x2 if elem_stride(x2, 1) == 1 else x2.contiguous(), qtype, cfg["BLOCK_M"], target)
     xq, xd, xs = xq
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
     pdl = use_pdl(target, pdl)

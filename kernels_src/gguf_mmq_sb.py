@@ -29,14 +29,18 @@ from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.gguf_gemv_common import _f16, _x_vals
 from kernels_src.paged_attention import empty
 
-__all__ = ["KERNELS", "quantize_x256", "quantize_x256_ref"]
+__all__ = ["KERNELS", "MMA_MINS_ROWS", "pre_pass", "quantize_x256", "quantize_x256_ref"]
 
 GROUP = 256  # x elements a scale
+# From this BLOCK_M the Q4_K minimums' sums go through fp16 MMAs (sm_90 SASS a super-block, 16 / 32 rows: FFMAs
+# 555 / 809 instructions, MMAs 592 / 706).
+MMA_MINS_ROWS = 32
 
 
-def quantize_x256_kernel(x, xq, xd, xs, x_stride, xq_stride, xd_stride, xs_stride):
-    """x [M, K] to int8 q [M, K], fp32 d [M, K / 256] (max|x| / 127 of each 256 elements) and fp32 xs [M, K / 32]
-    (d * sum(q) of each 32); program (super-block, row)."""
+def quantize_x256_kernel(x, xq, xd, xs, x_stride, xq_stride, xd_stride, xs_stride, SPLIT: tl.constexpr = False):
+    """x [M, K] to int8 q [M, K], fp32 d [M, K / 256] (max|x| / 127 of each 256 elements) and the sums of q of each
+    32 in xs: fp32 [M, K / 32], or (SPLIT, for an fp16 MMA) fp16 [M, K / 16] pairs (64 floor(sum / 64), sum mod
+    64), each exact in fp16 (|sum| <= 4064 is not); program (super-block, row)."""
     tl.launch_dependents()  # the GEMM after this may start now: it waits for q before its first x load
     m, sb = tl.program_id(1), tl.program_id(0)
     blk = 8 * sb + tl.arange(0, 8)[:, None]  # the super-block's 32-element blocks
@@ -46,17 +50,28 @@ def quantize_x256_kernel(x, xq, xd, xs, x_stride, xq_stride, xd_stride, xs_strid
     word, d = _quantize(vals, amax)
     tl.store(xq.to(tl.pointer_type(tl.uint32)) + m * (xq_stride // 4) + quad, word)
     tl.store(xd + m * xd_stride + sb + tl.zeros((1, 1), tl.int32), d)
-    sums = tl.sum(tl.dot4(_ONES, word, 0), axis=-1, keep_dims=True).to(tl.float32)
-    tl.store(xs + m * xs_stride + blk, d * sums)
+    sums = tl.sum(tl.dot4(_ONES, word, 0), axis=-1, keep_dims=True)  # [8, 1] int32
+    if SPLIT:
+        low, half = sums & 63, tl.arange(0, 2)[None, :]
+        tl.store(xs + m * xs_stride + 2 * blk + half, tl.where(half == 0, sums - low, low).to(tl.float16))
+    else:
+        tl.store(xs + m * xs_stride + blk, sums.to(tl.float32))
 
 
-def quantize_x256(x, target: str = "numpy"):
-    """(int8 q [M, K], fp32 d [M, K / 256], fp32 d * sum(q) [M, K / 32]) of x [M, K] (K a multiple of 256)."""
+def quantize_x256(x, target: str = "numpy", split: bool = False):
+    """(int8 q [M, K], fp32 d [M, K / 256], sum(q) per 32: fp32 [M, K / 32] or, split, fp16 [M, K / 16] pairs) of
+    x [M, K] (K a multiple of 256)."""
     m, k = x.shape
-    xq, xd, xs = empty(x, (m, k), "int8"), empty(x, (m, k // GROUP), "float32"), empty(x, (m, k // 32), "float32")
-    compile(quantize_x256_kernel, target, num_warps=1)[k // GROUP, m](
+    xq, xd = empty(x, (m, k), "int8"), empty(x, (m, k // GROUP), "float32")
+    xs = empty(x, (m, k // 16), "float16") if split else empty(x, (m, k // 32), "float32")
+    compile(quantize_x256_kernel, target, num_warps=1, SPLIT=split)[k // GROUP, m](
         x, xq, xd, xs, elem_stride(x, 0), elem_stride(xq, 0), elem_stride(xd, 0), elem_stride(xs, 0))
     return xq, xd, xs
+
+
+def pre_pass(x2, qtype: str, block_m: int, target: str):
+    """The x pre-pass mmq_sb_*_kernel reads at BLOCK_M (Q4_K from 32 rows: split sums)."""
+    return quantize_x256(x2, target, split=qtype == "Q4_K" and block_m >= MMA_MINS_ROWS)
 
 
 def quantize_x256_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,6 +104,16 @@ def _byte_f32(word, k: int):
     return (((word >> (8 * k)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
+def _per_sub_block(w_lo, w_hi, k16, odd_only: bool):
+    """fp16 [BLOCK_N, 16]: column k holds byte k // 2 of the packed words (w_lo: sub-blocks 0-3, w_hi: 4-7), the
+    order of x's split sums; odd_only: zero for even sub-blocks."""
+    j = k16 // 2
+    byte = (tl.where(j < 4, w_lo[:, None], w_hi[:, None]) >> (8 * (j % 4))) & 0xFF
+    if odd_only:
+        byte = tl.where((j % 2) == 1, byte, 0)
+    return byte.to(tl.float16)
+
+
 def _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N):
     """(m, n, W row pointers, clamped x rows, x's K-major [32, BLOCK_M] sub-block pointers) of this program."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,10 +132,10 @@ def _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_strid
 def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, xs_stride, y_stride,
                       split_stride, n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       PDL: tl.constexpr = False):
-    """Program (i, j, s) as gguf_mmq.mmq_q4k_kernel, on quantize_x256's output: xd one scale a super-block, xs
-    d * sum(q) a 32-element block."""
+    """Program (i, j, s) as gguf_mmq.mmq_q4k_kernel, on pre_pass's output: xd one scale a super-block, xs the sums
+    of each 32 elements' q (split in fp16 pairs from MMA_MINS_ROWS)."""
     m, n, wrow, mc, xrow = _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N)
-    e = tl.arange(0, 32)
+    e, k16 = tl.arange(0, 32), tl.arange(0, 16)
     drow, srow = xd + mc * xd_stride, xs + mc * xs_stride
     lo = tl.program_id(2) * steps_per_split
     if PDL:  # x is the pre-pass's output
@@ -123,7 +148,7 @@ def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
         words = [tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)]
         d, dmin = _f16(head), _f16(head >> 16)
         scs = _scale_words(words)
-        isum = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
+        isum, mins = tl.zeros((BLOCK_N, BLOCK_M), tl.int32), None
         for c in range(4):
             v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])  # [BLOCK_N, 32] bytes
             for h in range(2):
@@ -133,11 +158,18 @@ def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
                 sw, mw, b = scs[j // 4], scs[2 + j // 4], j % 4
                 sc = ((sw >> (8 * b)) & 0xFF) if h else ((sw << 4) >> (8 * b)) & 0xFF0  # 16 sc for the low nibbles
                 isum = isum + dot * sc.to(tl.int32)[:, None]
-                coef = dmin * _byte_f32(mw, b)
-                coef = (8.0 * d * _byte_f32(sw, b) - coef) if h else -coef
-                acc = acc + coef[:, None] * tl.load(srow + sb * 8 + j)[None, :]
-        scale = (d * 0.0625)[:, None] * tl.load(drow + sb)[None, :]
-        return acc + scale * isum.to(tl.float32)
+                if BLOCK_M < MMA_MINS_ROWS:  # (8 d sc_j [j odd] - dmin mn_j) sum(xq_j): an FFMA an output
+                    coef = dmin * _byte_f32(mw, b)
+                    coef = (8.0 * d * _byte_f32(sw, b) - coef) if h else -coef
+                    term = coef[:, None] * tl.load(srow + sb * 8 + j)[None, :]
+                    mins = term if mins is None else mins + term
+        part = (d * 0.0625)[:, None] * isum.to(tl.float32)
+        if BLOCK_M >= MMA_MINS_ROWS:  # the same sums as two [BLOCK_N, 16] @ [16, BLOCK_M] fp16 MMAs, exact
+            xsum = tl.load(srow[None, :] + 16 * sb + k16[:, None])  # sum(xq_j) split at rows 2j, 2j + 1
+            t_sc = tl.dot(_per_sub_block(scs[0], scs[1], k16[None, :], True), xsum)
+            mins = (8.0 * d)[:, None] * t_sc - dmin[:, None] * tl.dot(_per_sub_block(scs[2], scs[3], k16[None, :],
+                                                                                     False), xsum)
+        return acc + tl.load(drow + sb)[None, :] * (part + mins)
 
     _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
 

@@ -70,11 +70,12 @@ def test_mmq_interpreter(m, qtype, dtype, split, variant, rng):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton/torch not installed")
 @pytest.mark.parametrize("variant", mq.VARIANTS)
-@pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
-def test_mmq_triton_interpreter(qtype, variant, rng):
+@pytest.mark.parametrize("qtype,m", [("Q4_K", 9), ("Q4_K", 20), ("Q6_K", 20)])
+def test_mmq_triton_interpreter(qtype, m, variant, rng):
+    """9 rows: per256's minimums by FFMA; 20: by fp16 MMA."""
     k = 512
     w = padded_weights(rng, qtype, 37, k)
-    x = rng.standard_normal((20, k)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
     _check(_run("triton-interpret", x, w, qtype, split_k=2, variant=variant), x, w, qtype, 1e-5, variant)
 
 
@@ -101,18 +102,24 @@ def test_per256_extremes(rng):
     _check(_run("numpy", x, w, "Q4_K", variant="per256"), x, w, "Q4_K", 1e-5, "per256")
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("target", TARGETS)
-def test_quantize_x256(target, rng):
-    """One scale per 256 elements (max|x| / 127), q rounded half to even, and d * sum(q) per 32; a zero block."""
+def test_quantize_x256(target, split, rng):
+    """One scale per 256 elements (max|x| / 127), q rounded half to even, and sum(q) per 32 (fp32, or split into
+    fp16 pairs 64 floor(s / 64), s mod 64 that add up to it exactly); a zero block."""
     x = rng.standard_normal((3, 768)).astype(np.float32)
     x[1, 256:512] = 0
-    xq, xd, xs = (host(a) for a in sb.quantize_x256(dev(x, target), target=target))
+    x[2, :32] = 5.0  # sum(q) 4064: beyond fp16's exact integers unless split
+    xq, xd, xs = (host(a) for a in sb.quantize_x256(dev(x, target), target=target, split=split))
     q, d = sb.quantize_x256_ref(x)
     np.testing.assert_array_equal(xq, q)
     np.testing.assert_array_equal(xd, np.abs(x).reshape(3, 3, 256).max(-1).astype(np.float32) * np.float32(1 / 127))
-    np.testing.assert_allclose(xs, np.repeat(d, 8, axis=1) * q.reshape(3, -1, 32).astype(np.float32).sum(-1),
-                               rtol=1e-6)
-    assert (xd[1, 1] == 0) and not q[1, 256:512].any()
+    sums = q.reshape(3, -1, 32).astype(np.int64).sum(-1)
+    if split:
+        assert xs.dtype == np.float16 and ((xs[:, 1::2] >= 0) & (xs[:, 1::2] < 64) & (xs[:, ::2] % 64 == 0)).all()
+        xs = xs[:, ::2].astype(np.int64) + xs[:, 1::2].astype(np.int64)
+    np.testing.assert_array_equal(xs, sums)
+    assert sums[2, 0] == 4064 and (xd[1, 1] == 0) and not q[1, 256:512].any()
 
 
 def test_per256_error_is_the_coarser_group():
@@ -194,8 +201,21 @@ def test_mmq_tiles_rule_and_tuned(monkeypatch):
     assert mq.mmq_tiles("Q4_K", 64, 100, 512)["BLOCK_M"] == 64
     monkeypatch.setitem(mq.MMQ_TUNED, ("Q6_K", 16, 300, 512), dict(block_n=128, split_k=1, num_stages=2))
     t = mq.mmq_tiles("Q6_K", 12, 300, 512)
-    assert (t["BLOCK_N"], t["SPLIT"], t["num_stages"]) == (128, 1, 2)
+    assert (t["BLOCK_N"], t["SPLIT"], t["num_stages"], t["variant"]) == (128, 1, 2, mq.MMQ_VARIANT)
     assert mq.mmq_tiles("Q6_K", 12, 301, 512)["BLOCK_N"] == 64
+
+
+def test_mmq_tiles_variant(monkeypatch):
+    """MMQ_TUNED may name the variant of its problem; asking for the other one drops its entry; per256 from 32
+    rows takes 8 warps."""
+    monkeypatch.setitem(mq.MMQ_TUNED, ("Q4_K", 32, 300, 512), dict(variant="per256", block_n=128, num_warps=4))
+    assert mq.mmq_tiles("Q4_K", 30, 300, 512)["variant"] == "per256"
+    t = mq.mmq_tiles("Q4_K", 30, 300, 512, variant="per32")
+    assert (t["variant"], t["BLOCK_N"], t["num_warps"]) == ("per32", 64, 4)
+    assert mq.mmq_tiles("Q4_K", 30, 301, 512, variant="per256")["num_warps"] == 8
+    assert mq.mmq_tiles("Q4_K", 16, 301, 512, variant="per256")["num_warps"] == 4
+    with pytest.raises(ValueError, match="unknown variant 'per64'"):
+        mq.mmq(np.zeros((4, 512), np.float32), np.zeros((2, 288), np.uint8), "Q4_K", variant="per64")
 
 
 def _int_dot_kernel(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
@@ -225,9 +245,9 @@ def test_dsl_int8_dot_needs_k_32():
 
 
 @needs_aot
-@pytest.mark.parametrize("variant", mq.VARIANTS)
-@pytest.mark.parametrize("qtype,m,n,k", [("Q4_K", 16, 14336, 4096), ("Q6_K", 16, 4096, 14336),
-                                         ("Q4_K", 32, 4096, 4096)])
+@pytest.mark.parametrize("qtype,m,n,k,variant", [
+    (q, m, n, k, v) for q, m, n, k in [("Q4_K", 16, 14336, 4096), ("Q6_K", 16, 4096, 14336), ("Q4_K", 32, 4096, 4096)]
+    for v in mq.VARIANTS] + [("Q4_K", 64, 14336, 4096, "per256")])  # per32 spills at 64 rows (not sent there)
 def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -237,11 +257,13 @@ def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
     from kernels_src.dsl.triton_target import TritonRenderer, load_function
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    cfg = mq.mmq_tiles(qtype, m, n, k)
+    cfg = mq.mmq_tiles(qtype, m, n, k, variant=variant)
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages") or 3, cfg.pop("SPLIT")
     cfg.pop("variant")
     kern = dsl_compile((mq.KERNELS if variant == "per32" else sb.KERNELS)[qtype], "triton", PDL=True, **cfg)
-    sig = dict(w="*u8", xq="*i8", xd="*fp32", xs="*fp32", y="*bf16" if split == 1 else "*fp32")
+    split_sums = variant == "per256" and qtype == "Q4_K" and m >= sb.MMA_MINS_ROWS
+    sig = dict(w="*u8", xq="*i8", xd="*fp32", xs="*fp16" if split_sums else "*fp32",
+               y="*bf16" if split == 1 else "*fp32")
     kir = kern.trace(signature=sig | {p: "i32" for p in kern.runtime_params if p not in sig})
     div16 = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kir.params)
              if p.name in ("w", "xq", "xd", "xs", "y", "w_stride", "xq_stride", "xs_stride", "y_stride")}

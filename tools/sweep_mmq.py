@@ -34,9 +34,11 @@ def _check(torch, mmq, mmq_ref, x, w, cfg, qtype) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def _settings(rule: dict, variants: list[str]):
+def _settings(rule: dict, variants: list[str], m: int):
+    """Each variant's settings: block_n 64 / 128, 4 / 8 warps (8 with block_n 64 only for per256 from 32 rows, where
+    two warpgroups share the rows), num_stages 2-4, split_k around the rule's."""
     for var, bn, nw, ns, sf in itertools.product(variants, (64, 128), (4, 8), (2, 3, 4), (0.5, 1, 2)):
-        if not (nw == 8 and bn == 64):
+        if nw == 4 or bn == 128 or (var == "per256" and m > 16):
             yield dict(variant=var, block_n=bn, num_warps=nw, num_stages=ns, split_k=max(1, int(rule["SPLIT"] * sf)))
 
 
@@ -52,7 +54,7 @@ def _problem(torch, weights, dequant_matmul, mmq, mmq_ref, rule: dict, m: int, n
     ref = dequant_gemv if m <= 8 else dequant_matmul
     base = _time(torch, lambda: ref(x, w, qtype, out=y, target="triton"))
     best: dict = {}
-    for cfg in _settings(rule, variants):
+    for cfg in _settings(rule, variants, m):
         try:
             err = _check(torch, mmq, mmq_ref, x, w, cfg, qtype)
         except Exception as e:  # noqa: BLE001 - a setting that does not build is skipped, said once
