@@ -186,9 +186,8 @@ MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
 def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS, variant: str | None = None) -> dict:
     """BLOCK_M (16 / 32 / 64 by M), BLOCK_N, SPLIT (a power of two, grown until every SM has WAVE_PROGRAMS
     programs while each split keeps MIN_SPLIT_STEPS super-blocks and the partials fit PART_BYTES), num_warps, and
-    the variant (VARIANTS: the one given, else MMQ_TUNED's for the problem, else MMQ_VARIANT). per256 from 32 rows
-    takes 8 warps (two warpgroups share the rows: at 4 the sm_90 build spills at 64 rows, and builds the minimums'
-    MMA operand through shared memory at 32)."""
+    the variant (VARIANTS: the one given, else MMQ_TUNED's for the problem, else MMQ_VARIANT). per256 at 64 rows
+    takes 8 warps (two warpgroups share the rows, each decoding the weights: at 4 the sm_90 build spills)."""
     steps = k // SUPER[qtype.upper()][0]
     block_m, block_n = row_block(m), 64
     split = split_k_for(m, n, block_m, block_n, steps, sms, MIN_SPLIT_STEPS)
@@ -196,7 +195,7 @@ def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS, variant: str |
     if variant is not None and tuned.get("variant", MMQ_VARIANT) != variant:
         tuned = {}  # measured for the other variant
     variant = variant or tuned.get("variant", MMQ_VARIANT)
-    warps = 8 if variant == "per256" and block_m >= 32 else 4
+    warps = 8 if variant == "per256" and block_m >= 64 else 4
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=warps, num_stages=None, variant=variant)
     cfg.update({_KEYS[key]: v for key, v in tuned.items()})
     return cfg

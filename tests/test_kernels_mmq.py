@@ -206,14 +206,14 @@ def test_mmq_tiles_rule_and_tuned(monkeypatch):
 
 
 def test_mmq_tiles_variant(monkeypatch):
-    """MMQ_TUNED may name the variant of its problem; asking for the other one drops its entry; per256 from 32
-    rows takes 8 warps."""
+    """MMQ_TUNED may name the variant of its problem; asking for the other one drops its entry; per256 at 64 rows
+    takes 8 warps."""
     monkeypatch.setitem(mq.MMQ_TUNED, ("Q4_K", 32, 300, 512), dict(variant="per256", block_n=128, num_warps=4))
     assert mq.mmq_tiles("Q4_K", 30, 300, 512)["variant"] == "per256"
     t = mq.mmq_tiles("Q4_K", 30, 300, 512, variant="per32")
     assert (t["variant"], t["BLOCK_N"], t["num_warps"]) == ("per32", 64, 4)
-    assert mq.mmq_tiles("Q4_K", 30, 301, 512, variant="per256")["num_warps"] == 8
-    assert mq.mmq_tiles("Q4_K", 16, 301, 512, variant="per256")["num_warps"] == 4
+    assert mq.mmq_tiles("Q4_K", 40, 301, 512, variant="per256")["num_warps"] == 8
+    assert mq.mmq_tiles("Q4_K", 30, 301, 512, variant="per256")["num_warps"] == 4
     with pytest.raises(ValueError, match="unknown variant 'per64'"):
         mq.mmq(np.zeros((4, 512), np.float32), np.zeros((2, 288), np.uint8), "Q4_K", variant="per64")
 

@@ -35,10 +35,10 @@ def _check(torch, mmq, mmq_ref, x, w, cfg, qtype) -> float:
 
 
 def _settings(rule: dict, variants: list[str], m: int):
-    """Each variant's settings: block_n 64 / 128, 4 / 8 warps (8 with block_n 64 only for per256 from 32 rows, where
-    two warpgroups share the rows), num_stages 2-4, split_k around the rule's."""
+    """Each variant's settings: block_n 64 / 128, 4 / 8 warps (8 with block_n 64 only for per256 at 64 rows, where
+    two warpgroups share the rows and 4 warps spill), num_stages 2-4, split_k around the rule's."""
     for var, bn, nw, ns, sf in itertools.product(variants, (64, 128), (4, 8), (2, 3, 4), (0.5, 1, 2)):
-        if nw == 4 or bn == 128 or (var == "per256" and m > 16):
+        if nw == 4 or bn == 128 or (var == "per256" and m > 32):
             yield dict(variant=var, block_n=bn, num_warps=nw, num_stages=ns, split_k=max(1, int(rule["SPLIT"] * sf)))
 
 
