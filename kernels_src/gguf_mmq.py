@@ -155,10 +155,12 @@ MIN_SPLIT_STEPS = 2  # super-blocks a split keeps at least
 # The runner takes this GEMM from MIN_ROWS rows (H200): at 2 rows the GEMVs are 1.3-2x faster; at 4-8 this is
 # 1.1-1.3x faster than Q4_K's and 1.1-2.8x than Q6_K's.
 MIN_ROWS = {"Q4_K": 4, "Q6_K": 4}
-# per32: x to int8 per 32 elements, each K = 32 MMA scaled in fp32 (this file's kernels); per256: x per 256, a
-# super-block's MMAs combined in int32 (gguf_mmq_sb.py). MMQ_VARIANT stays per32 until an H200 sweep says otherwise
-# (tools/sweep_mmq --variants per32,per256 prints MMQ_TUNED entries naming the faster one per problem).
-VARIANTS = ("per32", "per256")
+# per32: x to int8 per 32 elements, each K = 32 MMA scaled in fp32 (this file's kernels); per32p: the same
+# arithmetic with gguf_mmq_sb's decoding of Q4_K (high nibbles without byte shifts, packed scales; Q6_K as per32);
+# per256: x per 256, a super-block's MMAs combined in int32 (gguf_mmq_sb.py), about 2x per32's error from x on real
+# activations. MMQ_VARIANT stays per32 until an H200 sweep says otherwise (tools/sweep_mmq prints MMQ_TUNED entries
+# naming the fastest per problem).
+VARIANTS = ("per32", "per32p", "per256")
 MMQ_VARIANT = "per32"
 MAX_ROWS = 32  # and up to here: at 64 rows dequant_gemm is 1.1-1.3x faster (Q4_K, H200)
 # (qtype, row bucket 16 / 32, n, k) -> launcher keywords measured best on an H200 (tools/sweep_mmq.py prints this
@@ -205,14 +207,21 @@ _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", split_k="SPLIT", num_warps="n
              variant="variant")
 
 
-def _variant(name: str) -> tuple[dict, object]:
-    """(kernels by qtype, x pre-pass(x2, qtype, block_m, target) -> (q, d, sums)) of a variant."""
-    if name == "per32":
-        return KERNELS, lambda x2, qtype, block_m, target: quantize_x(x2, target=target, sums=True)
-    if name == "per256":
-        from kernels_src import gguf_mmq_sb
+def _per32_pre_pass(x2, qtype: str, block_m: int, target: str):
+    return quantize_x(x2, target=target, sums=True)
 
-        return gguf_mmq_sb.KERNELS, gguf_mmq_sb.pre_pass
+
+def _variant(name: str) -> tuple[dict, object, bool]:
+    """(kernels by qtype, x pre-pass(x2, qtype, block_m, target) -> (q, d, sums), whether the sums have a stride
+    of their own) of a variant."""
+    if name == "per32":
+        return KERNELS, _per32_pre_pass, False
+    from kernels_src import gguf_mmq_sb
+
+    if name == "per32p":
+        return {"Q4_K": gguf_mmq_sb.mmq_p32_q4k_kernel, "Q6_K": mmq_q6k_kernel}, _per32_pre_pass, False
+    if name == "per256":
+        return gguf_mmq_sb.KERNELS, gguf_mmq_sb.pre_pass, True
     raise ValueError(f"mmq: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
 
 
@@ -237,7 +246,7 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
         raise ValueError(f"{qtype} weight rows must start {align}-byte aligned (the block headers are read as words)")
     cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2), over.get("variant"))
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
-    kernels, pre_pass = _variant(cfg.pop("variant"))
+    kernels, pre_pass, sums_stride = _variant(cfg.pop("variant"))
     out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
@@ -248,7 +257,7 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
     pdl = use_pdl(target, pdl)
     kern = compile(kernels[qtype], target, num_warps=nw, num_stages=ns, launch_pdl=pdl, PDL=pdl, **cfg)
     args = (m, n, elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xd, 0))
-    if kernels is not KERNELS:  # per256: xs is strided apart from xd
+    if sums_stride:
         args += (elem_stride(xs, 0),)
     return launch_split_k(kern, (w, xq, xd, xs), args, out, k // elems, split, cfg["BLOCK_M"], cfg["BLOCK_N"],
                           target, pdl)
@@ -262,7 +271,7 @@ def mmq_ref(x: np.ndarray, w: np.ndarray, qtype: str, variant: str = "per32") ->
 
     if variant not in VARIANTS:
         raise ValueError(f"mmq_ref: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
-    q, d = (quantize_x_ref if variant == "per32" else quantize_x256_ref)(np.asarray(x, np.float32))
+    q, d = (quantize_x256_ref if variant == "per256" else quantize_x_ref)(np.asarray(x, np.float32))
     group = x.shape[1] // d.shape[1]
     xd = (q.reshape(q.shape[0], -1, group).astype(np.float32) * d[..., None]).reshape(q.shape)
     return dequant_matmul_ref(xd, w, qtype)

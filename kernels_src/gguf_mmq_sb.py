@@ -209,3 +209,36 @@ def mmq_sb_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
 
 
 KERNELS = {"Q4_K": mmq_sb_q4k_kernel, "Q6_K": mmq_sb_q6k_kernel}
+
+
+def mmq_p32_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride,
+                       n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """gguf_mmq.mmq_q4k_kernel's arithmetic (x per 32: quantize_x's d and d * sum(q), strided alike) with this
+    file's decoding: high nibbles as 16 q - 128, scales and mins from packed words."""
+    m, n, wrow, mc, xrow = _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N)
+    e = tl.arange(0, 32)
+    drow, srow = xd + mc * xd_stride, xs + mc * xd_stride
+    lo = tl.program_id(2) * steps_per_split
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+
+    def step(sb, acc):
+        blk = wrow + sb * 144
+        head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
+        scs = _scale_words([tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)])
+        d, dmin = _f16(head), _f16(head >> 16)
+        for c in range(4):
+            v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])
+            for h in range(2):
+                j = 2 * c + h
+                q = _high_nibbles(v) if h else (v & 15)
+                dot = tl.dot(q.to(tl.int8, bitcast=True), tl.load(xrow + sb * 256 + 32 * j)).to(tl.float32)
+                sc, mn = _byte_f32(scs[j // 4], j % 4), _byte_f32(scs[2 + j // 4], j % 4)
+                coef = (8.0 * d * sc - dmin * mn) if h else -dmin * mn
+                scale = (d * sc * (0.0625 if h else 1.0))[:, None] * tl.load(drow + sb * 8 + j)[None, :]
+                acc = acc + dot * scale + coef[:, None] * tl.load(srow + sb * 8 + j)[None, :]
+        return acc
+
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)

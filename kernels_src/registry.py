@@ -302,9 +302,10 @@ for _q in gguf_mmq.MMQ_QTYPES:
         dict(w="*u8", xq="*i8", xd="*fp32", xs="*fp32", y="*fp32"),
         dict(m=16, n=14336, k=4096, qtype=_q, dtype=BF16, variant="per256"),
         lambda variant, **p: gemv_bytes(**p), flops=lambda m, n, k, **_: 2 * m * n * k, launcher=gguf_mmq.mmq,
-        variants=(gguf_mmq_sb.quantize_x256_kernel,) if _q == "Q4_K" else (),
+        variants=(gguf_mmq_sb.quantize_x256_kernel, gguf_mmq_sb.mmq_p32_q4k_kernel) if _q == "Q4_K" else (),
         notes="mmq(.., variant='per256'): the launcher runs quantize_x256_kernel (x to int8 per 256, sums per 32) "
-              "first, and split-K's reduce after"))
+              "first, and split-K's reduce after; variant per32p runs mmq_p32_q4k_kernel (mmq_q4_k's arithmetic, "
+              "this file's decoding) after quantize_x_kernel"))
 
 
 # --- fused MoE: a decode batch of 16 through a Qwen3-30B-A3B layer's experts (128 of 768 x 2048, top 8) -------------

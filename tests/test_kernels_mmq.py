@@ -1,8 +1,9 @@
-"""The int8 tensor-core GEMM (kernels_src/gguf_mmq.py, both variants: per32 and gguf_mmq_sb.py's per256) on random
-valid Q4_K and Q6_K blocks, outputs poisoned first: the DSL interpreter, Triton's interpreter and the SIMT lowering
-against x's int8 quantization times our numpy dequantizer (float64), tight; against x itself within what that
-quantization allows; 4..33 rows, ragged N, split-K; the x pre-passes' scales and block sums; planted bugs; the DSL's
-int8 dot; and Triton AOT builds for sm_90 (int8 wgmma, no spills, the grid-dependency wait)."""
+"""The int8 tensor-core GEMM (kernels_src/gguf_mmq.py, each variant: per32, and gguf_mmq_sb.py's per32p and per256)
+on random valid Q4_K and Q6_K blocks, outputs poisoned first: the DSL interpreter, Triton's interpreter and the SIMT
+lowering against x's int8 quantization times our numpy dequantizer (float64), tight; against x itself within what
+that quantization allows; 4..33 rows, ragged N, split-K; the x pre-passes' scales and block sums; planted bugs; the
+DSL's int8 dot; the sm_90 SASS's instruction mix; and Triton AOT builds for sm_90 (int8 wgmma, no spills, the
+grid-dependency wait)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from kernels_src.dequant_gemv_i8 import int8_error_bound, quantize_x, quantize_x
 from kernels_src.dsl import compile as dsl_compile
 from kernels_src.dsl import launch as dsl_launch
 from kernels_src.dsl import tl
-from kernels_src.dsl.triton_target import aot_compile
-from kernels_src.registry import REGISTRY
 
 needs_aot = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
                                reason="AOT builds need triton, and TRITON_INTERPRET unset")
@@ -33,7 +32,7 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
-GROUP = {"per32": 32, "per256": 256}
+GROUP = {"per32": 32, "per32p": 32, "per256": 256}
 
 
 def _run(target, x, w, qtype, **kw):
@@ -54,11 +53,13 @@ def _check(got, x, w, qtype, tol, variant="per32"):
     assert (np.abs(got - exact) <= bound + tol * np.abs(exact).max()).all()
 
 
-@pytest.mark.parametrize("variant", mq.VARIANTS)
-@pytest.mark.parametrize("split", [None, 3])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
-@pytest.mark.parametrize("m", [4, 17, 33])
+# per32p differs from per32 in Q4_K's decoding alone (its Q6_K kernel is per32's): fewer cases
+CASES = [(q, v) for q in mq.MMQ_QTYPES for v in mq.VARIANTS if q == "Q4_K" or v != "per32p"]
+
+
+@pytest.mark.parametrize("m,qtype,dtype,split,variant", [
+    (m, q, dt, sp, v) for m in (4, 17, 33) for q, v in CASES for dt in (np.float32, np.float16) for sp in (None, 3)
+    if v != "per32p" or (dt == np.float32 and sp == 3)])  # per32p: its arithmetic is per32's
 def test_mmq_interpreter(m, qtype, dtype, split, variant, rng):
     """33 rows take a 64-row tile; 131 columns 3 tiles of 64, the last ragged; 3 super-blocks over 3 splits."""
     k = 768
@@ -69,8 +70,8 @@ def test_mmq_interpreter(m, qtype, dtype, split, variant, rng):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton/torch not installed")
-@pytest.mark.parametrize("variant", mq.VARIANTS)
-@pytest.mark.parametrize("qtype,m", [("Q4_K", 9), ("Q4_K", 20), ("Q6_K", 20)])
+@pytest.mark.parametrize("qtype,m,variant", [(q, m, v) for q, v in CASES for m in ((9, 20) if q == "Q4_K" else (20,))
+                                              if m == 20 or v == "per256"])
 def test_mmq_triton_interpreter(qtype, m, variant, rng):
     """9 rows: per256's minimums by FFMA; 20: by fp16 MMA."""
     k = 512
@@ -79,8 +80,7 @@ def test_mmq_triton_interpreter(qtype, m, variant, rng):
     _check(_run("triton-interpret", x, w, qtype, split_k=2, variant=variant), x, w, qtype, 1e-5, variant)
 
 
-@pytest.mark.parametrize("variant", mq.VARIANTS)
-@pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
+@pytest.mark.parametrize("qtype,variant", CASES)
 def test_mmq_simt_cpu(qtype, variant, rng):
     """The SIMT lowering (the CPU oracle of the Metal and CUDA C emitters) runs the int8 dot too."""
     k = 512
@@ -131,7 +131,7 @@ def test_per256_error_is_the_coarser_group():
     b32, b256 = (int8_error_bound(x, w, "Q4_K", g).mean() for g in (32, 256))
     assert 1.1 < b256 / b32 < 1.6
     exact = dgm.dequant_matmul_ref(x, w, "Q4_K")
-    errs = [np.abs(mq.mmq(x, w, "Q4_K", variant=v) - exact).mean() for v in mq.VARIANTS]
+    errs = [np.abs(mq.mmq(x, w, "Q4_K", variant=v) - exact).mean() for v in ("per32", "per256")]
     assert errs[0] < errs[1] < b256
 
 
@@ -244,10 +244,14 @@ def test_dsl_int8_dot_needs_k_32():
             signature=dict(a="*i8", b="*i8", c="*i32"))
 
 
+SASS_LIMIT = {"per32": 950, "per32p": 740, "per256": 600}
+
+
 @needs_aot
 @pytest.mark.parametrize("qtype,m,n,k,variant", [
     (q, m, n, k, v) for q, m, n, k in [("Q4_K", 16, 14336, 4096), ("Q6_K", 16, 4096, 14336), ("Q4_K", 32, 4096, 4096)]
-    for v in mq.VARIANTS] + [("Q4_K", 64, 14336, 4096, "per256")])  # per32 spills at 64 rows (not sent there)
+    for v in mq.VARIANTS if q == "Q4_K" or v != "per32p"]  # per32p's Q6_K is per32's
+    + [("Q4_K", 64, 14336, 4096, "per256")])  # per32 spills at 64 rows (not sent there)
 def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -255,12 +259,13 @@ def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
     from triton.runtime.jit import JITFunction
 
     from kernels_src.dsl.triton_target import TritonRenderer, load_function
+    from tools.sass_mix import loop_mix
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     cfg = mq.mmq_tiles(qtype, m, n, k, variant=variant)
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages") or 3, cfg.pop("SPLIT")
     cfg.pop("variant")
-    kern = dsl_compile((mq.KERNELS if variant == "per32" else sb.KERNELS)[qtype], "triton", PDL=True, **cfg)
+    kern = dsl_compile(mq._variant(variant)[0][qtype], "triton", PDL=True, **cfg)
     split_sums = variant == "per256" and qtype == "Q4_K" and m >= sb.MMA_MINS_ROWS
     sig = dict(w="*u8", xq="*i8", xd="*fp32", xs="*fp16" if split_sums else "*fp32",
                y="*bf16" if split == 1 else "*fp32")
@@ -273,19 +278,18 @@ def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx and ".s8.s8" in ptx and "griddepcontrol.wait" in ptx
     assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
+    if (qtype, m) == ("Q4_K", 16):  # the speed proxy: instructions a super-block (per32 891, per32p ~710, per256 ~560)
+        mix = loop_mix(c.asm["cubin"])
+        assert mix.opcodes["IGMMA"] == 8 and mix.instructions <= SASS_LIMIT[variant]
+        assert variant == "per32" or mix.opcodes["PRMT"] <= 4  # no byte-by-byte unpacking
+        assert variant != "per256" or mix.opcodes["I2FP"] <= 8  # no int-to-float conversion a sub-block
 
 
 @needs_aot
-def test_per256_sass_mix(capsys):
-    """The speed proxy on a CPU (tools/dump_kernel --target sass-mix, the registry's 16-row tiles, sm_90): per256's
-    Q4_K loop a super-block keeps to ~550 instructions against per32's ~890, with no byte unpacking (PRMT) and no
-    int-to-float conversion per sub-block (I2FP), and spills nothing."""
+def test_dump_kernel_sass_mix(capsys):
+    """tools/dump_kernel --target sass-mix: the main loop's instruction mix of the sm_90 build."""
     from tools.dump_kernel import main
-    from tools.sass_mix import loop_mix
 
-    assert main(["mmq_sb_q4_k", "--target", "sass-mix"]) == 0
-    assert capsys.readouterr().out.startswith("main loop: ")
-    e, old = REGISTRY["mmq_sb_q4_k"], REGISTRY["mmq_q4_k"]
-    new_mix, old_mix = (loop_mix(aot_compile(x.trace(), num_warps=4, aligned=True).asm["cubin"]) for x in (e, old))
-    assert new_mix.stack == 0 and new_mix.instructions <= 600 < 1.4 * 600 <= old_mix.instructions
-    assert new_mix.opcodes["IGMMA"] == 8 and new_mix.opcodes["PRMT"] <= 4 and new_mix.opcodes["I2FP"] <= 8
+    assert main(["mmq_sb_q6_k", "--target", "sass-mix"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("main loop: ") and "IGMMA 16" in out and "stack 0" in out

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The int8 tensor-core GEMM (kernels_src/gguf_mmq.py, each variant) against the fp16 dequantizing GEMM
 (dequant_gemm.py, its tuned tiles) on a CUDA GPU: `python -m tools.sweep_mmq [--budget S] [--ms 16,32,64]
-[--variants per32,per256]`.
+[--variants per32,per32p,per256]`.
 
 Q4_K (or --qtype Q6_K) at the Llama-3-8B shapes (N x K: fused gate/up, gate/up, down, fused qkv, o, and the head),
 bf16 x. Each mmq setting (variant, block_n, num_warps, num_stages, split_k around mmq_tiles' rule) is checked once
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--qtype", default="Q4_K", choices=("Q4_K", "Q6_K"))
     ap.add_argument("--ms", default="16,32,64", help="rows (at 8 or fewer the peer is dequant_gemv)")
     ap.add_argument("--shapes", default=None, help="N x K problems, e.g. 14336x4096,4096x14336 (default: all)")
-    ap.add_argument("--variants", default="per32,per256", help="mmq variants to compare (gguf_mmq.VARIANTS)")
+    ap.add_argument("--variants", default="per32,per32p,per256", help="mmq variants to compare (gguf_mmq.VARIANTS)")
     args = ap.parse_args(argv)
     torch, weights = _setup()
     from kernels_src.dequant_gemm import dequant_matmul
