@@ -21,6 +21,8 @@ H200, bf16 x, x's pre-pass included (tools/sweep_mmq, 2026-12-01): Q4_K at 16 ro
 int8 GEMV; Q6_K 2.5-2.8x its GEMV at 4-8 rows (4096 x 14336: 185 -> 66 us), 1.1-1.3x dequant_gemm at 16. Still at
 25-38% of copy bandwidth: the scales' epilogue after each K = 32 MMA, not the bytes, bounds it.
 y moves by x's quantization: |dy| <= dequant_gemv_i8.int8_error_bound (about 0.5% of |y| on random data).
+These are variant per32; gguf_mmq_sb.py has per32p (the same arithmetic, Q4_K decoded without byte shifts) and
+per256 (x per super-block, MMAs combined in int32): mmq(.., variant=), VARIANTS, MMQ_VARIANT.
 """
 
 from __future__ import annotations

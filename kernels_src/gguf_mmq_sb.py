@@ -1,23 +1,25 @@
-"""MMQ with one x scale per super-block (gguf_mmq.mmq's variant "per256"): the sub-block MMAs of a super-block are
-combined in int32, and fp32 is entered once per super-block and output.
+"""MMQ variants of gguf_mmq.mmq for Q4_K / Q6_K: "per256" (one x scale a super-block, the super-block's MMAs combined in
+int32, fp32 entered once a super-block and output) and "per32p" (per32's arithmetic with per256's Q4_K decoding).
 
 gguf_mmq's first kernels ("per32") quantize x per 32 elements, so every K = 32 MMA's int32 tile is converted and
 scaled in fp32 before the next (the sm_90 SASS: 96-128 I2FP, 128 FFMA and 96 FMUL a super-block against 8 IGMMA).
-Here x is quantized per 256 elements (quantize_x256_kernel: one d per super-block, as ggml's Q8_K, plus d * sum(q)
-per 32), so a super-block's dots share one x scale and add up exactly in int32:
+Here x is quantized per 256 elements (quantize_x256_kernel: one d per super-block, as ggml's Q8_K, plus sum(q) per
+32), so a super-block's dots share one x scale and add up exactly in int32:
 - Q4_K: sub-block j's dot is d sc_j dx sum(q xq) - dmin mn_j dx sum(xq). The low nibbles are `v & 15`; the high
   ones are taken as `(v & 0xF0) ^ 0x80` = 16 q - 128 (an int8), so both operands come from byte-wise AND/XOR, which
   the compiler does on 4 packed bytes at once (a shift of uint8 lanes is unpacked byte by byte: 114 PRMT a
   super-block in the per32 kernel). Hence S = sum_even 16 sc_j D_j + sum_odd sc_j D_j in int32 (one IMAD an
   output and sub-block), y += d dx S / 16, and the minimums plus the high nibbles' offset (+128 sum(xq) per odd
-  sub-block) go in fp32: (8 d sc_j [j odd] - dmin mn_j) * (dx sum(xq_j)), one FFMA an output and sub-block.
+  sub-block): sum_j (8 d sc_j [j odd] - dmin mn_j) sum(xq_j), an FFMA an output and sub-block at 16 rows, two
+  [BLOCK_N, 16] @ [16, BLOCK_M] fp16 MMAs a super-block from MMA_MINS_ROWS (exact: integer operands, sums of x's q
+  split in fp16-exact pairs, products and sums below 2**24).
   |S| <= 4 (16 * 63 * 15 * 127 * 32) + 4 (63 * 128 * 127 * 32) < 3.8e8 < 2**31.
 - Q6_K: its sixteen 16-element dots (gguf_mmq's masked halves) times their int8 scales add up in int32
   (|S| <= 16 * 128 * 32 * 127 * 16 < 1.4e8), y += d dx S.
 Accuracy: x moves by at most half its super-block's step, max|x| / 254 over 256 elements instead of 32
-(int8_error_bound(.., group=256)): on Gaussian x about 1.25x the per32 error (the expected max of 256 |N(0,1)|
-draws is ~3.0 against ~2.4 for 32); an outlier of an activation costs its whole super-block precision, as it does
-llama.cpp's CPU k-quant dot products, which quantize x to Q8_K the same way.
+(int8_error_bound(.., group=256)): on Gaussian x the error of y is 1.2x per32's; an outlier costs its whole
+super-block precision: on SmolLM2's ffn_down inputs 1.9-2.8x per32's, as large as Q4_K's own weight error
+(docs/BENCHMARKS.md, 2026-12-03 evening). llama.cpp's CPU k-quant dot products quantize x to Q8_K the same way.
 """
 
 from __future__ import annotations
