@@ -62,28 +62,63 @@ def _q4k_scale_min(words, j: int):
             (_byte(words, j + 4) >> 4) | ((_byte(words, j) >> 6) << 4))
 
 
+def _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M, BLOCK_N, PDL):
+    """(m, n, W row pointers, clamped x rows, x's K-major [32, BLOCK_M] sub-block pointers, first super-block) of
+    this program; with PDL it then waits for the x pre-pass (and lets the kernel after it start)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride  # past N: the last row, not stored
+    mc = tl.minimum(m, m_rows - 1).to(tl.int64)  # past M: the last row, not stored
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    return m, n, wrow, mc, xq + mc[None, :] * xq_stride + tl.arange(0, 32)[:, None], tl.program_id(2) * steps_per_split
+
+
+def _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N):
+    """The K loop (acc = step(super-block, acc)) over this program's split, and the store of its tile of y (or of
+    its split's fp32 partial): acc is [BLOCK_N, BLOCK_M] (W @ x.T)."""
+    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
+    dst = y + tl.program_id(2).to(tl.int64) * split_stride
+    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+
+
+def _q6k_quants(blk, e):
+    """(x's 32-element block j, the first of its two 16-element scales' index, int8 quants [BLOCK_N, 32]) of each
+    chunk of the Q6_K super-blocks at blk."""
+    for h in range(2):
+        qh = tl.load(blk[:, None] + 128 + 32 * h + e[None, :])
+        ql = [tl.load(blk[:, None] + 64 * h + 32 * j + e[None, :]) for j in range(2)]
+        for k in range(4):
+            nib = (ql[k % 2] >> 4) if k >= 2 else (ql[k % 2] & 15)
+            yield 4 * h + k, 8 * h + 2 * k, (nib | (((qh >> (2 * k)) & 3) << 4)).to(tl.int8) - 32
+
+
+def _q6k_head(blk):
+    """(d, the pointer to the 16 int8 scales) of the Q6_K super-blocks at blk."""
+    return tl.load((blk + 208).to(tl.pointer_type(tl.float16))).to(tl.float32), blk.to(tl.pointer_type(tl.int8)) + 192
+
+
+def _q4k_head(blk):
+    """(d, dmin, the three words of 6-bit scales and mins) of the Q4_K super-blocks at blk (4-byte aligned)."""
+    head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
+    words = [tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)]
+    return _f16(head), _f16(head >> 16), words
+
+
 def mmq_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride, n_steps,
                    steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., super-blocks s * steps_per_split..; y is the
     output (split_stride 0) or fp32 partials [SPLIT, M, N]. xq int8 [M, K]; xd, xs fp32 [M, K / 32] (d and
     d * sum(q) of each 32-element block, strided alike)."""
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride  # past N: the last row, not stored
-    mc = tl.minimum(m, m_rows - 1).to(tl.int64)  # past M: the last row, not stored
+    m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
+                                        BLOCK_N, PDL)
     e = tl.arange(0, 32)
-    xrow = xq + mc[None, :] * xq_stride + e[:, None]  # [32, BLOCK_M]: x's sub-block, K-major for the MMA
     drow, srow = xd + mc * xd_stride, xs + mc * xd_stride
-    lo = tl.program_id(2) * steps_per_split
-    if PDL:  # x is the pre-pass's output
-        tl.wait_prior_grid()
-        tl.launch_dependents()
 
     def step(sb, acc):
         blk = wrow + sb * 144
-        head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
-        words = [tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)]
-        d, dmin = _f16(head), _f16(head >> 16)
+        d, dmin, words = _q4k_head(blk)
         for c in range(4):
             v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])  # [BLOCK_N, 32] bytes
             for h in range(2):
@@ -98,9 +133,7 @@ def mmq_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_str
                     - (dmin * mn.to(tl.float32))[:, None] * sx[None, :]
         return acc
 
-    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
-    dst = y + tl.program_id(2).to(tl.int64) * split_stride
-    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
 
 
 def mmq_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride, n_steps,
@@ -111,41 +144,25 @@ def mmq_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_str
     its two 16-element halves have scales of their own (8h + 2k + l // 16): two MMAs, each with the other half's
     quants zeroed (MMAs are cheap here, per-element work is not; the whole chunk's MMA minus one half's doubled the
     SASS: q then feeds two operand layouts). xs is unused (no minimums)."""
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride
-    mc = tl.minimum(m, m_rows - 1).to(tl.int64)
+    m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
+                                        BLOCK_N, PDL)
     e = tl.arange(0, 32)
     first = (e < 16)[None, :]
-    xrow = xq + mc[None, :] * xq_stride + e[:, None]
     drow = xd + mc * xd_stride
-    lo = tl.program_id(2) * steps_per_split
-    if PDL:
-        tl.wait_prior_grid()
-        tl.launch_dependents()
 
     def step(sb, acc):
         blk = wrow + sb * 210
-        d = tl.load((blk + 208).to(tl.pointer_type(tl.float16))).to(tl.float32)
-        sc = blk.to(tl.pointer_type(tl.int8)) + 192
-        for h in range(2):
-            qh = tl.load(blk[:, None] + 128 + 32 * h + e[None, :])
-            ql = [tl.load(blk[:, None] + 64 * h + 32 * j + e[None, :]) for j in range(2)]
-            for k in range(4):
-                nib = (ql[k % 2] >> 4) if k >= 2 else (ql[k % 2] & 15)
-                q = (nib | (((qh >> (2 * k)) & 3) << 4)).to(tl.int8) - 32
-                j = 4 * h + k  # x's 32-element block
-                xv = tl.load(xrow + sb * 256 + 32 * j)
-                dx = tl.load(drow + sb * 8 + j)
-                for u in range(2):
-                    part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv).to(tl.float32)
-                    s = tl.load(sc + 8 * h + 2 * k + u).to(tl.float32)
-                    acc = acc + part * ((d * s)[:, None] * dx[None, :])
+        d, sc = _q6k_head(blk)
+        for j, si, q in _q6k_quants(blk, e):
+            xv = tl.load(xrow + sb * 256 + 32 * j)
+            dx = tl.load(drow + sb * 8 + j)
+            for u in range(2):
+                part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv).to(tl.float32)
+                s = tl.load(sc + si + u).to(tl.float32)
+                acc = acc + part * ((d * s)[:, None] * dx[None, :])
         return acc
 
-    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
-    dst = y + tl.program_id(2).to(tl.int64) * split_stride
-    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
 
 
 KERNELS = {"Q4_K": mmq_q4k_kernel, "Q6_K": mmq_q6k_kernel}

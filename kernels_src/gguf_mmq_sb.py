@@ -28,7 +28,8 @@ import numpy as np
 
 from kernels_src.dequant_gemv_i8 import _ONES, _absmax, _quantize
 from kernels_src.dsl import compile, elem_stride, tl
-from kernels_src.gguf_gemv_common import _f16, _x_vals
+from kernels_src.gguf_gemv_common import _x_vals
+from kernels_src.gguf_mmq import _finish, _program, _q4k_head, _q6k_head, _q6k_quants
 from kernels_src.paged_attention import empty
 
 __all__ = ["KERNELS", "MMA_MINS_ROWS", "pre_pass", "quantize_x256", "quantize_x256_ref"]
@@ -116,39 +117,19 @@ def _per_sub_block(w_lo, w_hi, k16, odd_only: bool):
     return byte.to(tl.float16)
 
 
-def _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N):
-    """(m, n, W row pointers, clamped x rows, x's K-major [32, BLOCK_M] sub-block pointers) of this program."""
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride  # past N: the last row, not stored
-    mc = tl.minimum(m, m_rows - 1).to(tl.int64)  # past M: the last row, not stored
-    return m, n, wrow, mc, xq + mc[None, :] * xq_stride + tl.arange(0, 32)[:, None]
-
-
-def _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N):
-    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
-    dst = y + tl.program_id(2).to(tl.int64) * split_stride
-    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
-
-
 def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, xs_stride, y_stride,
                       split_stride, n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       PDL: tl.constexpr = False):
     """Program (i, j, s) as gguf_mmq.mmq_q4k_kernel, on pre_pass's output: xd one scale a super-block, xs the sums
     of each 32 elements' q (split in fp16 pairs from MMA_MINS_ROWS)."""
-    m, n, wrow, mc, xrow = _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N)
+    m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
+                                        BLOCK_N, PDL)
     e, k16 = tl.arange(0, 32), tl.arange(0, 16)
     drow, srow = xd + mc * xd_stride, xs + mc * xs_stride
-    lo = tl.program_id(2) * steps_per_split
-    if PDL:  # x is the pre-pass's output
-        tl.wait_prior_grid()
-        tl.launch_dependents()
 
     def step(sb, acc):
         blk = wrow + sb * 144
-        head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
-        words = [tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)]
-        d, dmin = _f16(head), _f16(head >> 16)
+        d, dmin, words = _q4k_head(blk)
         scs = _scale_words(words)
         isum, mins = tl.zeros((BLOCK_N, BLOCK_M), tl.int32), None
         for c in range(4):
@@ -181,30 +162,21 @@ def mmq_sb_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
                       PDL: tl.constexpr = False):
     """gguf_mmq.mmq_q6k_kernel's quants and masked half-chunk MMAs, their int8 scales applied in int32 and fp32
     entered once a super-block (xs unused: no minimums)."""
-    m, n, wrow, mc, xrow = _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N)
+    m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
+                                        BLOCK_N, PDL)
     e = tl.arange(0, 32)
     first = (e < 16)[None, :]
     drow = xd + mc * xd_stride
-    lo = tl.program_id(2) * steps_per_split
-    if PDL:
-        tl.wait_prior_grid()
-        tl.launch_dependents()
 
     def step(sb, acc):
         blk = wrow + sb * 210
-        d = tl.load((blk + 208).to(tl.pointer_type(tl.float16))).to(tl.float32)
-        sc = blk.to(tl.pointer_type(tl.int8)) + 192
+        d, sc = _q6k_head(blk)
         isum = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
-        for h in range(2):
-            qh = tl.load(blk[:, None] + 128 + 32 * h + e[None, :])
-            ql = [tl.load(blk[:, None] + 64 * h + 32 * j + e[None, :]) for j in range(2)]
-            for k in range(4):
-                nib = (ql[k % 2] >> 4) if k >= 2 else (ql[k % 2] & 15)
-                q = (nib | (((qh >> (2 * k)) & 3) << 4)).to(tl.int8) - 32
-                xv = tl.load(xrow + sb * 256 + 32 * (4 * h + k))
-                for u in range(2):
-                    part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv)
-                    isum = isum + part * tl.load(sc + 8 * h + 2 * k + u).to(tl.int32)[:, None]
+        for j, si, q in _q6k_quants(blk, e):
+            xv = tl.load(xrow + sb * 256 + 32 * j)
+            for u in range(2):
+                part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv)
+                isum = isum + part * tl.load(sc + si + u).to(tl.int32)[:, None]
         return acc + (d[:, None] * tl.load(drow + sb)[None, :]) * isum.to(tl.float32)
 
     _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
@@ -218,19 +190,15 @@ def mmq_p32_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd
                        PDL: tl.constexpr = False):
     """gguf_mmq.mmq_q4k_kernel's arithmetic (x per 32: quantize_x's d and d * sum(q), strided alike) with this
     file's decoding: high nibbles as 16 q - 128, scales and mins from packed words."""
-    m, n, wrow, mc, xrow = _tile(m_rows, n_rows, w, xq, w_stride, xq_stride, BLOCK_M, BLOCK_N)
+    m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
+                                        BLOCK_N, PDL)
     e = tl.arange(0, 32)
     drow, srow = xd + mc * xd_stride, xs + mc * xd_stride
-    lo = tl.program_id(2) * steps_per_split
-    if PDL:
-        tl.wait_prior_grid()
-        tl.launch_dependents()
 
     def step(sb, acc):
         blk = wrow + sb * 144
-        head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
-        scs = _scale_words([tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)])
-        d, dmin = _f16(head), _f16(head >> 16)
+        d, dmin, words = _q4k_head(blk)
+        scs = _scale_words(words)
         for c in range(4):
             v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])
             for h in range(2):
