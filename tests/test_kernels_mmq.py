@@ -293,3 +293,17 @@ def test_dump_kernel_sass_mix(capsys):
     assert main(["mmq_sb_q6_k", "--target", "sass-mix"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("main loop: ") and "IGMMA 16" in out and "stack 0" in out
+
+
+def test_sweep_mmq_settings():
+    """tools/sweep_mmq tries every variant asked for, 8 warps with 64-column tiles only for per256 at 64 rows, and
+    refuses an unknown variant by name before looking for a GPU."""
+    from tools.sweep_mmq import _settings, main
+
+    for m in (16, 64):
+        got = list(_settings({"SPLIT": 4}, list(mq.VARIANTS), m))
+        assert {c["variant"] for c in got} == set(mq.VARIANTS) and all(c["split_k"] >= 1 for c in got)
+        narrow8 = {c["variant"] for c in got if c["num_warps"] == 8 and c["block_n"] == 64}
+        assert narrow8 == (set() if m == 16 else {"per256"})
+    with pytest.raises(SystemExit, match="--variants takes per32, per32p, per256, got 'per64'"):
+        main(["--variants", "per64"])

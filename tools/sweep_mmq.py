@@ -81,12 +81,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default=None, help="N x K problems, e.g. 14336x4096,4096x14336 (default: all)")
     ap.add_argument("--variants", default="per32,per32p,per256", help="mmq variants to compare (gguf_mmq.VARIANTS)")
     args = ap.parse_args(argv)
-    torch, weights = _setup()
-    from kernels_src.dequant_gemm import dequant_matmul
     from kernels_src.gguf_mmq import VARIANTS, mmq, mmq_ref, mmq_tiles
+
     variants = args.variants.split(",")
     if not set(variants) <= set(VARIANTS):
         raise SystemExit(f"sweep_mmq: --variants takes {', '.join(VARIANTS)}, got {args.variants!r}")
+    torch, weights = _setup()
+    from kernels_src.dequant_gemm import dequant_matmul
+
     t0 = time.monotonic()
     gbps = _copy_gbps(torch)
     print(f"copy {gbps:.0f} GB/s")
