@@ -179,11 +179,12 @@ def dequantize_x(q: np.ndarray, d: np.ndarray) -> np.ndarray:
     return (q.reshape(q.shape[0], -1, 32).astype(np.float32) * d[..., None]).reshape(q.shape)
 
 
-def int8_error_bound(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:
-    """|y_int8 - y| per output [M, N] from quantizing x alone: round-to-nearest moves each x by at most d / 2 (its
-    block's step), so |sum_k W[n, k] (xq - x)[k]| <= sum_k |W[n, k]| d[k] / 2 (fp32 rounding of d aside)."""
+def int8_error_bound(x: np.ndarray, w: np.ndarray, qtype: str, group: int = 32) -> np.ndarray:
+    """|y_int8 - y| per output [M, N] from quantizing x alone (one scale a `group` elements): round-to-nearest
+    moves each x by at most d / 2 (its block's step), so |sum_k W[n, k] (xq - x)[k]| <= sum_k |W[n, k]| d[k] / 2
+    (fp32 rounding of d aside)."""
     x = np.asarray(x, np.float32)
     k = x.shape[-1]
     wd = dequantize(np.ascontiguousarray(w[:, :row_bytes(qtype, k)]), qtype, (w.shape[0], k))
-    step = np.repeat(np.abs(x).reshape(x.shape[0], -1, 32).max(-1) / 127, 32, axis=-1)
+    step = np.repeat(np.abs(x).reshape(x.shape[0], -1, group).max(-1) / 127, group, axis=-1)
     return 0.5 * step.astype(np.float64) @ np.abs(wd.astype(np.float64)).T

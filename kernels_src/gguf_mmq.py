@@ -21,6 +21,8 @@ H200, bf16 x, x's pre-pass included (tools/sweep_mmq, 2026-12-01): Q4_K at 16 ro
 int8 GEMV; Q6_K 2.5-2.8x its GEMV at 4-8 rows (4096 x 14336: 185 -> 66 us), 1.1-1.3x dequant_gemm at 16. Still at
 25-38% of copy bandwidth: the scales' epilogue after each K = 32 MMA, not the bytes, bounds it.
 y moves by x's quantization: |dy| <= dequant_gemv_i8.int8_error_bound (about 0.5% of |y| on random data).
+These are variant per32; gguf_mmq_sb.py has per32p (the same arithmetic, Q4_K decoded without byte shifts) and
+per256 (x per super-block, MMAs combined in int32): mmq(.., variant=), VARIANTS, MMQ_VARIANT.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from kernels_src.dequant_gemm import (
     row_block,
     split_k_for,
 )
-from kernels_src.dequant_gemv_i8 import dequantize_x, quantize_x
+from kernels_src.dequant_gemv_i8 import quantize_x
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.gguf_gemv_common import _f16
 
-__all__ = ["MAX_ROWS", "MMQ_QTYPES", "MMQ_TUNED", "mmq", "mmq_ref", "mmq_tiles"]
+__all__ = ["MAX_ROWS", "MMQ_QTYPES", "MMQ_TUNED", "MMQ_VARIANT", "VARIANTS", "mmq", "mmq_ref", "mmq_tiles"]
 
 MMQ_QTYPES = ("Q4_K", "Q6_K")
 SUPER = {"Q4_K": (256, 144), "Q6_K": (256, 210)}  # elements, bytes of a super-block
@@ -60,28 +62,63 @@ def _q4k_scale_min(words, j: int):
             (_byte(words, j + 4) >> 4) | ((_byte(words, j) >> 6) << 4))
 
 
+def _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M, BLOCK_N, PDL):
+    """(m, n, W row pointers, clamped x rows, x's K-major [32, BLOCK_M] sub-block pointers, first super-block) of
+    this program; with PDL it then waits for the x pre-pass (and lets the kernel after it start)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride  # past N: the last row, not stored
+    mc = tl.minimum(m, m_rows - 1).to(tl.int64)  # past M: the last row, not stored
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    return m, n, wrow, mc, xq + mc[None, :] * xq_stride + tl.arange(0, 32)[:, None], tl.program_id(2) * steps_per_split
+
+
+def _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N):
+    """The K loop (acc = step(super-block, acc)) over this program's split, and the store of its tile of y (or of
+    its split's fp32 partial): acc is [BLOCK_N, BLOCK_M] (W @ x.T)."""
+    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
+    dst = y + tl.program_id(2).to(tl.int64) * split_stride
+    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+
+
+def _q6k_quants(blk, e):
+    """(x's 32-element block j, the first of its two 16-element scales' index, int8 quants [BLOCK_N, 32]) of each
+    chunk of the Q6_K super-blocks at blk."""
+    for h in range(2):
+        qh = tl.load(blk[:, None] + 128 + 32 * h + e[None, :])
+        ql = [tl.load(blk[:, None] + 64 * h + 32 * j + e[None, :]) for j in range(2)]
+        for k in range(4):
+            nib = (ql[k % 2] >> 4) if k >= 2 else (ql[k % 2] & 15)
+            yield 4 * h + k, 8 * h + 2 * k, (nib | (((qh >> (2 * k)) & 3) << 4)).to(tl.int8) - 32
+
+
+def _q6k_head(blk):
+    """(d, the pointer to the 16 int8 scales) of the Q6_K super-blocks at blk."""
+    return tl.load((blk + 208).to(tl.pointer_type(tl.float16))).to(tl.float32), blk.to(tl.pointer_type(tl.int8)) + 192
+
+
+def _q4k_head(blk):
+    """(d, dmin, the three words of 6-bit scales and mins) of the Q4_K super-blocks at blk (4-byte aligned)."""
+    head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
+    words = [tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)]
+    return _f16(head), _f16(head >> 16), words
+
+
 def mmq_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride, n_steps,
                    steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., super-blocks s * steps_per_split..; y is the
     output (split_stride 0) or fp32 partials [SPLIT, M, N]. xq int8 [M, K]; xd, xs fp32 [M, K / 32] (d and
     d * sum(q) of each 32-element block, strided alike)."""
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride  # past N: the last row, not stored
-    mc = tl.minimum(m, m_rows - 1).to(tl.int64)  # past M: the last row, not stored
+    m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
+                                        BLOCK_N, PDL)
     e = tl.arange(0, 32)
-    xrow = xq + mc[None, :] * xq_stride + e[:, None]  # [32, BLOCK_M]: x's sub-block, K-major for the MMA
     drow, srow = xd + mc * xd_stride, xs + mc * xd_stride
-    lo = tl.program_id(2) * steps_per_split
-    if PDL:  # x is the pre-pass's output
-        tl.wait_prior_grid()
-        tl.launch_dependents()
 
     def step(sb, acc):
         blk = wrow + sb * 144
-        head = tl.load(blk.to(tl.pointer_type(tl.uint32)))
-        words = [tl.load((blk + 4 * (i + 1)).to(tl.pointer_type(tl.uint32))) for i in range(3)]
-        d, dmin = _f16(head), _f16(head >> 16)
+        d, dmin, words = _q4k_head(blk)
         for c in range(4):
             v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])  # [BLOCK_N, 32] bytes
             for h in range(2):
@@ -96,9 +133,7 @@ def mmq_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_str
                     - (dmin * mn.to(tl.float32))[:, None] * sx[None, :]
         return acc
 
-    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
-    dst = y + tl.program_id(2).to(tl.int64) * split_stride
-    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
 
 
 def mmq_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride, n_steps,
@@ -109,41 +144,25 @@ def mmq_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_str
     its two 16-element halves have scales of their own (8h + 2k + l // 16): two MMAs, each with the other half's
     quants zeroed (MMAs are cheap here, per-element work is not; the whole chunk's MMA minus one half's doubled the
     SASS: q then feeds two operand layouts). xs is unused (no minimums)."""
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64) * w_stride
-    mc = tl.minimum(m, m_rows - 1).to(tl.int64)
+    m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
+                                        BLOCK_N, PDL)
     e = tl.arange(0, 32)
     first = (e < 16)[None, :]
-    xrow = xq + mc[None, :] * xq_stride + e[:, None]
     drow = xd + mc * xd_stride
-    lo = tl.program_id(2) * steps_per_split
-    if PDL:
-        tl.wait_prior_grid()
-        tl.launch_dependents()
 
     def step(sb, acc):
         blk = wrow + sb * 210
-        d = tl.load((blk + 208).to(tl.pointer_type(tl.float16))).to(tl.float32)
-        sc = blk.to(tl.pointer_type(tl.int8)) + 192
-        for h in range(2):
-            qh = tl.load(blk[:, None] + 128 + 32 * h + e[None, :])
-            ql = [tl.load(blk[:, None] + 64 * h + 32 * j + e[None, :]) for j in range(2)]
-            for k in range(4):
-                nib = (ql[k % 2] >> 4) if k >= 2 else (ql[k % 2] & 15)
-                q = (nib | (((qh >> (2 * k)) & 3) << 4)).to(tl.int8) - 32
-                j = 4 * h + k  # x's 32-element block
-                xv = tl.load(xrow + sb * 256 + 32 * j)
-                dx = tl.load(drow + sb * 8 + j)
-                for u in range(2):
-                    part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv).to(tl.float32)
-                    s = tl.load(sc + 8 * h + 2 * k + u).to(tl.float32)
-                    acc = acc + part * ((d * s)[:, None] * dx[None, :])
+        d, sc = _q6k_head(blk)
+        for j, si, q in _q6k_quants(blk, e):
+            xv = tl.load(xrow + sb * 256 + 32 * j)
+            dx = tl.load(drow + sb * 8 + j)
+            for u in range(2):
+                part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv).to(tl.float32)
+                s = tl.load(sc + si + u).to(tl.float32)
+                acc = acc + part * ((d * s)[:, None] * dx[None, :])
         return acc
 
-    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
-    dst = y + tl.program_id(2).to(tl.int64) * split_stride
-    tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
 
 
 KERNELS = {"Q4_K": mmq_q4k_kernel, "Q6_K": mmq_q6k_kernel}
@@ -155,6 +174,13 @@ MIN_SPLIT_STEPS = 2  # super-blocks a split keeps at least
 # The runner takes this GEMM from MIN_ROWS rows (H200): at 2 rows the GEMVs are 1.3-2x faster; at 4-8 this is
 # 1.1-1.3x faster than Q4_K's and 1.1-2.8x than Q6_K's.
 MIN_ROWS = {"Q4_K": 4, "Q6_K": 4}
+# per32: x to int8 per 32 elements, each K = 32 MMA scaled in fp32 (this file's kernels); per32p: the same
+# arithmetic with gguf_mmq_sb's decoding of Q4_K (high nibbles without byte shifts, packed scales; Q6_K as per32);
+# per256: x per 256, a super-block's MMAs combined in int32 (gguf_mmq_sb.py), about 2x per32's error from x on real
+# activations. MMQ_VARIANT stays per32 until an H200 sweep says otherwise (tools/sweep_mmq prints MMQ_TUNED entries
+# naming the fastest per problem).
+VARIANTS = ("per32", "per32p", "per256")
+MMQ_VARIANT = "per32"
 MAX_ROWS = 32  # and up to here: at 64 rows dequant_gemm is 1.1-1.3x faster (Q4_K, H200)
 # (qtype, row bucket 16 / 32, n, k) -> launcher keywords measured best on an H200 (tools/sweep_mmq.py prints this
 # literal, 2026-12-01; 1.1-1.9x dequant_gemm's tuned tiles); a problem not listed takes mmq_tiles' rule.
@@ -178,25 +204,53 @@ MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
 }
 
 
-def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
+def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS, variant: str | None = None) -> dict:
     """BLOCK_M (16 / 32 / 64 by M), BLOCK_N, SPLIT (a power of two, grown until every SM has WAVE_PROGRAMS
-    programs while each split keeps MIN_SPLIT_STEPS super-blocks and the partials fit PART_BYTES), num_warps."""
+    programs while each split keeps MIN_SPLIT_STEPS super-blocks and the partials fit PART_BYTES), num_warps, and
+    the variant (VARIANTS: the one given, else MMQ_TUNED's for the problem, else MMQ_VARIANT). per256 at 64 rows
+    takes 8 warps (two warpgroups share the rows, each decoding the weights: at 4 the sm_90 build spills)."""
     steps = k // SUPER[qtype.upper()][0]
     block_m, block_n = row_block(m), 64
     split = split_k_for(m, n, block_m, block_n, steps, sms, MIN_SPLIT_STEPS)
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=4, num_stages=None)
-    cfg.update({_KEYS[key]: v for key, v in MMQ_TUNED.get((qtype.upper(), block_m, n, k), {}).items()})
+    tuned = MMQ_TUNED.get((qtype.upper(), block_m, n, k), {})
+    if variant is not None and tuned.get("variant", MMQ_VARIANT) != variant:
+        tuned = {}  # measured for the other variant
+    variant = variant or tuned.get("variant", MMQ_VARIANT)
+    warps = 8 if variant == "per256" and block_m >= 64 else 4
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=warps, num_stages=None, variant=variant)
+    cfg.update({_KEYS[key]: v for key, v in tuned.items()})
     return cfg
 
 
-_KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", split_k="SPLIT", num_warps="num_warps", num_stages="num_stages")
+_KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", split_k="SPLIT", num_warps="num_warps", num_stages="num_stages",
+             variant="variant")
+
+
+def _per32_pre_pass(x2, qtype: str, block_m: int, target: str):
+    return quantize_x(x2, target=target, sums=True)
+
+
+def _variant(name: str) -> tuple[dict, object, bool]:
+    """(kernels by qtype, x pre-pass(x2, qtype, block_m, target) -> (q, d, sums), whether the sums have a stride
+    of their own) of a variant."""
+    if name == "per32":
+        return KERNELS, _per32_pre_pass, False
+    from kernels_src import gguf_mmq_sb
+
+    if name == "per32p":
+        return {"Q4_K": gguf_mmq_sb.mmq_p32_q4k_kernel, "Q6_K": mmq_q6k_kernel}, _per32_pre_pass, False
+    if name == "per256":
+        return gguf_mmq_sb.KERNELS, gguf_mmq_sb.pre_pass, True
+    raise ValueError(f"mmq: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
 
 
 def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None = None, xq=None, **over):
     """y [M, N] = x2 [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, >= row_bytes], rows 4-byte
-    aligned), x quantized to int8 per 32 elements first (or given as xq: quantize_x(.., sums=True)'s triple, to
-    share one pre-pass between GEMMs of one input); out (made when not given) in x2's dtype. `over` overrides
-    mmq_tiles (block_m, block_n, split_k, num_warps, num_stages)."""
+    aligned), x quantized to int8 first (or given as xq: the variant's pre-pass triple, quantize_x(.., sums=True)
+    for per32 or gguf_mmq_sb.pre_pass (its layout depends on BLOCK_M) for per256, to share one pre-pass between
+    GEMMs of one input); out (made
+    when not given) in x2's dtype. `over` overrides mmq_tiles (block_m, block_n, split_k, num_warps, num_stages,
+    variant)."""
     qtype = qtype.upper()
     if qtype not in MMQ_QTYPES:
         raise ValueError(f"mmq: unsupported qtype {qtype!r} (supported: {', '.join(MMQ_QTYPES)})")
@@ -209,26 +263,34 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
     align = 4 if qtype == "Q4_K" else 2
     if addr % align or (n > 1 and elem_stride(w, 0) % align):
         raise ValueError(f"{qtype} weight rows must start {align}-byte aligned (the block headers are read as words)")
+    cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2), over.get("variant"))
+    cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
+    kernels, pre_pass, sums_stride = _variant(cfg.pop("variant"))
     out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
     if xq is None:
-        xq = quantize_x(x2 if elem_stride(x2, 1) == 1 else x2.contiguous(), target=target, sums=True)
+        xq = pre_pass(x2 if elem_stride(x2, 1) == 1 else x2.contiguous(), qtype, cfg["BLOCK_M"], target)
     xq, xd, xs = xq
-    cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2))
-    cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
     pdl = use_pdl(target, pdl)
-    kern = compile(KERNELS[qtype], target, num_warps=nw, num_stages=ns, launch_pdl=pdl, PDL=pdl, **cfg)
+    kern = compile(kernels[qtype], target, num_warps=nw, num_stages=ns, launch_pdl=pdl, PDL=pdl, **cfg)
     args = (m, n, elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xd, 0))
+    if sums_stride:
+        args += (elem_stride(xs, 0),)
     return launch_split_k(kern, (w, xq, xd, xs), args, out, k // elems, split, cfg["BLOCK_M"], cfg["BLOCK_N"],
                           target, pdl)
 
 
-def mmq_ref(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:
-    """What mmq computes, in float64: x quantized as quantize_x does (numpy), times W decoded by our numpy
-    dequantizer. Against dequant_matmul_ref(x, ...) it differs by x's quantization alone."""
+def mmq_ref(x: np.ndarray, w: np.ndarray, qtype: str, variant: str = "per32") -> np.ndarray:
+    """What mmq computes, in float64: x quantized as the variant's pre-pass does (numpy), times W decoded by our
+    numpy dequantizer. Against dequant_matmul_ref(x, ...) it differs by x's quantization alone."""
     from kernels_src.dequant_gemv_i8 import quantize_x_ref
+    from kernels_src.gguf_mmq_sb import quantize_x256_ref
 
-    q, d = quantize_x_ref(np.asarray(x, np.float32))
-    return dequant_matmul_ref(dequantize_x(q, d), w, qtype)
+    if variant not in VARIANTS:
+        raise ValueError(f"mmq_ref: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
+    q, d = (quantize_x256_ref if variant == "per256" else quantize_x_ref)(np.asarray(x, np.float32))
+    group = x.shape[1] // d.shape[1]
+    xd = (q.reshape(q.shape[0], -1, group).astype(np.float32) * d[..., None]).reshape(q.shape)
+    return dequant_matmul_ref(xd, w, qtype)

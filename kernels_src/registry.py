@@ -21,6 +21,7 @@ from kernels_src import (
     dequantize,
     fp8_gemv,
     gguf_mmq,
+    gguf_mmq_sb,
     int_group_gemm,
     int_group_gemv,
     kv_int8,
@@ -287,7 +288,7 @@ for _q in dequant_gemv.QTYPES:
 
 for _q in gguf_mmq.MMQ_QTYPES:
     _tiles = gguf_mmq.mmq_tiles(_q, 16, 14336, 4096)
-    for _key in ("num_warps", "num_stages", "SPLIT"):
+    for _key in ("num_warps", "num_stages", "SPLIT", "variant"):
         _tiles.pop(_key)
     register(KernelEntry(
         f"mmq_{_q.lower()}", gguf_mmq.KERNELS[_q], dict(PDL=True, **_tiles),
@@ -296,6 +297,15 @@ for _q in gguf_mmq.MMQ_QTYPES:
         launcher=gguf_mmq.mmq,
         notes="the launcher runs quantize_x_kernel (x to int8 per 32, with block sums) first, and split-K's reduce "
               "(dequant_gemm_reduce_kernel) after"))
+    register(KernelEntry(  # the per256 variant: x scaled per super-block, its sub-block MMAs combined in int32
+        f"mmq_sb_{_q.lower()}", gguf_mmq_sb.KERNELS[_q], dict(PDL=True, **_tiles),
+        dict(w="*u8", xq="*i8", xd="*fp32", xs="*fp32", y="*fp32"),
+        dict(m=16, n=14336, k=4096, qtype=_q, dtype=BF16, variant="per256"),
+        lambda variant, **p: gemv_bytes(**p), flops=lambda m, n, k, **_: 2 * m * n * k, launcher=gguf_mmq.mmq,
+        variants=(gguf_mmq_sb.quantize_x256_kernel, gguf_mmq_sb.mmq_p32_q4k_kernel) if _q == "Q4_K" else (),
+        notes="mmq(.., variant='per256'): the launcher runs quantize_x256_kernel (x to int8 per 256, sums per 32) "
+              "first, and split-K's reduce after; variant per32p runs mmq_p32_q4k_kernel (mmq_q4_k's arithmetic, "
+              "this file's decoding) after quantize_x_kernel"))
 
 
 # --- fused MoE: a decode batch of 16 through a Qwen3-30B-A3B layer's experts (128 of 768 x 2048, top 8) -------------

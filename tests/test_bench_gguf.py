@@ -311,3 +311,15 @@ def test_report_rows_and_plot(tmp_path):
     assert rows["F16 prefill 2048"]["roofline"] is None
     md = (tmp_path / "rep" / "report.md").read_text()
     assert all(f"| {name} |" in md for name in rows)
+
+
+def test_mmq_choice():
+    """--mmq names a variant and optionally the most rows the GEMM takes; anything else is refused by name."""
+    from tools.bench_gguf import parse_args
+
+    assert parse_args(["--stage", "ours", "--mmq", "per256:64"]).mmq == ("per256", 64)
+    assert parse_args(["--stage", "ours", "--mmq", "per32"]).mmq == ("per32", None)
+    assert parse_args(["--stage", "ours"]).mmq is None
+    for bad in ("per64", "per256:2", "per256:x"):
+        with pytest.raises(SystemExit):
+            parse_args(["--stage", "ours", "--mmq", bad])

@@ -98,6 +98,10 @@ SIZES["moe_gemv_gguf"] = [("t1", dict(tokens=1)),
 # the int8 tensor-core GEMM at the runner's 4-32 rows: a ragged batch, K over several super-blocks, N off the tile
 SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m5", dict(m=5, n=77, k=2048)), ("m32", dict(m=32, n=520, k=1024))]
           for n in REGISTRY if n.startswith("mmq_")}
+# the variants' other kernels: per32p's Q4_K (per32's arithmetic), per256 at 64 rows (8 warps, the minimums' MMAs)
+SIZES["mmq_q4_k"] += [("m16_per32p", dict(m=16, n=300, k=4096, variant="per32p")),
+                      ("m32_per32p", dict(m=32, n=520, k=1024, variant="per32p"))]
+SIZES["mmq_sb_q4_k"] += [("m64", dict(m=64, n=300, k=2048))]
 # the dense GEMV (each prologue its entry): a decode batch of 1, 3 rows off every tile (N, K odd), 8 rows, the
 # residual epilogue at 4, tiles the sweep tries (two rows a program on one warp, K steps of 256), phi-3's down at 8
 SIZES |= {n: [("m1", dict(m=1, n=300, k=4096)), ("m3_odd", dict(m=3, n=77, k=1001)), ("m8", dict(m=8, n=130, k=3072)),

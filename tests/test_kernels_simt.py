@@ -21,6 +21,7 @@ from kernels_src import (
     dequant_gemm,
     fp8_gemv,
     gguf_mmq,
+    gguf_mmq_sb,
     int_group_gemm,
     int_group_gemv,
     kv_write,
@@ -221,6 +222,7 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            rope_kv_write.rope_kv_write_kernel,  # its simt-cpu case: test_kernels_rope_kv_write.py
            dequant_gemm.dequant_gemm_kernel,  # its simt-cpu case: test_kernels_gemm.py
            gguf_mmq.mmq_q4k_kernel, gguf_mmq.mmq_q6k_kernel,  # their simt-cpu case: test_kernels_mmq.py
+           gguf_mmq_sb.mmq_sb_q4k_kernel, gguf_mmq_sb.mmq_sb_q6k_kernel,  # likewise
            moe.moe_gemm_kernel,  # its simt-cpu case: test_kernels_moe.py
            moe_gguf.moe_qgemm_kernel,  # its simt-cpu case: test_kernels_moe_gguf.py
            moe_gemv.moe_gemv_kernel, moe_gemv.moe_qgemv_kernel,  # their simt-cpu case: test_kernels_moe_gemv.py

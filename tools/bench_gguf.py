@@ -247,6 +247,17 @@ def _ints(s: str) -> list[int]:
     return [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x) for x in s.split(",") if x]
 
 
+def mmq_choice(text: str) -> tuple[str, int | None]:
+    """--mmq VARIANT[:MAX_ROWS] as (variant, max rows or None)."""
+    from kernels_src.gguf_mmq import VARIANTS
+
+    variant, _, rows = text.partition(":")
+    if variant not in VARIANTS or (rows and not (rows.isdigit() and 4 <= int(rows) <= 256)):
+        raise argparse.ArgumentTypeError(f"{text!r}: VARIANT[:MAX_ROWS] with VARIANT one of {', '.join(VARIANTS)} "
+                                         "and MAX_ROWS 4-256")
+    return variant, int(rows) if rows else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage", required=True, choices=("prepare", "llamacpp", "ours", "report", "all"))
@@ -264,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "later is skipped (and says so)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="ours: the KV cache's "
                     "elements (int8: 1.125 bytes each; results.json merges by figure: give each run its own --out)")
+    ap.add_argument("--mmq", type=mmq_choice, default=None, metavar="VARIANT[:MAX_ROWS]",
+                    help="ours: the Q4_K / Q6_K int8 GEMM's variant (per32 or per256) and the most rows it takes "
+                    "(default: the runner's); give each run its own --out")
     ap.add_argument("--force", action="store_true", help="prepare: write and quantize again even if files exist")
     ap.add_argument("--vocab-file", type=Path)
     ap.add_argument("--llama-cpp", type=Path, help="folder of llama.cpp binaries or its tarball")

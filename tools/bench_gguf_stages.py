@@ -128,6 +128,8 @@ def stage_ours(args: argparse.Namespace) -> None:
     st.begin()
     env = st.results.data["env"]
     env.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbs=copy_bandwidth())
+    if args.mmq:
+        env["mmq"] = f"{args.mmq[0]}:{args.mmq[1] or 'default'}"
     torch.cuda.empty_cache()  # the copy's 4 GiB go back before the model comes
     say(f"  {env['gpu']}: copy {env['copy_gbs']:,.0f} GB/s")
     st.results.save()
@@ -153,6 +155,9 @@ def _ours_file(st: Stage, file: str, figs: list[Figure]) -> None:
     model = load_model(st.path(file), progress=False)
     # the GGUF default: f16 compute, llama.cpp's
     backend = CUDABackend(model, progress=False, kv_cache_dtype=st.args.kv_cache_dtype)
+    if st.args.mmq:  # before the engine's graphs are captured
+        backend.runner.mmq_variant = st.args.mmq[0]
+        backend.runner.mmq_max_rows = st.args.mmq[1] or backend.runner.mmq_max_rows
     info = st.results.data["files"][file]
     info.update(ours_load_s=time.perf_counter() - t, ours_resident_bytes=backend.memory().weights_bytes,
                 ours_backend=backend.describe())

@@ -27,6 +27,24 @@ def _ptx(k: KernelIR, num_warps: int) -> str:
     return aot_compile(k, arch=90, num_warps=num_warps).asm["ptx"]
 
 
+def _cubin(k: KernelIR, num_warps: int) -> bytes:
+    from kernels_src.dsl.triton_target import aot_compile
+
+    return aot_compile(k, arch=90, num_warps=num_warps, aligned=True).asm["cubin"]
+
+
+def _sass(k: KernelIR, num_warps: int) -> str:
+    from tools.sass_mix import sass
+
+    return sass(_cubin(k, num_warps))
+
+
+def _sass_mix(k: KernelIR, num_warps: int) -> str:
+    from tools.sass_mix import loop_mix
+
+    return loop_mix(_cubin(k, num_warps)).summary()
+
+
 def _simt(target: str) -> Callable[[KernelIR, int], str]:
     def render(k: KernelIR, num_warps: int) -> str:
         from kernels_src.dsl.simt_targets import listing
@@ -41,6 +59,8 @@ EMITTERS: dict[str, tuple[Callable[[KernelIR, int], str], bool]] = {
     "ir": (lambda k, num_warps: format_kernel(k), True),
     "triton": (_triton, True),
     "ptx": (_ptx, False),  # Triton AOT for sm_90: needs triton, and TRITON_INTERPRET unset
+    "sass": (_sass, False),  # the same build's SASS (16-byte aligned arguments, as the JIT specializes)
+    "sass-mix": (_sass_mix, False),  # its main loop's instruction mix, registers and spills (tools/sass_mix.py)
     "metal": (_simt("metal"), False),  # the SIMT form as mx.fast.metal_kernel's header and body
     "cuda": (_simt("cuda"), False),  # the SIMT form as CUDA C for cupy.RawKernel
     "simt-cpu": (_simt("simt-cpu"), False),  # the SIMT form as the CPU oracle's C++

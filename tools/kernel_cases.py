@@ -233,18 +233,21 @@ def _gemm(d: Dev, p: dict, name: str) -> Case:
 
 
 def _mmq(d: Dev, p: dict, name: str) -> Case:
-    """gguf_mmq.mmq at its tiles; sampled columns against x's int8 quantization times the float64 dequantization."""
+    """gguf_mmq.mmq at its tiles (its variant: p["variant"], per32 when absent); sampled columns against x's int8
+    quantization times the float64 dequantization."""
     from kernels_src import gguf_mmq
 
     m, n, k, qtype, dt = p["m"], p["n"], p["k"], p["qtype"], d.dtype(p["dtype"])
     w, x, y = gguf_weights(d, qtype, n, k), d.randn((m, k), dt), d.nan((m, n), dt)
 
+    variant = p.get("variant", "per32")
+
     def check():
         i = d.sample(n)
-        want = gguf_mmq.mmq_ref(host(x), host(w[i]), qtype)
+        want = gguf_mmq.mmq_ref(host(x), host(w[i]), qtype, variant)
         return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
 
-    return Case(name, p, lambda target: gguf_mmq.mmq(x, w, qtype, out=y, target=target), check,
+    return Case(name, p, lambda target: gguf_mmq.mmq(x, w, qtype, out=y, target=target, variant=variant), check,
                 lambda target: y.fill_(float("nan")))
 
 

@@ -101,6 +101,10 @@ class Runner:
         self.dense_gemv = device.type == "cuda"
         self.gemv_prologues = False
         self.gemv_max_rows = 1
+        # Q4_K / Q6_K linears of MMQ_MIN_ROWS..mmq_max_rows rows through kernels_src/gguf_mmq, in mmq_variant (None:
+        # MMQ_TUNED's choice per problem, else MMQ_VARIANT); a benchmark may change both (tools/bench_gguf --mmq).
+        self.mmq_variant: str | None = None
+        self.mmq_max_rows = MMQ_MAX_ROWS
         self._gemv_chains = gemv_fusion.plan(graph, params)
         self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
@@ -304,9 +308,10 @@ class Runner:
         if x2.shape[0] < (MMQ_MIN_ROWS[w.qtype] if mmq_ok else GEMV_MAX_ROWS + 1):
             y = dequant_gemv(x2, w.data, w.qtype, target=self.target, pdl=self.pdl)
             return y.reshape(*x.shape[:-1], n)
-        if x2.shape[0] <= MMQ_MAX_ROWS and mmq_ok:
+        if x2.shape[0] <= self.mmq_max_rows and mmq_ok:
             # int8 MMAs (Q4_K: 1.1-1.3x the GEMV at 4-8 rows, 1.1-1.9x dequant_gemm at 9-32 on an H200)
-            return mmq(x2, w.data, w.qtype, target=self.target, pdl=self.pdl).reshape(*x.shape[:-1], n)
+            return mmq(x2, w.data, w.qtype, target=self.target, pdl=self.pdl,
+                       variant=self.mmq_variant).reshape(*x.shape[:-1], n)
         if x2.shape[0] <= GEMM_MAX_ROWS:  # W's blocks read once per 16-64 rows, no fp16 copy of W written
             from kernels_src.dequant_gemm import dequant_matmul
 
