@@ -142,7 +142,7 @@ def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True) -> list:
     """The pre-pass and the Q4_K GEMV traced at dequant_gemv's default tiles (for AOT and parse checks)."""
     from kernels_src.dequant_gemv import default_tiles
 
-    tiles = default_tiles("Q4_K", m, 14336)
+    tiles = default_tiles("Q4_K", m, 14336, 4096)
     gemv = dict(w="*u8", xq="*i8", xd="*fp32", y=f"*{x_dtype}", n_rows="i32", n_cols="i32", w_stride="i32",
                 xq_stride="i32", xd_stride="i32", y_stride="i32")
     prep = dict(x=f"*{x_dtype}", xq="*i8", xd="*fp32", xs="*fp32", n_cols="i32", x_stride="i32", xq_stride="i32",

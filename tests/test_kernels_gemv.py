@@ -258,7 +258,7 @@ def test_aot_sm90_int8(tmp_path, monkeypatch):
 def test_default_tiles_fill_a_warp():
     for qtype in dg.QTYPES:
         for m in range(1, 9):
-            t = dg.default_tiles(qtype, m, 14336)
+            t = dg.rule_tiles(qtype, m, 14336)
             assert t["STEP"] * dg.LANES[qtype] // t["PARTS"] == 32 * t["num_warps"]
             assert m * t["ROWS"] <= 4 or t["ROWS"] == 1 or (m > 4 and t["ROWS"] == 2)  # measured: sweep_gemv
 
@@ -292,7 +292,7 @@ def test_aot_sm90(qtype, m, tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     entry = REGISTRY[f"dequant_gemv_{qtype.lower()}"]
-    tiles = dg.default_tiles(qtype, m, 14336)
+    tiles = dg.default_tiles(qtype, m, 14336, 4096)
     nw = tiles.pop("num_warps")
     x_type = "*fp16" if m > 1 else "*bf16"
     k = entry.trace(signature=dict(x=x_type, y=x_type), M=m, **tiles)
