@@ -128,15 +128,17 @@ BEST_PARTS = {"Q4_K": 1, "Q5_K": 1, "Q6_K": 1, "Q2_K": 1, "Q3_K": 1, "Q8_0": 2, 
 MAX_PARTS = {q: 2 if q in ("Q4_K", "Q5_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else 4 for q in LANES}
 TILE_KEYS = ("ROWS", "STEP", "PARTS", "num_warps")
 
-# (qtype, M, N, K) -> tiles measured best on an H200 by tools/sweep_gemv (its last lines print this literal; Q4_K's
-# on its int8-activation path, which takes ROWS, STEP and num_warps, one part a lane: PARTS 1). A problem not listed
-# takes rule_tiles. The first entries: `sweep_gemv --types Q4_K,Q6_K,Q8_0,Q5_K` of 2026-12-03 over 14336 x 4096
-# (the rule won there) and 4096 x 14336 (the us: rule -> these tiles; Q4_K's measured as PARTS 2, the same kernel).
+# (qtype, M, N, K) -> tiles measured best on an H200 by tools/sweep_gemv (its last lines print this literal). The
+# int8-activation path (dequant_gemv_i8: Q4_K's and Q6_K's default on Triton) takes ROWS, STEP and num_warps, one
+# part a lane (PARTS 1); an entry's int8_x, where present, picks the path on Triton. A problem not listed takes
+# rule_tiles. The first entries: `sweep_gemv --types Q4_K,Q6_K,Q8_0,Q5_K` of 2026-12-03 over 14336 x 4096
+# (the rule won there) and 4096 x 14336 (the us: rule -> these tiles; Q4_K's measured as PARTS 2, the same kernel;
+# Q6_K's on fp32 x, its default then).
 TUNED: dict[tuple[str, int, int, int], dict] = {
     ('Q4_K', 1, 4096, 14336): {'ROWS': 4, 'STEP': 8, 'PARTS': 1, 'num_warps': 1},  # 17.07 -> 13.82
     ('Q8_0', 1, 4096, 14336): {'ROWS': 4, 'STEP': 32, 'PARTS': 2, 'num_warps': 2},  # 29.46 -> 25.18
     ('Q5_K', 1, 4096, 14336): {'ROWS': 4, 'STEP': 8, 'PARTS': 1, 'num_warps': 2},  # 21.89 -> 18.93
-    ('Q6_K', 8, 4096, 14336): {'ROWS': 2, 'STEP': 8, 'PARTS': 1, 'num_warps': 2},  # 182.79 -> 158.16
+    ('Q6_K', 8, 4096, 14336): {'ROWS': 2, 'STEP': 8, 'PARTS': 1, 'num_warps': 2, 'int8_x': False},  # 182.79 -> 158.16
     ('Q5_K', 8, 4096, 14336): {'ROWS': 2, 'STEP': 8, 'PARTS': 1, 'num_warps': 2},  # 187.15 -> 147.86
 }
 
@@ -160,11 +162,16 @@ def default_tiles(qtype: str, m: int, n: int, k: int) -> dict:
 
 
 def check_tiles(qtype: str, tiles: dict) -> None:
-    """Raises ValueError naming what is off in `tiles` (TILE_KEYS) for qtype: ROWS 1-16, STEP and num_warps powers
-    of two (1-128, 1-8), PARTS a divisor of MAX_PARTS (the lane's words of a block)."""
+    """Raises ValueError naming what is off in `tiles` (TILE_KEYS, and int8_x where qtype has an int8 path) for
+    qtype: ROWS 1-16, STEP and num_warps powers of two (1-128, 1-8), PARTS a divisor of MAX_PARTS (the lane's
+    words of a block)."""
+    from kernels_src.dequant_gemv_i8 import I8_QTYPES
+
     qtype = qtype.upper()
-    if sorted(tiles) != sorted(TILE_KEYS):
-        raise ValueError(f"{qtype} tiles {tiles}: keys must be {', '.join(TILE_KEYS)}")
+    if sorted(set(tiles) - {"int8_x"}) != sorted(TILE_KEYS):
+        raise ValueError(f"{qtype} tiles {tiles}: keys must be {', '.join(TILE_KEYS)} (and int8_x)")
+    if "int8_x" in tiles and (qtype not in I8_QTYPES or not isinstance(tiles["int8_x"], bool)):
+        raise ValueError(f"{qtype} tiles {tiles}: int8_x is a bool for {', '.join(I8_QTYPES)} only")
     pow2 = lambda v, hi: isinstance(v, int) and 1 <= v <= hi and v & (v - 1) == 0
     bad = [f"ROWS {tiles['ROWS']} (1 to 16)"] if not (isinstance(tiles["ROWS"], int) and 1 <= tiles["ROWS"] <= 16) \
         else []
@@ -202,8 +209,6 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     qtype = qtype.upper()
     if qtype not in FORMATS:
         raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(QTYPES)})")
-    from kernels_src.dequant_gemv_i8 import uses_int8  # the int8 path builds on this module's helpers
-    int8_x = uses_int8(qtype, target, int8_x)
     vec = len(x.shape) == 1
     x2 = x[None] if vec else x
     m, k = x2.shape
@@ -221,6 +226,9 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     if given:
         cfg.update(given)
         check_tiles(qtype, cfg)
+    from kernels_src.dequant_gemv_i8 import I8_TARGETS, uses_int8  # the int8 path builds on this module's helpers
+    tuned_i8 = cfg.pop("int8_x", None)  # TUNED's choice of path, where it was timed: on I8_TARGETS
+    int8_x = uses_int8(qtype, target, tuned_i8 if int8_x is None and target in I8_TARGETS else int8_x)
     nw = cfg.pop("num_warps")
     grid = tl.cdiv(n, cfg["ROWS"])
     if int8_x:

@@ -26,7 +26,7 @@ def test_tuned_entries_are_valid():
         assert qtype in dg.QTYPES and 1 <= m <= 8 and n > 0 and k % GGUF[qtype].block_size == 0
         dg.check_tiles(qtype, tiles)  # raises on a bad entry
         assert dg.default_tiles(qtype.lower(), m, n, k) == tiles
-        if qtype in dgi.I8_QTYPES:  # the int8 path has one part a lane: an entry timed there says so
+        if qtype in dgi.I8_DEFAULT and tiles.get("int8_x", True):  # the int8 path has one part a lane
             assert tiles["PARTS"] == 1
 
 
@@ -51,6 +51,33 @@ def test_default_tiles_fall_back_to_the_rule(monkeypatch):
 def test_check_tiles_names_the_problem(tiles, what):
     with pytest.raises(ValueError, match=what):
         dg.check_tiles("Q4_K", tiles)
+
+
+def test_int8_x_in_tiles():
+    dg.check_tiles("Q6_K", dict(ROWS=4, STEP=4, PARTS=1, num_warps=1, int8_x=False))
+    with pytest.raises(ValueError, match="int8_x is a bool for Q4_K, Q6_K only"):
+        dg.check_tiles("Q8_0", dict(ROWS=4, STEP=4, PARTS=1, num_warps=1, int8_x=True))
+    with pytest.raises(ValueError, match="int8_x is a bool"):
+        dg.check_tiles("Q6_K", dict(ROWS=4, STEP=4, PARTS=1, num_warps=1, int8_x=1))
+
+
+@pytest.mark.parametrize("tuned_i8", [True, False])
+def test_tuned_int8_x_picks_the_path(tuned_i8, monkeypatch, rng):
+    """A TUNED entry's int8_x picks the path on the int8 targets (here the DSL interpreter, made one), and an
+    explicit int8_x still wins: int8 x moves y by quantizing x (within its bound), fp32 x does not."""
+    n, k = 6, 512
+    monkeypatch.setattr(dgi, "I8_TARGETS", ("numpy",))
+    monkeypatch.setattr(dg, "TUNED", {("Q6_K", 1, n, k): dict(ROWS=2, STEP=2, PARTS=1, num_warps=1, int8_x=tuned_i8)})
+    w = random_raw("Q6_K", (n, k), rng, 0.05).reshape(n, row_bytes("Q6_K", k))
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    want = dg.dequant_gemv_ref(x, w, "Q6_K")
+    for explicit in (None, not tuned_i8):
+        i8 = tuned_i8 if explicit is None else explicit
+        err = np.abs(dg.dequant_gemv(x, w, "Q6_K", int8_x=explicit) - want)
+        if i8:
+            assert (err <= dgi.int8_error_bound(x, w, "Q6_K") + 1e-4).all() and err.max() > 1e-3 * np.abs(want).max()
+        else:
+            assert err.max() <= 1e-5 * np.abs(want).max()
 
 
 def test_bad_override_is_a_clear_error(rng):

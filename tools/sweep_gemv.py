@@ -5,13 +5,14 @@ best per problem as a TUNED literal for kernels_src/dequant_gemv.py, and what ea
                                [--batches 1] [--budget 150] [--quick]
 
 Problems (qtype, N x K): by default those of tools/gemv_shapes for --files (llama.cpp's types, q/k/v and gate/up
-fused where their types agree); --shapes names others. Settings: the rule's tiles (and TUNED's entry) first, then
-ROWS 1-8 a program x (PARTS, warps, STEP: one or two lane passes a step) for the fp32-x kernel, (STEP 4-16, warps)
-for Q4_K's int8-x path (one part a lane). bf16 x, CUDA-graph replays (triton.testing.do_bench_cudagraph) cycling
-over enough weight copies that none is found in L2; Q4_K's times include its quantize_x pass, as the runner runs it.
-Every setting is compiled and checked against dequant_gemv_ref first, in worker processes (they fill Triton's
-on-disk cache), so the timing pass only replays; essentials (the rule, TUNED) are timed for every problem before the
-other settings, which stop at --budget seconds.
+fused where their types agree), the largest share of a step first; --shapes names others. Settings: the rule's
+tiles (for Q4_K and Q6_K, whose default is int8 x, also on the fp32-x path) and TUNED's entry first, then ROWS 1-8
+a program x (PARTS, warps, STEP: one or two lane passes a step) on the fp32-x kernel, or for Q4_K and Q6_K the
+int8 path's (STEP 4-16, warps) and the fp32 path at its best parts. bf16 x, CUDA-graph replays
+(triton.testing.do_bench_cudagraph) cycling over enough weight copies that none is found in L2; int8 x times include
+its quantize_x pass, as the runner runs it. Every setting is compiled and checked against dequant_gemv_ref first, in
+worker processes (they fill Triton's on-disk cache), so the timing pass only replays; the essentials are timed for
+every problem before the other settings, which stop at --budget seconds (from the start).
 """
 
 from __future__ import annotations
@@ -38,29 +39,35 @@ def rows_for(m: int) -> tuple[int, ...]:
 
 
 def essentials(qtype: str, m: int, n: int, k: int) -> list[dict]:
-    """The rule's tiles for the problem, and TUNED's where it lists the problem."""
+    """The rule's tiles for the problem (and on the fp32 path too where the int8 one is the default), and TUNED's
+    where it lists the problem."""
     from kernels_src.dequant_gemv import TUNED, rule_tiles
+    from kernels_src.dequant_gemv_i8 import uses_int8
 
     out = [rule_tiles(qtype, m, n)]
+    if uses_int8(qtype, TARGET):
+        out.append(out[0] | {"int8_x": False})
     tuned = TUNED.get((qtype, m, n, k))
-    return out + [dict(tuned)] if tuned is not None and tuned != out[0] else out
+    return out + [dict(tuned)] if tuned is not None and tuned not in out else out
 
 
 def settings(qtype: str, m: int, n: int, k: int, quick: bool = False) -> list[dict]:
-    """The essentials, then the space: ROWS x (STEP, PARTS, warps), each valid by check_tiles."""
-    from kernels_src.dequant_gemv import LANES, MAX_PARTS, check_tiles
+    """The essentials, then the space: ROWS x (STEP, PARTS, warps), each valid by check_tiles; where int8 x is the
+    default, its (STEP, warps) and the fp32 path's best-parts combinations."""
+    from kernels_src.dequant_gemv import BEST_PARTS, LANES, MAX_PARTS, check_tiles
     from kernels_src.dequant_gemv_i8 import uses_int8
 
     out = essentials(qtype, m, n, k)
     if quick:
         return out
+    fp32 = lambda p, w, f, **kw: dict(STEP=32 * w * p * f // LANES[qtype], PARTS=p, num_warps=w, **kw)
+    pairs = ((1, 1), (2, 1), (1, 2))  # (warps, lane passes a step)
     if uses_int8(qtype, TARGET):  # PARTS unused there: 1
         combos = [dict(STEP=st, PARTS=1, num_warps=w) for st, w in INT8_STEPS]
+        combos += [fp32(BEST_PARTS[qtype], w, f, int8_x=False) for w, f in pairs]
     else:
         parts = [p for p in (1, 2, 4) if MAX_PARTS[qtype] % p == 0 and (m <= 2 or p <= 2)]
-        combos = [dict(STEP=32 * w * p * f // LANES[qtype], PARTS=p, num_warps=w)
-                  for p in parts for w, f in ((1, 1), (2, 1), (1, 2))]
-        combos.append(dict(STEP=4 * 32 * out[0]["PARTS"] // LANES[qtype], PARTS=out[0]["PARTS"], num_warps=4))
+        combos = [fp32(p, w, f) for p in parts for w, f in pairs] + [fp32(out[0]["PARTS"], 4, 1)]
     for r, c in itertools.product(rows_for(m), combos):
         s = dict(ROWS=r, **c)
         if s not in out:
@@ -70,12 +77,18 @@ def settings(qtype: str, m: int, n: int, k: int, quick: bool = False) -> list[di
 
 
 def _kw(s: dict) -> dict:
-    keys = {"ROWS": "rows", "STEP": "step", "PARTS": "parts", "num_warps": "num_warps"}
+    keys = {"ROWS": "rows", "STEP": "step", "PARTS": "parts", "num_warps": "num_warps", "int8_x": "int8_x"}
     return {keys[k]: v for k, v in s.items()}
 
 
 def _t(s: dict) -> tuple:
-    return s["ROWS"], s["STEP"], s["PARTS"], s["num_warps"]
+    """A setting as a key: (ROWS, STEP, PARTS, num_warps, int8_x or None)."""
+    return (*(s[k] for k in TILE_KEYS), s.get("int8_x"))
+
+
+def _s(t: tuple) -> dict:
+    s = dict(zip(TILE_KEYS, t[:4], strict=True))
+    return s if t[4] is None else s | {"int8_x": t[4]}
 
 
 def _check(job) -> str | None:
@@ -101,7 +114,7 @@ def _check_one(qtype: str, m: int, s: dict, n: int = CHECK_N, k: int = CHECK_K) 
     dequant_gemv(x, w, qtype, out=y, target=TARGET, **_kw(s))
     got, xh, wh = host(y).astype(np.float32), host(x).astype(np.float32), host(w)
     want = dequant_gemv_ref(xh, wh, qtype)
-    i8 = int8_error_bound(xh, wh, qtype) if uses_int8(qtype, TARGET) else 0
+    i8 = int8_error_bound(xh, wh, qtype) if uses_int8(qtype, TARGET, s.get("int8_x")) else 0
     bad = ~(np.abs(got - want) <= i8 + 1e-2 * np.abs(want) + 1e-3 * np.abs(want).max())
     return f"{bad.sum()} of {bad.size} outputs off (max |dy| {np.nanmax(np.abs(got - want)):.3g})" if bad.any() \
         else None
@@ -202,22 +215,24 @@ def _report(probs: list[Problem], gbps: float, steps: dict) -> dict:
     from kernels_src.dequant_gemv import TUNED
 
     nan = float("nan")
-    print(f"\n{'type':5} {'M':>1} {'N x K':>12} {'rule us':>8} {'tuned us':>8} {'best us':>8} {'GB/s':>6} "
-          f"{'%copy':>5}  best (ROWS, STEP, PARTS, warps)")
+    print(f"\n{'type':5} {'M':>1} {'N x K':>12} {'rule us':>8} {'fp32-x':>8} {'tuned us':>8} {'best us':>8} "
+          f"{'GB/s':>6} {'%copy':>5}  best (ROWS, STEP, PARTS, warps, int8_x)")
     table, best_us, rule_us = {}, {}, {}
     for p in probs:
         if not p.us:
             continue
-        rule = p.us.get(_t(essentials(*p.key)[0]), nan)
+        ess = essentials(*p.key)
+        rule = p.us.get(_t(ess[0]), nan)
+        fp32 = p.us.get(_t(ess[1]), nan) if len(ess) > 1 and ess[1].get("int8_x") is False else nan
         tuned = p.us.get(_t(TUNED[p.key]), nan) if p.key in TUNED else nan
         best = min(p.us, key=p.us.get)
         us = p.us[best]
         gb = (p.n * row_bytes(p.qtype, p.k) + 2 * p.m * (p.n + p.k)) / us / 1e3
-        print(f"{p.qtype:5} {p.m:>1} {f'{p.n}x{p.k}':>12} {rule:8.2f} {tuned:8.2f} {us:8.2f} {gb:6.0f} "
+        print(f"{p.qtype:5} {p.m:>1} {f'{p.n}x{p.k}':>12} {rule:8.2f} {fp32:8.2f} {tuned:8.2f} {us:8.2f} {gb:6.0f} "
               f"{100 * gb / gbps:5.1f}  {best}")
         best_us[p.key], rule_us[p.key] = us, rule
         if us <= GAIN * rule:
-            table[p.key] = dict(zip(TILE_KEYS, best, strict=True))
+            table[p.key] = _s(best)
     for f, gemvs in steps.items():
         if all((q, 1, n, k) in best_us for q, n, k in gemvs):
             print(f"{f}: {sum(gemvs.values())} GEMVs a step at M = 1: {step_us(gemvs, rule_us):.0f} us at the "
@@ -250,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = _jobs(probs, batches, args.quick)
     workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1))
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        checks = pool.map(_check, [(q, m, dict(zip(TILE_KEYS, t, strict=True))) for q, m, t in jobs])
+        checks = pool.map(_check, [(q, m, _s(t)) for q, m, t in jobs])
         problems = dict(zip(jobs, checks, strict=True))
     print(f"compiled and checked {len(jobs)} settings in {time.perf_counter() - t0:.0f} s", flush=True)
     gbps = copy_gbps(torch, triton)
@@ -261,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     for q, n, k in probs:  # all weights made first (a few GB), so that every problem's essentials come first
         ws = [gguf_weights(d, q, n, k) for _ in range(max(2, -(-3 * l2 // (n * row_bytes(q, k)))))]
         timed += [Problem(torch, d, ws, q, m, k) for m in batches]
-    bench = lambda fn: 1e3 * triton.testing.do_bench_cudagraph(fn, rep=5, return_mode="median")
+    bench = lambda fn: 1e3 * triton.testing.do_bench_cudagraph(fn, rep=3, return_mode="median")
     skipped = _time(timed, problems, bench, args.budget, t0, args.quick)
     table = _report(timed, gbps, {f: c for f, c in steps.items() if not args.shapes})
     for key, why in problems.items():
