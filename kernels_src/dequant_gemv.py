@@ -129,17 +129,17 @@ MAX_PARTS = {q: 2 if q in ("Q4_K", "Q5_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else 
 TILE_KEYS = ("ROWS", "STEP", "PARTS", "num_warps")
 
 # (qtype, M, N, K) -> tiles measured best on an H200 by tools/sweep_gemv (its last lines print this literal). The
-# int8-activation path (dequant_gemv_i8: Q4_K's and Q6_K's default on Triton) takes ROWS, STEP and num_warps, one
-# part a lane (PARTS 1); an entry's int8_x, where present, picks the path on Triton. A problem not listed takes
-# rule_tiles. The first entries: `sweep_gemv --types Q4_K,Q6_K,Q8_0,Q5_K` of 2026-12-03 over 14336 x 4096
-# (the rule won there) and 4096 x 14336 (the us: rule -> these tiles; Q4_K's measured as PARTS 2, the same kernel;
-# Q6_K's on fp32 x, its default then).
+# int8-activation path (dequant_gemv_i8: the default of Q4_K, Q5_K and Q6_K on Triton) takes ROWS, STEP and
+# num_warps, one part a lane (PARTS 1); an entry's int8_x, where present, picks the path on Triton. A problem not
+# listed takes rule_tiles. The first entries: `sweep_gemv --types Q4_K,Q6_K,Q8_0,Q5_K` of 2026-12-03 over 14336 x
+# 4096 (the rule won there) and 4096 x 14336 (the us: rule -> these tiles; Q4_K's measured as PARTS 2, the same
+# kernel; Q5_K's and Q6_K's on fp32 x, their default then).
 TUNED: dict[tuple[str, int, int, int], dict] = {
     ('Q4_K', 1, 4096, 14336): {'ROWS': 4, 'STEP': 8, 'PARTS': 1, 'num_warps': 1},  # 17.07 -> 13.82
     ('Q8_0', 1, 4096, 14336): {'ROWS': 4, 'STEP': 32, 'PARTS': 2, 'num_warps': 2},  # 29.46 -> 25.18
-    ('Q5_K', 1, 4096, 14336): {'ROWS': 4, 'STEP': 8, 'PARTS': 1, 'num_warps': 2},  # 21.89 -> 18.93
+    ('Q5_K', 1, 4096, 14336): {'ROWS': 4, 'STEP': 8, 'PARTS': 1, 'num_warps': 2, 'int8_x': False},  # 21.89 -> 18.93
     ('Q6_K', 8, 4096, 14336): {'ROWS': 2, 'STEP': 8, 'PARTS': 1, 'num_warps': 2, 'int8_x': False},  # 182.79 -> 158.16
-    ('Q5_K', 8, 4096, 14336): {'ROWS': 2, 'STEP': 8, 'PARTS': 1, 'num_warps': 2},  # 187.15 -> 147.86
+    ('Q5_K', 8, 4096, 14336): {'ROWS': 2, 'STEP': 8, 'PARTS': 1, 'num_warps': 2, 'int8_x': False},  # 187.15 -> 147.86
 }
 
 

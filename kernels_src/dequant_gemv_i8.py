@@ -1,4 +1,5 @@
-"""Dequantizing GEMV on int8 activations (llama.cpp's mmvq), for Q4_K and Q6_K; built on dequant_gemv.py's helpers.
+"""Dequantizing GEMV on int8 activations (llama.cpp's mmvq), for Q4_K, Q5_K and Q6_K; built on dequant_gemv.py's
+helpers.
 
 On Triton (I8_TARGETS), for Q4_K: quantize_x_kernel turns x into int8 q and
 one fp32 scale d = max|x| / 127 per 32 elements (a Q4_K sub-block), then dequant_gemv_i8_kernel dots each 32-bit
@@ -12,7 +13,7 @@ sum_k |W[n, k]| d_k / 2 (int8_error_bound); relative to |y| about 0.5% on random
 The int8 GEMV compiles to 456 SASS instructions a loop step at 64 registers, the fp32 one to 712 at 72.
 Q6_K the same way (its fields as unsigned bytes, the -32 through sums of q): at ROWS 4, STEP 4 the whole kernel is
 566 SASS instructions at 80 registers against the fp32 kernel's 958 at 123 (sm_90 AOT; not yet timed on a GPU, where
-the fp32 one reads at 40-69% of copy).
+the fp32 one reads at 40-69% of copy). Q5_K: Q4_K's with the fifth bits from qh, 526 at 78 against 844 at 95.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src.dequant_gemv import FORMATS, _gemv_body
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.gguf_gemv_common import _f16, _u16, _words, _x_vals
-from kernels_src.gguf_gemv_kquants import _chunks, _halves, _q4k_load, _q4k_scales
+from kernels_src.gguf_gemv_kquants import _chunks, _halves, _q4k_load, _q4k_scales, _q5k_load
 from kernels_src.paged_attention import empty
 
 # --- Q4_K with int8 activations (llama.cpp's mmvq): dp4a on nibble words against int8 x words ------------------
@@ -69,10 +70,22 @@ def _absmax(vals, axes=(-1, -2)):
 
 
 def _q4k_dot_i8(raw, xp):
-    (xl, dl, sl), (xh, dh, sh) = xp
     w = raw[0]
-    il = tl.sum(tl.dot4(w & 0x0F0F0F0F, xl, 0), axis=-1, keep_dims=True).to(tl.float32)
-    ih = tl.sum(tl.dot4((w >> 4) & 0x0F0F0F0F, xh, 0), axis=-1, keep_dims=True).to(tl.float32)
+    return _k4_dot_i8(w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, raw, xp)
+
+
+def _q5k_dot_i8(raw, xp):
+    """Q4_K's with each byte's fifth bit from qh (bit 2c of qh's byte for the low fields, 2c + 1 for the high)."""
+    w, t = raw[0], raw[1] >> (2 * _chunks())
+    return _k4_dot_i8((w & 0x0F0F0F0F) | ((t << 4) & 0x10101010), ((w >> 4) & 0x0F0F0F0F) | ((t << 3) & 0x10101010),
+                      raw, xp)
+
+
+def _k4_dot_i8(q_lo, q_hi, raw, xp):
+    """Q4_K's and Q5_K's partial sum from their unsigned low- and high-sub-block bytes and the block's head."""
+    (xl, dl, sl), (xh, dh, sh) = xp
+    il = tl.sum(tl.dot4(q_lo, xl, 0), axis=-1, keep_dims=True).to(tl.float32)
+    ih = tl.sum(tl.dot4(q_hi, xh, 0), axis=-1, keep_dims=True).to(tl.float32)
     d, dmin, sc, mn = _q4k_scales(raw[-2], raw[-1])
     lo, hi = lambda t: (t & 0xFF).to(tl.float32), lambda t: (t >> 8).to(tl.float32)
     return d * (lo(sc) * (dl * il) + hi(sc) * (dh * ih)) - dmin * (lo(mn) * sl + hi(mn) * sh)
@@ -151,15 +164,16 @@ def quantize_x_kernel(x, xq, xd, xs, n_cols, x_stride, xq_stride, xd_stride, BLO
 
 
 I8_FAMILY = {"Q4_K": (_q4k_xq_load, _q4k_load, _q4k_dot_i8, (4, 2, 1)),
+             "Q5_K": (_q4k_xq_load, _q5k_load, _q5k_dot_i8, (4, 2, 1)),
              "Q6_K": (_q6k_xq_load, _q6k_i8_load, _q6k_dot_i8, (2, 4, 1))}  # x load, w_load, w_dot, acc shape
 
 
 def dequant_gemv_i8_kernel(w, xq, xd, y, n_rows, n_cols, w_stride, xq_stride, xd_stride, y_stride,
                            QTYPE: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
                            PDL: tl.constexpr = False):
-    """dequant_gemv_kernel on int8 activations from quantize_x_kernel (Q4_K, Q6_K). PDL: launched as a programmatic
-    dependent launch, so each step's weight loads are issued before waiting for quantize_x's output (in the
-    first step that overlaps the pre-pass; later waits return at once)."""
+    """dequant_gemv_kernel on int8 activations from quantize_x_kernel (Q4_K, Q5_K, Q6_K). PDL: launched as a
+    programmatic dependent launch, so each step's weight loads are issued before waiting for quantize_x's output
+    (in the first step that overlaps the pre-pass; later waits return at once)."""
     elems, size = FORMATS[QTYPE]
     x_load, w_load, w_dot, acc_shape = I8_FAMILY[QTYPE]
 
@@ -173,7 +187,7 @@ def dequant_gemv_i8_kernel(w, xq, xd, y, n_rows, n_cols, w_stride, xq_stride, xd
 
 
 I8_QTYPES = tuple(I8_FAMILY)  # formats with an int8-activation path
-I8_DEFAULT = ("Q4_K", "Q6_K")  # those that take it by default (TUNED's int8_x may say otherwise for a problem)
+I8_DEFAULT = I8_QTYPES  # those that take it by default (TUNED's int8_x may say otherwise for a problem)
 I8_TARGETS = ("triton",)  # targets where I8_DEFAULT take it by default (dp4a; the SIMT targets keep fp32 x)
 
 
@@ -199,8 +213,8 @@ def quantize_x(x, xq=None, xd=None, target: str = "numpy", sums: bool = False):
     return (xq, xd, xs) if sums else (xq, xd)
 
 
-def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True) -> list:
-    """The pre-pass and each int8 GEMV traced at dequant_gemv's rule tiles (for AOT and parse checks)."""
+def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True, qtypes: tuple = I8_QTYPES) -> list:
+    """The pre-pass and the int8 GEMV of each of qtypes traced at dequant_gemv's rule tiles (AOT and parse checks)."""
     from kernels_src.dequant_gemv import rule_tiles
 
     gemv = dict(w="*u8", xq="*i8", xd="*fp32", y=f"*{x_dtype}", n_rows="i32", n_cols="i32", w_stride="i32",
@@ -209,7 +223,7 @@ def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True) -> list:
                 xd_stride="i32")
     return [compile(quantize_x_kernel, "numpy", BLOCKS=8).trace(signature=prep),
             *(compile(dequant_gemv_i8_kernel, "numpy", QTYPE=q, M=m, ROWS=t["ROWS"], STEP=t["STEP"],
-                      PDL=pdl).trace(signature=gemv) for q in I8_QTYPES for t in [rule_tiles(q, m, 14336)])]
+                      PDL=pdl).trace(signature=gemv) for q in qtypes for t in [rule_tiles(q, m, 14336)])]
 
 
 def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, target: str) -> None:

@@ -55,7 +55,7 @@ def test_check_tiles_names_the_problem(tiles, what):
 
 def test_int8_x_in_tiles():
     dg.check_tiles("Q6_K", dict(ROWS=4, STEP=4, PARTS=1, num_warps=1, int8_x=False))
-    with pytest.raises(ValueError, match="int8_x is a bool for Q4_K, Q6_K only"):
+    with pytest.raises(ValueError, match="int8_x is a bool for Q4_K, Q5_K, Q6_K only"):
         dg.check_tiles("Q8_0", dict(ROWS=4, STEP=4, PARTS=1, num_warps=1, int8_x=True))
     with pytest.raises(ValueError, match="int8_x is a bool"):
         dg.check_tiles("Q6_K", dict(ROWS=4, STEP=4, PARTS=1, num_warps=1, int8_x=1))
@@ -111,12 +111,12 @@ def test_tuned_tiles_compute_the_gemv(target, key, monkeypatch, rng):
     tiles = dg.TUNED[key]
     n, k = 9, 3 * GGUF[qtype].block_size
     monkeypatch.setattr(dg, "TUNED", {(qtype, m, n, k): tiles})
-    i8 = qtype in dgi.I8_QTYPES
+    i8 = tiles.get("int8_x", qtype in dgi.I8_DEFAULT)  # the path the entry was timed on
     seen = _record(monkeypatch, dgi if i8 else dg)
     w = random_raw(qtype, (n, k), rng, 0.05).reshape(n, row_bytes(qtype, k))
     x = rng.standard_normal((m, k)).astype(np.float32)
     out = dev(np.full((m, n), np.nan, np.float32), target)
-    dg.dequant_gemv(dev(x, target), dev(w, target), qtype, out=out, target=target, int8_x=i8 or None)
+    dg.dequant_gemv(dev(x, target), dev(w, target), qtype, out=out, target=target, int8_x=i8)
     want = dg.dequant_gemv_ref(x, w, qtype)
     bound = dgi.int8_error_bound(x, w, qtype) if i8 else 0
     np.testing.assert_array_less(np.abs(host(out) - want), bound + 1e-5 * (1 + np.abs(want).max()))

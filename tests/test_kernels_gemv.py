@@ -234,9 +234,9 @@ def test_dequant_gemv_int8(target, dtype, m, n, blocks, qtype, rng):
 
 def test_dequant_gemv_int8_defaults(rng):
     assert dgi.uses_int8("q4_k", "triton") and dgi.uses_int8("Q6_K", "triton") and not dgi.uses_int8("Q4_K", "numpy")
-    assert not dgi.uses_int8("Q5_K", "triton")
+    assert not dgi.uses_int8("Q8_0", "triton")
     with pytest.raises(ValueError, match="int8-activation"):
-        dg.dequant_gemv(np.zeros((1, 256), np.float32), padded_weights(rng, "Q5_K", 2, 256), "Q5_K", int8_x=True)
+        dg.dequant_gemv(np.zeros((1, 256), np.float32), padded_weights(rng, "Q8_0", 2, 256), "Q8_0", int8_x=True)
 
 
 @needs_aot

@@ -6,8 +6,8 @@ best per problem as a TUNED literal for kernels_src/dequant_gemv.py, and what ea
 
 Problems (qtype, N x K): by default those of tools/gemv_shapes for --files (llama.cpp's types, q/k/v and gate/up
 fused where their types agree), the largest share of a step first; --shapes names others. Settings: the rule's
-tiles (for Q4_K and Q6_K, whose default is int8 x, also on the fp32-x path) and TUNED's entry first, then ROWS 1-8
-a program x (PARTS, warps, STEP: one or two lane passes a step) on the fp32-x kernel, or for Q4_K and Q6_K the
+tiles (for Q4_K, Q5_K and Q6_K, whose default is int8 x, also on the fp32-x path) and TUNED's entry first, then ROWS 1-8
+a program x (PARTS, warps, STEP: one or two lane passes a step) on the fp32-x kernel, or for those three the
 int8 path's (STEP 4-16, warps) and the fp32 path at its best parts. bf16 x, CUDA-graph replays
 (triton.testing.do_bench_cudagraph) cycling over enough weight copies that none is found in L2; int8 x times include
 its quantize_x pass, as the runner runs it. Every setting is compiled and checked against dequant_gemv_ref first, in
