@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"({skipped} settings past --budget {args.budget:.0f} s not timed)")
     print(f"\n# the best settings by (qtype, M, N, K) where they beat the rule's by {100 * (1 - GAIN):.0f}% or more "
-          f"({time.perf_counter() - t0:.0f} s); for dequant_gemv.TUNED (swept problems not listed: the rule)")
+          f"({time.perf_counter() - t0:.0f} s): for dequant_gemv.TUNED, in place of its entries for the swept problems "
+          "(those not listed take the rule)")
     print("TUNED = {")
     for key, s in table.items():
         print(f"    {key!r}: {s},")
