@@ -123,17 +123,65 @@ LANES = {"Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "Q2_K": 8, "Q3_K": 8, "Q8_0": 4, "Q4_0
          "Q5_1": 2}  # lanes on a block at PARTS = 1
 BEST_PARTS = {"Q4_K": 1, "Q5_K": 1, "Q6_K": 1, "Q2_K": 1, "Q3_K": 1, "Q8_0": 2, "Q4_0": 2, "Q4_1": 2, "Q5_0": 2,
               "Q5_1": 2}
+# A lane's 4-word vectors of a block at PARTS = 1 (the accumulator's lane axis, 2 // PARTS or 4 // PARTS): PARTS
+# divides it.
+MAX_PARTS = {q: 2 if q in ("Q4_K", "Q5_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else 4 for q in LANES}
+TILE_KEYS = ("ROWS", "STEP", "PARTS", "num_warps")
+
+# (qtype, M, N, K) -> tiles measured best on an H200 by tools/sweep_gemv (its last lines print this literal). The
+# int8-activation path (dequant_gemv_i8: the default of Q4_K, Q5_K and Q6_K on Triton) takes ROWS, STEP and
+# num_warps, one part a lane (PARTS 1); an entry's int8_x, where present, picks the path on Triton. A problem not
+# listed takes rule_tiles. The first entries: `sweep_gemv --types Q4_K,Q6_K,Q8_0,Q5_K` of 2026-12-03 over 14336 x
+# 4096 (the rule won there) and 4096 x 14336 (the us: rule -> these tiles; Q4_K's measured as PARTS 2, the same
+# kernel; Q5_K's and Q6_K's on fp32 x, their default then).
+TUNED: dict[tuple[str, int, int, int], dict] = {
+    ('Q4_K', 1, 4096, 14336): {'ROWS': 4, 'STEP': 8, 'PARTS': 1, 'num_warps': 1},  # 17.07 -> 13.82
+    ('Q8_0', 1, 4096, 14336): {'ROWS': 4, 'STEP': 32, 'PARTS': 2, 'num_warps': 2},  # 29.46 -> 25.18
+    ('Q5_K', 1, 4096, 14336): {'ROWS': 4, 'STEP': 8, 'PARTS': 1, 'num_warps': 2, 'int8_x': False},  # 21.89 -> 18.93
+    ('Q6_K', 8, 4096, 14336): {'ROWS': 2, 'STEP': 8, 'PARTS': 1, 'num_warps': 2, 'int8_x': False},  # 182.79 -> 158.16
+    ('Q5_K', 8, 4096, 14336): {'ROWS': 2, 'STEP': 8, 'PARTS': 1, 'num_warps': 2, 'int8_x': False},  # 187.15 -> 147.86
+}
 
 
-def default_tiles(qtype: str, m: int, n: int) -> dict:
-    """ROWS, STEP, PARTS and num_warps: a warp's lanes cover STEP blocks, and a lane's words and x for every batch
-    row stay in registers (fewer rows and parts as M grows)."""
+def rule_tiles(qtype: str, m: int, n: int) -> dict:
+    """ROWS, STEP, PARTS and num_warps by the rule: a warp's lanes cover STEP blocks, and a lane's words and x for
+    every batch row stay in registers (fewer rows and parts as M grows)."""
     qtype = qtype.upper()
     parts = BEST_PARTS[qtype] if m <= 2 else 1
     # Two rows a program at 5-8 batch rows: 1.6-1.8x faster at M = 8 than one for Q2_K-Q6_K and Q5_0 on an H200
     # (tools/sweep_gemv, 2026-12-01; Q4_K 74 -> 47 us on 14336 x 4096). M = 3-4 is not measured yet.
     rows = (max(1, 4 // m) if m <= 4 else 2) if n >= 1024 else 1
     return dict(ROWS=rows, STEP=max(1, 32 * parts // LANES[qtype]), PARTS=parts, num_warps=1)
+
+
+def default_tiles(qtype: str, m: int, n: int, k: int) -> dict:
+    """The tiles dequant_gemv takes for x [m, k] and W [n, k]: TUNED's entry for the problem, else rule_tiles."""
+    qtype = qtype.upper()
+    tuned = TUNED.get((qtype, m, n, k))
+    return dict(tuned) if tuned is not None else rule_tiles(qtype, m, n)
+
+
+def check_tiles(qtype: str, tiles: dict) -> None:
+    """Raises ValueError naming what is off in `tiles` (TILE_KEYS, and int8_x where qtype has an int8 path) for
+    qtype: ROWS 1-16, STEP and num_warps powers of two (1-128, 1-8), PARTS a divisor of MAX_PARTS (the lane's
+    words of a block)."""
+    from kernels_src.dequant_gemv_i8 import I8_QTYPES
+
+    qtype = qtype.upper()
+    if sorted(set(tiles) - {"int8_x"}) != sorted(TILE_KEYS):
+        raise ValueError(f"{qtype} tiles {tiles}: keys must be {', '.join(TILE_KEYS)} (and int8_x)")
+    if "int8_x" in tiles and (qtype not in I8_QTYPES or not isinstance(tiles["int8_x"], bool)):
+        raise ValueError(f"{qtype} tiles {tiles}: int8_x is a bool for {', '.join(I8_QTYPES)} only")
+    pow2 = lambda v, hi: isinstance(v, int) and 1 <= v <= hi and v & (v - 1) == 0
+    bad = [f"ROWS {tiles['ROWS']} (1 to 16)"] if not (isinstance(tiles["ROWS"], int) and 1 <= tiles["ROWS"] <= 16) \
+        else []
+    bad += [] if pow2(tiles["STEP"], 128) else [f"STEP {tiles['STEP']} (a power of two, 1 to 128)"]
+    bad += [] if pow2(tiles["num_warps"], 8) else [f"num_warps {tiles['num_warps']} (a power of two, 1 to 8)"]
+    parts = tiles["PARTS"]
+    if not (isinstance(parts, int) and parts >= 1 and MAX_PARTS[qtype] % parts == 0):
+        bad.append(f"PARTS {parts} (a divisor of {MAX_PARTS[qtype]})")
+    if bad:
+        raise ValueError(f"{qtype} tiles {tiles}: {'; '.join(bad)}")
 
 
 def _addr(a) -> int:
@@ -161,8 +209,6 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     qtype = qtype.upper()
     if qtype not in FORMATS:
         raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(QTYPES)})")
-    from kernels_src.dequant_gemv_i8 import uses_int8  # the int8 path builds on this module's helpers
-    int8_x = uses_int8(qtype, target, int8_x)
     vec = len(x.shape) == 1
     x2 = x[None] if vec else x
     m, k = x2.shape
@@ -175,9 +221,14 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
         x2 = x2.contiguous().clone() if hasattr(x2, "clone") else np.array(x2, order="C", copy=True)
     out = empty(x2, (m, n)) if out is None else out
     out2 = out[None] if len(out.shape) == 1 else out
-    cfg = default_tiles(qtype, m, n)
-    cfg.update({key: v for key, v in (("ROWS", rows), ("STEP", step), ("PARTS", parts), ("num_warps", num_warps))
-                if v is not None})
+    cfg = default_tiles(qtype, m, n, k)
+    given = {key: v for key, v in zip(TILE_KEYS, (rows, step, parts, num_warps), strict=True) if v is not None}
+    if given:
+        cfg.update(given)
+        check_tiles(qtype, cfg)
+    from kernels_src.dequant_gemv_i8 import I8_TARGETS, uses_int8  # the int8 path builds on this module's helpers
+    tuned_i8 = cfg.pop("int8_x", None)  # TUNED's choice of path, where it was timed: on I8_TARGETS
+    int8_x = uses_int8(qtype, target, tuned_i8 if int8_x is None and target in I8_TARGETS else int8_x)
     nw = cfg.pop("num_warps")
     grid = tl.cdiv(n, cfg["ROWS"])
     if int8_x:

@@ -1,4 +1,5 @@
-"""Dequantizing GEMV on int8 activations (llama.cpp's mmvq), for Q4_K; built on dequant_gemv.py's helpers.
+"""Dequantizing GEMV on int8 activations (llama.cpp's mmvq), for Q4_K, Q5_K and Q6_K; built on dequant_gemv.py's
+helpers.
 
 On Triton (I8_TARGETS), for Q4_K: quantize_x_kernel turns x into int8 q and
 one fp32 scale d = max|x| / 127 per 32 elements (a Q4_K sub-block), then dequant_gemv_i8_kernel dots each 32-bit
@@ -10,6 +11,9 @@ H200, 14336 x 4096, bf16 x: 11.8-11.9 us (65-66% of copy) against 14.8-15.2 us f
 program redoing all of K) instead: 16.8 us at 4 rows, 15.5 at 8. y moves by x's quantization: |dy| <=
 sum_k |W[n, k]| d_k / 2 (int8_error_bound); relative to |y| about 0.5% on random data.
 The int8 GEMV compiles to 456 SASS instructions a loop step at 64 registers, the fp32 one to 712 at 72.
+Q6_K the same way (its fields as unsigned bytes, the -32 through sums of q): at ROWS 4, STEP 4 the whole kernel is
+566 SASS instructions at 80 registers against the fp32 kernel's 958 at 123 (sm_90 AOT; not yet timed on a GPU, where
+the fp32 one reads at 40-69% of copy). Q5_K: Q4_K's with the fifth bits from qh, 526 at 78 against 844 at 95.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import numpy as np
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src.dequant_gemv import FORMATS, _gemv_body
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
-from kernels_src.gguf_gemv_common import _words, _x_vals
-from kernels_src.gguf_gemv_kquants import _chunks, _q4k_load, _q4k_scales
+from kernels_src.gguf_gemv_common import _f16, _u16, _words, _x_vals
+from kernels_src.gguf_gemv_kquants import _chunks, _halves, _q4k_load, _q4k_scales, _q5k_load
 from kernels_src.paged_attention import empty
 
 # --- Q4_K with int8 activations (llama.cpp's mmvq): dp4a on nibble words against int8 x words ------------------
@@ -66,13 +70,77 @@ def _absmax(vals, axes=(-1, -2)):
 
 
 def _q4k_dot_i8(raw, xp):
-    (xl, dl, sl), (xh, dh, sh) = xp
     w = raw[0]
-    il = tl.sum(tl.dot4(w & 0x0F0F0F0F, xl, 0), axis=-1, keep_dims=True).to(tl.float32)
-    ih = tl.sum(tl.dot4((w >> 4) & 0x0F0F0F0F, xh, 0), axis=-1, keep_dims=True).to(tl.float32)
+    return _k4_dot_i8(w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, raw, xp)
+
+
+def _q5k_dot_i8(raw, xp):
+    """Q4_K's with each byte's fifth bit from qh (bit 2c of qh's byte for the low fields, 2c + 1 for the high)."""
+    w, t = raw[0], raw[1] >> (2 * _chunks())
+    return _k4_dot_i8((w & 0x0F0F0F0F) | ((t << 4) & 0x10101010), ((w >> 4) & 0x0F0F0F0F) | ((t << 3) & 0x10101010),
+                      raw, xp)
+
+
+def _k4_dot_i8(q_lo, q_hi, raw, xp):
+    """Q4_K's and Q5_K's partial sum from their unsigned low- and high-sub-block bytes and the block's head."""
+    (xl, dl, sl), (xh, dh, sh) = xp
+    il = tl.sum(tl.dot4(q_lo, xl, 0), axis=-1, keep_dims=True).to(tl.float32)
+    ih = tl.sum(tl.dot4(q_hi, xh, 0), axis=-1, keep_dims=True).to(tl.float32)
     d, dmin, sc, mn = _q4k_scales(raw[-2], raw[-1])
     lo, hi = lambda t: (t & 0xFF).to(tl.float32), lambda t: (t >> 8).to(tl.float32)
     return d * (lo(sc) * (dl * il) + hi(sc) * (dh * ih)) - dmin * (lo(mn) * sl + hi(mn) * sh)
+
+
+# --- Q6_K with int8 activations: the 6-bit fields as unsigned bytes, dp4a against int8 x ----------------------------
+# Element 128h + 32k + l (half h, field k, l < 32) is nibble k // 2 of ql[64h + 32 (k % 2) + l] with bits 2k, 2k + 1
+# of qh[32h + l] on top, minus 32; scale 8h + 2k + l // 16. Lane g of a half (4 lanes) takes l = 8g .. 8g + 7: words
+# 2g, 2g + 1 of the half's ql, ql + 32 and qh, each field k a LOP3 or two from them into a word of 4 unsigned bytes
+# (0-63), one dp4a per word against x's int8 word; the -32 comes off once per lane and field as 32 sum(q). The
+# 210-byte super-blocks are only 2-byte aligned, so a 32-bit word is two 16-bit loads. x's 32-element block 4h + k
+# holds the lane's 8 elements of field k, so one x scale serves each (lane, field).
+
+def _q6k_lane():
+    return tl.arange(0, 4)[None, None, :, None]
+
+
+def _q6k_word():
+    """The lane's two words (of 4 l each) in its half: [1, 1, 4 lanes, 2]."""
+    return 2 * _q6k_lane() + tl.arange(0, 2)[None, None, None, :]
+
+
+def _u32_at(w16, word):
+    """32-bit words `word` from a 2-byte aligned base (16-bit halves, little-endian)."""
+    return _u16(w16 + 2 * word) | (_u16(w16 + 2 * word + 1) << 16)
+
+
+def _q6k_i8_load(blk, mask, PARTS: int):
+    h, w16, j = _halves(), blk.to(tl.pointer_type(tl.uint16)), _q6k_word()
+    raw = [_u32_at(w16 + 32 * h, j), _u32_at(w16 + 32 * h + 16, j), _u32_at(w16 + 64 + 16 * h, j)]  # ql, +32, qh
+    return raw + [_u16(w16 + 96 + 4 * h + k, mask) for k in range(4)] + [_u16(w16 + 104, mask)]  # scales, d
+
+
+def _q6k_xq_load(xq, xd, sb):
+    """Per field k: (x words [STEP, 2, 4, 2], their block's d [STEP, 2, 1, 1], 32 sum(q) over the lane's 8)."""
+    xw, h, out = xq.to(tl.pointer_type(tl.uint32)), _halves(), []
+    for k in range(4):
+        words = tl.load(xw + 64 * sb + 32 * h + 8 * k + _q6k_word())
+        out.append((words, tl.load(xd + 8 * sb + 4 * h + k), tl.sum(tl.dot4(0x20202020, words, 0), axis=-1,
+                                                                     keep_dims=True)))
+    return out
+
+
+def _q6k_dot_i8(raw, xp):
+    a, b, qh = raw[:3]
+    six = ((a & 0x0F0F0F0F) | ((qh << 4) & 0x30303030), (b & 0x0F0F0F0F) | ((qh << 2) & 0x30303030),
+           ((a >> 4) & 0x0F0F0F0F) | (qh & 0x30303030), ((b >> 4) & 0x0F0F0F0F) | ((qh >> 2) & 0x30303030))
+    shift = _q6k_lane() // 2 * 8  # the lane's byte (l // 16) of each 16-bit scale word
+    acc = 0.0
+    for k in range(4):
+        words, d, sum32 = xp[k]
+        dot = tl.sum(tl.dot4(six[k], words, 0), axis=-1, keep_dims=True)
+        sc = (raw[3 + k] >> shift).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float32)
+        acc = acc + (sc * d) * (dot - sum32).to(tl.float32)
+    return _f16(raw[-1]) * acc
 
 
 def quantize_x_kernel(x, xq, xd, xs, n_cols, x_stride, xq_stride, xd_stride, BLOCKS: tl.constexpr,
@@ -95,31 +163,38 @@ def quantize_x_kernel(x, xq, xd, xs, n_cols, x_stride, xq_stride, xd_stride, BLO
         tl.store(xs + m * xd_stride + blk, d * sums, mask=ok)
 
 
+I8_FAMILY = {"Q4_K": (_q4k_xq_load, _q4k_load, _q4k_dot_i8, (4, 2, 1)),
+             "Q5_K": (_q4k_xq_load, _q5k_load, _q5k_dot_i8, (4, 2, 1)),
+             "Q6_K": (_q6k_xq_load, _q6k_i8_load, _q6k_dot_i8, (2, 4, 1))}  # x load, w_load, w_dot, acc shape
+
+
 def dequant_gemv_i8_kernel(w, xq, xd, y, n_rows, n_cols, w_stride, xq_stride, xd_stride, y_stride,
                            QTYPE: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
                            PDL: tl.constexpr = False):
-    """dequant_gemv_kernel on int8 activations from quantize_x_kernel (Q4_K). PDL: launched as a programmatic
-    dependent launch, so each step's weight loads are issued before waiting for quantize_x's output (in the
-    first step that overlaps the pre-pass; later waits return at once)."""
+    """dequant_gemv_kernel on int8 activations from quantize_x_kernel (Q4_K, Q5_K, Q6_K). PDL: launched as a
+    programmatic dependent launch, so each step's weight loads are issued before waiting for quantize_x's output
+    (in the first step that overlaps the pre-pass; later waits return at once)."""
     elems, size = FORMATS[QTYPE]
+    x_load, w_load, w_dot, acc_shape = I8_FAMILY[QTYPE]
 
     def x_prep(m, b):
         if PDL and m == 0:
             tl.wait_prior_grid()
-        return _q4k_xq_load(xq + m * xq_stride, xd + m * xd_stride, b)
+        return x_load(xq + m * xq_stride, xd + m * xd_stride, b)
 
-    _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, 1, 4, (4, 2, 1), x_prep,
-               _q4k_load, _q4k_dot_i8)
+    _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, 1, 4, acc_shape, x_prep,
+               w_load, w_dot)
 
 
-I8_QTYPES = ("Q4_K",)  # formats with an int8-activation path
-I8_TARGETS = ("triton",)  # targets whose I8_QTYPES take it by default (dp4a; the SIMT targets keep fp32 x)
+I8_QTYPES = tuple(I8_FAMILY)  # formats with an int8-activation path
+I8_DEFAULT = I8_QTYPES  # those that take it by default (TUNED's int8_x may say otherwise for a problem)
+I8_TARGETS = ("triton",)  # targets where I8_DEFAULT take it by default (dp4a; the SIMT targets keep fp32 x)
 
 
 def uses_int8(qtype: str, target: str, int8_x: bool | None = None) -> bool:
     """Whether dequant_gemv takes the int8-activation path (int8_x None: the default for qtype and target)."""
     if int8_x is None:
-        return qtype.upper() in I8_QTYPES and target in I8_TARGETS
+        return qtype.upper() in I8_DEFAULT and target in I8_TARGETS
     if int8_x and qtype.upper() not in I8_QTYPES:
         raise ValueError(f"int8_x: only {', '.join(I8_QTYPES)} have an int8-activation path, not {qtype}")
     return bool(int8_x)
@@ -138,18 +213,17 @@ def quantize_x(x, xq=None, xd=None, target: str = "numpy", sums: bool = False):
     return (xq, xd, xs) if sums else (xq, xd)
 
 
-def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True) -> list:
-    """The pre-pass and the Q4_K GEMV traced at dequant_gemv's default tiles (for AOT and parse checks)."""
-    from kernels_src.dequant_gemv import default_tiles
+def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True, qtypes: tuple = I8_QTYPES) -> list:
+    """The pre-pass and the int8 GEMV of each of qtypes traced at dequant_gemv's rule tiles (AOT and parse checks)."""
+    from kernels_src.dequant_gemv import rule_tiles
 
-    tiles = default_tiles("Q4_K", m, 14336)
     gemv = dict(w="*u8", xq="*i8", xd="*fp32", y=f"*{x_dtype}", n_rows="i32", n_cols="i32", w_stride="i32",
                 xq_stride="i32", xd_stride="i32", y_stride="i32")
     prep = dict(x=f"*{x_dtype}", xq="*i8", xd="*fp32", xs="*fp32", n_cols="i32", x_stride="i32", xq_stride="i32",
                 xd_stride="i32")
     return [compile(quantize_x_kernel, "numpy", BLOCKS=8).trace(signature=prep),
-            compile(dequant_gemv_i8_kernel, "numpy", QTYPE="Q4_K", M=m, ROWS=tiles["ROWS"], STEP=tiles["STEP"],
-                    PDL=pdl).trace(signature=gemv)]
+            *(compile(dequant_gemv_i8_kernel, "numpy", QTYPE=q, M=m, ROWS=t["ROWS"], STEP=t["STEP"],
+                      PDL=pdl).trace(signature=gemv) for q in qtypes for t in [rule_tiles(q, m, 14336)])]
 
 
 def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, target: str) -> None:

@@ -142,10 +142,11 @@ def use_gemv(slots: int, experts: int, stacks) -> bool:
 
 
 def _gguf_tiles(a, b, gated: bool) -> dict:
-    """dequant_gemv's default tiles at M = 1 for each format; a fused gated pass (one format) takes half the rows."""
+    """dequant_gemv's rule tiles at M = 1 for each format (its TUNED table times the plain GEMV, not this one); a
+    fused gated pass (one format) takes half the rows."""
     qa, qb = a.qtype.upper(), (b.qtype if gated else a.qtype).upper()
     n = a.shape[1]
-    ta, tb = dg.default_tiles(qa, 1, n), dg.default_tiles(qb, 1, n)
+    ta, tb = dg.rule_tiles(qa, 1, n), dg.rule_tiles(qb, 1, n)
     rows = max(1, ta["ROWS"] // 2) if gated and qa == qb else ta["ROWS"]
     return dict(QTYPE_A=qa, QTYPE_B=qb, ROWS=rows, STEP_A=ta["STEP"], STEP_B=tb["STEP"], PARTS_A=ta["PARTS"],
                 PARTS_B=tb["PARTS"], num_warps=ta["num_warps"])

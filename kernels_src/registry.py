@@ -219,7 +219,7 @@ _I8_NOTE = ("on targets in dequant_gemv_i8.I8_TARGETS (triton) the launcher runs
             "and dequant_gemv_i8_kernel (dp4a, a programmatic dependent launch) instead: the bench times both")
 
 for _q in dequant_gemv.QTYPES:
-    _tiles = dequant_gemv.default_tiles(_q, 1, 14336)
+    _tiles = dequant_gemv.default_tiles(_q, 1, 14336, 4096)
     _tiles.pop("num_warps")
     _i8 = _q in dequant_gemv_i8.I8_QTYPES
     register(KernelEntry(

@@ -66,12 +66,13 @@ def test_parse_metal_and_cuda(name):
 
 @needs_clang
 def test_parse_metal_and_cuda_int8_gemv():
-    """The int8-activation Q4_K path (a registry variant, not an entry of its own): its MSL and CUDA C parse too."""
+    """The int8-activation path (a registry variant, not an entry of its own): its MSL and CUDA C parse too. Q4_K and
+    Q6_K: Q5_K's is Q4_K's and the qh loads of its fp32 kernel, parsed as the dequant_gemv_q5_k entry."""
     from kernels_src.dequant_gemv_i8 import traces
     from kernels_src.dsl.cuda_target import CudaRenderer
     from kernels_src.dsl.parse_check import check_cuda, check_metal
 
-    for k in traces("fp16"):
+    for k in traces("fp16", qtypes=("Q4_K", "Q6_K")):
         problems = check_metal(_metal_wrapped(k, 4096)) + check_cuda(CudaRenderer().render(simt.lower(k)))
         assert not problems, "\n".join(map(str, problems))
 

@@ -70,7 +70,7 @@ def dense_params(graph) -> dict:
     return out
 
 
-def _q6_layer(i: int, n: int) -> bool:
+def more_bits_layer(i: int, n: int) -> bool:
     """llama.cpp's Q4_K_M gives attn_v and ffn_down Q6_K in these layers ("use_more_bits")."""
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
@@ -101,7 +101,8 @@ def q4_k_m_params(graph, layers: int) -> dict:
 
     def quantize(name, shape, gen):
         parts = name.split(".")
-        six = name == "lm_head" or (parts[-1] in ("wv", "w_down", "exp_down") and _q6_layer(int(parts[1]), layers))
+        more = parts[-1] in ("wv", "w_down", "exp_down") and more_bits_layer(int(parts[1]), layers)
+        six = name == "lm_head" or more
         q = "Q6_K" if six else "Q4_K"
         rows = math.prod(shape[:-1])  # an expert stack [E, out, in] is E * out rows of blocks
         return QuantWeight(random_blocks(rows, shape[-1], q, gen), q, shape)

@@ -1,12 +1,18 @@
-"""Time dequant_gemv for every GGUF type over a few tile settings on a CUDA GPU; print the best per type.
+"""Time dequant_gemv over tile settings on a CUDA GPU for the GEMVs a GGUF Llama-3-8B decode step runs; print the
+best per problem as a TUNED literal for kernels_src/dequant_gemv.py, and what each file's GEMVs cost a step.
 
-    python -m tools.sweep_gemv [--quick] [--budget 80]
+    python -m tools.sweep_gemv [--files q4km,q5km,q8_0] [--shapes Q4_K:4096x14336,...] [--types Q4_K]
+                               [--batches 1] [--budget 150] [--quick]
 
-Each type at M = 1 and 8 on 14336 x 4096 and 4096 x 14336 (N x K), bf16 x, CUDA-graph replays
-(triton.testing.do_bench_cudagraph) cycling over enough weight copies that none is found in L2. Every setting is
-first checked against dequant_gemv_ref on a small case. The kernels are compiled up front in worker processes (they
-fill Triton's on-disk cache), so the timing pass only replays. The last lines are a dict literal of the best
-setting per (type, M) at 14336 x 4096, in default_tiles' keys.
+Problems (qtype, N x K): by default those of tools/gemv_shapes for --files (llama.cpp's types, q/k/v and gate/up
+fused where their types agree), the largest share of a step first; --shapes names others. Settings: the rule's
+tiles (for Q4_K, Q5_K and Q6_K, whose default is int8 x, also on the fp32-x path) and TUNED's entry first, then ROWS 1-8
+a program x (PARTS, warps, STEP: one or two lane passes a step) on the fp32-x kernel, or for those three the
+int8 path's (STEP 4-16, warps) and the fp32 path at its best parts. bf16 x, CUDA-graph replays
+(triton.testing.do_bench_cudagraph) cycling over enough weight copies that none is found in L2; int8 x times include
+its quantize_x pass, as the runner runs it. Every setting is compiled and checked against dequant_gemv_ref first, in
+worker processes (they fill Triton's on-disk cache), so the timing pass only replays; the essentials are timed for
+every problem before the other settings, which stop at --budget seconds (from the start).
 """
 
 from __future__ import annotations
@@ -15,36 +21,74 @@ import argparse
 import itertools
 import os
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from functools import partial
 from multiprocessing import get_context
 
-SHAPES = ((14336, 4096), (4096, 14336))
-BATCHES = (1, 8)
+from kernels_src.dequant_gemv import TILE_KEYS
+
+TARGET, DEVICE = "triton", "cuda"  # (a CPU test runs the sweep's code on the DSL interpreter)
+CHECK_N, CHECK_K = 48, 4096  # the check's problem: sizes divisible by 16, as Triton specializes the timed ones
+GAIN = 0.97  # a setting enters the printed table when it takes at most this fraction of the rule's time
+INT8_STEPS = ((4, 1), (8, 1), (16, 1), (8, 2), (16, 2))  # (STEP, warps) of the int8 path: 1-2 blocks a lane
 
 
-def settings(qtype: str, m: int) -> list[dict]:
-    """The default tiles, then alternatives: other rows a program, parts a lane, warps a program (STEP follows)."""
-    from kernels_src.dequant_gemv import LANES, default_tiles
+def rows_for(m: int) -> tuple[int, ...]:
+    """ROWS a program at M batch rows (a lane holds M x ROWS accumulators)."""
+    return (1, 2, 4, 8) if m == 1 else (1, 2, 4) if m <= 4 else (1, 2)
 
-    base = default_tiles(qtype, m, 14336)
-    out = [base]
-    alts = [dict(ROWS=r) for r in (2, 8)] if m == 1 else [dict(ROWS=2)]
-    alts += ([dict(PARTS=p) for p in (1, 2, 4)] if m == 1 else []) + [dict(num_warps=2)]
-    for alt in alts:
-        s = base | alt
-        s["STEP"] = 32 * s["num_warps"] * s["PARTS"] // LANES[qtype]
-        words = 8 if qtype in ("Q4_K", "Q5_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else 16  # a block's 4-word vectors x4
-        if s not in out and s["STEP"] >= 1 and words % (4 * s["PARTS"]) == 0 and (m == 1 or s["PARTS"] <= 2):
+
+def essentials(qtype: str, m: int, n: int, k: int) -> list[dict]:
+    """The rule's tiles for the problem (and on the fp32 path too where the int8 one is the default), and TUNED's
+    where it lists the problem."""
+    from kernels_src.dequant_gemv import TUNED, rule_tiles
+    from kernels_src.dequant_gemv_i8 import uses_int8
+
+    out = [rule_tiles(qtype, m, n)]
+    if uses_int8(qtype, TARGET):
+        out.append(out[0] | {"int8_x": False})
+    tuned = TUNED.get((qtype, m, n, k))
+    return out + [dict(tuned)] if tuned is not None and tuned not in out else out
+
+
+def settings(qtype: str, m: int, n: int, k: int, quick: bool = False) -> list[dict]:
+    """The essentials, then the space: ROWS x (STEP, PARTS, warps), each valid by check_tiles; where int8 x is the
+    default, its (STEP, warps) and the fp32 path's best-parts combinations."""
+    from kernels_src.dequant_gemv import BEST_PARTS, LANES, MAX_PARTS, check_tiles
+    from kernels_src.dequant_gemv_i8 import uses_int8
+
+    out = essentials(qtype, m, n, k)
+    if quick:
+        return out
+    fp32 = lambda p, w, f, **kw: dict(STEP=32 * w * p * f // LANES[qtype], PARTS=p, num_warps=w, **kw)
+    pairs = ((1, 1), (2, 1), (1, 2))  # (warps, lane passes a step)
+    if uses_int8(qtype, TARGET):  # PARTS unused there: 1
+        combos = [dict(STEP=st, PARTS=1, num_warps=w) for st, w in INT8_STEPS]
+        combos += [fp32(BEST_PARTS[qtype], w, f, int8_x=False) for w, f in pairs]
+    else:
+        parts = [p for p in (1, 2, 4) if MAX_PARTS[qtype] % p == 0 and (m <= 2 or p <= 2)]
+        combos = [fp32(p, w, f) for p in parts for w, f in pairs] + [fp32(out[0]["PARTS"], 4, 1)]
+    for r, c in itertools.product(rows_for(m), combos):
+        s = dict(ROWS=r, **c)
+        if s not in out:
+            check_tiles(qtype, s)
             out.append(s)
-    if qtype == "Q4_K":  # its default is the int8-activation path; the fp32 kernel as an alternative
-        out.append(base | {"int8_x": False})
     return out
 
 
 def _kw(s: dict) -> dict:
     keys = {"ROWS": "rows", "STEP": "step", "PARTS": "parts", "num_warps": "num_warps", "int8_x": "int8_x"}
     return {keys[k]: v for k, v in s.items()}
+
+
+def _t(s: dict) -> tuple:
+    """A setting as a key: (ROWS, STEP, PARTS, num_warps, int8_x or None)."""
+    return (*(s[k] for k in TILE_KEYS), s.get("int8_x"))
+
+
+def _s(t: tuple) -> dict:
+    s = dict(zip(TILE_KEYS, t[:4], strict=True))
+    return s if t[4] is None else s | {"int8_x": t[4]}
 
 
 def _check(job) -> str | None:
@@ -55,31 +99,199 @@ def _check(job) -> str | None:
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def _check_one(qtype: str, m: int, s: dict) -> str | None:
+def _check_one(qtype: str, m: int, s: dict, n: int = CHECK_N, k: int = CHECK_K) -> str | None:
     import numpy as np
     import torch
 
     from kernels_src.dequant_gemv import dequant_gemv, dequant_gemv_ref
-    from kernels_src.dequant_gemv_i8 import int8_error_bound
-    from tools.kernel_case_base import Dev
+    from kernels_src.dequant_gemv_i8 import int8_error_bound, uses_int8
+    from tools.kernel_case_base import Dev, host
     from tools.kernel_cases import gguf_weights
 
-    d = Dev(1, "cuda")
-    n, k = 48, 4096  # sizes and strides divisible by 16, as in the timed shapes: Triton specializes on that
-    w, x = gguf_weights(d, qtype, n, k), torch.randn((m, k), device="cuda").bfloat16()
-    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    dequant_gemv(x, w, qtype, out=y, target="triton", **_kw(s))
-    got, xh, wh = y.float().cpu().numpy(), x.float().cpu().numpy(), w.cpu().numpy()
+    d = Dev(1, DEVICE)
+    w, x = gguf_weights(d, qtype, n, k), d.randn((m, k), torch.bfloat16)
+    y = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    dequant_gemv(x, w, qtype, out=y, target=TARGET, **_kw(s))
+    got, xh, wh = host(y).astype(np.float32), host(x).astype(np.float32), host(w)
     want = dequant_gemv_ref(xh, wh, qtype)
-    i8 = qtype == "Q4_K" and s.get("int8_x", True)
-    tol = (int8_error_bound(xh, wh, qtype) if i8 else 0) + 1e-2 * np.abs(want) + 1e-3 * np.abs(want).max()
-    bad = ~(np.abs(got - want) <= tol)
+    i8 = int8_error_bound(xh, wh, qtype) if uses_int8(qtype, TARGET, s.get("int8_x")) else 0
+    bad = ~(np.abs(got - want) <= i8 + 1e-2 * np.abs(want) + 1e-3 * np.abs(want).max())
     return f"{bad.sum()} of {bad.size} outputs off (max |dy| {np.nanmax(np.abs(got - want)):.3g})" if bad.any() \
         else None
 
 
-def _launch(gemv, x, ws, qtype: str, y, kw: dict) -> None:
-    gemv(x, next(ws), qtype, out=y, target="triton", **kw)  # the next weight copy: each captured call its own
+def parse_shapes(text: str) -> list[tuple[str, int, int]]:
+    """'Q4_K:4096x14336,Q6_K:1024x4096' -> [(qtype, N, K)], each checked: a known type, K whole blocks."""
+    from ir.formats.gguf_quants import QTYPES as GGUF
+    from kernels_src.dequant_gemv import QTYPES
+
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        q, _, nk = item.partition(":")
+        n, _, k = nk.lower().partition("x")
+        q = q.upper()
+        if q not in QTYPES or not (n.isdigit() and k.isdigit()) or int(k) % GGUF[q].block_size or not int(n):
+            raise SystemExit(f"--shapes {item!r}: want QTYPE:NxK with QTYPE of {', '.join(QTYPES)} and K a multiple "
+                             "of its block")
+        out.append((q, int(n), int(k)))
+    return out
+
+
+def problems_for(files: list[str], shapes: str, types: str) -> tuple[list, dict]:
+    """([(qtype, N, K)] to time, {file: Counter of the GEMVs a step runs}) from the command line's choices."""
+    from tools.gemv_shapes import FILES, step_gemvs
+
+    bad = [f for f in files if f not in FILES]
+    if bad:
+        raise SystemExit(f"--files {','.join(bad)}: known files are {', '.join(FILES)}")
+    steps = {f: step_gemvs(f) for f in files}
+    if shapes:
+        probs = parse_shapes(shapes)
+    else:  # the largest share of a step first (the budget may end the sweep's later problems)
+        from ir.formats.gguf_quants import row_bytes
+
+        share = Counter()
+        for c in steps.values():
+            share.update({(q, n, k): cnt * n * row_bytes(q, k) for (q, n, k), cnt in c.items()})
+        probs = sorted(share, key=share.get, reverse=True)
+    keep = {q.strip().upper() for q in types.split(",") if q.strip()}
+    return [p for p in probs if not keep or p[0] in keep], steps
+
+
+def _jobs(probs, batches, quick: bool) -> list[tuple]:
+    """One check a binary: (qtype, M, setting); N and K take the same binary (Triton specializes on 16 | size)."""
+    return list(dict.fromkeys((q, m, _t(s)) for q, n, k in probs for m in batches
+                              for s in settings(q, m, n, k, quick)))
+
+
+class Problem:
+    """One (qtype, M, N, K): its weight copies, inputs, and the times of the settings timed on it."""
+
+    def __init__(self, torch, d, ws, qtype: str, m: int, k: int):
+        self.qtype, self.m, self.n, self.k = qtype, m, ws[0].shape[0], k
+        self.ws = itertools.cycle(ws)
+        self.x = d.randn((m, k), torch.bfloat16)
+        self.y = torch.empty((m, self.n), device=self.x.device, dtype=torch.bfloat16)
+        self.us: dict[tuple, float] = {}
+
+    @property
+    def key(self) -> tuple:
+        return self.qtype, self.m, self.n, self.k
+
+    def call(self, s: dict):
+        from kernels_src.dequant_gemv import dequant_gemv
+
+        kw = _kw(s)
+        return lambda: dequant_gemv(self.x, next(self.ws), self.qtype, out=self.y, target=TARGET, **kw)
+
+
+def _time(probs: list[Problem], problems: dict, bench, budget: float, t0: float, quick: bool) -> int:
+    """Essentials (the rule, TUNED's entry) of every problem first, then the rest in the problems' order until the
+    budget: the number of settings left untimed."""
+    ok = lambda p, s: not problems.get((p.qtype, p.m, _t(s)))
+    for p in probs:
+        for s in essentials(*p.key):
+            if ok(p, s):
+                p.us[_t(s)] = bench(p.call(s))
+    print(f"essentials timed at {time.perf_counter() - t0:.0f} s", flush=True)
+    skipped = 0
+    for p in probs:
+        for s in settings(*p.key, quick)[len(essentials(*p.key)):]:
+            if time.perf_counter() - t0 > budget:
+                skipped += 1
+            elif ok(p, s):
+                p.us[_t(s)] = bench(p.call(s))
+    return skipped
+
+
+def step_us(gemvs, us: dict) -> float:
+    """A step's GEMV time at M = 1 from {(qtype, 1, N, K): us} and the step's Counter of (qtype, N, K)."""
+    return sum(us[(q, 1, n, k)] * c for (q, n, k), c in gemvs.items())
+
+
+def _report(probs: list[Problem], gbps: float, steps: dict) -> dict:
+    """Print a row per problem and each file's GEMV time a step at M = 1; return the table to paste."""
+    from ir.formats.gguf_quants import row_bytes
+    from kernels_src.dequant_gemv import TUNED
+
+    nan = float("nan")
+    print(f"\n{'type':5} {'M':>1} {'N x K':>12} {'rule us':>8} {'fp32-x':>8} {'tuned us':>8} {'best us':>8} "
+          f"{'GB/s':>6} {'%copy':>5}  best (ROWS, STEP, PARTS, warps, int8_x)")
+    table, best_us, rule_us = {}, {}, {}
+    for p in probs:
+        if not p.us:
+            continue
+        ess = essentials(*p.key)
+        rule = p.us.get(_t(ess[0]), nan)
+        fp32 = p.us.get(_t(ess[1]), nan) if len(ess) > 1 and ess[1].get("int8_x") is False else nan
+        tuned = p.us.get(_t(TUNED[p.key]), nan) if p.key in TUNED else nan
+        best = min(p.us, key=p.us.get)
+        us = p.us[best]
+        gb = (p.n * row_bytes(p.qtype, p.k) + 2 * p.m * (p.n + p.k)) / us / 1e3
+        print(f"{p.qtype:5} {p.m:>1} {f'{p.n}x{p.k}':>12} {rule:8.2f} {fp32:8.2f} {tuned:8.2f} {us:8.2f} {gb:6.0f} "
+              f"{100 * gb / gbps:5.1f}  {best}")
+        best_us[p.key], rule_us[p.key] = us, rule
+        if us <= GAIN * rule:
+            table[p.key] = _s(best)
+    for f, gemvs in steps.items():
+        if all((q, 1, n, k) in best_us for q, n, k in gemvs):
+            print(f"{f}: {sum(gemvs.values())} GEMVs a step at M = 1: {step_us(gemvs, rule_us):.0f} us at the "
+                  f"rule's tiles, {step_us(gemvs, best_us):.0f} us at the best")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--files", default="q4km,q5km,q8_0", help="GGUF files whose GEMVs to sweep (gemv_shapes)")
+    ap.add_argument("--shapes", default="", help="instead: QTYPE:NxK,... (e.g. Q4_K:4096x14336)")
+    ap.add_argument("--types", default="", help="only these GGUF types, comma-separated")
+    ap.add_argument("--batches", default="1", help="rows M, comma-separated, 1-8")
+    ap.add_argument("--quick", action="store_true", help="the rule's and TUNED's tiles only")
+    ap.add_argument("--budget", type=float, default=150.0, help="seconds; settings past the essentials stop there")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if not batches or any(not 1 <= m <= 8 for m in batches):
+        raise SystemExit(f"--batches {args.batches}: rows from 1 to 8")
+    probs, steps = problems_for([f.strip() for f in args.files.split(",") if f.strip()], args.shapes, args.types)
+    import torch
+    import triton
+    import triton.testing
+
+    from ir.formats.gguf_quants import row_bytes
+    from tools.kernel_case_base import Dev
+    from tools.kernel_cases import gguf_weights
+
+    jobs = _jobs(probs, batches, args.quick)
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1))
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        checks = pool.map(_check, [(q, m, _s(t)) for q, m, t in jobs])
+        problems = dict(zip(jobs, checks, strict=True))
+    print(f"compiled and checked {len(jobs)} settings in {time.perf_counter() - t0:.0f} s", flush=True)
+    gbps = copy_gbps(torch, triton)
+    print(f"copy {gbps:.0f} GB/s; {torch.cuda.get_device_name()}", flush=True)
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    d = Dev(2, DEVICE)
+    timed = []
+    for q, n, k in probs:  # all weights made first (a few GB), so that every problem's essentials come first
+        ws = [gguf_weights(d, q, n, k) for _ in range(max(2, -(-3 * l2 // (n * row_bytes(q, k)))))]
+        timed += [Problem(torch, d, ws, q, m, k) for m in batches]
+    bench = lambda fn: 1e3 * triton.testing.do_bench_cudagraph(fn, rep=3, return_mode="median")
+    skipped = _time(timed, problems, bench, args.budget, t0, args.quick)
+    table = _report(timed, gbps, {f: c for f, c in steps.items() if not args.shapes})
+    for key, why in problems.items():
+        if why:
+            print(f"WRONG {key}: {why}")
+    if skipped:
+        print(f"({skipped} settings past --budget {args.budget:.0f} s not timed)")
+    print(f"\n# the best settings by (qtype, M, N, K) where they beat the rule's by {100 * (1 - GAIN):.0f}% or more "
+          f"({time.perf_counter() - t0:.0f} s): for dequant_gemv.TUNED, in place of its entries for the swept problems "
+          "(those not listed take the rule)")
+    print("TUNED = {")
+    for key, s in table.items():
+        print(f"    {key!r}: {s},")
+    print("}")
+    return 1 if any(problems.values()) else 0
 
 
 def copy_gbps(torch, triton) -> float:
@@ -87,72 +299,6 @@ def copy_gbps(torch, triton) -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=20, return_mode="median")
     return 2 * src.numel() * 2 / ms / 1e6
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="default tiles only")
-    ap.add_argument("--budget", type=float, default=80.0, help="seconds; later timings are skipped past it")
-    ap.add_argument("--types", default="", help="comma-separated subset of the GGUF types")
-    args = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    import torch
-    import triton
-    import triton.testing
-
-    from ir.formats.gguf_quants import row_bytes
-    from kernels_src.dequant_gemv import QTYPES, dequant_gemv
-    from tools.kernel_case_base import Dev
-    from tools.kernel_cases import gguf_weights
-
-    qtypes = [q.upper() for q in args.types.split(",") if q] or list(QTYPES)
-    jobs = [(q, m, s) for q in qtypes for m in BATCHES for s in (settings(q, m)[:1] if args.quick else settings(q, m))]
-    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1))
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        problems = dict(zip(map(repr, jobs), pool.map(_check, jobs), strict=True))
-    print(f"compiled and checked {len(jobs)} settings in {time.perf_counter() - t0:.0f} s", flush=True)
-    gbps = copy_gbps(torch, triton)
-    print(f"copy {gbps:.0f} GB/s; {torch.cuda.get_device_name()}", flush=True)
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    d = Dev(2, "cuda")
-    rows, best = [], {}
-    for q in qtypes:
-        for n, k in SHAPES:
-            nbytes = n * row_bytes(q, k)
-            sets = max(2, -(-3 * l2 // nbytes))
-            ws = [gguf_weights(d, q, n, k) for _ in range(sets)]
-            for m in BATCHES:
-                x = torch.randn((m, k), device="cuda").bfloat16()
-                y = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
-                moved = nbytes + 2 * m * (k + n)
-                timed = []
-                for s in (settings(q, m)[:1] if args.quick else settings(q, m)):
-                    if problems[repr((q, m, s))] or (timed and time.perf_counter() - t0 > args.budget):
-                        continue
-                    us = 1e3 * triton.testing.do_bench_cudagraph(
-                        partial(_launch, dequant_gemv, x, itertools.cycle(ws), q, y, _kw(s)), rep=5,
-                        return_mode="median")
-                    timed.append((us, s))
-                if not timed:
-                    continue
-                us, s = min(timed, key=lambda t: t[0])
-                default_us = timed[0][0] if timed[0][1] == settings(q, m)[0] else float("nan")
-                rows.append((q, m, f"{n}x{k}", s, us, 100 * moved / us / 1e3 / gbps, default_us))
-                if (n, k) == SHAPES[0]:
-                    best[(q, m)] = s
-            del ws
-    print(f"\n{'type':5} {'M':>2} {'N x K':>10} {'us':>7} {'%copy':>6} {'default us':>10}  best setting")
-    for q, m, shape, s, us, pct, dus in rows:
-        print(f"{q:5} {m:>2} {shape:>10} {us:7.2f} {pct:6.1f} {dus:10.2f}  {s}")
-    for key, why in problems.items():
-        if why:
-            print(f"WRONG {key}: {why}")
-    print(f"\n# best per (type, M) at 14336 x 4096 ({time.perf_counter() - t0:.0f} s)")
-    print("BEST_TILES = {")
-    for (q, m), s in best.items():
-        print(f"    ({q!r}, {m}): {s!r},")
-    print("}")
-    return 1 if any(problems.values()) else 0
 
 
 if __name__ == "__main__":
