@@ -29,6 +29,9 @@ Q4_K on Triton takes int8 activations by default (dp4a, llama.cpp's way): kernel
 
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 
 from ir.formats.gguf_quants import QTYPES as GGUF
@@ -143,6 +146,24 @@ TUNED: dict[tuple[str, int, int, int], dict] = {
 }
 
 
+TUNED_ENV = "LLM_ENGINE_GEMV_TUNED"  # a JSON file of tools/sweep_gemv --json: another GPU's table, over this one's
+
+
+def load_tuned(path: str) -> dict[tuple[str, int, int, int], dict]:
+    """The entries of a `sweep_gemv --json` file, {(qtype, M, N, K): tiles}, each checked (ValueError naming a bad
+    one)."""
+    import json
+
+    try:
+        rows = json.loads(open(path).read())
+        table = {(str(q).upper(), int(m), int(n), int(k)): dict(t) for (q, m, n, k), t in rows}
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{TUNED_ENV}={path}: not a sweep_gemv --json table ({e})") from e
+    for (q, *_), tiles in table.items():
+        check_tiles(q, tiles)
+    return table
+
+
 def rule_tiles(qtype: str, m: int, n: int) -> dict:
     """ROWS, STEP, PARTS and num_warps by the rule: a warp's lanes cover STEP blocks, and a lane's words and x for
     every batch row stay in registers (fewer rows and parts as M grows)."""
@@ -157,8 +178,16 @@ def rule_tiles(qtype: str, m: int, n: int) -> dict:
 def default_tiles(qtype: str, m: int, n: int, k: int) -> dict:
     """The tiles dequant_gemv takes for x [m, k] and W [n, k]: TUNED's entry for the problem, else rule_tiles."""
     qtype = qtype.upper()
-    tuned = TUNED.get((qtype, m, n, k))
+    key = (qtype, m, n, k)
+    tuned = _env_tuned().get(key) or TUNED.get(key)
     return dict(tuned) if tuned is not None else rule_tiles(qtype, m, n)
+
+
+@functools.cache
+def _env_tuned() -> dict[tuple[str, int, int, int], dict]:
+    """The entries of the file LLM_ENGINE_GEMV_TUNED names (read once): they take precedence over TUNED's."""
+    path = os.environ.get(TUNED_ENV)
+    return load_tuned(path) if path else {}
 
 
 def check_tiles(qtype: str, tiles: dict) -> None:

@@ -193,3 +193,26 @@ def test_sweep_on_the_interpreter(monkeypatch, capsys):
         assert table[p.key] == sweep.settings(*p.key)[-1]
     rule = {p.key: p.us[sweep._t(dg.rule_tiles(p.qtype, 1, 16))] for p in probs}
     assert sweep.step_us(steps["tiny"], rule) == 2 * rule[("Q8_0", 1, 16, 256)] + rule[("Q4_K", 1, 16, 256)]
+
+
+def test_a_sweeps_json_table_goes_over_tuned(tmp_path, monkeypatch):
+    """tools/sweep_gemv --json's file, named by LLM_ENGINE_GEMV_TUNED, takes precedence over TUNED for its problems
+    only; a bad entry is refused with its setting named."""
+    import json
+
+    good = tmp_path / "tuned.json"
+    good.write_text(json.dumps([[["Q4_K", 1, 4096, 14336], dict(ROWS=2, STEP=4, PARTS=1, num_warps=2)]]))
+    monkeypatch.setenv(dg.TUNED_ENV, str(good))
+    dg._env_tuned.cache_clear()
+    try:
+        assert dg.default_tiles("Q4_K", 1, 4096, 14336) == dict(ROWS=2, STEP=4, PARTS=1, num_warps=2)
+        assert dg.default_tiles("Q8_0", 1, 4096, 14336) == dg.TUNED[("Q8_0", 1, 4096, 14336)]
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps([[["Q4_K", 1, 4096, 14336], dict(ROWS=2, STEP=3, PARTS=1, num_warps=2)]]))
+        with pytest.raises(ValueError, match="STEP 3"):
+            dg.load_tuned(str(bad))
+        with pytest.raises(ValueError, match="not a sweep_gemv --json table"):
+            dg.load_tuned(str(tmp_path / "missing.json"))
+    finally:
+        monkeypatch.delenv(dg.TUNED_ENV)
+        dg._env_tuned.cache_clear()

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
+from pathlib import Path
 
 from kernels_src.dequant_gemv import TILE_KEYS
 
@@ -248,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1", help="rows M, comma-separated, 1-8")
     ap.add_argument("--quick", action="store_true", help="the rule's and TUNED's tiles only")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds; settings past the essentials stop there")
+    ap.add_argument("--json", type=Path, help="also write the table here, for LLM_ENGINE_GEMV_TUNED=FILE (a GPU's own "
+                    "tiles over the built-in ones, without editing the code)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -291,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, s in table.items():
         print(f"    {key!r}: {s},")
     print("}")
+    if args.json:
+        args.json.write_text(json.dumps([[list(key), s] for key, s in table.items()]))
+        print(f"wrote {args.json}: LLM_ENGINE_GEMV_TUNED={args.json} puts it over dequant_gemv.TUNED")
     return 1 if any(problems.values()) else 0
 
 
