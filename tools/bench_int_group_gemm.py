@@ -68,42 +68,48 @@ def bench(torch, name: str, n: int, k: int, m: int, bits: int, group: int, ws: l
                 check=problem or "PASS")
 
 
+GEMV_SETTINGS = [(rows, lanes, warps) for rows in (1, 2, 4, 8) for lanes, warps in ((32, 1), (64, 1), (64, 2))]
+
+
 def gemv_sweep(torch, shapes: dict, bits: int, group: int) -> None:
-    """The GEMV at 1, 4 and 8 rows over (groups a step, warps), checked against the reference once a setting; GB/s
-    of W read, the default setting first and the best last for each (shape, rows)."""
-    from kernels_src.int_group_gemv import _step, int_group_gemv, int_group_gemv_ref
+    """The GEMV at 1, 4 and 8 rows over (rows a program, vectors a row and step, warps), checked against the
+    reference once a setting; GB/s of W read, the default setting first and each better one after it, the best
+    last for each (shape, rows). Settings of more than 16 rows x batch rows are left out (they spill)."""
+    from kernels_src.int_group_gemv import default_tiles, int_group_gemv, int_group_gemv_ref
     from tools.bench_kernels import time_calls
     from tools.kernel_case_base import compare, host
 
-    print(f"{'shape':8} {'N x K':>12} {'M':>3} {'step':>5} {'warps':>5} {'us':>8} {'GB/s':>7}  check", flush=True)
+    print(f"{'shape':8} {'N x K':>12} {'M':>3} {'rows':>4} {'lanes':>5} {'warps':>5} {'us':>8} {'GB/s':>7}  check",
+          flush=True)
     for name, (n, k) in shapes.items():
         g = k if group == -1 else group
         w_bytes = n * k * (bits + 64 / g) / 8
         ws = _problem(torch, n, k, bits, g, max(1, min(8, int(np.ceil(3 * L2_BYTES / w_bytes)))))
-        default = _step(bits, g)
         for m in (1, 4, 8):
             x = torch.randn((m, k), device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
             y = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
             ref = int_group_gemv_ref(host(x), host(ws[0][:64]), bits, g)
+            tiles = default_tiles(m, n)
+            default = (tiles["ROWS"], tiles["LANES"], tiles["num_warps"])
             best = None
-            for step in sorted({default, 1, 2, 4, 8, 16}):
-                for warps in (1, 2, 4, 8):
-                    def run(step=step, warps=warps, x=x, y=y, g=g, ws=ws):
-                        for w in ws:
-                            int_group_gemv(x, w, bits, g, out=y, step=step, num_warps=warps, target="triton")
-                    run()
-                    torch.cuda.synchronize()
-                    _, problem = compare("y", host(y[:, :64]), ref, "bfloat16")
-                    us = time_calls(torch, run, len(ws), contextlib.nullcontext, False)[0]
-                    if (step, warps) == (default, 1) or not problem and (best is None or us < best[0]):
-                        mark = " (default)" if (step, warps) == (default, 1) else ""
-                        print(f"{name:8} {f'{n}x{k}':>12} {m:3} {step:5} {warps:5} {us:8.1f} "
-                              f"{w_bytes / us / 1e3:7.0f}  {problem or 'PASS'}{mark}", flush=True)
-                    if not problem and (best is None or us < best[0]):
-                        best = (us, step, warps)
+            for rows, lanes, warps in [default] + [s for s in GEMV_SETTINGS if s != default and s[0] * m <= 16]:
+                def run(rows=rows, lanes=lanes, warps=warps, x=x, y=y, g=g, ws=ws):
+                    for w in ws:
+                        int_group_gemv(x, w, bits, g, out=y, rows=rows, lanes=lanes, num_warps=warps, target="triton")
+                run()
+                torch.cuda.synchronize()
+                _, problem = compare("y", host(y[:, :64]), ref, "bfloat16")
+                us = time_calls(torch, run, len(ws), contextlib.nullcontext, False)[0]
+                is_default = (rows, lanes, warps) == default
+                if is_default or not problem and (best is None or us < best[0]):
+                    print(f"{name:8} {f'{n}x{k}':>12} {m:3} {rows:4} {lanes:5} {warps:5} {us:8.1f} "
+                          f"{w_bytes / us / 1e3:7.0f}  {problem or 'PASS'}{' (default)' if is_default else ''}",
+                          flush=True)
+                if not problem and (best is None or us < best[0]):
+                    best = (us, rows, lanes, warps)
             if best:
-                print(f"{name:8} {f'{n}x{k}':>12} {m:3} best: step {best[1]}, {best[2]} warps, {best[0]:.1f} us, "
-                      f"{w_bytes / best[0] / 1e3:.0f} GB/s", flush=True)
+                print(f"{name:8} {f'{n}x{k}':>12} {m:3} best: rows {best[1]}, lanes {best[2]}, {best[3]} warps, "
+                      f"{best[0]:.1f} us, {w_bytes / best[0] / 1e3:.0f} GB/s", flush=True)
         del ws
         torch.cuda.empty_cache()
 
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=128, help="inputs a group (the row length K for -1)")
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
     p.add_argument("--quick", action="store_true", help="two shapes, 16 and 256 rows")
-    p.add_argument("--gemv-sweep", action="store_true", help="instead: the GEMV's (step, warps) settings at 1-8 rows")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="instead: the GEMV's (rows, lanes, warps) settings at 1, 4 and 8 rows")
     a = p.parse_args(argv)
     import torch
 
