@@ -61,17 +61,15 @@ def _step_blocks(base, it, g, wi, n_groups, BITS: int, GROUP: int, STEP: int):
     return gg * GROUP, mask, scale, bias, qs
 
 
-def _lane_vectors(it, lane, slot, n_vec, LANES: int, SLOTS: int, UNIT: int, BITS: int, GROUP: int):
-    """Step `it`'s vectors of SLOTS UNIT-bit slots (16: halves, 32: words), one a lane: (first slot of each in its
-    row [LANES, 1], its block [LANES, 1], each slot's index in the x words (of 32 / UNIT words a q word)
-    [LANES, SLOTS], whether that slot is a q slot of a vector inside the row [LANES, SLOTS])."""
+def _lane_vectors(it, lane, half, n_vec, LANES: int, HV: int, BITS: int, GROUP: int):
+    """Step `it`'s vectors of HV halves, one a lane: (first half of each in its row [LANES, 1], its block
+    [LANES, 1], the x word of each half [LANES, HV], whether that half is a q half of a vector inside the row)."""
     QW, _, BW = _words(BITS, GROUP)
-    per = 32 // UNIT  # slots a word
     v = it * LANES + lane
-    s0 = tl.minimum(v, n_vec - 1) * SLOTS  # past the row's end: the last vector again, its x masked to 0
-    g = s0 // (per * BW)
-    qi = s0 - g * (per * BW) - 2 * per + slot  # q slot index in block g (the header's 2 words come first)
-    return s0, g, g * (GROUP * BITS // UNIT) + qi, (v < n_vec) & (qi >= 0) & (qi < per * QW)
+    h0 = tl.minimum(v, n_vec - 1) * HV  # past the row's end: the last vector again, its x masked to 0
+    g = h0 // (2 * BW)
+    qi = h0 - g * (2 * BW) - 4 + half  # q half index in block g (the header's 4 halves come first)
+    return h0, g, g * (GROUP * BITS // 16) + qi, (v < n_vec) & (qi >= 0) & (qi < 2 * QW)
 
 
 def _program_rows(w, w_stride, n_rows, ROWS: int):
@@ -110,7 +108,7 @@ def int_group_gemv_kernel(w, x, y, n_rows, n_groups, w_stride, x_stride, y_strid
     field = [BITS * k for k in range(EPH)]  # field k of a half: input EPH i + k, at bits BITS k
 
     def body(it, *accs):
-        h0, g, xw, xmask = _lane_vectors(it, lane, half, n_vec, LANES, HV, 16, BITS, GROUP)
+        h0, g, xw, xmask = _lane_vectors(it, lane, half, n_vec, LANES, HV, BITS, GROUP)
         raw = [tl.load(p + h0 + half).to(tl.uint32) for p in w16]  # every row's W, then its headers
         heads = [_scale_bias(tl.load(p + g * (BW // 2))) for p in w64]
         if PDL:
@@ -184,10 +182,17 @@ def _vec(w, n_groups: int) -> int:
 
 
 def int_group_gemv(x, w, bits: int, group: int, *, out=None, rows: int | None = None, lanes: int | None = None,
-                   num_warps: int | None = None, target: str = "numpy", pdl: bool | None = None):
+                   num_warps: int | None = None, target: str = "numpy", pdl: bool | None = None,
+                   int8_x: bool | None = None):
     """y [M, N] = x [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); M <= 8. rows,
     lanes (a power of two) and num_warps default to default_tiles (tools/bench_int_group_gemm --gemv-sweep times
-    others); pdl (default: dsl.use_pdl) makes it a programmatic dependent launch."""
+    others); pdl (default: dsl.use_pdl) makes the GEMV a programmatic dependent launch.
+
+    int8_x (default: int_group_gemv_i8.uses_int8, the Triton target): x quantized to int8 per q word's inputs first,
+    then dp4a (kernels_src/int_group_gemv_i8.py); y then differs from the fp32 path by that quantization (within
+    int_group_gemv_i8.int8_error_bound)."""
+    from kernels_src.int_group_gemv_i8 import gemv_i8, uses_int8  # the int8 path builds on this module
+
     w = _words_view(w)
     m, k = x.shape
     n = w.shape[0]
@@ -203,9 +208,13 @@ def int_group_gemv(x, w, bits: int, group: int, *, out=None, rows: int | None = 
     x = aligned_x(x)
     out = empty(x, (m, n)) if out is None else out
     nw = cfg.pop("num_warps")
+    vec = _vec(w, k // group)
+    if uses_int8(target, int8_x):
+        gemv_i8(x, w, out, bits, group, vec, cfg, nw, target, pdl)
+        return out
     pdl = use_pdl(target, pdl)
     kern = compile(int_group_gemv_kernel, target, num_warps=nw, launch_pdl=pdl, BITS=bits, GROUP=group, M=m,
-                   VEC=_vec(w, k // group), SUBNORMAL=target in SUBNORMAL_TARGETS, PDL=pdl, **cfg)
+                   VEC=vec, SUBNORMAL=target in SUBNORMAL_TARGETS, PDL=pdl, **cfg)
     kern[(tl.cdiv(n, cfg["ROWS"]),)](w, x, out, n, k // group, elem_stride(w, 0), elem_stride(x, 0),
                                      elem_stride(out, 0))
     return out

@@ -257,7 +257,8 @@ def run_int_group_gemv(t, target, pdl):
     q, zeros = rng.integers(0, 16, (5, 256)), rng.integers(0, 16, (5, 8))
     w = int_groups.pack(q, rng.uniform(0.01, 0.02, (5, 8)).astype(np.float32), zeros, 4, 32)
     out = t(_nan(3, 5))
-    int_group_gemv.int_group_gemv(t(_f32(rng, 3, 256)), t(w), 4, 32, out=out, lanes=4, target=target, pdl=pdl)
+    int_group_gemv.int_group_gemv(t(_f32(rng, 3, 256)), t(w), 4, 32, out=out, lanes=4, target=target, pdl=pdl,
+                                  int8_x=False)
     return [out]
 
 
