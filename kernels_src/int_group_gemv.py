@@ -170,10 +170,13 @@ def _check(w, bits: int, group: int, n: int, k: int) -> None:
 
 
 def default_tiles(m: int, n: int) -> dict:
-    """ROWS, LANES (vectors a row and step) and num_warps: one-warp programs of one vector a lane, more rows a program
-    at few batch rows (the GGUF GEMV's rule, kernels_src/dequant_gemv.default_tiles; unswept for these blocks)."""
+    """ROWS, LANES (vectors a row and step) and num_warps: one-warp programs, more rows a program at few batch rows
+    (the GGUF GEMV's rule, kernels_src/dequant_gemv.default_tiles), and at 1-2 batch rows two vectors a lane where
+    there are few programs (N / ROWS <= 2048: about 16 warps of an H200 SM), so that more bytes are in flight (Q4_K's
+    4096 x 14336 was fastest so, 2026-12-01). Not yet swept for these blocks (tools/bench_int_group_gemm
+    --gemv-sweep)."""
     rows = (max(1, 4 // m) if m <= 4 else 2) if n >= 1024 else 1
-    return dict(ROWS=rows, LANES=32, num_warps=1)
+    return dict(ROWS=rows, LANES=64 if m <= 2 and n // rows <= 2048 else 32, num_warps=1)
 
 
 def _vec(w, n_groups: int) -> int:

@@ -144,16 +144,19 @@ def test_bad_shapes_are_named():
 
 
 @needs_aot
-@pytest.mark.parametrize("name,consts", [("int_group_gemv", dict(M=1)), ("int_group_gemv", dict(M=8, BITS=8)),
-                                         ("int_group_gemv", dict(M=8, VEC=2)), ("int_group_dequantize", {})])
-def test_aot_sm90(name, consts, tmp_path, monkeypatch):
-    """Builds at the launcher's tiles with the JIT's 16-byte specialization; the GEMV reads W and x in 16-byte
-    vectors (every row's W and x's words: ld.global.v4) and its headers in 8-byte words, and nothing spills."""
+@pytest.mark.parametrize("name,consts,n", [
+    ("int_group_gemv", dict(M=1), 14336), ("int_group_gemv", dict(M=2), 4096),
+    ("int_group_gemv", dict(M=8, BITS=8), 14336), ("int_group_gemv", dict(M=8, VEC=2), 14336),
+    ("int_group_dequantize", {}, 0)])
+def test_aot_sm90(name, consts, n, tmp_path, monkeypatch):
+    """Builds at the launcher's tiles for N (4096: two vectors a lane) with the JIT's 16-byte specialization; the
+    GEMV reads W and x in 16-byte vectors (every row's W and x's words: ld.global.v4) and its headers in 8-byte
+    words, and nothing spills."""
     from kernels_src.dsl.triton_target import aot_compile
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     gemv = name == "int_group_gemv"
-    tiles = ig.default_tiles(consts.get("M", 1), 14336) if gemv else {}
+    tiles = ig.default_tiles(consts.get("M", 1), n) if gemv else {}
     nw = tiles.pop("num_warps", 4)
     k = REGISTRY[name].trace(**consts, **tiles)
     compiled = aot_compile(k, arch=90, num_warps=nw, aligned=gemv)

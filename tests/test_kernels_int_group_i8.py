@@ -85,15 +85,15 @@ def test_int8_is_the_triton_default():
 
 
 @needs_aot
-@pytest.mark.parametrize("bits,m", [(4, 1), (8, 8)])
-def test_aot_sm90_int8(bits, m, tmp_path, monkeypatch):
-    """At the launcher's tiles with the JIT's 16-byte specialization: dp4a, every row's W and each of x's arrays
-    in 16-byte loads (ld.global.v4), headers in 8-byte ones, a grid-dependency wait; no spills."""
+@pytest.mark.parametrize("bits,m,n", [(4, 1, 14336), (4, 1, 4096), (8, 8, 14336)])
+def test_aot_sm90_int8(bits, m, n, tmp_path, monkeypatch):
+    """At the launcher's tiles for N with the JIT's 16-byte specialization: dp4a, every row's W and each of x's
+    arrays in 16-byte loads (ld.global.v4), headers in 8-byte ones, a grid-dependency wait; no spills."""
     from kernels_src.dsl import compile
     from kernels_src.dsl.triton_target import aot_compile
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    tiles = ig.default_tiles(m, 14336)
+    tiles = ig.default_tiles(m, n)
     nw = tiles.pop("num_warps")
     sig = dict(w="*i32", xq="*i8", xd="*fp32", xs="*fp32", xr="*fp32", y="*bf16", n_rows="i32", n_groups="i32",
                w_stride="i32", xq_stride="i32", xd_stride="i32", y_stride="i32")
