@@ -1,10 +1,10 @@
 """The integer-group GEMV and dequantization (kernels_src/int_group_gemv.py) on random valid blocks, on the DSL's
 interpreter and Triton's: the GEMV against x @ W.T with W from the numpy dequantizer, the dequantization bit for bit
 in fp32 (its products are the reference's) and rounded once in fp16; widths 4 and 8, groups of 32 to a whole row
-(not a power of two of words too; odd numbers of groups: 8-byte vectors), 1-8 rows, several steps, outputs poisoned
-with NaN first; planted bugs (nibble order, a neighbour's group, no bias) that the tolerance must catch; Triton AOT
-builds for sm_90 with 16-byte loads and no spills; the SIMT lowering through the DSL's CPU oracle;
-backends.cuda.int_group_linear's paths by rows."""
+(not a power of two of words too; odd numbers of groups: 8-byte vectors), 1-8 rows, several steps, W off 8-byte
+boundaries and in strided rows, outputs poisoned with NaN first; planted bugs (nibble order, a neighbour's group, no
+bias) that the tolerance must catch; Triton AOT builds for sm_90 with 16-byte loads and no spills; the SIMT lowering
+through the DSL's CPU oracle; backends.cuda.int_group_linear's paths by rows."""
 
 from __future__ import annotations
 
@@ -61,6 +61,29 @@ def test_gemv_over_several_steps(target, bits, group, k, lanes, rows, rng):
     w = blocks(rng, 7, k, bits, group)
     x = rng.standard_normal((2, k)).astype(np.float32)
     _close(_gemv(x, w, bits, group, target, lanes=lanes, rows=rows), ig.int_group_gemv_ref(x, w, bits, group))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("int8_x", [False, True])
+def test_gemv_on_odd_placements(target, int8_x, rng):
+    """W 4 bytes past an 8-byte boundary (the launcher copies it: headers are 8-byte loads), and W's words as rows of
+    a wider buffer (a stride 2 mod 4 words: 8-byte vectors)."""
+    k, group = 256, 64
+    w = blocks(rng, 5, k, 4, group)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    want = ig.int_group_gemv_ref(x, w, 4, group)
+    shifted = np.zeros(w.size + 12, np.uint8)
+    start = 4 + (-shifted.__array_interface__["data"][0]) % 8
+    shifted = shifted[start:start + w.size].reshape(w.shape)
+    shifted[:] = w
+    wide = np.zeros((5, w.shape[1] // 4 + 2), np.int32)
+    wide[:, :-2] = w.view(np.int32)
+    for placed in (shifted, wide[:, :-2]):
+        got = _gemv(x, placed, 4, group, target, int8_x=int8_x)
+        if int8_x:  # against the same path on W as packed (test_kernels_int_group_i8 checks that one)
+            np.testing.assert_allclose(got, ig.int_group_gemv(x, w, 4, group, int8_x=True), rtol=1e-6, atol=1e-6)
+        else:
+            _close(got, want)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="bf16 activations need torch")

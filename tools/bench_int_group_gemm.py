@@ -72,17 +72,25 @@ def bench(torch, name: str, n: int, k: int, m: int, bits: int, group: int, ws: l
 GEMV_TILES = [(rows, lanes, warps) for rows in (1, 2, 4, 8) for lanes, warps in ((32, 1), (64, 1))]
 
 
+def _gemv_settings(m: int) -> list:
+    """(int8 x, rows, lanes, warps) to time at m batch rows: 2-16 rows x batch rows (one row a program at one batch
+    row reads too little at a time; more than 16 spill), 32 or 64 vectors a row and step, on both paths."""
+    return [(i8, *t) for i8 in (True, False) for t in GEMV_TILES if t[0] * m <= 16 and t[0] * m > 1]
+
+
 def gemv_sweep(torch, shapes: dict, bits: int, group: int) -> None:
     """The GEMV at 1, 4 and 8 rows, on int8 x (dp4a: the Triton default) and on fp32 x, over (rows a program,
     vectors a row and step, warps), checked against the reference once a setting; GB/s of W read, the default
     setting first and each better one after it, the best of each path last for each (shape, rows). Settings of more
-    than 16 rows x batch rows are left out (they spill)."""
+    than 16 rows x batch rows are left out (they spill), and one row a program at one batch row."""
     from kernels_src.int_group_gemv import default_tiles, int_group_gemv, int_group_gemv_ref
-    from tools.bench_kernels import time_calls
+    from tools.bench_kernels import copy_gbps, time_calls
     from tools.kernel_case_base import compare, host
 
+    copy = copy_gbps(torch, 2**30)
+    print(f"copy {copy:.0f} GB/s (1 GiB, read + write); %copy below: W's bytes read over that", flush=True)
     print(f"{'shape':8} {'N x K':>12} {'M':>3} {'x':>4} {'rows':>4} {'lanes':>5} {'warps':>5} {'us':>8} {'GB/s':>7}"
-          "  check", flush=True)
+          f" {'%copy':>5}  check", flush=True)
     for name, (n, k) in shapes.items():
         g = k if group == -1 else group
         w_bytes = n * k * (bits + 64 / g) / 8
@@ -94,8 +102,7 @@ def gemv_sweep(torch, shapes: dict, bits: int, group: int) -> None:
             tiles = default_tiles(m, n)
             default = (True, tiles["ROWS"], tiles["LANES"], tiles["num_warps"])
             best = {}
-            settings = [(i8, *t) for i8 in (True, False) for t in GEMV_TILES if t[0] * m <= 16]
-            for i8, rows, lanes, warps in [default] + [s for s in settings if s != default]:
+            for i8, rows, lanes, warps in [default] + [s for s in _gemv_settings(m) if s != default]:
                 def run(i8=i8, rows=rows, lanes=lanes, warps=warps, x=x, y=y, g=g, ws=ws):
                     for w in ws:
                         int_group_gemv(x, w, bits, g, out=y, rows=rows, lanes=lanes, num_warps=warps, int8_x=i8,
@@ -107,7 +114,8 @@ def gemv_sweep(torch, shapes: dict, bits: int, group: int) -> None:
                 is_default = (i8, rows, lanes, warps) == default
                 if is_default or not problem and (i8 not in best or us < best[i8][0]):
                     print(f"{name:8} {f'{n}x{k}':>12} {m:3} {'int8' if i8 else 'fp32':>4} {rows:4} {lanes:5} "
-                          f"{warps:5} {us:8.1f} {w_bytes / us / 1e3:7.0f}  {problem or 'PASS'}"
+                          f"{warps:5} {us:8.1f} {w_bytes / us / 1e3:7.0f} {100 * w_bytes / us / 1e3 / copy:5.0f}  "
+                          f"{problem or 'PASS'}"
                           f"{' (default)' if is_default else ''}", flush=True)
                 if not problem and (i8 not in best or us < best[i8][0]):
                     best[i8] = (us, rows, lanes, warps)
