@@ -227,6 +227,13 @@ def _aligned_rows(w, rb: int, align: int):
     return out
 
 
+def aligned_x(x2):
+    """x2 [M, K], or a copy of it where its rows are not contiguous and 8-byte aligned: x is read in 8-byte words."""
+    if elem_stride(x2, 1) != 1 or _addr(x2) % 8 or (x2.shape[0] > 1 and elem_stride(x2, 0) % 4):
+        return x2.contiguous().clone() if hasattr(x2, "clone") else np.array(x2, order="C", copy=True)
+    return x2
+
+
 def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: int | None = None,
                  parts: int | None = None, num_warps: int | None = None, target: str = "numpy",
                  int8_x: bool | None = None, pdl: bool | None = None):
@@ -246,8 +253,7 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     if m > 8 or rb <= 0 or w.shape[1] < rb or elem_stride(w, 1) != 1:
         raise ValueError(f"x [{m}, {k}] and {qtype} weights {tuple(w.shape)} do not make a GEMV of M <= 8")
     w = _aligned_rows(w, rb, ALIGN.get(qtype, 2))
-    if elem_stride(x2, 1) != 1 or _addr(x2) % 8 or (m > 1 and elem_stride(x2, 0) % 4):  # x is read in 8-byte words
-        x2 = x2.contiguous().clone() if hasattr(x2, "clone") else np.array(x2, order="C", copy=True)
+    x2 = aligned_x(x2)
     out = empty(x2, (m, n)) if out is None else out
     out2 = out[None] if len(out.shape) == 1 else out
     cfg = default_tiles(qtype, m, n, k)

@@ -32,12 +32,14 @@ def _f16(u):
     return (u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-def _x_vals(xm, idx, n: int):
-    """x[n * idx + k] for k < n as fp32 tiles; 16-bit x is read as one 32- (n = 2) or 64-bit (n = 4) word."""
+def _x_vals(xm, idx, n: int, mask=None):
+    """x[n * idx + k] for k < n as fp32 tiles; 16-bit x is read as one 32- (n = 2) or 64-bit (n = 4) word. Where
+    `mask` is False the values are 0 (and the addresses are not read)."""
     el = xm.dtype.elem
+    load = tl.load if mask is None else (lambda p: tl.load(p, mask=mask, other=0))
     if el.bits != 16:
-        return [tl.load(xm + n * idx + k).to(tl.float32) for k in range(n)]
-    word = tl.load(xm.to(tl.pointer_type(tl.uint32 if n == 2 else tl.uint64)) + idx)
+        return [load(xm + n * idx + k).to(tl.float32) for k in range(n)]
+    word = load(xm.to(tl.pointer_type(tl.uint32 if n == 2 else tl.uint64)) + idx)
     halves = [word] if n == 2 else [word.to(tl.uint32), (word >> 32).to(tl.uint32)]
     if el == tl.bfloat16:
         return [v.to(tl.float32, bitcast=True) for h in halves for v in (h << 16, h & 0xFFFF0000)]

@@ -4,12 +4,21 @@ batches: DSL kernels, launchers, numpy references.
 
 W arrives as int32 words [N, row_words]: each group of GROUP inputs is one block of 2 + GROUP * BITS / 32 words,
 [scale f32][bias f32][q words], input j of the group at bits BITS * (j % PER) of q word j // PER (PER = 32 / BITS).
-A block decodes as q * scale + bias, so a group contributes scale * sum(q x) + bias * sum(x): the kernel multiplies
-by the scale and adds the bias once per lane and group, not once per weight.
-- A program takes one row and walks the groups STEP at a time; a step's tile is [STEP, WPB] words (WPB: the
-  block's q words rounded up to a power of two, the rest masked), each word's PER fields shifted and masked out,
-  each meeting the x values of its inputs, which are loaded PER strided tiles a step.
-- x is re-read by every program (from L1/L2: the GEMV is bound by W's bytes, x is M * K values).
+A block decodes as q * scale + bias, so a group contributes scale * sum(q x) + bias * sum(x).
+
+The GEMV streams W once and is bound by its bytes; it follows the GGUF GEMV's design (kernels_src/dequant_gemv.py):
+- A row is walked as a flat run of VEC-word vectors (VEC = 4: 16-byte loads; 2 where rows are not whole 16-byte
+  vectors: an odd number of groups, or one group a row). Blocks are 2 mod 4 words long, so a vector holds either
+  q words only or a block's 2-word header and 2 q words of one block: every q word of a vector is in the same block
+  g = (first word) // block words, whose scale and bias the lane loads as one 8-byte word (lanes of one block read
+  the same address). Header words meet x = 0 (x is loaded under a mask), so they add nothing.
+- A program (one warp by default) takes ROWS rows, unrolled, and LANES vectors of each a step; each step issues
+  every row's W loads (and under PDL waits for x only then), then x once for all rows: x stays in registers.
+- W is read as 16-bit halves: half i of a block's q holds inputs EPH i .. EPH i + EPH - 1 (EPH = 16 / BITS), which
+  meet x word i (EPH 16-bit values: one 64-bit word at 4 bits, 32-bit at 8), so W's and x's tiles have the same
+  shape and layout. A field is masked in place and read as a float (gguf_gemv_common._Decode: one LOP3 and one FMA a
+  weight on Triton); x is pre-scaled once a step for each field's place and reused by every row.
+- Bias and scale apply once per lane, row and step (scale * sum(q x) + bias * sum(x)), sums in fp32.
 More rows take the tensor-core GEMM of int_group_gemm.py.
 """
 
@@ -18,7 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats import int_groups
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dequant_gemv import SUBNORMAL_TARGETS, _addr, aligned_x
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.gguf_gemv_common import _add, _Decode, _dot, _x_vals
 from kernels_src.paged_attention import empty
 
 MAX_ROWS = 8
@@ -31,7 +42,7 @@ def _words(bits: int, group: int) -> tuple[int, int, int]:
 
 
 def _tiles(STEP: int, BITS: int, GROUP: int):
-    """(group offsets [STEP, 1], word offsets [1, WPB]) of a step's tile."""
+    """(group offsets [STEP, 1], word offsets [1, WPB]) of a dequantization step's tile."""
     return tl.arange(0, STEP)[:, None], tl.arange(0, _words(BITS, GROUP)[1])[None, :]
 
 
@@ -50,29 +61,71 @@ def _step_blocks(base, it, g, wi, n_groups, BITS: int, GROUP: int, STEP: int):
     return gg * GROUP, mask, scale, bias, qs
 
 
+def _lane_vectors(it, lane, half, n_vec, LANES: int, HV: int, BITS: int, GROUP: int):
+    """Step `it`'s vectors of HV halves, one a lane: (first half of each in its row [LANES, 1], its block
+    [LANES, 1], the x word of each half [LANES, HV], whether that half is a q half of a vector inside the row)."""
+    QW, _, BW = _words(BITS, GROUP)
+    v = it * LANES + lane
+    h0 = tl.minimum(v, n_vec - 1) * HV  # past the row's end: the last vector again, its x masked to 0
+    g = h0 // (2 * BW)
+    qi = h0 - g * (2 * BW) - 4 + half  # q half index in block g (the header's 4 halves come first)
+    return h0, g, g * (GROUP * BITS // 16) + qi, (v < n_vec) & (qi >= 0) & (qi < 2 * QW)
+
+
+def _program_rows(w, w_stride, n_rows, ROWS: int):
+    """(the program's rows, their words, their blocks' headers as 8-byte words): spare rows re-read the last."""
+    rows = [tl.program_id(0) * ROWS + r for r in range(ROWS)]
+    clamped = [tl.minimum(row, n_rows - 1).to(tl.int64) for row in rows]
+    return (rows, [w + r * w_stride for r in clamped],
+            [w.to(tl.pointer_type(tl.uint64)) + r * (w_stride // 2) for r in clamped])
+
+
+def _scale_bias(head):
+    """A block's header word as (scale, bias) f32."""
+    return head.to(tl.uint32).to(tl.float32, bitcast=True), (head >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+def _store_rows(y, y_stride, rows, n_rows, accs, M: int, unit: float = 1.0, PDL: bool = False):
+    """y[m, row] = unit * the sum of row's accumulator for m; under PDL after a wait (and launch_dependents)."""
+    if PDL:  # a program whose loop ran no step must wait too (a later wait returns at once)
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    for r, row in enumerate(rows):
+        for m in range(M):
+            tl.store(y + m * y_stride + row, tl.sum(accs[r * M + m]) * unit, mask=row < n_rows)
+
+
 def int_group_gemv_kernel(w, x, y, n_rows, n_groups, w_stride, x_stride, y_stride, BITS: tl.constexpr,
-                          GROUP: tl.constexpr, M: tl.constexpr, STEP: tl.constexpr):
-    row = tl.program_id(0)
-    PER = 32 // BITS
-    g, wi = _tiles(STEP, BITS, GROUP)
-    base = w + row.to(tl.int64) * w_stride
+                          GROUP: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
+                          VEC: tl.constexpr, SUBNORMAL: tl.constexpr, PDL: tl.constexpr = False):
+    """w_stride in words, even (and a multiple of VEC); a row's n_groups blocks are whole VEC-word vectors."""
+    EPH, HV, BW = 16 // BITS, 2 * VEC, _words(BITS, GROUP)[2]  # inputs a half, halves a vector, words a block
+    dec = _Decode(SUBNORMAL)
+    rows, w32, w64 = _program_rows(w, w_stride, n_rows, ROWS)
+    w16 = [p.to(tl.pointer_type(tl.uint16)) for p in w32]
+    lane, half = tl.arange(0, LANES)[:, None], tl.arange(0, HV)[None, :]
+    n_vec = n_groups * (2 * BW) // HV
+    field = [BITS * k for k in range(EPH)]  # field k of a half: input EPH i + k, at bits BITS k
 
     def body(it, *accs):
-        first, mask, scale, bias, qs = _step_blocks(base, it, g, wi, n_groups, BITS, GROUP, STEP)
+        h0, g, xw, xmask = _lane_vectors(it, lane, half, n_vec, LANES, HV, BITS, GROUP)
+        raw = [tl.load(p + h0 + half).to(tl.uint32) for p in w16]  # every row's W, then its headers
+        heads = [_scale_bias(tl.load(p + g * (BW // 2))) for p in w64]
+        if PDL:
+            tl.wait_prior_grid()
         out = list(accs)
         for m in range(M):
-            xrow = x + m * x_stride + first + wi * PER
-            xs = [tl.load(xrow + j, mask=mask, other=0.0).to(tl.float32) for j in range(PER)]
-            qx, sx = qs[0] * xs[0], xs[0]
-            for j in range(1, PER):
-                qx, sx = qx + qs[j] * xs[j], sx + xs[j]
-            out[m] = out[m] + scale * qx + bias * sx
+            xs = _x_vals(x + m * x_stride, xw, EPH, xmask)
+            xsum = tl.sum(_add(xs), axis=-1, keep_dims=True) * (1.0 / dec.unit)
+            xq = [dec.x(v, f) for v, f in zip(xs, field, strict=True)]
+            for r, (scale, bias) in enumerate(heads):
+                qdot = _dot([dec.q(raw[r], f, BITS) for f in field], xq)
+                out[r * M + m] = out[r * M + m] + scale * qdot + bias * xsum
         return tuple(out)
 
-    init = tuple(tl.zeros((STEP, _words(BITS, GROUP)[1]), tl.float32) for _ in range(M))
-    accs = tl.fori_loop(0, (n_groups + STEP - 1) // STEP, body, init)
-    for m in range(M):
-        tl.store(y + m * y_stride + row, tl.sum(accs[m]))
+    init = tuple(tl.zeros((LANES, 1), tl.float32) for _ in range(ROWS * M))
+    accs = tl.fori_loop(0, (n_vec + LANES - 1) // LANES, body, init)
+    _store_rows(y, y_stride, rows, n_rows, accs, M, dec.unit, PDL)
 
 
 def int_group_dequantize_kernel(w, out, n_groups, w_stride, out_stride, BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -116,21 +169,57 @@ def _check(w, bits: int, group: int, n: int, k: int) -> None:
         raise ValueError(f"I{bits}_G{group} words {tuple(w.shape)} do not hold [{n}, {k}] (want [{n}, {rb // 4}])")
 
 
-def int_group_gemv(x, w, bits: int, group: int, *, out=None, step: int | None = None, num_warps: int = 1,
-                   target: str = "numpy"):
-    """y [M, N] = x [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); M <= 8. `step`
-    (groups a loop step) and `num_warps` default to the untuned first choice (tools/bench_int_group_gemm
-    --gemv-sweep times the others)."""
+def default_tiles(m: int, n: int) -> dict:
+    """ROWS, LANES (vectors a row and step) and num_warps: one-warp programs, more rows a program at few batch rows
+    (the GGUF GEMV's rule, kernels_src/dequant_gemv.default_tiles), and at 1-2 batch rows two vectors a lane where
+    there are few programs (N / ROWS <= 2048: about 16 warps of an H200 SM), so that more bytes are in flight (Q4_K's
+    4096 x 14336 was fastest so, 2026-12-01). Not yet swept for these blocks (tools/bench_int_group_gemm
+    --gemv-sweep)."""
+    rows = (max(1, 4 // m) if m <= 4 else 2) if n >= 1024 else 1
+    return dict(ROWS=rows, LANES=64 if m <= 2 and n // rows <= 2048 else 32, num_warps=1)
+
+
+def _vec(w, n_groups: int) -> int:
+    """Words a vector: 4 where every row is whole 16-byte vectors from a 16-byte aligned start, else 2."""
+    return 4 if n_groups % 2 == 0 and elem_stride(w, 0) % 4 == 0 and _addr(w) % 16 == 0 else 2
+
+
+def int_group_gemv(x, w, bits: int, group: int, *, out=None, rows: int | None = None, lanes: int | None = None,
+                   num_warps: int | None = None, target: str = "numpy", pdl: bool | None = None,
+                   int8_x: bool | None = None):
+    """y [M, N] = x [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); M <= 8. rows,
+    lanes (a power of two) and num_warps default to default_tiles (tools/bench_int_group_gemm --gemv-sweep times
+    others); pdl (default: dsl.use_pdl) makes the GEMV a programmatic dependent launch.
+
+    int8_x (default: int_group_gemv_i8.uses_int8, the Triton target): x quantized to int8 per q word's inputs first,
+    then dp4a (kernels_src/int_group_gemv_i8.py); y then differs from the fp32 path by that quantization (within
+    int_group_gemv_i8.int8_error_bound)."""
+    from kernels_src.int_group_gemv_i8 import gemv_i8, uses_int8  # the int8 path builds on this module
+
     w = _words_view(w)
     m, k = x.shape
     n = w.shape[0]
     _check(w, bits, group, n, k)
     if not 1 <= m <= MAX_ROWS or elem_stride(x, 1) != 1:
         raise ValueError(f"x [{m}, {k}] (rows contiguous) does not make a GEMV of 1-{MAX_ROWS} rows")
+    cfg = default_tiles(m, n)
+    cfg.update({key: v for key, v in (("ROWS", rows), ("LANES", lanes), ("num_warps", num_warps)) if v is not None})
+    if cfg["LANES"] < 1 or cfg["LANES"] & (cfg["LANES"] - 1) or not 1 <= cfg["ROWS"] <= 16:
+        raise ValueError(f"tiles {cfg}: LANES is a power of two, ROWS 1-16")
+    if _addr(w) % 8 or elem_stride(w, 0) % 2 or elem_stride(w, 1) != 1:  # headers are read as 8-byte words
+        w = w.contiguous().clone() if hasattr(w, "clone") else np.array(w, order="C", copy=True)
+    x = aligned_x(x)
     out = empty(x, (m, n)) if out is None else out
-    kern = compile(int_group_gemv_kernel, target, num_warps=num_warps, BITS=bits, GROUP=group, M=m,
-                   STEP=step or _step(bits, group))
-    kern[(n,)](w, x, out, n, k // group, elem_stride(w, 0), elem_stride(x, 0), elem_stride(out, 0))
+    nw = cfg.pop("num_warps")
+    vec = _vec(w, k // group)
+    if uses_int8(target, int8_x):
+        gemv_i8(x, w, out, bits, group, vec, cfg, nw, target, pdl)
+        return out
+    pdl = use_pdl(target, pdl)
+    kern = compile(int_group_gemv_kernel, target, num_warps=nw, launch_pdl=pdl, BITS=bits, GROUP=group, M=m,
+                   VEC=vec, SUBNORMAL=target in SUBNORMAL_TARGETS, PDL=pdl, **cfg)
+    kern[(tl.cdiv(n, cfg["ROWS"]),)](w, x, out, n, k // group, elem_stride(w, 0), elem_stride(x, 0),
+                                     elem_stride(out, 0))
     return out
 
 

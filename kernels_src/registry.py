@@ -24,6 +24,7 @@ from kernels_src import (
     gguf_mmq_sb,
     int_group_gemm,
     int_group_gemv,
+    int_group_gemv_i8,
     kv_int8,
     kv_write,
     mla_decode,
@@ -392,6 +393,10 @@ register(KernelEntry(
 # --- integer-group weights (GPTQ / AWQ / compressed-tensors int4, group 128): a token through 14336 x 4096 -----------
 
 
+def _gemv_tiles(tiles: dict) -> dict:
+    return {key: v for key, v in tiles.items() if key != "num_warps"}
+
+
 def int_group_bytes(n, k, bits, group, dtype, m=0) -> int:
     """W's blocks once, x and y (the dequantization: W's blocks, the dense matrix written)."""
     w = n * k // group * int_groups.block_bytes(bits, group)
@@ -399,10 +404,15 @@ def int_group_bytes(n, k, bits, group, dtype, m=0) -> int:
 
 
 register(KernelEntry(
-    "int_group_gemv", int_group_gemv.int_group_gemv_kernel, dict(BITS=4, GROUP=128, M=1, STEP=2),
+    "int_group_gemv", int_group_gemv.int_group_gemv_kernel,
+    dict(BITS=4, GROUP=128, M=1, VEC=4, SUBNORMAL=True, PDL=True,
+         **_gemv_tiles(int_group_gemv.default_tiles(1, 14336))),
     _ptrs(BF16, "x", "y", w="*i32"), dict(m=1, n=14336, k=4096, bits=4, group=128, dtype=BF16), int_group_bytes,
     flops=lambda m, n, k, **_: 2 * m * n * k, launcher=int_group_gemv.int_group_gemv,
-    notes="1-8 rows: one row a program; int_group_gemm takes more"))
+    variants=(int_group_gemv_i8.quantize_x_i8_kernel, int_group_gemv_i8.int_group_gemv_i8_kernel),
+    notes="1-8 rows, 16-byte vectors of W a lane; int_group_gemm takes more. On int_group_gemv_i8.I8_TARGETS "
+          "(triton) the launcher runs quantize_x_i8_kernel and int_group_gemv_i8_kernel (dp4a, a PDL launch) "
+          "instead: the bench times both"))
 register(KernelEntry(
     "int_group_dequantize", int_group_gemv.int_group_dequantize_kernel, dict(BITS=4, GROUP=128, STEP=2),
     _ptrs(BF16, "out", w="*i32"), dict(n=14336, k=4096, bits=4, group=128, dtype=BF16), int_group_bytes,

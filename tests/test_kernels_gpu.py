@@ -58,9 +58,12 @@ SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m9_padded", dict(m=9, n=77, 
           for n in REGISTRY if n.startswith("dequant_gemm_")}
 # decode batches of 1 and 16, and a prefill whose experts take many blocks each
 # a decode batch and a prefill's tokens through DeepSeek-V3's router
-# integer groups: the bench's token, 8 rows of int8 in groups of 32, and group -1 (a whole 1024-wide row) at 3 rows
+# integer groups: the bench's token, 8 rows of int8 in groups of 32, and group -1 (a whole 1024-wide row) at 3 rows,
+# on int8 x (Triton's default), then the fp32-x path at 1 and 5 rows (odd group count: 8-byte vectors)
 SIZES["int_group_gemv"] = [("m1", dict(m=1, n=300, k=4096)), ("m8_i8_g32", dict(m=8, n=77, k=2048, bits=8, group=32)),
-                           ("m3_row", dict(m=3, n=130, k=1024, group=1024))]
+                           ("m3_row", dict(m=3, n=130, k=1024, group=1024)),
+                           ("m1_fp32x", dict(m=1, n=300, k=4096, int8_x=False)),
+                           ("m5_fp32x_odd", dict(m=5, n=77, k=2240, group=64, int8_x=False))]
 # the GEMM: the bench's decode batch (split-K), 9 rows of int8 in groups of 32 (four groups a step), group -1 over a
 # 1024-wide row, a 64-row down projection, 256 rows on 128-row tiles, x @ W.T (swap off) at 33
 SIZES["int_group_gemm"] = [("m16", dict(m=16, n=300, k=4096)), ("m9_i8_g32", dict(m=9, n=77, k=2048, bits=8, group=32)),

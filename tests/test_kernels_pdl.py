@@ -19,6 +19,7 @@ from kernels_src import (
     dequant_gemv,
     dequantize,
     fp8_gemv,
+    int_group_gemv,
     kv_write,
     paged_attention,
     paged_prefill,
@@ -41,10 +42,10 @@ ALLOWED = {
     **{f"dequant_gemv_{q.lower()}": {"w"} for q in dequant_gemv.QTYPES},
     **{f"dequantize_{q.lower()}": {"w"} for q in dequantize.QTYPES},
     **{name: {"w", "g"} for name in REGISTRY if name.startswith("dense_gemv")},  # the weights and the norm's
-    "fp8_gemv": {"codes", "scales"},
+    "fp8_gemv": {"codes", "scales"}, "int_group_gemv": {"w"},
 }
 # The GEMVs wait inside their loop over K, after each step's weight loads (and once more before the stores).
-LOOP_WAIT = {name for name in ALLOWED if name.startswith(("dequant_gemv_", "dense_gemv", "fp8_gemv"))}
+LOOP_WAIT = {name for name in ALLOWED if name.startswith(("dequant_gemv_", "dense_gemv", "fp8_gemv", "int_group_gemv"))}
 PDL_ENTRIES = sorted(name for name, e in REGISTRY.items() if "PDL" in split_params(e.fn)[1])
 
 
@@ -248,6 +249,19 @@ def run_fp8_gemv(t, target, pdl):
     return [out]
 
 
+def run_int_group_gemv(t, target, pdl):
+    """3 rows over several steps (4 vectors a step) of 4-bit groups of 32."""
+    from ir.formats import int_groups
+
+    rng = np.random.default_rng(12)
+    q, zeros = rng.integers(0, 16, (5, 256)), rng.integers(0, 16, (5, 8))
+    w = int_groups.pack(q, rng.uniform(0.01, 0.02, (5, 8)).astype(np.float32), zeros, 4, 32)
+    out = t(_nan(3, 5))
+    int_group_gemv.int_group_gemv(t(_f32(rng, 3, 256)), t(w), 4, 32, out=out, lanes=4, target=target, pdl=pdl,
+                                  int8_x=False)
+    return [out]
+
+
 RUNS = {
     "rms_norm": run_rms_norm, "add_rms_norm": run_add_rms_norm, "gated_act": run_gated_act, "rope": run_rope,
     "kv_write": run_kv_write, "paged_decode_split": run_paged_decode,
@@ -258,10 +272,10 @@ RUNS = {
     **{f"dequant_gemv_{q}": lambda t, target, pdl, q=q: run_dequant_gemv(t, target, pdl, q)
        for q in dequant_gemv.QTYPES if q not in ("Q5_0", "Q5_1", "Q2_K", "Q3_K")},
     **{f"dense_gemv_{p}": lambda t, target, pdl, p=p: run_dense_gemv(t, target, pdl, p) for p in dense_gemv.PROLOGUES},
-    "fp8_gemv": run_fp8_gemv,
+    "fp8_gemv": run_fp8_gemv, "int_group_gemv": run_int_group_gemv,
 }
-LAUNCHERS = (activations, dense_gemv, dequant_gemv, dequantize, fp8_gemv, kv_write, paged_attention, paged_prefill,
-             rms_norm, rope)
+LAUNCHERS = (activations, dense_gemv, dequant_gemv, dequantize, fp8_gemv, int_group_gemv, kv_write, paged_attention,
+             paged_prefill, rms_norm, rope)
 
 
 class _NoLaunch:

@@ -6,7 +6,8 @@ at each row count: ours (int_group_matmul at default tiles), the dequantize path
 then cuBLAS: what int_group_linear runs past int_group_gemm.MAX_ROWS), cuBLAS on a bf16 W (a dense model's time)
 and, at 1-8 rows, the GEMV. Ours is checked against the numpy reference once a problem. Times are CUDA-graph
 replays (tools/bench_kernels.time_calls) over enough weight copies that W never sits in L2; prints one table, ours /
-the dequantize path's time last (below 1: ours wins)."""
+the dequantize path's time last (below 1: ours wins). `--gemv-sweep [--quick]` instead times the GEMV's two paths
+(int8 or fp32 x) over its tiles at 1, 4 and 8 rows (gemv_sweep)."""
 
 from __future__ import annotations
 
@@ -68,42 +69,59 @@ def bench(torch, name: str, n: int, k: int, m: int, bits: int, group: int, ws: l
                 check=problem or "PASS")
 
 
+GEMV_TILES = [(rows, lanes, warps) for rows in (1, 2, 4, 8) for lanes, warps in ((32, 1), (64, 1))]
+
+
+def _gemv_settings(m: int) -> list:
+    """(int8 x, rows, lanes, warps) to time at m batch rows: 2-16 rows x batch rows (one row a program at one batch
+    row reads too little at a time; more than 16 spill), 32 or 64 vectors a row and step, on both paths."""
+    return [(i8, *t) for i8 in (True, False) for t in GEMV_TILES if t[0] * m <= 16 and t[0] * m > 1]
+
+
 def gemv_sweep(torch, shapes: dict, bits: int, group: int) -> None:
-    """The GEMV at 1, 4 and 8 rows over (groups a step, warps), checked against the reference once a setting; GB/s
-    of W read, the default setting first and the best last for each (shape, rows)."""
-    from kernels_src.int_group_gemv import _step, int_group_gemv, int_group_gemv_ref
-    from tools.bench_kernels import time_calls
+    """The GEMV at 1, 4 and 8 rows, on int8 x (dp4a: the Triton default) and on fp32 x, over (rows a program,
+    vectors a row and step, warps), checked against the reference once a setting; GB/s of W read, the default
+    setting first and each better one after it, the best of each path last for each (shape, rows). Settings of more
+    than 16 rows x batch rows are left out (they spill), and one row a program at one batch row."""
+    from kernels_src.int_group_gemv import default_tiles, int_group_gemv, int_group_gemv_ref
+    from tools.bench_kernels import copy_gbps, time_calls
     from tools.kernel_case_base import compare, host
 
-    print(f"{'shape':8} {'N x K':>12} {'M':>3} {'step':>5} {'warps':>5} {'us':>8} {'GB/s':>7}  check", flush=True)
+    copy = copy_gbps(torch, 2**30)
+    print(f"copy {copy:.0f} GB/s (1 GiB, read + write); %copy below: W's bytes read over that", flush=True)
+    print(f"{'shape':8} {'N x K':>12} {'M':>3} {'x':>4} {'rows':>4} {'lanes':>5} {'warps':>5} {'us':>8} {'GB/s':>7}"
+          f" {'%copy':>5}  check", flush=True)
     for name, (n, k) in shapes.items():
         g = k if group == -1 else group
         w_bytes = n * k * (bits + 64 / g) / 8
         ws = _problem(torch, n, k, bits, g, max(1, min(8, int(np.ceil(3 * L2_BYTES / w_bytes)))))
-        default = _step(bits, g)
         for m in (1, 4, 8):
             x = torch.randn((m, k), device="cuda", generator=torch.Generator("cuda").manual_seed(m)).bfloat16()
             y = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
             ref = int_group_gemv_ref(host(x), host(ws[0][:64]), bits, g)
-            best = None
-            for step in sorted({default, 1, 2, 4, 8, 16}):
-                for warps in (1, 2, 4, 8):
-                    def run(step=step, warps=warps, x=x, y=y, g=g, ws=ws):
-                        for w in ws:
-                            int_group_gemv(x, w, bits, g, out=y, step=step, num_warps=warps, target="triton")
-                    run()
-                    torch.cuda.synchronize()
-                    _, problem = compare("y", host(y[:, :64]), ref, "bfloat16")
-                    us = time_calls(torch, run, len(ws), contextlib.nullcontext, False)[0]
-                    if (step, warps) == (default, 1) or not problem and (best is None or us < best[0]):
-                        mark = " (default)" if (step, warps) == (default, 1) else ""
-                        print(f"{name:8} {f'{n}x{k}':>12} {m:3} {step:5} {warps:5} {us:8.1f} "
-                              f"{w_bytes / us / 1e3:7.0f}  {problem or 'PASS'}{mark}", flush=True)
-                    if not problem and (best is None or us < best[0]):
-                        best = (us, step, warps)
-            if best:
-                print(f"{name:8} {f'{n}x{k}':>12} {m:3} best: step {best[1]}, {best[2]} warps, {best[0]:.1f} us, "
-                      f"{w_bytes / best[0] / 1e3:.0f} GB/s", flush=True)
+            tiles = default_tiles(m, n)
+            default = (True, tiles["ROWS"], tiles["LANES"], tiles["num_warps"])
+            best = {}
+            for i8, rows, lanes, warps in [default] + [s for s in _gemv_settings(m) if s != default]:
+                def run(i8=i8, rows=rows, lanes=lanes, warps=warps, x=x, y=y, g=g, ws=ws):
+                    for w in ws:
+                        int_group_gemv(x, w, bits, g, out=y, rows=rows, lanes=lanes, num_warps=warps, int8_x=i8,
+                                       target="triton")
+                run()
+                torch.cuda.synchronize()
+                _, problem = compare("y", host(y[:, :64]), ref, "bfloat16")
+                us = time_calls(torch, run, len(ws), contextlib.nullcontext, False)[0]
+                is_default = (i8, rows, lanes, warps) == default
+                if is_default or not problem and (i8 not in best or us < best[i8][0]):
+                    print(f"{name:8} {f'{n}x{k}':>12} {m:3} {'int8' if i8 else 'fp32':>4} {rows:4} {lanes:5} "
+                          f"{warps:5} {us:8.1f} {w_bytes / us / 1e3:7.0f} {100 * w_bytes / us / 1e3 / copy:5.0f}  "
+                          f"{problem or 'PASS'}"
+                          f"{' (default)' if is_default else ''}", flush=True)
+                if not problem and (i8 not in best or us < best[i8][0]):
+                    best[i8] = (us, rows, lanes, warps)
+            for i8, (us, rows, lanes, warps) in best.items():
+                print(f"{name:8} {f'{n}x{k}':>12} {m:3} best {'int8' if i8 else 'fp32'}: rows {rows}, lanes {lanes}, "
+                      f"{warps} warps, {us:.1f} us, {w_bytes / us / 1e3:.0f} GB/s", flush=True)
         del ws
         torch.cuda.empty_cache()
 
@@ -113,13 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group", type=int, default=128, help="inputs a group (the row length K for -1)")
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
-    p.add_argument("--quick", action="store_true", help="two shapes, 16 and 256 rows")
-    p.add_argument("--gemv-sweep", action="store_true", help="instead: the GEMV's (step, warps) settings at 1-8 rows")
+    p.add_argument("--quick", action="store_true",
+                   help="two shapes (o, down), 16 and 256 rows; with --gemv-sweep: gate_up and down")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="instead: the GEMV's paths (int8 or fp32 x) and (rows, lanes, warps) at 1, 4 and 8 rows")
     a = p.parse_args(argv)
     import torch
 
     if a.gemv_sweep:
-        gemv_sweep(torch, SHAPES, a.bits, a.group)
+        gemv_sweep(torch, {s: SHAPES[s] for s in (("gate_up", "down") if a.quick else SHAPES)}, a.bits, a.group)
         return 0
 
     rows = (16, 256) if a.quick else tuple(int(r) for r in a.rows.split(","))

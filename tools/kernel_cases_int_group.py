@@ -8,7 +8,8 @@ import numpy as np
 from ir.formats import int_groups
 from kernels_src import int_group_gemm as igm
 from kernels_src import int_group_gemv as ig
-from tools.kernel_case_base import Case, Dev, combine, compare, host, written
+from kernels_src import int_group_gemv_i8 as i8
+from tools.kernel_case_base import OUT_EPS, Case, Dev, combine, compare, host, written
 
 
 def int_group_weights(d: Dev, n: int, k: int, bits: int, group: int):
@@ -21,16 +22,31 @@ def int_group_weights(d: Dev, n: int, k: int, bits: int, group: int):
 
 
 def int_group_gemv_case(d: Dev, p: dict, name: str) -> Case:
+    """`int8_x` in p picks the path (default: the launcher's for the target). The int8-activation path is checked
+    against what it computes from quantize_x_i8_ref's x at the dtype's tolerance, and against x itself within
+    int8_error_bound plus the output dtype's rounding."""
     m, n, k, bits, group, dt = p["m"], p["n"], p["k"], p["bits"], p["group"], d.dtype(p["dtype"])
     w, x, y = int_group_weights(d, n, k, bits, group), d.randn((m, k), dt), d.nan((m, n), dt)
+    ran = {}
+
+    def launch(target):
+        ran["int8"] = i8.uses_int8(target, p.get("int8_x"))
+        return ig.int_group_gemv(x, w, bits, group, out=y, target=target, int8_x=p.get("int8_x"))
 
     def check():
         i = d.sample(n)
-        want = ig.int_group_gemv_ref(host(x), host(w[i]), bits, group)
-        return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
+        xh, wh, got = host(x), host(w[i]), host(y[:, i])
+        want = ig.int_group_gemv_ref(xh, wh, bits, group)
+        if not ran.get("int8"):
+            return combine(written("y", y), compare("y", got, want, p["dtype"]))
+        want_q = i8.gemv_i8_ref(*i8.quantize_x_i8_ref(xh, bits), wh, bits, group)
+        bound = i8.int8_error_bound(xh, wh, bits, group) + OUT_EPS[p["dtype"]] * np.abs(want) \
+            + 1e-5 * np.abs(want).max()
+        excess = float((np.abs(np.asarray(got, np.float64) - want) / bound).max())
+        beyond = (np.inf, f"y: {excess:.2f} x the int8 quantization bound") if excess > 1 else (0.0, None)
+        return combine(written("y", y), compare("y", got, want_q, p["dtype"]), beyond)
 
-    return Case(name, p, lambda target: ig.int_group_gemv(x, w, bits, group, out=y, target=target), check,
-                lambda target: y.fill_(float("nan")))
+    return Case(name, p, launch, check, lambda target: y.fill_(float("nan")))
 
 
 GEMM_KEYS = ("block_m", "block_n", "sub", "groups", "split_k", "swap", "num_warps", "num_stages")

@@ -28,7 +28,7 @@ def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tup
         x2 = x2.index_select(1, perm)
     x2 = x2.contiguous()
     if x2.shape[0] <= MAX_ROWS:
-        return int_group_gemv(x2, data, bits, group, target=target).reshape(*x.shape[:-1], n)
+        return int_group_gemv(x2, data, bits, group, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
     if x2.shape[0] <= GEMM_ROWS:
         return int_group_matmul(x2, data, bits, group, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
     dtype = str(x.dtype).removeprefix("torch.")
