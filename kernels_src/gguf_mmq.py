@@ -177,16 +177,19 @@ MIN_ROWS = {"Q4_K": 4, "Q6_K": 4}
 # per32: x to int8 per 32 elements, each K = 32 MMA scaled in fp32 (this file's kernels); per32p: the same
 # arithmetic with gguf_mmq_sb's decoding of Q4_K (high nibbles without byte shifts, packed scales; Q6_K as per32);
 # per256: x per 256, a super-block's MMAs combined in int32 (gguf_mmq_sb.py), about 2x per32's error from x on real
-# activations. MMQ_VARIANT stays per32 until an H200 sweep says otherwise (tools/sweep_mmq prints MMQ_TUNED entries
-# naming the fastest per problem).
+# activations (as ggml's CPU dot products, whose Q8_K is per 256). per256 is the default: on an H200 (2026-12-03) its
+# Q4_K at 16 rows of 14336 x 4096 took 31.7 us against per32's 38.4 and per32p's 35.9 (tools/sweep_mmq), and a
+# Q4_K_M Llama-3-8B decoded batch 16 at 2,703 tok/s against 2,425 with per32 (tools/bench_gguf --mmq); at 64 rows
+# it lost to dequant_gemm (4,554 against 4,878), so MAX_ROWS stays 32.
 VARIANTS = ("per32", "per32p", "per256")
-MMQ_VARIANT = "per32"
+MMQ_VARIANT = "per256"
 MAX_ROWS = 32  # and up to here: at 64 rows dequant_gemm is 1.1-1.3x faster (Q4_K, H200)
 # (qtype, row bucket 16 / 32, n, k) -> launcher keywords measured best on an H200 (tools/sweep_mmq.py prints this
-# literal, 2026-12-01; 1.1-1.9x dequant_gemm's tuned tiles); a problem not listed takes mmq_tiles' rule.
+# literal; 2026-12-01 for per32, whose entries name no variant: 1.1-1.9x dequant_gemm's tuned tiles; 2026-12-03 the
+# per256 one); a problem not listed, or listed for another variant, takes mmq_tiles' rule.
 MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
     ('Q4_K', 16, 28672, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 2},
-    ('Q4_K', 16, 14336, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 4},
+    ('Q4_K', 16, 14336, 4096): {'variant': 'per256', 'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 2},
     ('Q4_K', 16, 4096, 14336): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 8},
     ('Q4_K', 16, 6144, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 2, 'split_k': 4},
     ('Q4_K', 16, 4096, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 4},
@@ -207,15 +210,16 @@ MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
 def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS, variant: str | None = None) -> dict:
     """BLOCK_M (16 / 32 / 64 by M), BLOCK_N, SPLIT (a power of two, grown until every SM has WAVE_PROGRAMS
     programs while each split keeps MIN_SPLIT_STEPS super-blocks and the partials fit PART_BYTES), num_warps, and
-    the variant (VARIANTS: the one given, else MMQ_TUNED's for the problem, else MMQ_VARIANT). per256 at 64 rows
+    the variant (VARIANTS: the one given, else MMQ_TUNED's for the problem, else MMQ_VARIANT); an entry's tiles
+    apply to its own variant only (per32 where it names none). per256 at 64 rows
     takes 8 warps (two warpgroups share the rows, each decoding the weights: at 4 the sm_90 build spills)."""
     steps = k // SUPER[qtype.upper()][0]
     block_m, block_n = row_block(m), 64
     split = split_k_for(m, n, block_m, block_n, steps, sms, MIN_SPLIT_STEPS)
     tuned = MMQ_TUNED.get((qtype.upper(), block_m, n, k), {})
-    if variant is not None and tuned.get("variant", MMQ_VARIANT) != variant:
-        tuned = {}  # measured for the other variant
-    variant = variant or tuned.get("variant", MMQ_VARIANT)
+    variant = variant or tuned.get("variant") or MMQ_VARIANT
+    if tuned.get("variant", "per32") != variant:  # an entry without one was measured for per32 (2026-12-01)
+        tuned = {}
     warps = 8 if variant == "per256" and block_m >= 64 else 4
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=warps, num_stages=None, variant=variant)
     cfg.update({_KEYS[key]: v for key, v in tuned.items()})

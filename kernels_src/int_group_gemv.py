@@ -170,13 +170,18 @@ def _check(w, bits: int, group: int, n: int, k: int) -> None:
 
 
 def default_tiles(m: int, n: int) -> dict:
-    """ROWS, LANES (vectors a row and step) and num_warps: one-warp programs, more rows a program at few batch rows
-    (the GGUF GEMV's rule, kernels_src/dequant_gemv.default_tiles), and at 1-2 batch rows two vectors a lane where
-    there are few programs (N / ROWS <= 2048: about 16 warps of an H200 SM), so that more bytes are in flight (Q4_K's
-    4096 x 14336 was fastest so, 2026-12-01). Not yet swept for these blocks (tools/bench_int_group_gemm
-    --gemv-sweep)."""
-    rows = (max(1, 4 // m) if m <= 4 else 2) if n >= 1024 else 1
-    return dict(ROWS=rows, LANES=64 if m <= 2 and n // rows <= 2048 else 32, num_warps=1)
+    """ROWS, LANES (vectors a row and step) and num_warps, from the H200 sweep of the int8-x path (tools/
+    bench_int_group_gemm --gemv-sweep --quick, 2026-12-03; 4-bit groups of 128): one-warp programs; 4 rows a program
+    at 1 batch row where that still leaves over 2048 programs (28672 x 4096: 21.2 us, 73% of copy), else 2 (4096 x
+    14336: 13.2 us against 15.7 at 4); 4 rows at 2-4 batch rows (1.6-2.4x one row's time), 2 past that; two
+    vectors a lane where the grid has at most 2048 programs (about 16 warps an SM), so more bytes are in flight."""
+    if n < 1024:
+        rows = 1
+    elif m == 1:
+        rows = 4 if n // 4 > 2048 else 2
+    else:
+        rows = 4 if m <= 4 else 2
+    return dict(ROWS=rows, LANES=64 if n // rows <= 2048 else 32, num_warps=1)
 
 
 def _vec(w, n_groups: int) -> int:

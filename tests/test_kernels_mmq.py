@@ -177,8 +177,8 @@ def test_mmq_takes_a_shared_pre_pass(rng):
     """xq: one quantize_x triple serves several GEMMs of the same input, with the same result."""
     w = padded_weights(rng, "Q4_K", 20, 512)
     x = rng.standard_normal((9, 512)).astype(np.float32)
-    pre = quantize_x(x, sums=True)
-    np.testing.assert_array_equal(mq.mmq(x, w, "Q4_K", xq=pre), mq.mmq(x, w, "Q4_K"))
+    pre = quantize_x(x, sums=True)  # per32's pre-pass (per256's is gguf_mmq_sb.pre_pass)
+    np.testing.assert_array_equal(mq.mmq(x, w, "Q4_K", xq=pre, variant="per32"), mq.mmq(x, w, "Q4_K", variant="per32"))
 
 
 def test_mmq_errors(rng):
@@ -200,9 +200,10 @@ def test_mmq_tiles_rule_and_tuned(monkeypatch):
     assert t["SPLIT"] > 1 and 8 * t["SPLIT"] * 16 * 4096 <= dgm.PART_BYTES
     assert mq.mmq_tiles("Q4_K", 64, 100, 512)["BLOCK_M"] == 64
     monkeypatch.setitem(mq.MMQ_TUNED, ("Q6_K", 16, 300, 512), dict(block_n=128, split_k=1, num_stages=2))
-    t = mq.mmq_tiles("Q6_K", 12, 300, 512)
-    assert (t["BLOCK_N"], t["SPLIT"], t["num_stages"], t["variant"]) == (128, 1, 2, mq.MMQ_VARIANT)
-    assert mq.mmq_tiles("Q6_K", 12, 301, 512)["BLOCK_N"] == 64
+    t = mq.mmq_tiles("Q6_K", 12, 300, 512, variant="per32")  # an entry naming no variant is per32's
+    assert (t["BLOCK_N"], t["SPLIT"], t["num_stages"], t["variant"]) == (128, 1, 2, "per32")
+    assert mq.mmq_tiles("Q6_K", 12, 300, 512)["BLOCK_N"] == 64  # not the default variant's (per256)
+    assert mq.mmq_tiles("Q6_K", 12, 301, 512, variant="per32")["BLOCK_N"] == 64
 
 
 def test_mmq_tiles_variant(monkeypatch):
@@ -262,6 +263,7 @@ def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
     from tools.sass_mix import loop_mix
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mq, "MMQ_TUNED", {})  # the rule's 64-wide tile: what the instruction ceilings count
     cfg = mq.mmq_tiles(qtype, m, n, k, variant=variant)
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages") or 3, cfg.pop("SPLIT")
     cfg.pop("variant")
