@@ -41,12 +41,20 @@ class Sampled:
         return self.results
 
 
+# A 2-core x86 CPU on SmolLM2-135M (MLX's CPU build): a decode step's fixed part ~36 ms, a prefill row ~3.3 ms, so
+# 8 prompt tokens beside 1-16 decodes cost 1.2-1.8x the decode-only step (docs/BENCHMARKS.md, 2026-12-03).
+CPU_STEP_KNEE_TOKENS = 8
+
+
 class Backend(ABC):
     name: str
     model: LoadedModel
     # Whether forward takes Batch.prev_rows: input tokens that the previous sample_async left on the device, so
     # the engine can launch a step before reading the last one's tokens back.
     chains_steps: bool = False
+    # Rows a step computes for about the cost of its weight read (the scheduler's floor for a step that prefills
+    # while streams decode: frontend/engine/scheduler.py's cost model). A backend sets it for its device.
+    step_knee_tokens: int = 64
 
     def set_limits(self, max_num_seqs: int, max_model_len: int, max_step_tokens: int | None = None) -> None:
         """The engine's limits, given before the KV cache is sized: a backend may size per-step buffers by them

@@ -79,10 +79,12 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-gen-tokens", metavar="N", type=_positive(),
                      help="default cap on generated tokens when a request gives no max_tokens")
     eng.add_argument("--prefill-chunk-size", metavar="N", type=_positive(), default=512, help="chunked prefill")
-    eng.add_argument("--decode-step-tokens", metavar="N", type=_positive(zero=True), default=0,
-                     help="while any stream waits for its next token, tokens in one step at most (new prompts then "
-                     "enter in pieces beside the decodes, which bounds the inter-token latency at some cost in "
-                     "throughput); 0 (the default): --max-num-batched-tokens always")
+    eng.add_argument("--decode-step-tokens", metavar="N", type=_positive(zero=True), default=None,
+                     help="while any stream waits for its next token, a step computes at most max(N, 1.5 x the "
+                     "decoding streams, their count + 1/16 of the prompt tokens still to compute) tokens: new prompts "
+                     "enter in pieces beside the decodes, each step costing about what a decode step does (bounds "
+                     "the inter-token latency's tail). Default: the backend's knee (128 on a GPU, 8 on a CPU); 0: off "
+                     "(--max-num-batched-tokens always)")
     eng.add_argument("--disable-prefix-cache", action="store_true", help="no automatic prefix caching")
     eng.add_argument("--disable-cuda-graph", action="store_true", help="CUDA backend: run decode steps eagerly")
     eng.add_argument("--disable-async-scheduling", action="store_true", help="CUDA backend: read each step's "

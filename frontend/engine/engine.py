@@ -102,6 +102,9 @@ class LLMEngine:
         if model.pooling is not None and model.pooling.mode != "last":  # a cached prefix's rows would be missed
             self.config = config = replace(config, prefix_caching=False)
         backend.set_limits(config.scheduler.max_num_seqs, self.max_model_len, config.scheduler.max_num_batched_tokens)
+        if config.scheduler.decode_step_tokens is None:  # the default: the backend's knee (scheduler.py's cost model)
+            sched = replace(config.scheduler, decode_step_tokens=backend.step_knee_tokens)
+            self.config = config = replace(config, scheduler=sched)
         self.blocks = self._make_blocks(backend, config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}
