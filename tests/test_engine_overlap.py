@@ -133,7 +133,8 @@ def test_late_request_matches_alone(chat_model):
     assert engine.stats["overlapped_steps"] > 0
 
 
-def test_steps_that_admit_and_prefill_prompts_are_chained(chat_model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_that_admit_and_prefill_prompts_are_chained(chat_model, device):
     """Prompts that arrive while a stream decodes enter in chunks under the decode-step budget; those steps are
     launched before the last one's tokens are read back (no idle device while the host schedules), and every
     token is the plain loop's."""
@@ -143,7 +144,7 @@ def test_steps_that_admit_and_prefill_prompts_are_chained(chat_model):
     from frontend.engine.scheduler import SchedulerConfig
 
     tok = chat_model.tokenizer
-    backend = CUDABackend(chat_model, device="cpu", dtype="f32", progress=False)
+    backend = CUDABackend(chat_model, device=device, dtype="f32", progress=False)  # on a GPU: graphs, pieces
     seeded = P(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
     long_prompt = tok.encode("A list of fruit: apple, banana, cherry, damson, elderberry, fig, grape, honeydew")
     jobs = [("a", tok.encode("The weather today"), P(temperature=0, max_tokens=24, ignore_eos=True))]
