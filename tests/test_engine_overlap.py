@@ -153,7 +153,8 @@ def test_steps_that_admit_and_prefill_prompts_are_chained(chat_model, device):
     runs, engines = [], []
     for overlap in (False, True):
         engine = LLMEngine(backend, EngineConfig(num_kv_blocks=64, block_size=8, async_scheduling=overlap,
-                                                 scheduler=SchedulerConfig(max_num_seqs=4, prefill_chunk_size=16)))
+                                                 scheduler=SchedulerConfig(max_num_seqs=4, prefill_chunk_size=16,
+                                                                           decode_step_tokens=4)))
         runs.append(drive(engine, jobs, events))
         engines.append(engine)
     assert runs[0] == runs[1] and sorted(runs[1]) == ["a", "b", "c"]
