@@ -58,9 +58,9 @@ def _gaps(backend, decode_step_tokens: int | None) -> tuple[list[np.ndarray], ob
 
 
 def test_a_stream_s_largest_gap_stays_near_its_typical_one(tiny_backend):
-    gaps, engine = _gaps(tiny_backend, None)
-    knee = tiny_backend.step_knee_tokens
-    assert engine.scheduler.config.decode_step_tokens == knee  # the default: the backend's knee
+    knee = 8  # a CPU's backend sets none (the budget off by default there): a GPU-like floor, asked for
+    gaps, engine = _gaps(tiny_backend, knee)
+    assert engine.scheduler.config.decode_step_tokens == knee
     for g in gaps:
         assert len(g) == 39
         # a step holds at most max(knee, 1.5 x streams, streams + 1/16 of the prompt tokens left): here about 2x
@@ -68,3 +68,5 @@ def test_a_stream_s_largest_gap_stays_near_its_typical_one(tiny_backend):
         assert g.max() <= 2 * max(knee, np.median(g)), g
     off, _ = _gaps(tiny_backend, 0)
     assert max(g.max() for g in off) >= 2 * 48  # the same arrivals without the budget: whole prompts in a step
+    _, engine = _gaps(tiny_backend, None)  # unset: the backend's own (0 on a CPU)
+    assert engine.scheduler.config.decode_step_tokens == tiny_backend.step_knee_tokens == 0

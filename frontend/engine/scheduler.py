@@ -18,10 +18,11 @@ from frontend.engine.sequence import Sequence, Status
 # While streams decode, a step that also prefills should cost about what a decode-only step costs. The cost model: a
 # step reads the weights once (a fixed time) and computes each of its rows (a time per row). Below the "knee" (the
 # rows whose compute takes as long as the weight read, less what a prefill step's own overheads cost: the backend's
-# `step_knee_tokens`, 128 on a GPU, 8 on a 2-core CPU) rows are nearly free; above it a step costs in proportion to its
-# rows. So a step that carries prefill tokens takes at most max(knee, DECODE_STEP_RATIO x decoding streams) tokens:
-# at the knee it costs about one weight read, past it about DECODE_STEP_RATIO x the decode-only step. New prompts are
-# spread over the steps that follow (Sarathi-Serve's stall-free batching) instead of landing whole in one step.
+# `step_knee_tokens`, 128 on a GPU; a CPU has none: every row costs compute, and the budget is off there) rows are
+# nearly free; above it a step costs in proportion to its rows. So a step that carries prefill tokens takes at most
+# max(knee, DECODE_STEP_RATIO x decoding streams) tokens: at the knee it costs about one weight read, past it about
+# DECODE_STEP_RATIO x the decode-only step. New prompts are spread over the steps that follow (Sarathi-Serve's
+# stall-free batching) instead of landing whole in one step.
 # One more term keeps the prefill work from falling behind where prompts bring more tokens than the decodes leave
 # room for (a prompt as long as its answer needs a prefill token per decode): the step also takes 1/PREFILL_SPREAD_STEPS
 # of the prompt tokens still to compute, so a burst of arrivals is spread over about that many steps, the steps of a
