@@ -231,14 +231,10 @@ class LLMEngine:
         return [self._report(self.requests[r]) for r in touched if r in self.requests]
 
     def _can_chain(self) -> bool:
-        """Whether the next step can be scheduled before the last one's tokens are known: every running sequence
-        decodes from a pending token or has its next tokens on the host (a prompt's chunks), none with a pending
-        token needs its tokens on the host, no running sequence can be preempted for a block, no waiting sibling
-        (n > 1) forks from a parent whose token is pending, and some sequence will not stop by length anyway.
-
-        New prompts are admitted and prefilled in chained steps too: under the decode-step budget most steps while
-        prompts arrive carry a prefill chunk, and a step read back before its launch leaves the GPU idle for the
-        host's scheduling and launch (a cost every decoding stream's gap pays)."""
+        """Whether the next step can be scheduled before the last one's tokens are known: no running sequence can be
+        preempted for a block, none with a pending token needs its tokens on the host, no waiting sibling (n > 1)
+        forks from its parent, and some sequence will not stop by length. Prompts (admitted, or a chunk further)
+        ride along: their tokens are on the host (docs/ARCHITECTURE.md says why that matters)."""
         sched = self.scheduler
         bs, chunk = self.blocks.block_size, self.config.scheduler.step_tokens
         need = 0  # blocks the running sequences can take this step, at most (admissions never preempt)
