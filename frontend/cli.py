@@ -79,10 +79,15 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-gen-tokens", metavar="N", type=_positive(),
                      help="default cap on generated tokens when a request gives no max_tokens")
     eng.add_argument("--prefill-chunk-size", metavar="N", type=_positive(), default=512, help="chunked prefill")
-    eng.add_argument("--decode-step-tokens", metavar="N", type=_positive(zero=True), default=0,
-                     help="while any stream waits for its next token, tokens in one step at most (new prompts then "
-                     "enter in pieces beside the decodes, which bounds the inter-token latency at some cost in "
-                     "throughput); 0 (the default): --max-num-batched-tokens always")
+    eng.add_argument("--decode-step-tokens", metavar="N", type=_positive(zero=True), default=None,
+                     help="while any stream waits for its next token, a step computes at most max(N, 1.5 x the "
+                     "decoding streams, their count + 1/16 of the prompt tokens still to compute) tokens: new prompts "
+                     "enter in pieces beside the decodes, each step costing about what a decode step does (bounds "
+                     "the inter-token latency's tail). Default: the backend's knee (128 on a GPU; off on a CPU); "
+                     "0: off (--max-num-batched-tokens always)")
+    eng.add_argument("--prefill-spread-steps", metavar="N", type=_positive(), default=16,
+                     help="with the decode-step budget on, a step also takes 1/N of the prompt tokens still to "
+                     "compute: a burst of prompts is spread over about N steps, and a prompt waits about N steps")
     eng.add_argument("--disable-prefix-cache", action="store_true", help="no automatic prefix caching")
     eng.add_argument("--disable-cuda-graph", action="store_true", help="CUDA backend: run decode steps eagerly")
     eng.add_argument("--disable-async-scheduling", action="store_true", help="CUDA backend: read each step's "
@@ -321,7 +326,8 @@ def engine_config(args: argparse.Namespace):
                         prefix_caching=not args.disable_prefix_cache,
                         async_scheduling=not args.disable_async_scheduling, seed=args.seed,
                         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
-                                                  args.prefill_chunk_size, args.decode_step_tokens))
+                                                  args.prefill_chunk_size, args.decode_step_tokens,
+                                                  prefill_spread_steps=args.prefill_spread_steps))
 
 
 def backend_options(args: argparse.Namespace) -> dict:

@@ -195,7 +195,7 @@ class OpenAIServing:
                     end = last and k == len(deltas) - 1
                     out.append(parsed_delta(c.index, delta, lp if k == 0 else None,
                                             reader.finish_reason(c.finish_reason) if end else None, c.stop_reason))
-            elif c.delta_text or lp or last:
+            elif c.delta_text or lp or last or c.delta_token_ids:  # a token whose text is held back: a chunk still
                 out.append(chat_delta(c.index, c.delta_text, lp, c.finish_reason if last else None,
                                       c.stop_reason))
             return out
@@ -250,7 +250,9 @@ class OpenAIServing:
             lp = (self.logprobs.text(new, c.text_len - len(c.delta_text), context_ids(prompts[i], c.token_view, start))
                   if new else None)
             text = (echo[i] if first else "") + c.delta_text
-            if not (text or lp or last):
+            # A token whose text is held back (part of a UTF-8 character, a possible stop string's start) still gets
+            # its chunk, with empty text, as vLLM sends it: a client sees each step, and a gap is one token's.
+            if not (text or lp or last or c.delta_token_ids):
                 return []
             return [text_choice(i * params.n + c.index, text, lp, c.finish_reason if last else None, c.stop_reason)]
         return chunks

@@ -38,6 +38,9 @@ def check_level(level: dict, n: int, out_len: int | None, in_len: int | None = N
         assert 1 <= r["itl_count"] <= r["output_tokens"] - 1
     assert m["total_output_tokens"] == sum(r["output_tokens"] for r in m["requests"])
     assert m["itl_ms"]["mean"] > 0 and m["tpot_ms"]["mean"] > 0
+    # the first gaps and the rest make up the gaps; a token without a chunk is one gap fewer than tokens - 1
+    assert m["itl_first_ms"]["median"] > 0 and m["itl_rest_ms"]["median"] > 0
+    assert m["tokens_without_chunk"] == sum(r["output_tokens"] - 1 - r["itl_count"] for r in m["requests"])
 
 
 def test_concurrency_sweep_with_offline_ratio(server, tmp_path):

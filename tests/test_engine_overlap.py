@@ -131,3 +131,34 @@ def test_late_request_matches_alone(chat_model):
                   {3: lambda e: e.add_request(late, seeded, "c")})
     assert crowd["c"] == alone
     assert engine.stats["overlapped_steps"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_that_admit_and_prefill_prompts_are_chained(chat_model, device):
+    """Prompts that arrive while a stream decodes enter in chunks under the decode-step budget; those steps are
+    launched before the last one's tokens are read back (no idle device while the host schedules), and every
+    token is the plain loop's."""
+    from backends.cuda.backend import CUDABackend
+    from core.sampling_params import SamplingParams as P
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    tok = chat_model.tokenizer
+    backend = CUDABackend(chat_model, device=device, dtype="f32", progress=False)  # on a GPU: graphs, pieces
+    seeded = P(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    long_prompt = tok.encode("A list of fruit: apple, banana, cherry, damson, elderberry, fig, grape, honeydew")
+    jobs = [("a", tok.encode("The weather today"), P(temperature=0, max_tokens=24, ignore_eos=True))]
+    events = {3: lambda e: e.add_request(long_prompt, seeded, "b"),
+              6: lambda e: e.add_request(long_prompt[5:], seeded, "c")}
+    runs, engines = [], []
+    for overlap in (False, True):
+        engine = LLMEngine(backend, EngineConfig(num_kv_blocks=64, block_size=8, async_scheduling=overlap,
+                                                 scheduler=SchedulerConfig(max_num_seqs=4, prefill_chunk_size=16,
+                                                                           decode_step_tokens=4)))
+        runs.append(drive(engine, jobs, events))
+        engines.append(engine)
+    assert runs[0] == runs[1] and sorted(runs[1]) == ["a", "b", "c"]
+    stats = engines[1].stats
+    assert len(long_prompt) > 2 * engines[1].scheduler.config.decode_step_tokens  # "b" took several steps to enter
+    # only the first step (nothing to chain behind) and the last (every token in flight ends its sequence) are not
+    assert stats["overlapped_steps"] >= stats["steps"] - 2, stats

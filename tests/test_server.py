@@ -132,6 +132,21 @@ def test_streamed_completions_with_echo(client):
     assert text == "One, two, three," + whole.choices[0].text
 
 
+def test_a_token_whose_text_is_held_back_still_streams_a_chunk(client):
+    """Token 111 alone is an incomplete UTF-8 character, its text held back until the end: each token still gets a
+    chunk of its own (empty text), so a client's inter-token gaps are one step each, and the text adds up."""
+    kw = dict(model=MODEL, temperature=0, max_tokens=4, logit_bias={"111": 100})
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    text = list(client.completions.create(prompt="Hi", **kw, **usage))
+    chat = list(client.chat.completions.create(messages=FRANCE, **kw, **usage))
+    assert text[-1].usage.completion_tokens == chat[-1].usage.completion_tokens == 4
+    assert len(text) - 1 == 4  # the last chunk: usage only
+    assert [c.choices[0].delta.role for c in chat[:-1]] == ["assistant"] + [None] * 4
+    whole = client.completions.create(prompt="Hi", **kw)
+    assert "".join(c.choices[0].text for c in text[:-1]) == whole.choices[0].text != ""
+    assert [c.choices[0].text for c in text[:3]] == [""] * 3
+
+
 def test_stop_strings(client):
     full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
     content = full.choices[0].message.content

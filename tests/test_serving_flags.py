@@ -36,6 +36,16 @@ def test_limit_flags_reach_the_limits():
         parse_args(["--max-n", "0"])
 
 
+def test_decode_step_budget_flags_reach_the_scheduler():
+    """Unset: None, which the engine fills in with the backend's knee; 0: off; the spread as given."""
+    from frontend.cli import engine_config
+
+    default = engine_config(parse_args([])).scheduler
+    assert default.decode_step_tokens is None and default.prefill_spread_steps == 16
+    sched = engine_config(parse_args(["--decode-step-tokens", "0", "--prefill-spread-steps", "4"])).scheduler
+    assert sched.decode_step_tokens == 0 and sched.prefill_spread_steps == 4
+
+
 def test_engine_seed_makes_unseeded_requests_reproducible(smollm, make_engine):
     prompts = [chat(smollm.tokenizer, f"Tell me about {t}.") for t in ("rain", "cats", "bread")]
     assert parse_args(["--seed", "5"]).seed == 5

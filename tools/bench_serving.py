@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     off.add_argument("--offline-model", help="GGUF file or HF folder (default: our default model)")
     off.add_argument("--offline-backend", default="auto")
     off.add_argument("--offline-mem", type=int, help="offline KV cache in MiB (default: the backend's, as serving)")
+    off.add_argument("--offline-decode-step-tokens", type=int, default=None,
+                     help="the offline engine's --decode-step-tokens (default: the engine's; give the server's value)")
+    off.add_argument("--offline-prefill-spread-steps", type=int, default=16,
+                     help="the offline engine's --prefill-spread-steps (give the server's value)")
     out = ap.add_argument_group("output")
     out.add_argument("--result-file", type=Path, default=Path("bench_serving.json"),
                      help="the JSON result; a sweep's plots go beside it as <stem>_latency.png, <stem>_throughput.png")
@@ -116,6 +120,8 @@ class Offline:
         self.backend = create_backend(args.offline_backend, self.model)
         self.kv_bytes = args.offline_mem * 2**20 if args.offline_mem else None
         self.chat, self.temperature, self.ignore_eos = args.chat, args.temperature, args.ignore_eos
+        self.decode_step_tokens = args.offline_decode_step_tokens
+        self.prefill_spread_steps = args.offline_prefill_spread_steps
 
     def _ids(self, p: BenchPrompt) -> list[int]:
         tok = self.model.tokenizer
@@ -129,8 +135,9 @@ class Offline:
         from frontend.engine.llm import LLM
         from frontend.engine.scheduler import SchedulerConfig
 
-        llm = LLM.from_backend(self.backend, EngineConfig(kv_cache_bytes=self.kv_bytes,
-                                                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs)))
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs, decode_step_tokens=self.decode_step_tokens,
+                                prefill_spread_steps=self.prefill_spread_steps)
+        llm = LLM.from_backend(self.backend, EngineConfig(kv_cache_bytes=self.kv_bytes, scheduler=sched))
         ids = [self._ids(p) for p in prompts]
         params = [SamplingParams(temperature=self.temperature, max_tokens=p.output_len, ignore_eos=self.ignore_eos)
                   for p in prompts]

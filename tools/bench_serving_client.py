@@ -65,10 +65,10 @@ class RequestResult:
     ok: bool = False
     error: str = ""
     prompt_tokens: int = 0  # the server's usage, else our count
-    output_tokens: int = 0  # the server's usage, else the chunks that carried text
-    ttft_s: float = 0.0  # to the first chunk that carries text
+    output_tokens: int = 0  # the server's usage, else the chunks that carried tokens
+    ttft_s: float = 0.0  # to the first chunk that carries a token (its text may be held back: empty)
     e2e_s: float = 0.0  # to the end of the stream
-    itl_s: list[float] = field(default_factory=list)  # between consecutive chunks that carry text
+    itl_s: list[float] = field(default_factory=list)  # between consecutive chunks that carry tokens
     usage_reported: bool = False
     text: str = ""
 
@@ -126,8 +126,11 @@ async def send_one(client: httpx.AsyncClient, target: Target, p: BenchPrompt) ->
                     res.output_tokens = chunk["usage"].get("completion_tokens", 0)
                 for choice in chunk.get("choices") or ():
                     text = _chunk_text(choice, target.chat)
-                    if not text:
+                    if not text and (choice.get("finish_reason") is not None or
+                                     (target.chat and (choice.get("delta") or {}).get("role"))):
                         continue  # a role-only first chunk, or a final one with only finish_reason
+                    # else a token's chunk, its text maybe held back (ours and vLLM send those; llama-server does
+                    # not, so there a gap after such a token spans two)
                     if not pieces:
                         res.ttft_s = now - start
                     else:

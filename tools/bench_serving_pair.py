@@ -80,6 +80,9 @@ def load_args(a: argparse.Namespace, base: str, result: Path, offline: bool) -> 
     if offline:
         argv += ["--offline", "--offline-model", str(a.gguf), "--offline-backend", a.backend,
                  "--offline-mem", str(a.mem)]
+        if a.decode_step_tokens is not None:  # the offline engine schedules as our server does
+            argv += ["--offline-decode-step-tokens", str(a.decode_step_tokens)]
+        argv += ["--offline-prefill-spread-steps", str(a.prefill_spread_steps)]
     return argv
 
 
@@ -89,6 +92,9 @@ def run(a: argparse.Namespace) -> dict:
     top = max(int(c) for c in a.concurrency.split(","))
     ours_cmd = [sys.executable, "-m", "frontend", "--f", str(a.gguf), "--backend", a.backend, "--h", "127.0.0.1",
                 "--p", str(a.port), "--max-num-seqs", str(top), "--mem", str(a.mem), "--disable-prefix-cache"]
+    if a.decode_step_tokens is not None:
+        ours_cmd += ["--decode-step-tokens", str(a.decode_step_tokens)]
+    ours_cmd += ["--prefill-spread-steps", str(a.prefill_spread_steps)]
     pair = {"gguf": str(a.gguf), "concurrency": a.concurrency, "num_prompts": a.num_prompts,
             "input_len": a.input_len, "output_len": a.output_len, "ours_cmd": ours_cmd[1:]}
     with Served("ours", ours_cmd, a.port) as s:
@@ -161,6 +167,8 @@ def rows(pair: dict) -> list[dict]:
         out.append({"concurrency": ours["concurrency"], "offline": ours["offline"]["output_throughput"],
                     "ours": m["output_throughput"], "ours_over_offline": ours["server_over_offline"],
                     "ttft_p99": m["ttft_ms"]["p99"], "itl_p50": m["itl_ms"]["median"], "itl_p99": m["itl_ms"]["p99"],
+                    "itl_first_p50": m.get("itl_first_ms", {}).get("median", math.nan),
+                    "no_chunk": m.get("tokens_without_chunk", -1),
                     "llama": p["output_throughput"], "llama_ttft_p99": p["ttft_ms"]["p99"],
                     "llama_itl_p99": p["itl_ms"]["p99"], "ours_over_llama": m["output_throughput"] /
                     p["output_throughput"], "failed": m["failed"] + p["failed"]})
@@ -169,11 +177,13 @@ def rows(pair: dict) -> list[dict]:
 
 def print_table(pair: dict) -> None:
     print("\n| concurrency | offline tok/s | ours tok/s | ours / offline | TTFT p99 ms | ITL p50 / p99 ms "
+          "| first gap p50 ms | tokens without a chunk "
           "| llama-server tok/s | its TTFT p99 / ITL p99 ms | ours / llama-server | failed |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows(pair):
         print(f"| {r['concurrency']} | {r['offline']:,.0f} | {r['ours']:,.0f} | {r['ours_over_offline']:.2f} "
-              f"| {r['ttft_p99']:.0f} | {r['itl_p50']:.1f} / {r['itl_p99']:.1f} | {r['llama']:,.0f} "
+              f"| {r['ttft_p99']:.0f} | {r['itl_p50']:.1f} / {r['itl_p99']:.1f} | {r['itl_first_p50']:.1f} "
+              f"| {r['no_chunk']} | {r['llama']:,.0f} "
               f"| {r['llama_ttft_p99']:.0f} / {r['llama_itl_p99']:.1f} | {r['ours_over_llama']:.2f} "
               f"| {r['failed']} |")
 
@@ -220,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--backend", default="cuda", help="ours and the offline engine")
+    ap.add_argument("--decode-step-tokens", type=int, help="our server's and the offline engine's (default: theirs; "
+                    "0: the budget off)")
+    ap.add_argument("--prefill-spread-steps", type=int, default=16, help="our server's and the offline engine's")
     ap.add_argument("--no-peer", action="store_true", help="ours only (checking the tool without llama.cpp)")
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--mem", type=int, default=12288, help="KV MiB for our server and for the offline engine each")

@@ -41,6 +41,12 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
         "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": _stats_ms([t for r in ok for t in r.itl_s]),
+        # By position: each request's first gap (after the step that prefilled it) against the rest, and the gaps
+        # that spanned more than one token (a token whose text the server held back, e.g. part of a UTF-8
+        # character, sends no chunk of its own: the next chunk's gap covers both, about 2x a step).
+        "itl_first_ms": _stats_ms([r.itl_s[0] for r in ok if r.itl_s]),
+        "itl_rest_ms": _stats_ms([t for r in ok for t in r.itl_s[1:]]),
+        "tokens_without_chunk": sum(max(0, r.output_tokens - 1 - len(r.itl_s)) for r in ok),
         "e2el_ms": _stats_ms([r.e2e_s for r in ok]),
         "requests": [{"ok": r.ok, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                       "ttft_ms": r.ttft_s * 1e3, "e2el_ms": r.e2e_s * 1e3, "itl_count": len(r.itl_s),
@@ -67,6 +73,11 @@ def print_level(level: dict) -> None:
     for key in LATENCIES:
         s = m[f"{key}_ms"]
         print(f"{key.upper() + ' ms: mean / median / p99':<34}{s['mean']:>10.2f}{s['median']:>10.2f}{s['p99']:>10.2f}")
+    if "itl_first_ms" in m:
+        first, rest = m["itl_first_ms"], m["itl_rest_ms"]
+        print(f"{'ITL ms, first gap / the rest: p50, p99':<44}"
+              f"{first['median']:.1f}, {first['p99']:.1f} / {rest['median']:.1f}, {rest['p99']:.1f}")
+        print(f"{'tokens that came without a chunk of their own':<44}{m['tokens_without_chunk']:>20}")
     for err in m["errors"]:
         print(f"error: {err}")
 

@@ -137,9 +137,9 @@ class BlockManager:
         while len(table) < self.blocks_for(seq.num_computed_tokens + num_new):
             table.append(self.take().block_id)
 
-    def has_room_for(self, num_seqs: int) -> bool:
-        """Whether `num_seqs` sequences can each add a token (at most one block each) without a preemption."""
-        return self.num_free_blocks >= num_seqs
+    def has_room_for(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` new blocks can be taken without a preemption (a decode takes one at most)."""
+        return self.num_free_blocks >= num_blocks
 
     def commit(self, seq: Sequence) -> None:
         """Publish the blocks that `seq` has filled completely, so that later sequences can share them."""

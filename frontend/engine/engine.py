@@ -102,6 +102,9 @@ class LLMEngine:
         if model.pooling is not None and model.pooling.mode != "last":  # a cached prefix's rows would be missed
             self.config = config = replace(config, prefix_caching=False)
         backend.set_limits(config.scheduler.max_num_seqs, self.max_model_len, config.scheduler.max_num_batched_tokens)
+        if config.scheduler.decode_step_tokens is None:  # the default: the backend's knee (scheduler.py's cost model)
+            sched = replace(config.scheduler, decode_step_tokens=backend.step_knee_tokens)
+            self.config = config = replace(config, scheduler=sched)
         self.blocks = self._make_blocks(backend, config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}
@@ -201,7 +204,8 @@ class LLMEngine:
         With a backend that `chains_steps` the steps overlap: a step's sampled tokens stay on the device (the
         sequences hold placeholders) and are read back during the next step, after it is launched, so the GPU
         never waits for the host's bookkeeping. The next step takes its input tokens from the device. A step that
-        cannot be launched blind (admissions, preemption, penalties that need the tokens) first reads back."""
+        cannot be launched blind (a possible preemption, penalties that need the tokens, a sibling's fork) first
+        reads back."""
         if self.pooler is not None:
             return self.pooler.step()
         prev, self._inflight = self._inflight, None
@@ -228,19 +232,28 @@ class LLMEngine:
         return [self._report(self.requests[r]) for r in touched if r in self.requests]
 
     def _can_chain(self) -> bool:
-        """Whether the next step can be scheduled before the last one's tokens are known: every running sequence
-        decodes from a pending token, nothing waits for admission, no sequence can be preempted for a block, none
-        needs its tokens on the host, and some sequence will not stop by length anyway."""
+        """Whether the next step can be scheduled before the last one's tokens are known: no running sequence can be
+        preempted for a block, none with a pending token needs its tokens on the host, no waiting sibling (n > 1)
+        forks from its parent, and some sequence will not stop by length. Prompts (admitted, or a chunk further)
+        ride along: their tokens are on the host (docs/ARCHITECTURE.md says why that matters)."""
         sched = self.scheduler
-        running = sched.running
-        if sched.waiting or not self.blocks.has_room_for(len(running)):
-            return False
+        bs, chunk = self.blocks.block_size, self.config.scheduler.step_tokens
+        need = 0  # blocks the running sequences can take this step, at most (admissions never preempt)
         live = False
-        for seq in running:
-            if not seq.pending or seq.needs_history:
-                return False
-            live = live or not self._length_reached(seq, len(seq.output_token_ids))
-        return live
+        for seq in sched.running:
+            if seq.pending:
+                if seq.needs_history:
+                    return False
+                need += 1
+                live = live or not self._length_reached(seq, len(seq.output_token_ids))
+            else:  # a prompt's next chunk (or a recomputed one's): every token known
+                need += -(-min(seq.num_tokens - seq.num_computed_tokens, chunk) // bs) + 1
+                live = True
+        if not self.blocks.has_room_for(need):  # a block each: `need` blocks in every pool
+            return False
+        if any(seq.parent is not None for seq in sched.waiting):
+            return False
+        return live or bool(sched.waiting)
 
     def _launch(self, scheduled: list[ScheduledSeq], touched: set[str], chained: bool) -> _Launched | None:
         """Launch a step's forward and, unless it is `chained` behind an unread step and holds a constrained
@@ -251,7 +264,11 @@ class LLMEngine:
         batch = self.make_batch(scheduled)
         batch.logits_indices = batch.logits_indices[keep]
         if self.overlap and any(s.seq.pending for s in scheduled):
-            batch.prev_rows = np.array([s.seq.chain_row if s.seq.pending else -1 for s in scheduled], np.int32)
+            # per token (prompt chunks ride along in chained steps): a pending token is its sequence's last input
+            batch.prev_rows = rows = np.full(batch.num_tokens, -1, np.int32)
+            for i, s in enumerate(scheduled):
+                if s.seq.pending:
+                    rows[batch.query_start[i + 1] - 1] = s.seq.chain_row
         t0 = time.perf_counter()
         logits = self.backend.forward(batch)  # also for chunks that sample nothing: their K/V must be written
         if (took := time.perf_counter() - t0) > SLOW_LAUNCH_S:  # the host's part only: the GPU runs on

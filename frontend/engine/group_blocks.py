@@ -56,8 +56,9 @@ class GroupedBlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def has_room_for(self, num_seqs: int) -> bool:
-        return all(p.num_free_blocks >= num_seqs for p in self.pools)
+    def has_room_for(self, num_blocks: int) -> bool:
+        """Whether every pool can give `num_blocks` new blocks (a sliding group never needs more than a full one)."""
+        return all(p.num_free_blocks >= num_blocks for p in self.pools)
 
     # -- admission ----------------------------------------------------------------------------------
     def _reuse(self, seq: Sequence, limit: int, parent: Sequence | None = None) -> tuple[int, list[list[Block]]]:

@@ -21,8 +21,9 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, backend: str = "auto", dtype: str | None = None,
                  quantized: bool | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_mb: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512, decode_step_tokens: int = 0,
-                 prefix_caching: bool = True, progress: bool = True, isq: str | None = None,
+                 max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512,
+                 decode_step_tokens: int | None = None, prefix_caching: bool = True, progress: bool = True,
+                 isq: str | None = None,
                  kv_cache_dtype: str | None = None, task: str = "auto"):
         """`isq`: quantize the model's matrices at load to a GGUF type ("q4k", ...), "int4" or "fp8" (see
         ir.isq); `kv_cache_dtype` "int8": the 8-bit KV cache (--kv-cache-dtype); `task` "embed" (or

@@ -7,6 +7,7 @@ recomputed later (its generated tokens are kept, so nothing is lost and greedy o
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -14,18 +15,44 @@ from frontend.engine.block_manager import BlockManager
 from frontend.engine.group_blocks import GroupedBlockManager
 from frontend.engine.sequence import Sequence, Status
 
+# While streams decode, a step that also prefills should cost about what a decode-only step costs. The cost model: a
+# step reads the weights once (a fixed time) and computes each of its rows (a time per row). Below the "knee" (the
+# rows whose compute takes as long as the weight read, less what a prefill step's own overheads cost: the backend's
+# `step_knee_tokens`, 128 on a GPU; a CPU has none: every row costs compute, and the budget is off there) rows are
+# nearly free; above it a step costs in proportion to its rows. So a step that carries prefill tokens takes at most
+# max(knee, DECODE_STEP_RATIO x decoding streams) tokens: at the knee it costs about one weight read, past it about
+# DECODE_STEP_RATIO x the decode-only step. New prompts are spread over the steps that follow (Sarathi-Serve's
+# stall-free batching) instead of landing whole in one step.
+# One more term keeps the prefill work from falling behind where prompts bring more tokens than the decodes leave
+# room for (a prompt as long as its answer needs a prefill token per decode): the step also takes 1/PREFILL_SPREAD_STEPS
+# of the prompt tokens still to compute, so a burst of arrivals is spread over about that many steps, the steps of a
+# steady load carry equal shares (the same cost each: what an inter-token latency's p99 against its p50 asks), and a
+# prompt waits about that many steps, never unboundedly.
+DECODE_STEP_RATIO = 1.5  # below 2: a p99 gap within 2x the median, with room for a prefill step's overheads
+PREFILL_SPREAD_STEPS = 16
+
 
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
-    # While any stream waits for its next token, a step computes at most this many tokens in all (never fewer than
-    # its decodes): new prompts then enter in smaller pieces beside the decodes (Sarathi-Serve's stall-free
-    # batching). Off by default (0 or None: max_num_batched_tokens always): on the H200 at 512 it cut 256 streams'
-    # ITL p99 from 92 to 53 ms but cost 15% of their throughput, and raised 64 streams' p99 from 12 to 17 ms (more
-    # steps carry a prefill, so more tokens wait on one; docs/BENCHMARKS.md, 2026-12-02).
-    decode_step_tokens: int | None = 0
+    # While any stream waits for its next token, a step computes at most max(this, decode_step_ratio x streams,
+    # streams + prompt tokens left / prefill_spread_steps) tokens, and never fewer than its decodes (the comment above
+    # says why). None (the default): the backend's knee, filled in by LLMEngine (backend.step_knee_tokens); 0: off,
+    # max_num_batched_tokens always (the rule before 2026-12-03: whole waiting prompts landed in one step).
+    decode_step_tokens: int | None = None
+    decode_step_ratio: float = DECODE_STEP_RATIO
+    prefill_spread_steps: int = PREFILL_SPREAD_STEPS
+
+    def __post_init__(self) -> None:
+        if self.decode_step_tokens is not None and self.decode_step_tokens < 0:
+            raise ValueError(f"decode_step_tokens must be >= 0 (0: off), not {self.decode_step_tokens}")
+        if self.decode_step_ratio < 1:
+            raise ValueError(f"decode_step_ratio must be >= 1 (a step holds every decode), not "
+                             f"{self.decode_step_ratio}")
+        if self.prefill_spread_steps < 1:
+            raise ValueError(f"prefill_spread_steps must be >= 1, not {self.prefill_spread_steps}")
 
     @property
     def step_tokens(self) -> int:
@@ -59,14 +86,28 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def step_budget(self) -> int:
-        """Tokens this step may compute: max_num_batched_tokens, or decode_step_tokens while a stream is waiting."""
+        """Tokens this step may compute: max_num_batched_tokens, or while a stream decodes the module's rule:
+        max(decode_step_tokens, decode_step_ratio x streams, streams + prompt tokens left / prefill_spread_steps)."""
         cfg = self.config
-        if not cfg.decode_step_tokens:
+        if not cfg.decode_step_tokens:  # 0: off; None: not yet set by the engine (a bare Scheduler): off
             return cfg.max_num_batched_tokens
-        streams = sum(1 for seq in self.running if seq.output_token_ids)
+        streams = left = 0
+        for seq in self.running:
+            todo = seq.num_tokens - seq.num_computed_tokens
+            if todo == 1 and seq.output_token_ids:
+                streams += 1  # decoding: its last token (or the placeholder of one being sampled) is its input
+            else:
+                left += todo
         if not streams:
             return cfg.max_num_batched_tokens
-        return min(cfg.max_num_batched_tokens, max(cfg.decode_step_tokens, streams))
+        budget = max(cfg.decode_step_tokens, math.ceil(cfg.decode_step_ratio * streams))
+        cap = cfg.max_num_batched_tokens
+        spread = cfg.prefill_spread_steps
+        for seq in self.waiting:  # stops once the spread term alone reaches the cap (a long queue costs no more)
+            if streams + left // spread >= cap:
+                break
+            left += seq.num_tokens - seq.num_computed_tokens
+        return min(cap, max(budget, streams + -(-left // spread)))
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.step_budget()
