@@ -43,8 +43,9 @@ class MLXBackend(Backend):
         self.mirror = None
         self.workers = None  # rank 0's view of the other ranks (backends.tp_processes.Workers)
         self.metal = metal_available()
-        # An Apple GPU: ~14-28 TFLOP/s over 0.4-0.8 TB/s, the knee near 32 rows (not measured here); the CPU: measured
-        self.step_knee_tokens = 32 if self.metal else CPU_STEP_KNEE_TOKENS
+        # An Apple GPU: ~14-28 TFLOP/s over 0.4-0.8 TB/s, the knee near 32 rows (not measured: the budget stays off
+        # there until it is, as on CUDA); the CPU: measured, none
+        self.step_knee_tokens = CPU_STEP_KNEE_TOKENS
         # MLX's CPU quantized_matmul and its half-precision GEMMs are several times slower than fp32
         # through OpenBLAS (docs/BENCHMARKS.md), so the CPU default is dense fp32.
         self.dtype = dtype or ("f16" if self.metal else "f32")
