@@ -22,6 +22,7 @@ from frontend.engine.pooling import PoolingStep
 from frontend.engine.request_bounds import RequestBounds
 from frontend.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from frontend.engine.sequence import Sequence, Status, TokenLogprob
+from frontend.engine.stops import StopRules
 from frontend.engine.token_masks import TokenMasks
 
 __all__ = ["CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput"]  # the outputs live in outputs.py
@@ -51,30 +52,6 @@ class _Launched:
     slots: list[int]  # where each one's token goes in its output_token_ids
     pending: object  # .result() -> list[SampleResult]; None while a constrained step's masks are filled
     logits: object = None  # then the logits it will sample from
-
-
-@dataclass(slots=True)
-class _MinTokensView:
-    """What the sampler reads of a sequence under min_tokens: its stop tokens banned through logit_bias."""
-
-    seq: Sequence
-    params: SamplingParams
-
-    @property
-    def generator(self):
-        return self.seq.generator
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.seq.prompt_token_ids
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.seq.output_token_ids
-
-    @property
-    def history(self) -> TokenHistory | None:
-        return self.seq.history
 
 
 class Request:
@@ -110,6 +87,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.eos_ids = set(getattr(self.tokenizer, "eos_ids", ())) | set(model.config.eos_token_ids)
         self.masks = TokenMasks(self.tokenizer, model.config.vocab_size, self.eos_ids)
+        self.stops = StopRules(frozenset(self.eos_ids), self.max_model_len)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
         # An embedding model's requests are prefills pooled into one vector each (pooling.py): nothing to overlap.
         self.pooler = PoolingStep(self, model.pooling) if model.pooling is not None else None
@@ -245,7 +223,7 @@ class LLMEngine:
                 if seq.needs_history:
                     return False
                 need += 1
-                live = live or not self._length_reached(seq, len(seq.output_token_ids))
+                live = live or not self.stops.length_reached(seq, len(seq.output_token_ids))
             else:  # a prompt's next chunk (or a recomputed one's): every token known
                 need += -(-min(seq.num_tokens - seq.num_computed_tokens, chunk) // bs) + 1
                 live = True
@@ -302,7 +280,7 @@ class LLMEngine:
         for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             if n < seq.params.min_tokens and seq.grammar is None:  # a constrained one's mask bans its stops
                 inputs = inputs if inputs is not seqs else list(seqs)
-                inputs[row] = _MinTokensView(seq, self._min_tokens_params(seq))
+                inputs[row] = self.stops.min_tokens_view(seq)
         return self.backend.sample_async(logits, inputs)
 
     def make_batch(self, scheduled: list[ScheduledSeq]) -> Batch:
@@ -312,15 +290,6 @@ class LLMEngine:
                           [s.seq.num_computed_tokens for s in scheduled],
                           [s.seq.block_array() for s in scheduled], self.config.block_size,
                           group_tables=[[s.seq.kv[g].array() for s in scheduled] for g in self._more_groups])
-
-    def _min_tokens_params(self, seq: Sequence) -> SamplingParams:
-        """The sequence's parameters with its stop tokens banned: a bias of -inf, applied by either sampler after
-        the logprobs are taken from the raw logits (which stay untouched: logprobs report the model's own)."""
-        if seq.min_tokens_params is None:
-            p = seq.params
-            stops = (set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids)
-            seq.min_tokens_params = replace(p, logit_bias={**(p.logit_bias or {}), **dict.fromkeys(stops, -np.inf)})
-        return seq.min_tokens_params
 
     def _sample_deferred(self, launched: _Launched) -> None:
         launched.pending = self._sample(launched.logits, launched.seqs, launched.slots)
@@ -355,10 +324,10 @@ class LLMEngine:
             if res.logprob is not None:
                 seq.logprobs.append(TokenLogprob(res.token, res.logprob, res.top_logprobs))
             n_out = slot + 1
-            stop_token = self._is_stop_token(seq, res.token, n_out) or (complete and res.token in self.eos_ids)
+            stop_token = self.stops.is_stop_token(seq, res.token, n_out) or (complete and res.token in self.eos_ids)
             if not stop_token or seq.params.include_stop_str_in_output:
                 seq.detokenizer.add(res.token)  # like vLLM, the EOS/stop token adds no text by default
-            reason = self._stop_reason(seq, stop_token, n_out)
+            reason = self.stops.reason(seq, stop_token, n_out)
             if complete:  # nothing but the end may follow: it ends here (before min_tokens, or at max_tokens)
                 reason = "stop"
             if reason is not None:
@@ -378,28 +347,6 @@ class LLMEngine:
                 del seq.output_token_ids[len(seq.output_token_ids) - seq.pending:]  # placeholders
                 seq.pending = 0
                 self.scheduler.finish(seq, "abort")
-
-    def _is_stop_token(self, seq: Sequence, token: int, n_out: int) -> bool:
-        p = seq.params
-        if n_out < p.min_tokens:
-            return False
-        if token in p.stop_token_ids:
-            seq.stop_reason = token
-            return True
-        return not p.ignore_eos and token in self.eos_ids
-
-    def _stop_reason(self, seq: Sequence, stop_token: bool, n_out: int) -> str | None:
-        if stop_token:
-            return "stop"
-        if seq.detokenizer.stopped:
-            seq.stop_reason = seq.detokenizer.stop_string
-            return "stop"
-        return "length" if self._length_reached(seq, n_out) else None
-
-    def _length_reached(self, seq: Sequence, n_out: int) -> bool:
-        """Whether `n_out` generated tokens end the sequence by max_tokens or the model's context."""
-        max_tokens = seq.params.max_tokens
-        return (max_tokens is not None and n_out >= max_tokens) or seq.num_prompt_tokens + n_out >= self.max_model_len
 
     def _report(self, req: Request) -> RequestOutput:
         # Runs for every running request every step: plain attribute reads, and nothing that grows with the output
