@@ -198,7 +198,7 @@ def main() -> None:
     import torch
     import triton.testing
 
-    from tools.sweep_gemv import copy_gbps
+    from tools.bench_kernels import copy_gbps
 
     batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -210,7 +210,7 @@ def main() -> None:
     runs = sum(map(len, plans.values()))
     print(f"compiled and checked {len(jobs)} (setting, grid) jobs in {time.perf_counter() - t0:.0f} s; {runs} runs "
           f"to time", flush=True)
-    bw = copy_gbps(torch, triton) * 1e9
+    bw = copy_gbps(torch, 2**30) * 1e9
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     print(f"copy {bw / 1e9:,.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB; {'hot' if args.hot else 'cold'} caches",
           flush=True)

@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     import triton
     import triton.testing
 
+    from tools.bench_kernels import copy_gbps
     from tools.kernel_case_base import Dev
-    from tools.sweep_gemv import copy_gbps
 
     models = [s.strip() for s in args.models.split(",") if s.strip()]
     shapes = [(f"{mod}.{name}", n, k, p) for mod in models
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     problems = _compile_all(shapes, batches, args.quick)
     print(f"compiled and checked {len(problems)} settings in {time.perf_counter() - t0:.0f} s", flush=True)
-    gbps = copy_gbps(torch, triton)
+    gbps = copy_gbps(torch, 2**30)
     print(f"copy {gbps:.0f} GB/s; {torch.cuda.get_device_name()}", flush=True)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     d = Dev(2, DEVICE)

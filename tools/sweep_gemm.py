@@ -85,12 +85,6 @@ def _time(torch, fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=5, return_mode="median")
 
 
-def _copy_gbps(torch) -> float:
-    src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / _time(torch, lambda: dst.copy_(src)) / 1e3
-
-
 def _search(torch, run, default: dict, allowed: list[dict], steps: int, bad: set) -> tuple[dict, float, float]:
     """Coordinate search from the default: each keyword in turn over its values, keeping the best (num_warps
     follows block_n: 8 for 128)."""
@@ -136,9 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     torch, weights = _setup()
     from kernels_src.dequant_gemm import _KEYS, GGUF, default_tiles, dequant_matmul
     from kernels_src.dequant_gemv import dequant_gemv
+    from tools.bench_kernels import copy_gbps
 
     inverse = {v: k for k, v in _KEYS.items()}
-    copy = _copy_gbps(torch)
+    copy = copy_gbps(torch, 2**30)
     rows, tuned = [], {}
     for q, m, (n, k) in itertools.product(qtypes, MS, SHAPES):
         if time.perf_counter() - t0 > args.budget:

@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
     from ir.formats.gguf_quants import row_bytes
+    from tools.bench_kernels import copy_gbps
     from tools.kernel_case_base import Dev
     from tools.kernel_cases import gguf_weights
 
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = pool.map(_check, [(q, m, _s(t)) for q, m, t in jobs])
         problems = dict(zip(jobs, checks, strict=True))
     print(f"compiled and checked {len(jobs)} settings in {time.perf_counter() - t0:.0f} s", flush=True)
-    gbps = copy_gbps(torch, triton)
+    gbps = copy_gbps(torch, 2**30)
     print(f"copy {gbps:.0f} GB/s; {torch.cuda.get_device_name()}", flush=True)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     d = Dev(2, DEVICE)
@@ -299,13 +300,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps([[list(key), s] for key, s in table.items()]))
         print(f"wrote {args.json}: LLM_ENGINE_GEMV_TUNED={args.json} puts it over dequant_gemv.TUNED")
     return 1 if any(problems.values()) else 0
-
-
-def copy_gbps(torch, triton) -> float:
-    src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()  # 1 GiB, read and written
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=20, return_mode="median")
-    return 2 * src.numel() * 2 / ms / 1e6
 
 
 if __name__ == "__main__":

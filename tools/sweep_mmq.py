@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from tools.sweep_gemm import _copy_gbps, _setup, _time
+from tools.bench_kernels import copy_gbps
+from tools.sweep_gemm import _setup, _time
 
 SHAPES = ((28672, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (4096, 4096), (128256, 4096))
 TOL = 2e-2  # of the largest output: bf16 x and y
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     from kernels_src.dequant_gemm import dequant_matmul
 
     t0 = time.monotonic()
-    gbps = _copy_gbps(torch)
+    gbps = copy_gbps(torch, 2**30)
     print(f"copy {gbps:.0f} GB/s")
     rows, tuned = [], {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
