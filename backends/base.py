@@ -41,23 +41,21 @@ class Sampled:
         return self.results
 
 
-# On a CPU every row a step computes costs compute (a 2-core x86 on SmolLM2-135M, MLX's CPU build: a decode step's
-# fixed part ~36 ms, a prefill row ~3.3 ms), so there is no knee to ride: spreading prompts over the decode steps made
-# every step carry ~128 prompt tokens and halved 16 streams' throughput (0.96 -> 0.53 of the offline engine), for an
-# ITL p99 / p50 that was 1.14 without it (docs/BENCHMARKS.md, 2026-12-03 evening). 0: the budget off.
-CPU_STEP_KNEE_TOKENS = 0
-
-
 class Backend(ABC):
     name: str
     model: LoadedModel
     # Whether forward takes Batch.prev_rows: input tokens that the previous sample_async left on the device, so
     # the engine can launch a step before reading the last one's tokens back.
     chains_steps: bool = False
-    # Rows a step computes for about the cost of its weight read (the scheduler's floor for a step that prefills
-    # while streams decode: frontend/engine/scheduler.py's cost model); 0: none (a CPU), the decode-step budget off
-    # unless asked for. A backend sets it for its device.
-    step_knee_tokens: int = 64
+    # Rows a step computes for about the cost of its weight read: the decode-step budget's default floor
+    # (frontend/engine/scheduler.py's cost model); 0, the budget off unless asked for, until a backend has measured
+    # its device's. A CPU has none: every row costs compute (2-core x86, SmolLM2-135M on MLX: a decode step's fixed
+    # part ~36 ms, a prefill row ~3.3 ms), and spreading prompts halved 16 streams' throughput (0.96 -> 0.53 of the
+    # offline engine; docs/BENCHMARKS.md, 2026-12-03 evening). An H200's is near 128 (a 128-token step in pieces costs
+    # 1.56x a decode graph step, 512 tokens 2.85x: 2026-12-01 late night), not the default until a serving run there
+    # weighs its throughput against the ITL tail (spreading prompts makes more steps run in pieces); an Apple GPU's
+    # near 32 by its FLOPs over bandwidth (not measured).
+    step_knee_tokens: int = 0
 
     def set_limits(self, max_num_seqs: int, max_model_len: int, max_step_tokens: int | None = None) -> None:
         """The engine's limits, given before the KV cache is sized: a backend may size per-step buffers by them

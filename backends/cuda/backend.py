@@ -74,13 +74,6 @@ class CUDABackend(Backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # A 16-bit GEMM on an H100/H200 turns compute-bound near 200 rows (peak FLOPs over HBM bandwidth), but a step
-        # that prefills runs in pieces with eager attention between them: on the H200 128 tokens cost 1.56x a decode
-        # graph step, 512 tokens 2.85x (docs/BENCHMARKS.md, 2026-12-01 late night), so the knee is near 128
-        # (--decode-step-tokens 128). The budget stays off by default until a serving run on the H200 has measured
-        # what it costs in throughput against what it gives the ITL tail (a step that prefills runs in pieces, slower
-        # than a decode graph: spreading prompts over more steps makes more of them such steps).
-        self.step_knee_tokens = 0
         self.dtype = dtype or self.default_dtype(model, self.device)
         self.quantized = True if quantized is None else quantized
         if params is None:

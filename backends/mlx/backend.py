@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from backends.base import CPU_STEP_KNEE_TOKENS, Backend, MemoryReport, kv_cache_int8
+from backends.base import Backend, MemoryReport, kv_cache_int8
 from backends.mlx import fast_blas, kv_quant, weights
 from backends.mlx.attention import AttentionMeta
 from backends.mlx.decode_step import CompiledDecode
@@ -43,9 +43,6 @@ class MLXBackend(Backend):
         self.mirror = None
         self.workers = None  # rank 0's view of the other ranks (backends.tp_processes.Workers)
         self.metal = metal_available()
-        # An Apple GPU: ~14-28 TFLOP/s over 0.4-0.8 TB/s, the knee near 32 rows (not measured: the budget stays off
-        # there until it is, as on CUDA); the CPU: measured, none
-        self.step_knee_tokens = CPU_STEP_KNEE_TOKENS
         # MLX's CPU quantized_matmul and its half-precision GEMMs are several times slower than fp32
         # through OpenBLAS (docs/BENCHMARKS.md), so the CPU default is dense fp32.
         self.dtype = dtype or ("f16" if self.metal else "f32")

@@ -18,7 +18,7 @@ from frontend.engine.sequence import Sequence, Status
 # While streams decode, a step that also prefills should cost about what a decode-only step costs. The cost model: a
 # step reads the weights once (a fixed time) and computes each of its rows (a time per row). Below the "knee" (the
 # rows whose compute takes as long as the weight read, less what a prefill step's own overheads cost: the backend's
-# `step_knee_tokens`, 128 on a GPU; a CPU has none: every row costs compute, and the budget is off there) rows are
+# `step_knee_tokens`: near 128 on an H200, not yet the default there; a CPU has none: every row costs compute) rows are
 # nearly free; above it a step costs in proportion to its rows. So a step that carries prefill tokens takes at most
 # max(knee, DECODE_STEP_RATIO x decoding streams) tokens: at the knee it costs about one weight read, past it about
 # DECODE_STEP_RATIO x the decode-only step. New prompts are spread over the steps that follow (Sarathi-Serve's
