@@ -249,21 +249,19 @@ class TorchSampler:
         logits = logits.float()
         params = [s.params for s in inputs]
         adjusts = any(adjusts_logits(p) for p in params)
-        masked = any(getattr(s, "token_mask", None) is not None for s in inputs)
+        masked = [i for i, s in enumerate(inputs) if getattr(s, "token_mask", None) is not None]  # rows, in order
         n, vocab = logits.shape
         if not adjusts and all(p.greedy and p.logprobs is None for p in params):
             if masked:  # greedy rows under token masks (a JSON schema's usual case): the masked argmax alone
-                rows = [i for i, s in enumerate(inputs) if getattr(s, "token_mask", None) is not None]
-                words = self._stage.to_device(inputs, rows, logits.device)
-                logits = _apply_masks(logits.clone(), rows, words)
+                words = self._stage.to_device(inputs, masked, logits.device)
+                logits = _apply_masks(logits.clone(), masked, words)
             tokens = logits.argmax(1)
             return tokens, PendingSample(tokens, n, [], [], 0)
         h = _host_arrays(inputs, vocab)
         d = _to_device(h, logits.device)
         x = _adjust(logits, d) if adjusts else logits
         if masked:  # after the logit processors, before temperature and the cuts (vLLM's place)
-            rows = h["m_row"].astype(np.int64).tolist()
-            words = self._stage.to_device(inputs, rows, logits.device)
+            words = self._stage.to_device(inputs, masked, logits.device)
             x = _apply_masks(x if adjusts else x.clone(), d["m_row"], words)
         tokens = x.argmax(1)  # greedy rows; sampled rows are overwritten below
         if len(h["s_row"]):

@@ -93,11 +93,12 @@ class TokenMasks:
             if s.finished:  # ended by the read-back before this deferred sampling: its row is never used
                 s.token_mask = None
         minimum = {id(s): n < s.params.min_tokens for s, n in zip(seqs, counts, strict=True)}
-        for i, s in enumerate(rows):
-            row = masks[i]
+        for s, row in zip(rows, masks, strict=True):
+            if s.finished:
+                continue
             if minimum[id(s)] and not s.grammar.is_stopped():
                 row &= ~self._eos_words
-            s.token_mask = None if s.finished else row
+            s.token_mask = row
 
     def _rows(self, seqs: Sequence) -> tuple[list, np.ndarray]:
         """The live constrained sequences of a step and mask rows for them (the buffer grows as needed)."""
