@@ -4,6 +4,7 @@ each setting gives against what the kernel runs, and the report's pasteable tabl
 from __future__ import annotations
 
 import itertools
+import os
 import re
 
 import numpy as np
@@ -76,3 +77,18 @@ def test_report_pastes_into_the_decode_table(capsys):
     for batch in (1, 16):  # the table's rows keep the runner's cap at each batch: the A/B runs what was timed
         assert bench.ours(batch, 132, table).max_parts == bench.ours(batch, 132).max_parts
     assert "BEST_DECODE = {" in text and "(16, 32768): Setting(" in text
+
+
+def test_shape_sets_the_layer_here_and_for_the_workers(monkeypatch):
+    """--shape phi3-mini: 32 KV heads of 96 (MHA), so batch 1 is 32 programs, and spawned workers see it too."""
+    monkeypatch.delenv(bench.SHAPE_ENV, raising=False)
+    saved = bench.Q_HEADS, bench.KV_HEADS, bench.HEAD_DIM, bench.SCALE
+    try:
+        bench.use_shape("phi3-mini")
+        assert (bench.Q_HEADS, bench.KV_HEADS, bench.HEAD_DIM) == (32, 32, 96)
+        assert bench.kv_bytes(1, 1000) == 2 * 1000 * 32 * 96 * 2
+        table = DecodeTable()
+        assert bench.ours(1, 132) == bench.Setting(table.partition(32), table.grid_cap(32, 132), *table.tile(32))
+        assert os.environ[bench.SHAPE_ENV] == "phi3-mini"
+    finally:
+        bench.Q_HEADS, bench.KV_HEADS, bench.HEAD_DIM, bench.SCALE = saved

@@ -1,7 +1,8 @@
-"""Paged decode attention on a GPU, one Llama-3-8B layer (32 q heads, 8 KV heads, head dim 128, bf16, 16-token
-blocks through shuffled block tables): its time at each (batch, context) under the settings the CUDA backend picks
-(backends/cuda/decode_table.py) and under a sweep of keys per partition, the grid's partition cap, BLOCK_N and
-num_warps, as a share of the copy bandwidth (the keys and values read once).
+"""Paged decode attention on a GPU, one layer of a model's shape (--shape: Llama-3-8B's 32 q heads, 8 KV heads,
+head dim 128 by default; phi-3-mini's 32 KV heads of 96; bf16, 16-token blocks through shuffled block tables):
+its time at each (batch, context) under the settings the CUDA backend picks (backends/cuda/decode_table.py) and
+under a sweep of keys per partition, the grid's partition cap, BLOCK_N and num_warps, as a share of the copy
+bandwidth (the keys and values read once).
 
 Times are CUDA-graph replays (the launches' host cost left out, as the backend's decode graphs do). Cold by default:
 successive calls read different copies of the caches and block tables, enough that none is still in L2, as each of
@@ -11,8 +12,8 @@ compiled and checked against the reference on a small case in worker processes (
 timing pass only replays. The last lines give the best setting per (batch, context), one setting per batch as
 DecodeTable rows, and the tools/bench_gpu --decode-table that A/Bs it in the engine.
 
-    python -m tools.bench_decode_attention [--batches 1,16,64] [--contexts 4096,16384,32768] [--hot] [--budget 100]
-        [--json FILE]
+    python -m tools.bench_decode_attention [--shape llama3-8b|phi3-mini|gemma2-9b] [--batches 1,16,64]
+        [--contexts 4096,16384,32768] [--hot] [--budget 100] [--json FILE]
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ from pathlib import Path
 from backends.cuda.decode_table import DecodeTable, pow2
 from kernels_src import paged_attention as pa
 
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+# (q heads, KV heads, head dim) of a layer; the workers (spawned) read the choice from the environment
+SHAPES = {"llama3-8b": (32, 8, 128), "phi3-mini": (32, 32, 96), "gemma2-9b": (16, 8, 256)}
+SHAPE_ENV = "BENCH_DECODE_ATTENTION_SHAPE"
+Q_HEADS, KV_HEADS, HEAD_DIM = SHAPES[os.environ.get(SHAPE_ENV, "llama3-8b")]
+BLOCK = 16
 SCALE = HEAD_DIM ** -0.5
 PARTITIONS = (64, 128, 256, 512)
 MAX_PARTS = (4, 8, 16, 32, 64, 128)
@@ -38,6 +43,14 @@ BLOCK_NS = (32, 64, 128)  # those that divide the partition
 WARPS = (4, 8)
 REP_MS = 5  # each setting: 10 replays of a graph of this many ms of calls (triton.testing.do_bench_cudagraph)
 COLD_L2S = 3  # cold mode: the copies hold this many times the L2
+
+
+def use_shape(name: str) -> None:
+    """Time `name`'s layer here and in the workers spawned after this."""
+    global Q_HEADS, KV_HEADS, HEAD_DIM, SCALE
+    os.environ[SHAPE_ENV] = name
+    Q_HEADS, KV_HEADS, HEAD_DIM = SHAPES[name]
+    SCALE = HEAD_DIM ** -0.5
 
 
 @dataclass(frozen=True)
@@ -188,12 +201,15 @@ def report(rows: list[dict], batches: list[int], sms: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), help=f"the layer's heads (default: ${SHAPE_ENV} or llama3-8b)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="1024,4096,16384,32768")
     ap.add_argument("--hot", action="store_true", help="one copy of the caches, replayed from L2 where it fits")
     ap.add_argument("--budget", type=float, default=100.0, help="seconds; past it only our setting is timed")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_decode_attention.json")
     args = ap.parse_args()
+    if args.shape:
+        use_shape(args.shape)
     t0 = time.perf_counter()
     import torch
     import triton.testing
@@ -212,7 +228,8 @@ def main() -> None:
           f"to time", flush=True)
     bw = copy_gbps(torch, 2**30) * 1e9
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    print(f"copy {bw / 1e9:,.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB; {'hot' if args.hot else 'cold'} caches",
+    print(f"{os.environ.get(SHAPE_ENV, 'llama3-8b')} layer ({Q_HEADS} q heads, {KV_HEADS} KV heads of {HEAD_DIM}); "
+          f"copy {bw / 1e9:,.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB; {'hot' if args.hot else 'cold'} caches",
           flush=True)
     rows, skipped = [], 0
     for (batch, context), runs_at in plans.items():
