@@ -1,7 +1,12 @@
 """generate() as handlers see it, shared by the engine's two front-ends (AsyncEngine's thread in this process,
 EngineClient's engine process): a request's outputs are awaited from its queue until the finished one, an exception
 put there is raised, and a handler that leaves early (a disconnect, a cancellation) aborts the request, so that its
-KV blocks are freed. Each front-end only says how a request is handed over and how it is abandoned."""
+KV blocks are freed. Each front-end only says how a request is handed over and how it is abandoned.
+
+Under load a handler can fall behind its request (hundreds of streams, each chunk a send on one event loop): then
+the reports waiting in its queue go out as one (their deltas joined, as vLLM's output collector does), so a slow
+loop sends fewer, larger chunks instead of falling further behind. A lone stream never does: every token keeps its
+chunk there."""
 
 from __future__ import annotations
 
@@ -12,8 +17,10 @@ from collections.abc import AsyncIterator
 
 from core.sampling_params import SamplingParams
 from frontend.engine.engine import RequestOutput
+from frontend.engine.outputs import merge_outputs
 
 Queue = asyncio.Queue  # of RequestOutput | BaseException
+COALESCE_STREAMS = 16  # with more streams than this, a handler that fell behind joins its waiting reports
 
 
 class RequestStreams(ABC):
@@ -39,8 +46,17 @@ class RequestStreams(ABC):
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                failure = None
+                while self.active > COALESCE_STREAMS and not item.finished and not queue.empty():
+                    more = queue.get_nowait()
+                    if isinstance(more, BaseException):
+                        failure = more  # raised after what came before it is handed out
+                        break
+                    item = merge_outputs(item, more)
                 finished = item.finished
                 yield item
+                if failure is not None:
+                    raise failure
                 if finished:
                     return
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -295,7 +296,12 @@ class OpenAIServing:
 
     async def _generate(self, prompts: list[list[int]], params: SamplingParams,
                         reply: Reply) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Runs every prompt as its own engine request and merges their outputs; leaving early aborts them all."""
+        """Runs every prompt as its own engine request and merges their outputs; leaving early aborts them all.
+        One prompt (the usual request) is read straight from its stream: no task and second queue a token."""
+        if len(prompts) == 1:
+            async for out in self._generate_one(prompts[0], params, reply):
+                yield 0, out
+            return
         queue: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic()
 
@@ -326,6 +332,31 @@ class OpenAIServing:
                 t.cancel()
             for _ in range(remaining * params.n):  # the client went away (or the engine failed) first
                 self.metrics.finished("abort")
+
+    async def _generate_one(self, prompt: list[int], params: SamplingParams,
+                            reply: Reply) -> AsyncIterator[RequestOutput]:
+        """_generate's bookkeeping for one prompt; closing the engine's stream at once when this ends early aborts
+        the request (its KV blocks freed) without waiting for the loop's generator finalizer."""
+        arrival, first_token, finished = time.monotonic(), None, False
+        try:
+            async with contextlib.aclosing(self.engine.generate(prompt, params)) as outs:
+                async for item in outs:
+                    if first_token is None and any(c.delta_token_ids for c in item.outputs):
+                        first_token = time.monotonic()
+                        self.metrics.ttft.observe(first_token - arrival)
+                    if item.finished:
+                        finished = True
+                        self._finished(item, reply, arrival, first_token)
+                    yield item
+        except Exception as e:
+            err = _api_error(e)
+            if err is e:
+                raise
+            raise err from e
+        finally:
+            if not finished:  # the client went away (or the engine failed) first
+                for _ in range(params.n):
+                    self.metrics.finished("abort")
 
     def _finished(self, out: RequestOutput, reply: Reply, arrival: float, first_token: float | None) -> None:
         now = time.monotonic()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CompletionOutput", "RequestOutput", "TokenView"]
+__all__ = ["CompletionOutput", "RequestOutput", "TokenView", "merge_outputs"]
 
 
 class TokenView:
@@ -88,3 +88,17 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # the request failed (its sampling raised): finished, with this message
     embedding: np.ndarray | None = None  # an embedding model's pooled vector (float32), once finished
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two successive reports of one request as one: `then`'s with each choice's deltas prefixed by `first`'s (a
+    stream that fell behind sends them in one chunk). Choices only `first` reports keep its report."""
+    earlier = {c.index: c for c in first.outputs}
+    outs = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        a = earlier.get(c.index)
+        outs[c.index] = c if a is None else CompletionOutput(
+            c.index, c._pieces, c._num_pieces, c.text_len, c.token_view, c.finish_reason, c.stop_reason, c.logprobs,
+            a.delta_text + c.delta_text, a.delta_token_ids + c.delta_token_ids)
+    return RequestOutput(then.request_id, then.prompt_token_ids, [outs[i] for i in sorted(outs)], then.finished,
+                         then.num_cached_tokens, then.error, then.embedding)
