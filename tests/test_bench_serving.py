@@ -59,6 +59,10 @@ def test_concurrency_sweep_with_offline_ratio(server, tmp_path):
         assert off["max_num_seqs"] == level["concurrency"]
         assert off["total_output_tokens"] == n * OUT and off["total_input_tokens"] == n * IN
         assert off["output_throughput"] > 0 and level["server_over_offline"] > 0
+        eng = level["engine"]  # /metrics' counters across the level: the server counts before it sends
+        assert eng["generated"] == n * OUT and 0 < eng["prefilled"] <= n * IN
+        assert OUT <= eng["steps"] <= n * OUT + n and eng["tokens_per_step"] == eng["generated"] / eng["steps"]
+        assert eng["step_ms"] == pytest.approx(1e3 * level["metrics"]["duration_s"] / eng["steps"])
     for name in ("sweep_latency.png", "sweep_throughput.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

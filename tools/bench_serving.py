@@ -23,7 +23,7 @@ import platform
 import time
 from pathlib import Path
 
-from tools.bench_serving_client import Target, run_load, served_model
+from tools.bench_serving_client import Target, engine_counters, run_load, served_model
 from tools.bench_serving_data import BenchPrompt, load_tokenizer, random_prompts, sharegpt_prompts
 from tools.bench_serving_report import plot_sweep, print_level, summarize, write_json
 
@@ -179,10 +179,19 @@ def main(argv: list[str] | None = None) -> dict:
     }
     levels = [(c, r) for c in args.concurrencies for r in args.rates]
     for (concurrency, rate), prompts in zip(levels, level_prompts, strict=True):
+        before = engine_counters(args.base_url)
         results, duration = run_load(target, prompts, concurrency, rate, args.seed, not args.disable_tqdm,
                                      args.client_procs)
+        after = engine_counters(args.base_url) if before else None
         result["levels"].append({"concurrency": concurrency, "request_rate": rate if math.isfinite(rate) else "inf",
                                  "metrics": summarize(results, duration)})
+        if after:  # the engine's side of the level: were its steps full, and how long did one take
+            steps = after["steps"] - before["steps"]
+            result["levels"][-1]["engine"] = {
+                "steps": steps, "generated": after["generated"] - before["generated"],
+                "prefilled": after["prefilled"] - before["prefilled"],
+                "tokens_per_step": (after["generated"] - before["generated"]) / max(steps, 1),
+                "step_ms": 1e3 * duration / max(steps, 1)}
         if not args.offline:
             print_level({**result["levels"][-1], "request_rate": rate})
     if args.offline:

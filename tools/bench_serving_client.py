@@ -228,3 +228,24 @@ def served_model(base_url: str, api_key: str | None = None, timeout_s: float = 3
     r = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/v1/models", headers=headers, timeout=timeout_s)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
+
+
+ENGINE_COUNTERS = {"steps": "llm_engine:engine_steps_total", "generated": "llm_engine:generation_tokens_total",
+                   "prefilled": "llm_engine:prompt_tokens_total"}
+
+
+def engine_counters(base_url: str, timeout_s: float = 10) -> dict[str, float] | None:
+    """Our server's step and token counters from GET /metrics (Prometheus text), or None where a server has no such
+    counters (llama-server, vLLM): a level's difference says how many steps the engine ran for its tokens."""
+    try:
+        r = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=timeout_s)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    got = {}
+    for line in r.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, metric in ENGINE_COUNTERS.items():
+            if name == metric:
+                got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return got if len(got) == len(ENGINE_COUNTERS) else None

@@ -68,6 +68,10 @@ def print_level(level: dict) -> None:
         off = level["offline"]
         rows += [(f"offline output tok/s (batch {off['max_num_seqs']})", f"{off['output_throughput']:.1f}"),
                  ("server / offline (output tok/s)", f"{level['server_over_offline']:.2f}")]
+    if "engine" in level:
+        e = level["engine"]
+        rows += [("engine steps (tokens generated a step)", f"{e['steps']:.0f} ({e['tokens_per_step']:.1f})"),
+                 ("engine ms a step (the level's wall time)", f"{e['step_ms']:.2f}")]
     for name, value in rows:
         print(f"{name:<44}{value:>20}")
     for key in LATENCIES:
