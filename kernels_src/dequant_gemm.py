@@ -53,11 +53,12 @@ def split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_
 
 def dequant_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
                         steps_per_split, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        KB: tl.constexpr, SWAP: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = False):
+                        KB: tl.constexpr, SWAP: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = False,
+                        WORDS: tl.constexpr = False):
     """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (KB blocks each);
-    y is the output (split_stride 0) or fp32 partials [SPLIT, M, N]."""
+    y is the output (split_stride 0) or fp32 partials [SPLIT, M, N]. WORDS: headers as 32-bit words (variant words)."""
     elems, size = GGUF[QTYPE].block_size, GGUF[QTYPE].type_size
-    rank, decode = dq._family(QTYPE, WIDE)
+    rank, decode = dq._family(QTYPE, WIDE, WORDS)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_N * KB)  # block tile: row r // KB of the program's, block r % KB of the step's
@@ -150,10 +151,12 @@ TUNED: dict[tuple[str, int, int, int], dict] = {  # tools/sweep_gemm --quick on 
     ('Q6_K', 64, 6144, 4096):
         {'block_m': 64, 'block_n': 64, 'split_k': 4, 'swap': False, 'num_warps': 4, 'num_stages': 3},
 }
-# "blocked": dequant_gemm_kernel (any format, a step of KB blocks through dequantize.py's decoders); "sub64": Q4_K only,
+# "blocked": dequant_gemm_kernel (any format, a step of KB blocks through dequantize.py's decoders); "words": the same
+# with Q4_K's / Q5_K's headers read as 32-bit words (so Triton pipelines them; blocked's fp16 and byte loads of them
+# are synchronous, a wait every step); "sub64": Q4_K only,
 # kernels_src/dequant_gemm_q4k.py (64-input steps, every load of W a 32-bit word). The GPU sweep (tools/sweep_gemm
 # --variants) decides the default.
-VARIANTS = {"blocked": None, "sub64": ("Q4_K",)}
+VARIANTS = {"blocked": None, "words": dq.WORD_HEADS, "sub64": ("Q4_K",)}
 VARIANT = "blocked"
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", blocks="KB", split_k="SPLIT", swap="SWAP", num_warps="num_warps",
              num_stages="num_stages")
@@ -265,7 +268,7 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
     if _addr(w) % 2 or (n > 1 and elem_stride(w, 0) % 2):
         raise ValueError("weight rows must start 2-byte aligned (the blocks' fp16 scales are read as such)")
     explicit, variant = variant is not None, variant or tuned_variant(qtype, m, w.shape[0], k)
-    if variant == "sub64" and not explicit and not _whole_words(w):
+    if variant in ("sub64", "words") and not explicit and not _whole_words(w):
         variant = "blocked"  # a table's choice on rows it cannot read as words: the general kernel
     if variant not in VARIANTS or qtype not in (VARIANTS[variant] or (qtype,)):
         raise ValueError(f"dequant_matmul: variant {variant!r} does not take {qtype} (variants: "
@@ -286,8 +289,11 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
     pdl = use_pdl(target, pdl)
     if variant == "sub64":
         return _launch_q4k(x2, w, out, cfg, nw, ns, split, target, pdl)
+    if variant == "words" and not _whole_words(w):
+        raise ValueError(f"variant words reads {qtype} headers as 32-bit words: rows {tuple(w.shape)} of stride "
+                         f"{elem_stride(w, 0)} must start 4-byte aligned")
     kern = compile(dequant_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, QTYPE=qtype,
-                   WIDE=target in dq.WIDE_TARGETS, PDL=pdl, **cfg)
+                   WIDE=target in dq.WIDE_TARGETS, PDL=pdl, WORDS=variant == "words", **cfg)
     return launch_split_k(kern, (w, x2), (m, n, elem_stride(w, 0), elem_stride(x2, 0)), out, n_steps, split,
                           cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
 

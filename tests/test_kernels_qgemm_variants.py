@@ -1,7 +1,8 @@
-"""The quantized GEMMs' new variants against the existing references: dequant_gemm's "sub64" (Q4_K, 64-input steps,
-every W load a 32-bit word) and int_group_gemm's "gather" (a q word per weight element), on the DSL interpreter and
-Triton's, tiles, split-K, swap and dtypes varied; planted decoding bugs fail; TUNED entries pick their variant; the
-sm_90 AOT builds use wgmma with every global load of W staged by cp.async and nothing spilled."""
+"""The quantized GEMMs' new variants against the existing references: dequant_gemm's "words" (Q4_K / Q5_K headers
+as 32-bit words) and "sub64" (Q4_K, 64-input steps, every W load a 32-bit word) and int_group_gemm's "gather" (a q
+word per weight element), on the DSL interpreter and Triton's, tiles, split-K, swap and dtypes varied; planted
+decoding bugs fail; TUNED entries pick their variant; the sm_90 AOT builds use wgmma with every global load of W
+staged by cp.async and nothing spilled."""
 
 from __future__ import annotations
 
@@ -53,6 +54,36 @@ def test_sub64_fp16_and_bf16(rng):
     close(out.float().numpy(), dgm.dequant_matmul_ref(xb.float().numpy(), w, "Q4_K"), 1.5e-2)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("m,blocks,opts", [(9, 2, {}), (33, 3, dict(split_k=2)),
+                                           (18, 2, dict(swap=False, block_n=16, block_m=32, split_k=3))])
+def test_words_matches_reference(target, qtype, m, blocks, opts, rng):
+    """The blocked kernel with the header read as words, on 0xFF-padded rows: Q4_K and Q5_K (same header)."""
+    k = 256 * blocks
+    w = padded_weights(rng, qtype, 37, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    close(_run(target, x, w, qtype, np.float32, variant="words", **opts), dgm.dequant_matmul_ref(x, w, qtype), 1e-5)
+
+
+def test_words_planted_bug_fails(rng, monkeypatch):
+    """A scale word off by one byte (the sub-block's neighbour's 6-bit scale) fails the check."""
+    from kernels_src import dequantize as dq
+
+    w = padded_weights(rng, "Q4_K", 13, 512)
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    monkeypatch.setattr(dsl_launch, "_kernels", {})
+    head = dq._k4_head
+
+    def shifted(blk, WORDS):
+        d, dmin, sw = head(blk, WORDS)
+        return d, dmin, [s >> 8 for s in sw]
+
+    monkeypatch.setattr(dq, "_k4_head", shifted)
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+        close(_run("numpy", x, w, "Q4_K", np.float32, variant="words"), dgm.dequant_matmul_ref(x, w, "Q4_K"), 1e-5)
+
+
 @pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q8_0"])
 def test_blocked_named_takes_every_type(qtype, rng):
     k = 256
@@ -82,11 +113,14 @@ def test_sub64_planted_bug_fails(bug, rng, monkeypatch):
 
 
 def test_sub64_needs_word_rows_and_tuned_picks_it(rng, monkeypatch):
-    """Rows off a 4-byte boundary: refused when sub64 is asked for, the general kernel when a table chose it."""
+    """Rows off a 4-byte boundary: refused when sub64 or words is asked for, the general kernel when a table chose
+    it."""
     w = padded_weights(rng, "Q4_K", 11, 256, pad=6)  # rows of 144 bytes at a stride of 166
     x = rng.standard_normal((16, 256)).astype(np.float32)
     with pytest.raises(ValueError, match="sub64 reads Q4_K rows as 32-bit words"):
         dgm.dequant_matmul(x, w, "Q4_K", variant="sub64")
+    with pytest.raises(ValueError, match="variant words reads Q4_K headers as 32-bit words"):
+        dgm.dequant_matmul(x, w, "Q4_K", variant="words")
     monkeypatch.setitem(dgm.TUNED, ("Q4_K", 16, 11, 256), dict(variant="sub64", block_n=32, split_k=1))
     assert dgm.tuned_variant("Q4_K", 12, 11, 256) == "sub64" and dgm.tuned_variant("Q4_K", 17, 11, 256) == "blocked"
     close(_run("numpy", x, w, "Q4_K", np.float32), dgm.dequant_matmul_ref(x, w, "Q4_K"), 1e-5)
@@ -159,13 +193,16 @@ def _aot(fn, consts: dict, sig: dict, nw: int, tmp_path):
 
 
 @needs_aot
-@pytest.mark.parametrize("which", ["sub64", "gather"])
+@pytest.mark.parametrize("which", ["sub64", "gather", "words"])
 def test_aot_sm90(which, tmp_path, monkeypatch):
     """At 64 x 128 tiles and 8 warps: wgmma, and W read only through cp.async (no synchronous global load in the
     build at all), no spills."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     tiles = dict(BLOCK_M=64, BLOCK_N=128, SWAP=True)
-    if which == "sub64":
+    if which == "words":
+        c = _aot(dgm.dequant_gemm_kernel, dict(tiles, QTYPE="Q4_K", KB=1, WIDE=True, WORDS=True),
+                 dict(w="*u8", x="*bf16", y="*fp32"), 8, tmp_path)
+    elif which == "sub64":
         c = _aot(q4k.dequant_gemm_q4k_kernel, tiles, dict(w="*i32", x="*bf16", y="*fp32"), 8, tmp_path)
     else:
         c = _aot(gather.int_group_gemm_gather_kernel, dict(tiles, BITS=4, GROUP=128, BK=64),
