@@ -39,6 +39,19 @@ def _numel(shape) -> int:
     return TileType(tl.float32, tuple(shape)).numel
 
 
+def word_tile(w, x, m_rows, n_rows, w_stride, x_stride, BLOCK_M: int, BLOCK_N: int, K: int, PDL: bool):
+    """The word-gathering variants' program start: (m, n, W's rows [BLOCK_N, 1] as word pointers, x's [BLOCK_M, K]
+    pointers at K = 0); rows past M and N clamped to the last (read again, not stored); the PDL wait."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64)[:, None] * w_stride
+    xrow = x + tl.minimum(m, m_rows - 1).to(tl.int64)[:, None] * x_stride + tl.arange(0, K)[None, :]
+    if PDL:  # x is an earlier kernel's output
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    return m, n, wrow, xrow
+
+
 def split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP: bool):
     """A GEMM program's K loop (`acc = step(it, acc)` over its split's steps) and the store of its tile of y (or of
     its split's fp32 partial): acc is [len(n), len(m)] under SWAP (W @ x.T), else [len(m), len(n)]."""

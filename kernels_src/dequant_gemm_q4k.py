@@ -11,7 +11,7 @@ A row's two (scale, min) pairs of the step come from three scale words by scalar
 
 from __future__ import annotations
 
-from kernels_src.dequant_gemm import split_k_tile
+from kernels_src.dequant_gemm import split_k_tile, word_tile
 from kernels_src.dsl import tl
 from kernels_src.gguf_gemv_common import _f16
 
@@ -40,18 +40,12 @@ def dequant_gemm_q4k_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_strid
                             PDL: tl.constexpr = False):
     """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (STEP inputs each);
     w: the Q4_K rows as int32 words [N, >= row_words] (w_stride in words); y output or fp32 partials."""
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64)[:, None] * w_stride  # [N, 1]; past N: the last row
+    m, n, wrow, xrow = word_tile(w, x, m_rows, n_rows, w_stride, x_stride, BLOCK_M, BLOCK_N, STEP, PDL)
     e = tl.arange(0, STEP)
     word = (4 + (e % 32) // 4)[None, :]  # the step's word of element e, past 8p
     shift = (8 * (e % 4) + 4 * (e // 32))[None, :]
     first = (e < 32)[None, :]
-    xrow = x + tl.minimum(m, m_rows - 1).to(tl.int64)[:, None] * x_stride + e[None, :]
     lo = tl.program_id(2) * steps_per_split
-    if PDL:  # x is an earlier kernel's output
-        tl.wait_prior_grid()
-        tl.launch_dependents()
 
     def step(it, acc):
         p = it % 4

@@ -11,7 +11,7 @@ Scales and biases: one per row a step when BK divides GROUP, else one per (row, 
 
 from __future__ import annotations
 
-from kernels_src.dequant_gemm import split_k_tile
+from kernels_src.dequant_gemm import split_k_tile, word_tile
 from kernels_src.dsl import tl
 
 
@@ -29,15 +29,9 @@ def int_group_gemm_gather_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_
     BK divides GROUP or is a multiple of it); w int32 words [N, row_words]; y output or fp32 partials."""
     PER = 32 // BITS
     BW = 2 + GROUP // PER  # words a group block: scale, bias, q words
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64)[:, None] * w_stride  # [N, 1]; past N: the last row
+    m, n, wrow, xrow = word_tile(w, x, m_rows, n_rows, w_stride, x_stride, BLOCK_M, BLOCK_N, BK, PDL)
     kk = tl.arange(0, BK)
-    xrow = x + tl.minimum(m, m_rows - 1).to(tl.int64)[:, None] * x_stride + kk[None, :]
     lo = tl.program_id(2) * steps_per_split
-    if PDL:  # x is an earlier kernel's output
-        tl.wait_prior_grid()
-        tl.launch_dependents()
 
     def step(it, acc):
         k = it * BK + kk  # [BK] inputs of the step
