@@ -1,5 +1,6 @@
 """tools/sweep_gemm on the CPU: the whole tool (builds checked in-process, a fake clock for the CUDA-graph timer, a
-fixed copy figure) on tiny problems through the DSL interpreter, its literals, and its argument errors."""
+fixed copy figure) on tiny problems through the DSL interpreter (Triton's interpreter has no bf16, the sweep's x),
+its literals, and its argument errors."""
 
 from __future__ import annotations
 
@@ -60,8 +61,9 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
             assert igm.default_tiles(16, 40, 512, 4, 128)[igm._KEYS[key]] == v
 
 
-def test_a_wrong_kernel_fails_the_check(sweep, monkeypatch):
-    """The workers' check catches a decoding bug (the gather variant's nibble shift off by one field)."""
+def test_a_wrong_kernel_fails_the_check(sweep, monkeypatch, capsys):
+    """The workers' check catches a decoding bug (the gather variant's nibble shift off by one field); the tool then
+    times none of its settings and proposes no table entry."""
     job = ("int4g128", "gather", 16, dict(block_m=16, block_n=32, num_stages=3, num_warps=4, swap=True))
     assert sweep.check(job)[1] <= sweep.TOL
     from kernels_src import int_group_gemm_gather as gather
@@ -70,6 +72,11 @@ def test_a_wrong_kernel_fails_the_check(sweep, monkeypatch):
     monkeypatch.setattr(dsl_launch, "_kernels", {})
     monkeypatch.setattr(gather, "gather_q", lambda words, k, BITS, GROUP: (words >> ((k % GROUP) % 8 * 4 + 4)) & 15)
     assert sweep.check(job)[1] > sweep.TOL
+    monkeypatch.setattr(sweep, "BENCH", lambda torch, fn: (fn(), 1.0)[1])
+    assert sweep.main(["--variants", "gather", "--ms", "16", "--shapes", "40x512", "--qtypes", "int4g128", "--quick",
+                       "--workers", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "failed: [" in text and "no setting passed the check" in text and "TUNED" not in text
 
 
 def test_arguments(sweep):

@@ -195,16 +195,16 @@ def search(bench, run, start: dict, ok) -> tuple[dict, float, float, int]:
             seen[key] = bench(lambda: run(cfg))
         return seen[key]
 
-    best = dict(start)
-    base = t(best)
+    best, good = dict(start), ok(start)
+    base = t(best) if good else float("nan")  # own tiles that failed the check are not timed
     for key, values in dict(block_n=BLOCK_N, num_stages=STAGES, split_k=SPLITS, swap=(True, False)).items():
         for v in values:
             cand = dict(best, **{key: v})
             if key == "block_n":
                 cand["num_warps"] = 8 if v == 128 else 4
-            if ok(cand) and t(cand) < t(best):
-                best = cand
-    return best, t(best), base, len(seen)
+            if ok(cand) and (not good or t(cand) < t(best)):
+                best, good = cand, True
+    return (best, t(best), base, len(seen)) if good else ({}, float("nan"), base, len(seen))
 
 
 @dataclass
@@ -268,7 +268,8 @@ def report(results: list[Result], gbps: float) -> dict:
     print(f"{'type':9} {'M':>4} {'N x K':>11} {'variant':8} {'best':>8} {'own':>8} {'%copy':>6}  best tiles")
     for r in results:
         print(f"{r.kind.name:9} {r.m:4} {f'{r.n}x{r.k}':>11} {r.variant:8} {r.us:8.1f} {r.base:8.1f} {r.pct:6.1f}  "
-              + (str(r.best) if r.best else "skipped: out of time"))
+              + (str(r.best) if r.best else "skipped: out of time" if r.base != r.base and not r.pct else
+               "no setting passed the check"))
     best: dict = {}
     for r in results:
         key = (r.kind, r.m, r.n, r.k)
