@@ -30,13 +30,26 @@ from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.dsl.ir import TileType
 from kernels_src.paged_attention import empty
 
-__all__ = ["MAX_ROWS", "default_tiles", "dequant_matmul", "dequant_matmul_ref"]
+__all__ = ["MAX_ROWS", "VARIANTS", "default_tiles", "dequant_matmul", "dequant_matmul_ref"]
 
 MAX_ROWS = 256  # the rows the defaults are tuned for (any M runs: BLOCK_M rows a program)
 
 
 def _numel(shape) -> int:
     return TileType(tl.float32, tuple(shape)).numel
+
+
+def word_tile(w, x, m_rows, n_rows, w_stride, x_stride, BLOCK_M: int, BLOCK_N: int, K: int, PDL: bool):
+    """The word-gathering variants' program start: (m, n, W's rows [BLOCK_N, 1] as word pointers, x's [BLOCK_M, K]
+    pointers at K = 0); rows past M and N clamped to the last (read again, not stored); the PDL wait."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w + tl.minimum(n, n_rows - 1).to(tl.int64)[:, None] * w_stride
+    xrow = x + tl.minimum(m, m_rows - 1).to(tl.int64)[:, None] * x_stride + tl.arange(0, K)[None, :]
+    if PDL:  # x is an earlier kernel's output
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    return m, n, wrow, xrow
 
 
 def split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP: bool):
@@ -53,11 +66,12 @@ def split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_
 
 def dequant_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
                         steps_per_split, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        KB: tl.constexpr, SWAP: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = False):
+                        KB: tl.constexpr, SWAP: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = False,
+                        WORDS: tl.constexpr = False):
     """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (KB blocks each);
-    y is the output (split_stride 0) or fp32 partials [SPLIT, M, N]."""
+    y is the output (split_stride 0) or fp32 partials [SPLIT, M, N]. WORDS: headers as 32-bit words (variant words)."""
     elems, size = GGUF[QTYPE].block_size, GGUF[QTYPE].type_size
-    rank, decode = dq._family(QTYPE, WIDE)
+    rank, decode = dq._family(QTYPE, WIDE, WORDS)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_N * KB)  # block tile: row r // KB of the program's, block r % KB of the step's
@@ -150,6 +164,13 @@ TUNED: dict[tuple[str, int, int, int], dict] = {  # tools/sweep_gemm --quick on 
     ('Q6_K', 64, 6144, 4096):
         {'block_m': 64, 'block_n': 64, 'split_k': 4, 'swap': False, 'num_warps': 4, 'num_stages': 3},
 }
+# "blocked": dequant_gemm_kernel (any format, a step of KB blocks through dequantize.py's decoders); "words": the same
+# with Q4_K's / Q5_K's headers read as 32-bit words (so Triton pipelines them; blocked's fp16 and byte loads of them
+# are synchronous, a wait every step); "sub64": Q4_K only,
+# kernels_src/dequant_gemm_q4k.py (64-input steps, every load of W a 32-bit word). The GPU sweep (tools/sweep_gemm
+# --variants) decides the default.
+VARIANTS = {"blocked": None, "words": dq.WORD_HEADS, "sub64": ("Q4_K",)}
+VARIANT = "blocked"
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", blocks="KB", split_k="SPLIT", swap="SWAP", num_warps="num_warps",
              num_stages="num_stages")
 _sms: dict = {}
@@ -219,8 +240,13 @@ def default_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
     kb = _pow2_divisor(n_blocks, max(1, STEP_ELEMS // elems))
     split = split_k_for(m, n, block_m, block_n, n_blocks // kb, sms, MIN_SPLIT_STEPS)
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, KB=kb, SPLIT=split, SWAP=True, num_warps=4, num_stages=None)
-    cfg.update({_KEYS[key]: v for key, v in TUNED.get((qtype.upper(), block_m, n, k), {}).items()})
+    cfg.update({_KEYS[key]: v for key, v in TUNED.get((qtype.upper(), block_m, n, k), {}).items() if key in _KEYS})
     return cfg
+
+
+def tuned_variant(qtype: str, m: int, n: int, k: int) -> str:
+    """The variant TUNED names for the problem (its tiles were measured with it), else VARIANT."""
+    return TUNED.get((qtype.upper(), row_block(m), n, k), {}).get("variant", VARIANT)
 
 
 def gemm_out(x2, out, n: int):
@@ -239,10 +265,11 @@ def _addr(a) -> int:
 def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None = None,
                    block_m: int | None = None, block_n: int | None = None, blocks: int | None = None,
                    split_k: int | None = None, swap: bool | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None):
+                   num_stages: int | None = None, variant: str | None = None):
     """y [M, N] = x2 [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, >= row_bytes], rows 2-byte aligned);
     x2 fp32 / fp16 / bf16 with contiguous rows; out (made when not given) in x2's dtype, rows contiguous.
-    The keywords override default_tiles (block_m, block_n, blocks = KB, split_k, swap, num_warps, num_stages)."""
+    The keywords override default_tiles (block_m, block_n, blocks = KB, split_k, swap, num_warps, num_stages);
+    variant (VARIANTS, default VARIANT) picks the kernel."""
     qtype = qtype.upper()
     if qtype not in dq.QTYPES:
         raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(dq.QTYPES)})")
@@ -253,6 +280,12 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
         raise ValueError(f"x [{m}, {k}] and {qtype} weights {tuple(w.shape)} do not make a GEMM")
     if _addr(w) % 2 or (n > 1 and elem_stride(w, 0) % 2):
         raise ValueError("weight rows must start 2-byte aligned (the blocks' fp16 scales are read as such)")
+    explicit, variant = variant is not None, variant or tuned_variant(qtype, m, w.shape[0], k)
+    if variant in ("sub64", "words") and not explicit and not _whole_words(w):
+        variant = "blocked"  # a table's choice on rows it cannot read as words: the general kernel
+    if variant not in VARIANTS or qtype not in (VARIANTS[variant] or (qtype,)):
+        raise ValueError(f"dequant_matmul: variant {variant!r} does not take {qtype} (variants: "
+                         + ", ".join(f"{v} ({', '.join(q or ('any',))})" for v, q in VARIANTS.items()) + ")")
     if m and elem_stride(x2, 1) != 1:
         x2 = x2.contiguous() if hasattr(x2, "contiguous") else np.ascontiguousarray(x2)
     out = gemm_out(x2, out, n)
@@ -267,10 +300,34 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
     if n_steps * cfg["KB"] * elems != k:
         raise ValueError(f"blocks={cfg['KB']} does not divide the {k // elems} blocks of a row")
     pdl = use_pdl(target, pdl)
+    if variant == "sub64":
+        return _launch_q4k(x2, w, out, cfg, nw, ns, split, target, pdl)
+    if variant == "words" and not _whole_words(w):
+        raise ValueError(f"variant words reads {qtype} headers as 32-bit words: rows {tuple(w.shape)} of stride "
+                         f"{elem_stride(w, 0)} must start 4-byte aligned")
     kern = compile(dequant_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, QTYPE=qtype,
-                   WIDE=target in dq.WIDE_TARGETS, PDL=pdl, **cfg)
+                   WIDE=target in dq.WIDE_TARGETS, PDL=pdl, WORDS=variant == "words", **cfg)
     return launch_split_k(kern, (w, x2), (m, n, elem_stride(w, 0), elem_stride(x2, 0)), out, n_steps, split,
                           cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
+
+
+def _whole_words(w) -> bool:
+    return not (_addr(w) % 4 or (w.shape[0] > 1 and elem_stride(w, 0) % 4) or w.shape[1] % 4)
+
+
+def _launch_q4k(x2, w, out, cfg: dict, nw: int, ns: int | None, split: int, target: str, pdl: bool):
+    """Variant sub64: W as int32 words (Q4_K rows are whole words; they must start 4-byte aligned)."""
+    from kernels_src.dequant_gemm_q4k import STEP, dequant_gemm_q4k_kernel
+
+    if not _whole_words(w):
+        raise ValueError(f"variant sub64 reads Q4_K rows as 32-bit words: rows {tuple(w.shape)} of stride "
+                         f"{elem_stride(w, 0)} must start 4-byte aligned and be whole words")
+    words = w.view(np.int32) if isinstance(w, np.ndarray) else w.view(__import__("torch").int32)  # no copy
+    m, k = x2.shape
+    kern = compile(dequant_gemm_q4k_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl,
+                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SWAP=cfg["SWAP"], PDL=pdl)
+    return launch_split_k(kern, (words, x2), (m, w.shape[0], elem_stride(words, 0), elem_stride(x2, 0)), out,
+                          k // STEP, split, cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
 
 
 def dequant_matmul_ref(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:

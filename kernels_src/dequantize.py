@@ -84,32 +84,51 @@ def _q8(blk):
     return [(e, _quant(_bytes(blk + 2 + e) ^ 0x80, 0xFF, 128) * _f16(blk, 0))]
 
 
-def _k4_scales(blk, c, h: int, d, dmin):
+def _k4_head(blk, WORDS: bool):
+    """(d, dmin, scale words) of Q4_K / Q5_K blocks: fp16 loads and None, or (WORDS: blocks 4-byte aligned) the
+    header's four 32-bit words, which Triton's pipeliner can stage with cp.async (2-byte and byte loads it leaves
+    synchronous: dequant_gemm's step waited on them)."""
+    if not WORDS:
+        return _f16(blk, 0), _f16(blk, 2), None
+    w = blk.to(tl.pointer_type(tl.uint32))
+    head = tl.load(w)
+    return _half(head), _half(head >> 16), [tl.load(w + i) for i in (1, 2, 3)]
+
+
+def _half(u):
+    return (u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+def _k4_scales(blk, c, h: int, d, dmin, sw=None):
     """(d * scale, dmin * min) of sub-block s = 2c + h of Q4_K and Q5_K (12 bytes at 4): 6 bits in bytes s % 4 (and
-    4 + s % 4) for sub-blocks 0-3; 4 from byte 8 + s % 4 and 2 from the top of bytes 0-7 for 4-7."""
+    4 + s % 4) for sub-blocks 0-3; 4 from byte 8 + s % 4 and 2 from the top of bytes 0-7 for 4-7. sw: the three
+    scale words (_k4_head's), else the bytes are loaded."""
     low = c < 2
-    j = 4 + 2 * (c & 1) + h
-    x0, x1, x2 = _bytes(blk + j), _bytes(blk + j + 4), _bytes(blk + j + 8)
+    j = 2 * (c & 1) + h
+    if sw is None:
+        x0, x1, x2 = _bytes(blk + 4 + j), _bytes(blk + 8 + j), _bytes(blk + 12 + j)
+    else:
+        x0, x1, x2 = ((word >> (8 * j).to(tl.uint32)) & 0xFF for word in sw)
     sc = tl.where(low, x0 & 63, (x2 & 15) | ((x0 >> 6) << 4)).to(tl.float32)
     mn = tl.where(low, x1 & 63, (x2 >> 4) | ((x1 >> 6) << 4)).to(tl.float32)
     return d * sc, dmin * mn
 
 
-def _q4k(blk):
+def _q4k(blk, WORDS: bool = False):
     """Q4_K (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes): byte e of chunk c holds element 64c + e (low
     nibble, sub-block 2c) and 64c + 32 + e (high nibble, sub-block 2c + 1). Tiles [BLOCKS, 4 chunks, 32]."""
     c = tl.arange(0, 4)[None, :, None]
     e = tl.arange(0, 32)[None, None, :]
     v = _bytes(blk + 16 + 32 * c + e)
-    d, dmin = _f16(blk, 0), _f16(blk, 2)
+    d, dmin, sw = _k4_head(blk, WORDS)
     out = []
     for h in range(2):
-        ds, dm = _k4_scales(blk, c, h, d, dmin)
+        ds, dm = _k4_scales(blk, c, h, d, dmin, sw)
         out.append((64 * c + 32 * h + e, _quant(v, 0xF0 if h else 0x0F) * (ds * (0.0625 if h else 1.0)) - dm))
     return out
 
 
-def _q5k(blk):
+def _q5k(blk, WORDS: bool = False):
     """Q5_K (Q4_K's header, qh[32], 128 bytes as Q4_K's): element 64c + 32h + e takes bit 2c + h of qh[e] on top of
     its nibble; shifted into place above the nibble, the 5-bit value is read in place like Q4_K's."""
     c = tl.arange(0, 4)[None, :, None]
@@ -117,10 +136,10 @@ def _q5k(blk):
     v = _bytes(blk + 48 + 32 * c + e)
     top = _bytes(blk + 16 + e) >> (2 * c)  # bit 0 (1): the fifth bit of sub-block 2c (2c + 1)
     q = ((v & 0x0F) | ((top << 4) & 0x10), (v & 0xF0) | ((top << 7) & 0x100))
-    d, dmin = _f16(blk, 0), _f16(blk, 2)
+    d, dmin, sw = _k4_head(blk, WORDS)
     out = []
     for h in range(2):
-        ds, dm = _k4_scales(blk, c, h, d, dmin)
+        ds, dm = _k4_scales(blk, c, h, d, dmin, sw)
         out.append((64 * c + 32 * h + e, _quant(q[h], 0x1F0 if h else 0x1F) * (ds * (0.0625 if h else 1.0)) - dm))
     return out
 
@@ -192,10 +211,13 @@ def _q3k(blk, WIDE: bool):
     return out
 
 
-def _family(QTYPE: str, WIDE: bool):
-    """(tile rank, decode) of a format."""
+WORD_HEADS = ("Q4_K", "Q5_K")  # formats whose decoders can read their header as 32-bit words (WORDS)
+
+
+def _family(QTYPE: str, WIDE: bool, WORDS: bool = False):
+    """(tile rank, decode) of a format; WORDS (WORD_HEADS only): headers read as 32-bit words."""
     if QTYPE in ("Q4_K", "Q5_K"):
-        return 3, _q4k if QTYPE == "Q4_K" else _q5k
+        return 3, lambda b: (_q4k if QTYPE == "Q4_K" else _q5k)(b, WORDS)
     if QTYPE in ("Q2_K", "Q3_K", "Q6_K"):
         return 4, lambda b: {"Q2_K": _q2k, "Q3_K": _q3k, "Q6_K": _q6k}[QTYPE](b, WIDE)
     if QTYPE == "Q8_0":

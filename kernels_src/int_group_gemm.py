@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from kernels_src.dequant_gemm import _pow2_divisor, _sm_count, gemm_out, launch_split_k, split_k_for, split_k_tile
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.int_group_gemm_gather import int_group_gemm_gather_kernel
 from kernels_src.int_group_gemv import _check, _words_view
 from kernels_src.int_group_gemv import int_group_gemv_ref as int_group_matmul_ref
 
-__all__ = ["MAX_ROWS", "default_tiles", "int_group_matmul", "int_group_matmul_ref"]
+__all__ = ["MAX_ROWS", "VARIANTS", "default_tiles", "int_group_matmul", "int_group_matmul_ref"]
 
 MAX_ROWS = 256  # the rows it is meant for, above the GEMV's 8 (any M runs: BLOCK_M rows a program)
 
@@ -87,7 +88,18 @@ TILES = {
     128: dict(BLOCK_M=128, BLOCK_N=64, SWAP=True, num_warps=8, num_stages=3),  # 128 x 128 spills at these steps
 }
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", sub="SUB", groups="KG", split_k="SPLIT", swap="SWAP",
-             num_warps="num_warps", num_stages="num_stages")
+             num_warps="num_warps", num_stages="num_stages", bk="BK")
+# "blocked": int_group_gemm_kernel (words [N, KG, SUB / PER] unpacked along a new axis, then reshaped); "gather":
+# kernels_src/int_group_gemm_gather.py (a word a weight element, in the dot's order). The GPU sweep
+# (tools/sweep_gemm --qtypes int4g128) decides the default.
+VARIANTS = ("blocked", "gather")
+VARIANT = "blocked"
+GATHER_BK = 64  # inputs a gather step (its word tile is BLOCK_N x BK 32-bit loads: 32 KB a stage at BLOCK_N 128)
+
+
+# (bits, group, rows bucket, n, k) -> launcher keywords (variant and bk included) measured best on a GPU:
+# tools/sweep_gemm --qtypes int4g128 prints this literal; a problem not listed takes TILES and the rules.
+TUNED: dict[tuple[int, int, int, int, int], dict] = {}
 
 
 def rows_bucket(m: int) -> int:
@@ -109,15 +121,36 @@ def default_tiles(m: int, n: int, k: int, bits: int, group: int, sms: int = 132)
     cfg["SUB"], cfg["KG"] = step_shape(group, k)
     steps = k // (cfg["SUB"] * cfg["KG"])
     cfg["SPLIT"] = split_k_for(m, n, cfg["BLOCK_M"], cfg["BLOCK_N"], steps, sms, MIN_SPLIT_STEPS)
+    tuned = TUNED.get((bits, group, rows_bucket(m), n, k), {})
+    cfg.update({_KEYS[key]: v for key, v in tuned.items() if key in _KEYS})
     return cfg
+
+
+def tuned_variant(m: int, n: int, k: int, bits: int, group: int) -> str:
+    """The variant TUNED names for the problem (its tiles were measured with it), else VARIANT."""
+    return TUNED.get((bits, group, rows_bucket(m), n, k), {}).get("variant", VARIANT)
+
+
+def gather_bk(group: int, k: int, bk: int | None = None) -> int:
+    """The gather variant's BK: GATHER_BK's largest power-of-two divisor of the group (32 at least), or the one
+    given, checked to divide the group or to be whole groups dividing the row."""
+    bk = bk or _pow2_divisor(group, GATHER_BK)
+    if k % bk or (group % bk and bk % group):
+        raise ValueError(f"a gather step of {bk} inputs does not tile groups of {group} in a row of {k}")
+    return bk
 
 
 def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "numpy", pdl: bool | None = None,
                      block_m: int | None = None, block_n: int | None = None, sub: int | None = None,
                      groups: int | None = None, split_k: int | None = None, swap: bool | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None):
+                     num_warps: int | None = None, num_stages: int | None = None, variant: str | None = None,
+                     bk: int | None = None):
     """y [M, N] = x2 [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); x2 fp32 / fp16
-    / bf16, rows contiguous; out in x2's dtype. The keywords override default_tiles (sub = SUB, groups = KG)."""
+    / bf16, rows contiguous; out in x2's dtype. The keywords override default_tiles (sub = SUB, groups = KG); variant
+    (VARIANTS, default VARIANT) picks the kernel, bk the gather variant's step."""
+    variant = variant or tuned_variant(x2.shape[0], w.shape[0], x2.shape[1], bits, group)
+    if variant not in VARIANTS:
+        raise ValueError(f"int_group_matmul: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
     w = _words_view(w)
     m, k = x2.shape
     n = w.shape[0]
@@ -129,15 +162,22 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
         return out
     cfg = default_tiles(m, n, k, bits, group, _sm_count(x2))
     over = dict(block_m=block_m, block_n=block_n, sub=sub, groups=groups, split_k=split_k, swap=swap,
-                num_warps=num_warps, num_stages=num_stages)
+                num_warps=num_warps, num_stages=num_stages, bk=bk)
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     sub_, kg = cfg["SUB"], cfg["KG"]
     per = 32 // bits
     if sub_ % per or group % sub_ or (kg > 1 and sub_ != group) or (k // group) % kg:
         raise ValueError(f"a step of {kg} x {sub_} inputs does not tile groups of {group} in a row of {k} "
                          "(sub must divide the group; several groups a step only whole)")
-    nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
+    nw, ns, split, bk = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT"), cfg.pop("BK", None)
     pdl = use_pdl(target, pdl)
+    if variant == "gather":
+        step = gather_bk(group, k, bk)
+        kern = compile(int_group_gemm_gather_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
+                       GROUP=group, PDL=pdl, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=step,
+                       SWAP=cfg["SWAP"])
+        return launch_split_k(kern, (w, x2), (m, n, elem_stride(w, 0), elem_stride(x2, 0)), out, k // step, split,
+                              cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
     kern = compile(int_group_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
                    GROUP=group, PDL=pdl, **cfg)
     return launch_split_k(kern, (w, x2), (m, n, elem_stride(w, 0), elem_stride(x2, 0)), out, k // (sub_ * kg),
