@@ -21,11 +21,14 @@ re-reads the whole matrix. Here W is read once per BLOCK_M rows of x and never w
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ir.formats.gguf_quants import QTYPES as GGUF
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src import dequantize as dq
+from kernels_src import gemm_tuned
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.dsl.ir import TileType
 from kernels_src.paged_attention import empty
@@ -240,13 +243,25 @@ def default_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
     kb = _pow2_divisor(n_blocks, max(1, STEP_ELEMS // elems))
     split = split_k_for(m, n, block_m, block_n, n_blocks // kb, sms, MIN_SPLIT_STEPS)
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, KB=kb, SPLIT=split, SWAP=True, num_warps=4, num_stages=None)
-    cfg.update({_KEYS[key]: v for key, v in TUNED.get((qtype.upper(), block_m, n, k), {}).items() if key in _KEYS})
+    cfg.update({_KEYS[key]: v for key, v in tuned(qtype, m, n, k).items() if key in _KEYS})
     return cfg
 
 
 def tuned_variant(qtype: str, m: int, n: int, k: int) -> str:
     """The variant TUNED names for the problem (its tiles were measured with it), else VARIANT."""
-    return TUNED.get((qtype.upper(), row_block(m), n, k), {}).get("variant", VARIANT)
+    return tuned(qtype, m, n, k).get("variant", VARIANT)
+
+
+def tuned(qtype: str, m: int, n: int, k: int) -> dict:
+    """The problem's TUNED entry: LLM_ENGINE_GEMM_TUNED's file first (kernels_src/gemm_tuned.py), then TUNED."""
+    key = (qtype.upper(), row_block(m), n, k)
+    return _env_tuned().get(key) or TUNED.get(key, {})
+
+
+@functools.cache
+def _env_tuned() -> dict:
+    return gemm_tuned.table(lambda r: None if gemm_tuned.INT_TYPE.fullmatch(r["type"].lower()) else
+                            (r["type"].upper(), row_block(r["m"]), r["n"], r["k"]))
 
 
 def gemm_out(x2, out, n: int):

@@ -21,6 +21,9 @@ The reference is int_group_gemv_ref (x @ W.T with the numpy dequantizer).
 
 from __future__ import annotations
 
+import functools
+
+from kernels_src import gemm_tuned
 from kernels_src.dequant_gemm import _pow2_divisor, _sm_count, gemm_out, launch_split_k, split_k_for, split_k_tile
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.int_group_gemm_gather import int_group_gemm_gather_kernel
@@ -121,14 +124,28 @@ def default_tiles(m: int, n: int, k: int, bits: int, group: int, sms: int = 132)
     cfg["SUB"], cfg["KG"] = step_shape(group, k)
     steps = k // (cfg["SUB"] * cfg["KG"])
     cfg["SPLIT"] = split_k_for(m, n, cfg["BLOCK_M"], cfg["BLOCK_N"], steps, sms, MIN_SPLIT_STEPS)
-    tuned = TUNED.get((bits, group, rows_bucket(m), n, k), {})
+    tuned = tuned_entry(bits, group, m, n, k)
     cfg.update({_KEYS[key]: v for key, v in tuned.items() if key in _KEYS})
     return cfg
 
 
 def tuned_variant(m: int, n: int, k: int, bits: int, group: int) -> str:
     """The variant TUNED names for the problem (its tiles were measured with it), else VARIANT."""
-    return TUNED.get((bits, group, rows_bucket(m), n, k), {}).get("variant", VARIANT)
+    return tuned_entry(bits, group, m, n, k).get("variant", VARIANT)
+
+
+def tuned_entry(bits: int, group: int, m: int, n: int, k: int) -> dict:
+    """The problem's TUNED entry: LLM_ENGINE_GEMM_TUNED's file first (kernels_src/gemm_tuned.py), then TUNED."""
+    key = (bits, group, rows_bucket(m), n, k)
+    return _env_tuned().get(key) or TUNED.get(key, {})
+
+
+@functools.cache
+def _env_tuned() -> dict:
+    def key_of(r):
+        t = gemm_tuned.INT_TYPE.fullmatch(r["type"].lower())
+        return (int(t[1]), int(t[2]), rows_bucket(r["m"]), r["n"], r["k"]) if t else None
+    return gemm_tuned.table(key_of)
 
 
 def gather_bk(group: int, k: int, bk: int | None = None) -> int:

@@ -59,6 +59,26 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
     for key, v in ints[(4, 128, 16, 40, 512)].items():
         if key in igm._KEYS and key != "bk":
             assert igm.default_tiles(16, 40, 512, 4, 128)[igm._KEYS[key]] == v
+    # The JSON named by LLM_ENGINE_GEMM_TUNED gives the launchers the same entries, over empty tables
+    from kernels_src import gemm_tuned
+
+    monkeypatch.setattr(dgm, "TUNED", {})
+    monkeypatch.setattr(igm, "TUNED", {})
+    monkeypatch.setenv(gemm_tuned.TUNED_ENV, str(out))
+    for f in (gemm_tuned.sweep_rows, dgm._env_tuned, igm._env_tuned):
+        f.cache_clear()
+    try:
+        assert dgm.tuned("Q4_K", 9, 40, 512) == gguf[("Q4_K", 16, 40, 512)]  # 9 rows: the same bucket
+        assert igm.tuned_entry(4, 128, 16, 40, 512) == ints[(4, 128, 16, 40, 512)]
+        assert dgm.tuned("Q6_K", 16, 40, 512) == {} and igm.tuned_entry(8, 128, 16, 40, 512) == {}
+        out.write_text("[1, 2]")
+        gemm_tuned.sweep_rows.cache_clear()
+        with pytest.raises(ValueError, match="not a sweep_gemm --json table"):
+            gemm_tuned.sweep_rows()
+    finally:
+        monkeypatch.delenv(gemm_tuned.TUNED_ENV)
+        for f in (gemm_tuned.sweep_rows, dgm._env_tuned, igm._env_tuned):
+            f.cache_clear()
 
 
 def test_a_wrong_kernel_fails_the_check(sweep, monkeypatch, capsys):
