@@ -129,43 +129,67 @@ STEP_ELEMS = 128  # elements of a row a step covers (KB blocks of 32-element for
 REDUCE_BLOCK = 1024
 # (qtype, row bucket 16 / 32 / 64, n, k) -> launcher keywords measured best on an H200 (tools/sweep_gemm.py prints
 # this literal); a problem not listed takes default_tiles' rule.
-TUNED: dict[tuple[str, int, int, int], dict] = {  # tools/sweep_gemm --quick on an H200, 2026-12-01
-    ('Q4_K', 16, 14336, 4096):
-        {'block_m': 16, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+TUNED: dict[tuple[str, int, int, int], dict] = {  # tools/sweep_gemm, H200: 2026-12-01; 2026-12-03 variants
+    ('Q4_K', 16, 1024, 4096):
+        dict(variant="words", block_m=16, block_n=32, split_k=4, swap=True, num_warps=4, num_stages=3),
+    ('Q4_K', 16, 4096, 4096):
+        dict(variant="words", block_m=16, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
     ('Q4_K', 16, 4096, 14336):
-        {'block_m': 16, 'block_n': 64, 'split_k': 8, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+        dict(variant="words", block_m=16, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
     ('Q4_K', 16, 6144, 4096):
-        {'block_m': 16, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
-    ('Q4_K', 32, 14336, 4096):
-        {'block_m': 32, 'block_n': 128, 'split_k': 2, 'swap': True, 'num_warps': 8, 'num_stages': 3},
+        dict(variant="words", block_m=16, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
+    ('Q4_K', 16, 14336, 4096):
+        dict(block_m=16, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
+    ('Q4_K', 16, 28672, 4096):
+        dict(variant="words", block_m=16, block_n=64, split_k=2, swap=True, num_warps=4, num_stages=3),
     ('Q4_K', 32, 4096, 14336):
-        {'block_m': 32, 'block_n': 128, 'split_k': 8, 'swap': True, 'num_warps': 8, 'num_stages': 3},
+        dict(block_m=32, block_n=128, split_k=8, swap=True, num_warps=8, num_stages=3),
     ('Q4_K', 32, 6144, 4096):
-        {'block_m': 32, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
-    ('Q4_K', 64, 14336, 4096):
-        {'block_m': 64, 'block_n': 128, 'split_k': 1, 'swap': True, 'num_warps': 8, 'num_stages': 3},
+        dict(block_m=32, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
+    ('Q4_K', 32, 14336, 4096):
+        dict(block_m=32, block_n=128, split_k=2, swap=True, num_warps=8, num_stages=3),
+    ('Q4_K', 64, 1024, 4096):
+        dict(variant="words", block_m=64, block_n=32, split_k=4, swap=True, num_warps=4, num_stages=3),
+    ('Q4_K', 64, 4096, 4096):
+        dict(variant="words", block_m=64, block_n=128, split_k=4, swap=True, num_warps=8, num_stages=3),
     ('Q4_K', 64, 4096, 14336):
-        {'block_m': 64, 'block_n': 128, 'split_k': 4, 'swap': True, 'num_warps': 8, 'num_stages': 3},
+        dict(variant="words", block_m=64, block_n=128, split_k=4, swap=True, num_warps=8, num_stages=3),
     ('Q4_K', 64, 6144, 4096):
-        {'block_m': 64, 'block_n': 64, 'split_k': 4, 'swap': False, 'num_warps': 4, 'num_stages': 3},
-    ('Q6_K', 16, 14336, 4096):
-        {'block_m': 16, 'block_n': 64, 'split_k': 1, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+        dict(variant="words", block_m=64, block_n=64, split_k=4, swap=False, num_warps=4, num_stages=3),
+    ('Q4_K', 64, 14336, 4096):
+        dict(block_m=64, block_n=128, split_k=1, swap=True, num_warps=8, num_stages=3),
+    ('Q4_K', 64, 28672, 4096):
+        dict(variant="words", block_m=64, block_n=128, split_k=1, swap=True, num_warps=8, num_stages=3),
+    ('Q6_K', 16, 1024, 4096):
+        dict(variant="blocked", block_m=16, block_n=32, split_k=8, swap=True, num_warps=4, num_stages=3),
+    ('Q6_K', 16, 4096, 4096):
+        dict(variant="blocked", block_m=16, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
     ('Q6_K', 16, 4096, 14336):
-        {'block_m': 16, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+        dict(variant="blocked", block_m=16, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
     ('Q6_K', 16, 6144, 4096):
-        {'block_m': 16, 'block_n': 64, 'split_k': 8, 'swap': True, 'num_warps': 4, 'num_stages': 3},
-    ('Q6_K', 32, 14336, 4096):
-        {'block_m': 32, 'block_n': 64, 'split_k': 1, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+        dict(variant="blocked", block_m=16, block_n=64, split_k=8, swap=True, num_warps=4, num_stages=3),
+    ('Q6_K', 16, 14336, 4096):
+        dict(block_m=16, block_n=64, split_k=1, swap=True, num_warps=4, num_stages=3),
+    ('Q6_K', 16, 28672, 4096):
+        dict(variant="blocked", block_m=16, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
     ('Q6_K', 32, 4096, 14336):
-        {'block_m': 32, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+        dict(block_m=32, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
     ('Q6_K', 32, 6144, 4096):
-        {'block_m': 32, 'block_n': 64, 'split_k': 8, 'swap': True, 'num_warps': 4, 'num_stages': 3},
-    ('Q6_K', 64, 14336, 4096):
-        {'block_m': 64, 'block_n': 32, 'split_k': 2, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+        dict(block_m=32, block_n=64, split_k=8, swap=True, num_warps=4, num_stages=3),
+    ('Q6_K', 32, 14336, 4096):
+        dict(block_m=32, block_n=64, split_k=1, swap=True, num_warps=4, num_stages=3),
+    ('Q6_K', 64, 1024, 4096):
+        dict(variant="blocked", block_m=64, block_n=32, split_k=8, swap=True, num_warps=4, num_stages=3),
+    ('Q6_K', 64, 4096, 4096):
+        dict(variant="blocked", block_m=64, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
     ('Q6_K', 64, 4096, 14336):
-        {'block_m': 64, 'block_n': 64, 'split_k': 4, 'swap': True, 'num_warps': 4, 'num_stages': 3},
+        dict(variant="blocked", block_m=64, block_n=64, split_k=4, swap=True, num_warps=4, num_stages=3),
     ('Q6_K', 64, 6144, 4096):
-        {'block_m': 64, 'block_n': 64, 'split_k': 4, 'swap': False, 'num_warps': 4, 'num_stages': 3},
+        dict(variant="blocked", block_m=64, block_n=64, split_k=4, swap=False, num_warps=4, num_stages=3),
+    ('Q6_K', 64, 14336, 4096):
+        dict(block_m=64, block_n=32, split_k=2, swap=True, num_warps=4, num_stages=3),
+    ('Q6_K', 64, 28672, 4096):
+        dict(variant="blocked", block_m=64, block_n=32, split_k=2, swap=True, num_warps=4, num_stages=3),
 }
 # "blocked": dequant_gemm_kernel (any format, a step of KB blocks through dequantize.py's decoders); "words": the same
 # with Q4_K's / Q5_K's headers read as 32-bit words (so Triton pipelines them; blocked's fp16 and byte loads of them

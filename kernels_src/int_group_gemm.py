@@ -102,7 +102,28 @@ GATHER_BK = 64  # inputs a gather step (its word tile is BLOCK_N x BK 32-bit loa
 
 # (bits, group, rows bucket, n, k) -> launcher keywords (variant and bk included) measured best on a GPU:
 # tools/sweep_gemm --qtypes int4g128 prints this literal; a problem not listed takes TILES and the rules.
-TUNED: dict[tuple[int, int, int, int, int], dict] = {}
+TUNED: dict[tuple[int, int, int, int, int], dict] = {  # tools/sweep_gemm --variants on an H200, 2026-12-03
+    (4, 128, 16, 1024, 4096):
+        dict(variant="blocked", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=8),
+    (4, 128, 16, 4096, 4096):
+        dict(variant="blocked", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4),
+    (4, 128, 16, 4096, 14336):
+        dict(variant="blocked", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4),
+    (4, 128, 16, 6144, 4096):
+        dict(variant="blocked", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4),
+    (4, 128, 16, 28672, 4096):
+        dict(variant="blocked", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=2),
+    (4, 128, 64, 1024, 4096):
+        dict(variant="blocked", block_m=64, block_n=32, swap=True, num_warps=4, num_stages=3, split_k=8),
+    (4, 128, 64, 4096, 4096):
+        dict(variant="blocked", block_m=64, block_n=64, swap=False, num_warps=4, num_stages=3, split_k=4),
+    (4, 128, 64, 4096, 14336):
+        dict(variant="blocked", block_m=64, block_n=64, swap=False, num_warps=4, num_stages=3, split_k=4),
+    (4, 128, 64, 6144, 4096):
+        dict(variant="blocked", block_m=64, block_n=64, swap=False, num_warps=4, num_stages=3, split_k=4),
+    (4, 128, 64, 28672, 4096):
+        dict(variant="blocked", block_m=64, block_n=64, swap=False, num_warps=4, num_stages=3, split_k=2),
+}
 
 
 def rows_bucket(m: int) -> int:

@@ -151,9 +151,11 @@ def test_errors_are_named(rng):
     assert igm.int_group_matmul(np.zeros((0, 96), np.float32), w, 4, 96).shape == (0, 3)
 
 
-def test_default_tiles():
-    """Row tiles by bucket; whole groups a step up to 128 inputs; the 16-row down projection (N 4096, K 14336)
-    splits K to fill 132 SMs; 256 rows take 128-row tiles."""
+def test_default_tiles(monkeypatch):
+    """The rule (TUNED aside): row tiles by bucket; whole groups a step up to 128 inputs; the 16-row down projection
+    (N 4096, K 14336) splits K to fill 132 SMs; 256 rows take 128-row tiles. A TUNED entry then takes over."""
+    swept = igm.TUNED[(4, 128, 16, 4096, 14336)]
+    monkeypatch.setattr(igm, "TUNED", {})
     assert igm.step_shape(32, 4096) == (32, 4) and igm.step_shape(32, 96) == (32, 1)
     assert igm.step_shape(128, 4096) == (128, 1) and igm.step_shape(4096, 4096) == (128, 1)
     assert igm.step_shape(96, 96) == (32, 1) and igm.step_shape(64, 192) == (64, 1)
@@ -162,6 +164,9 @@ def test_default_tiles():
     down = igm.default_tiles(16, 4096, 14336, 4, 128)
     assert down["SPLIT"] > 1 and down["SPLIT"] * 4096 // down["BLOCK_N"] >= 2 * 132
     assert igm.default_tiles(256, 14336, 4096, 4, 128)["SPLIT"] == 1
+    monkeypatch.setattr(igm, "TUNED", {(4, 128, 16, 4096, 14336): swept})
+    tuned = igm.default_tiles(9, 4096, 14336, 4, 128)  # 9 rows: the 16-row bucket's entry
+    assert (tuned["SPLIT"], tuned["BLOCK_N"], tuned["SWAP"]) == (swept["split_k"], swept["block_n"], swept["swap"])
 
 
 @needs_aot
