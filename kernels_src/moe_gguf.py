@@ -48,9 +48,10 @@ def is_blocks(w) -> bool:
     return hasattr(w, "qtype") and hasattr(w, "data")
 
 
-def _tiles(w, stride, e, n_cols, QTYPE: str, KB: int, BLOCK_N: int, WIDE: bool):
-    """(block pointers [BLOCK_N * KB, 1, ..] of the program's rows of expert e at step 0, decoder, rank)."""
-    rank, decode = dq._family(QTYPE, WIDE)
+def _tiles(w, stride, e, n_cols, QTYPE: str, KB: int, BLOCK_N: int, WIDE: bool, WORDS: bool):
+    """(block pointers [BLOCK_N * KB, 1, ..] of the program's rows of expert e at step 0, decoder, rank); WORDS:
+    Q4_K / Q5_K headers read as 32-bit words (dequantize._k4_head), other formats as they are."""
+    rank, decode = dq._family(QTYPE, WIDE, WORDS and QTYPE in dq.WORD_HEADS)
     r = tl.arange(0, BLOCK_N * KB)  # block tile: row r // KB of the program's, block r % KB of the step's
     row = e * n_cols + tl.minimum(tl.program_id(1) * BLOCK_N + r // KB, n_cols - 1)  # past out: the last row
     ptr = w + row.to(tl.int64) * stride + (r % KB) * GGUF[QTYPE].type_size
@@ -85,21 +86,23 @@ def _accumulate(accs, ptrs, decode, xrow, kb, b0, QTYPE: str, KB: int, BLOCK_M: 
 def moe_qgemm_kernel(x, w_a, w_b, y, rows, block_expert, weights, n_slots, n_cols, n_steps, x_stride, a_stride,
                      b_stride, y_stride, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
                      QTYPE_A: tl.constexpr, QTYPE_B: tl.constexpr, KB_A: tl.constexpr, KB_B: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr = False,
+                     WORDS: tl.constexpr = False):
     """Program (b, j): slots rows[b * BLOCK_M ..] (all of expert block_expert[b]), columns BLOCK_N j.. of y.
     GATED: y = act(x[tok] @ A[e].T) * (x[tok] @ B[e].T), tok = slot // TOP_K; else y = (x[slot] @ A[e].T) *
     weights[slot]. A, B: GGUF stacks of n_cols rows an expert; n_steps steps of K (KB_A blocks of A's each). The
-    accumulators are [BLOCK_N, BLOCK_M] (W @ x.T)."""
+    accumulators are [BLOCK_N, BLOCK_M] (W @ x.T). WORDS: Q4_K / Q5_K headers as 32-bit words (stacks 4-byte
+    aligned), as dequant_gemm's variant words."""
     if PDL:  # x and the routing come from earlier kernels, and the routing says which weights to read
         tl.wait_prior_grid()
         tl.launch_dependents()
     e, slot, valid, src, n = block_slots(rows, block_expert, n_slots, TOP_K, GATED, BLOCK_M, BLOCK_N)
     xrow = x + src.to(tl.int64) * x_stride
-    pa, dec_a, rank_a = _tiles(w_a, a_stride, e, n_cols, QTYPE_A, KB_A, BLOCK_N, WIDE)
+    pa, dec_a, rank_a = _tiles(w_a, a_stride, e, n_cols, QTYPE_A, KB_A, BLOCK_N, WIDE, WORDS)
     xa, kba = _x_rows(xrow, KB_A, rank_a)
     shared = GATED and QTYPE_B == QTYPE_A  # one format: B's pieces meet the same x elements as A's
     if GATED:
-        pb, dec_b, rank_b = _tiles(w_b, b_stride, e, n_cols, QTYPE_B, KB_B, BLOCK_N, WIDE)
+        pb, dec_b, rank_b = _tiles(w_b, b_stride, e, n_cols, QTYPE_B, KB_B, BLOCK_N, WIDE, WORDS)
         xb, kbb = _x_rows(xrow, KB_B, rank_b)
     tile = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
@@ -166,17 +169,33 @@ def pass_tiles(qtypes, gated: bool, block_m: int, block_n: int) -> tuple[int, in
     return block_n, 8 if kquant and wide else 4
 
 
+WORDS = False  # Q4_K / Q5_K headers as words by default? Not until sweep_moe --variants times it on a GPU
+
+
+def whole_words(*stacks) -> bool:
+    """Whether every stack's rows start 4-byte aligned (what reading headers as 32-bit words needs)."""
+    return all(not (_addr(w.data) % 4 or elem_stride(w.data, 0) % 4) for w in stacks)
+
+
 def launch(src, a, b, dst, rows, block_expert, weights, n_slots: int, k_dim: int, *, gated: bool, top_k: int,
-           act: str, block_m: int, block_n: int, target: str, pdl: bool, num_warps: int = 4):
-    """One pass of the fused MoE over GGUF stacks a (and b when gated): dst [S, n_cols] by slot."""
+           act: str, block_m: int, block_n: int, target: str, pdl: bool, num_warps: int = 4,
+           words: bool | None = None):
+    """One pass of the fused MoE over GGUF stacks a (and b when gated): dst [S, n_cols] by slot. words: Q4_K / Q5_K
+    headers read as 32-bit words (None: WORDS where the stacks allow it)."""
     qa, qb = a.qtype.upper(), b.qtype.upper()
     if not gated:
         qb = qa
+    heads = [w for w in ((a, b) if gated else (a,)) if w.qtype.upper() in dq.WORD_HEADS]  # what words changes
+    if words is None:
+        words = WORDS and whole_words(*heads)
+    elif words and not whole_words(*heads):
+        raise ValueError(f"words reads {qa} / {qb} headers as 32-bit words: the stacks' rows (strides "
+                         f"{[elem_stride(w.data, 0) for w in heads]}) must start 4-byte aligned")
     kb_a, kb_b = step_blocks((qa, qb), k_dim)
     n_cols = a.shape[1]
     kern = compile(moe_qgemm_kernel, target, num_warps=num_warps, launch_pdl=pdl, TOP_K=top_k, GATED=gated, ACT=act,
                    QTYPE_A=qa, QTYPE_B=qb, KB_A=kb_a, KB_B=kb_b, BLOCK_M=block_m, BLOCK_N=block_n,
-                   WIDE=target in dq.WIDE_TARGETS, PDL=pdl)
+                   WIDE=target in dq.WIDE_TARGETS, PDL=pdl, WORDS=bool(words and heads))
     n_steps = k_dim // (kb_a * GGUF[qa].block_size)
     kern[block_expert.shape[0], tl.cdiv(n_cols, block_n)](
         src, a.data, b.data, dst, rows, block_expert, weights, n_slots, n_cols, n_steps, elem_stride(src, 0),

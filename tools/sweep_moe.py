@@ -56,8 +56,9 @@ def _active_bytes(stacks, ids, passes=(0, 1, 2)) -> int:
                else used * s.shape[1] * s.shape[2] * 2 for i, s in enumerate(stacks) if i in passes)
 
 
-def sweep_passes(torch, layers, tokens: int) -> list[dict]:
-    """Each pass alone at each tile choice: us a layer and GB/s of its routed blocks."""
+def sweep_passes(torch, layers, tokens: int, variants=("blocked",)) -> list[dict]:
+    """Each pass alone at each tile choice and variant (words: Q4_K / Q5_K headers as 32-bit words, for the passes
+    it changes, checked against blocked's output at the same tiles): us a layer and GB/s of its routed blocks."""
     from kernels_src import moe, moe_gguf
 
     x = torch.randn((tokens, H), device="cuda").bfloat16()
@@ -70,21 +71,31 @@ def sweep_passes(torch, layers, tokens: int) -> list[dict]:
         if block_m == 64 and s < 8 * E:
             continue  # tall tiles of padding only
         aligned = [moe.moe_align(ids, E, block_m) for _, ids, _ in layers]
-        for gated, block_n, warps in itertools.product((True, False), (16, 32, 64), (4, 8)):
-            def run(block_n=block_n, warps=warps, gated=gated, block_m=block_m, aligned=aligned):
-                for (stacks, _, w), (rows, be) in zip(layers, aligned, strict=True):
+        for gated, block_n, warps, variant in itertools.product((True, False), (16, 32, 64), (4, 8), variants):
+            if variant == "words" and not gated:
+                continue  # the down stacks are Q6_K: words changes nothing there
+
+            def run(block_n=block_n, warps=warps, gated=gated, block_m=block_m, aligned=aligned, variant=variant,
+                    n=None):
+                for (stacks, _, w), (rows, be) in zip(layers[:n], aligned, strict=False):
                     a, b = (stacks[0], stacks[1]) if gated else (stacks[2], stacks[2])
                     moe_gguf.launch(x if gated else hidden, a, b, h_out if gated else y, rows, be, w.reshape(-1), s,
                                     H if gated else INNER, gated=gated, top_k=K, act="silu", block_m=block_m,
-                                    block_n=block_n, target="triton", pdl=True, num_warps=warps)
+                                    block_n=block_n, target="triton", pdl=True, num_warps=warps,
+                                    words=variant == "words")
+                return h_out if gated else y
 
+            diff = None
+            if variant == "words":  # the same tiles' blocked output on the first layer: the decoding must agree
+                want = run(variant="blocked", n=1).float().clone()
+                diff = float((run(n=1).float() - want).abs().max() / want.abs().max())
             t = _bench(run) / len(layers)
             nbytes = sum(_active_bytes(st, ids, (0, 1) if gated else (2,)) for st, ids, _ in layers) / len(layers)
             q = ("Q4_K",) if gated else ("Q6_K",)
             rule = (block_m == rule_m and (block_n, warps) == moe_gguf.pass_tiles(q, gated, block_m,
                                                                                    moe.default_tiles(s, E)[1]))
             rows_out.append(dict(tokens=tokens, gated=gated, block_m=block_m, block_n=block_n, warps=warps,
-                                 us=t * 1e6, gbs=nbytes / t / 1e9, rule=rule))
+                                 variant=variant, us=t * 1e6, gbs=nbytes / t / 1e9, rule=rule, diff=diff))
     return rows_out
 
 
@@ -116,9 +127,9 @@ def _per_expert(runner, x, weights, ids, gate, up, down):
     return out
 
 
-def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS) -> dict:
+def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS, variants=("blocked",)) -> dict:
     from backends.cuda.runner import Runner
-    from kernels_src import moe
+    from kernels_src import moe, moe_gguf
 
     x = torch.randn((tokens, H), device="cuda").bfloat16()
     runner = object.__new__(Runner)  # only its quantized linear: target, pdl and the row-id cache
@@ -145,6 +156,15 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
         for path, gemv in (("grouped", False), ("gemv", True)):
             res[f"{path}_us"] = _bench(lambda gemv=gemv: fused(layers, gemv)) / n * 1e6
             res[f"dense_{path}_us"] = _bench(lambda gemv=gemv: fused(dense, gemv)) / len(dense) * 1e6
+    if "words" in variants:  # the launcher with moe_gguf.WORDS on: its choice, and the grouped path forced
+        moe_gguf.WORDS = True
+        try:
+            words = moe.moe_experts(x, layers[0][2], layers[0][1], *layers[0][0], target="triton", gemv=False)
+            res["words_max_rel_diff"] = float((words.float() - want).abs().max() / want.abs().max())
+            res["words_us"] = _bench(lambda: fused(layers)) / n * 1e6
+            res["words_grouped_us"] = _bench(lambda: fused(layers, False)) / n * 1e6
+        finally:
+            moe_gguf.WORDS = False
     return res
 
 
@@ -155,8 +175,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-sweep", action="store_true", help="end to end only")
     ap.add_argument("--gemv-tokens", type=int, default=GEMV_TOKENS, help="both paths timed up to this batch "
                     f"(default {GEMV_TOKENS})")
+    ap.add_argument("--variants", default="blocked", help="the grouped kernel's variants, comma-separated: blocked, "
+                    "words (Q4_K / Q5_K headers as 32-bit words; moe_gguf.WORDS)")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "sweep_moe.json")
     args = ap.parse_args(argv)
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if not variants or set(variants) - {"blocked", "words"}:
+        ap.error(f"--variants: blocked and/or words, not {args.variants!r}")
     import torch
 
     res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": []}
@@ -164,13 +189,15 @@ def main(argv: list[str] | None = None) -> None:
         layers = _layers(torch, args.layers, tokens, True)
         dense = _layers(torch, 2, tokens, False)
         if not args.no_sweep:
-            rows = sweep_passes(torch, layers, tokens)
+            rows = sweep_passes(torch, layers, tokens, variants)
             res["passes"] += rows
             for r in sorted(rows, key=lambda r: (not r["gated"], r["us"])):
+                check = "" if r["diff"] is None else f"  vs blocked {r['diff']:.1e}"
                 print(f"T={tokens:5d} {'gated' if r['gated'] else 'down ':5s} m{r['block_m']:<3d} n{r['block_n']:<3d} "
-                      f"w{r['warps']}  {r['us']:8.1f} us {r['gbs']:7.0f} GB/s{'  <- rule' if r['rule'] else ''}",
+                      f"w{r['warps']} {r['variant']:7s} {r['us']:8.1f} us {r['gbs']:7.0f} GB/s"
+                      f"{'  <- rule' if r['rule'] else ''}{check}",
                       flush=True)
-        e2e = end_to_end(torch, layers, dense, tokens, args.gemv_tokens)
+        e2e = end_to_end(torch, layers, dense, tokens, args.gemv_tokens, variants)
         res["end_to_end"].append(e2e)
         print(f"T={tokens:5d} fused {e2e['fused_us']:.1f} us ({e2e['gbs']:.0f} GB/s; eager {e2e['fused_eager_us']:.1f})"
               f"  per-expert loop {e2e['loop_us']:.1f} us  dense bf16 {e2e['dense_us']:.1f} us "
@@ -178,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         if "gemv_us" in e2e:
             print(f"T={tokens:5d} grouped {e2e['grouped_us']:.1f} us, gemv {e2e['gemv_us']:.1f} us; dense bf16 grouped "
                   f"{e2e['dense_grouped_us']:.1f} us, gemv {e2e['dense_gemv_us']:.1f} us", flush=True)
+        if "words_us" in e2e:
+            print(f"T={tokens:5d} words: fused {e2e['words_us']:.1f} us, grouped {e2e['words_grouped_us']:.1f} us, "
+                  f"max diff {e2e['words_max_rel_diff']:.1e}", flush=True)
         del layers, dense
         torch.cuda.empty_cache()
     args.json.parent.mkdir(parents=True, exist_ok=True)
