@@ -71,8 +71,12 @@ def _gemv_loop(mats, n_rows, n_cols, elems, size, M, ROWS, STEP, PARTS, rank, ac
         b = it * STEP + blocks
         bmask = b < n_blk
         b = tl.minimum(b, n_blk - 1)  # past the end: re-read the last block, with its scales masked to 0
-        raw = [w_load(w + tl.minimum(row, n_rows - 1).to(tl.int64) * w_stride + b * size, bmask & (row < n_rows),
-                      PARTS) for w, w_stride in mats for row in rows]
+        starts = [(w + tl.minimum(row, n_rows - 1).to(tl.int64) * w_stride, bmask & (row < n_rows))
+                  for w, w_stride in mats for row in rows]
+        if getattr(w_load, "by_block", False):  # a word loader: the row's start and the block indices
+            raw = [w_load(start, b, mask, PARTS) for start, mask in starts]
+        else:
+            raw = [w_load(start + b * size, mask, PARTS) for start, mask in starts]
         out = list(accs)
         for m in range(M):
             xp = x_prep(m, b)
@@ -203,16 +207,18 @@ def _env_tuned() -> dict[tuple[str, int, int, int], dict]:
 
 
 def check_tiles(qtype: str, tiles: dict) -> None:
-    """Raises ValueError naming what is off in `tiles` (TILE_KEYS, and int8_x where qtype has an int8 path) for
-    qtype: ROWS 1-16, STEP and num_warps powers of two (1-128, 1-8), PARTS a divisor of MAX_PARTS (the lane's
-    words of a block)."""
-    from kernels_src.dequant_gemv_i8 import I8_QTYPES
+    """Raises ValueError naming what is off in `tiles` (TILE_KEYS, and int8_x where qtype has an int8 path, words
+    where that path has a word loader) for qtype: ROWS 1-16, STEP and num_warps powers of two (1-128, 1-8), PARTS a
+    divisor of MAX_PARTS (the lane's words of a block)."""
+    from kernels_src.dequant_gemv_i8 import I8_QTYPES, WORD_LOADS
 
     qtype = qtype.upper()
-    if sorted(set(tiles) - {"int8_x"}) != sorted(TILE_KEYS):
-        raise ValueError(f"{qtype} tiles {tiles}: keys must be {', '.join(TILE_KEYS)} (and int8_x)")
+    if sorted(set(tiles) - {"int8_x", "words"}) != sorted(TILE_KEYS):
+        raise ValueError(f"{qtype} tiles {tiles}: keys must be {', '.join(TILE_KEYS)} (and int8_x, words)")
     if "int8_x" in tiles and (qtype not in I8_QTYPES or not isinstance(tiles["int8_x"], bool)):
         raise ValueError(f"{qtype} tiles {tiles}: int8_x is a bool for {', '.join(I8_QTYPES)} only")
+    if "words" in tiles and (qtype not in WORD_LOADS or not isinstance(tiles["words"], bool)):
+        raise ValueError(f"{qtype} tiles {tiles}: words is a bool for {', '.join(WORD_LOADS)} only")
     pow2 = lambda v, hi: isinstance(v, int) and 1 <= v <= hi and v & (v - 1) == 0
     bad = [f"ROWS {tiles['ROWS']} (1 to 16)"] if not (isinstance(tiles["ROWS"], int) and 1 <= tiles["ROWS"] <= 16) \
         else []
@@ -248,12 +254,14 @@ def aligned_x(x2):
 
 def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: int | None = None,
                  parts: int | None = None, num_warps: int | None = None, target: str = "numpy",
-                 int8_x: bool | None = None, pdl: bool | None = None):
+                 int8_x: bool | None = None, pdl: bool | None = None, words: bool | None = None):
     """y [M, N] = x [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, row_bytes]); M <= 8; x may be 1-d.
 
     int8_x (default: dequant_gemv_i8.uses_int8): x quantized to int8 per 32 elements first, then integer dot
     products (kernels_src/dequant_gemv_i8.py); y then differs from the fp32 path by that quantization.
-    pdl (default: dsl.use_pdl) applies to the fp32 path; the int8 path's GEMV is a PDL launch wherever use_pdl says."""
+    pdl (default: dsl.use_pdl) applies to the fp32 path; the int8 path's GEMV is a PDL launch wherever use_pdl says.
+    words (int8 path, dequant_gemv_i8.WORD_LOADS' formats; default: TUNED's words, else dequant_gemv_i8.WORDS, where
+    the rows allow it): W read as 32-bit words."""
     qtype = qtype.upper()
     if qtype not in FORMATS:
         raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(QTYPES)})")
@@ -273,14 +281,18 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     if given:
         cfg.update(given)
         check_tiles(qtype, cfg)
-    from kernels_src.dequant_gemv_i8 import I8_TARGETS, uses_int8  # the int8 path builds on this module's helpers
+    from kernels_src import dequant_gemv_i8 as i8  # the int8 path builds on this module's helpers
     tuned_i8 = cfg.pop("int8_x", None)  # TUNED's choice of path, where it was timed: on I8_TARGETS
-    int8_x = uses_int8(qtype, target, tuned_i8 if int8_x is None and target in I8_TARGETS else int8_x)
+    int8_x = i8.uses_int8(qtype, target, tuned_i8 if int8_x is None and target in i8.I8_TARGETS else int8_x)
+    tuned_words = cfg.pop("words", None)
+    if words and not int8_x:
+        raise ValueError(f"words: only the int8-activation path of {', '.join(i8.WORD_LOADS)} reads W as words")
+    if words is None:  # TUNED's choice (or the default) where the rows allow it; an explicit True is checked
+        words = (i8.WORDS if tuned_words is None else tuned_words) and int8_x and i8.word_rows(w, qtype, k)
     nw = cfg.pop("num_warps")
     grid = tl.cdiv(n, cfg["ROWS"])
     if int8_x:
-        from kernels_src.dequant_gemv_i8 import gemv_i8
-        gemv_i8(x2, w, out2, qtype, cfg["ROWS"], cfg["STEP"], nw, target)
+        i8.gemv_i8(x2, w, out2, qtype, cfg["ROWS"], cfg["STEP"], nw, target, words)
         return out[0] if vec and len(out.shape) == 2 else out
     pdl = use_pdl(target, pdl)
     kern = compile(dequant_gemv_kernel, target, num_warps=nw, launch_pdl=pdl, QTYPE=qtype, M=m,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats.gguf_quants import dequantize, row_bytes
-from kernels_src.dequant_gemv import FORMATS, _gemv_body
+from kernels_src.dequant_gemv import FORMATS, _addr, _gemv_body
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.gguf_gemv_common import _f16, _u16, _words, _x_vals
 from kernels_src.gguf_gemv_kquants import _chunks, _halves, _q4k_load, _q4k_scales, _q5k_load
@@ -119,6 +119,41 @@ def _q6k_i8_load(blk, mask, PARTS: int):
     return raw + [_u16(w16 + 96 + 4 * h + k, mask) for k in range(4)] + [_u16(w16 + 104, mask)]  # scales, d
 
 
+# WORDS (tile key `words`): the same fields read as 32-bit words from the row's 4-byte aligned start. Block b starts
+# at byte 210 b, 2 mod 4 for odd b, so a field at byte f (f % 4 == 0) of the block is the funnel of aligned words
+# (210 b + f) // 4 and the next, shifted down 16 (210 b) % 4 bits: 3 word loads a lane and array against 4 16-bit
+# loads, the scales 3 words against 4, d 1. Rows must start 4-byte aligned and hold an even number of blocks: then
+# every word read lies in the row (an even block's last word reaches into the odd block after it).
+
+def _funnel(lo, hi, sh):
+    """The 32 bits at bit sh (0 or 16) of the pair hi:lo, as a 64-bit shift: ptxas makes it one funnel shift (SHF),
+    where three 32-bit shifts and an OR made the loop 20% longer."""
+    return (((hi.to(tl.uint64) << 32) | lo.to(tl.uint64)) >> sh.to(tl.uint64)).to(tl.uint32)
+
+
+def _q6k_i8_words_load(row, b, mask, PARTS: int):
+    """_q6k_i8_load's tiles from 32-bit words: row, the row's first byte; b, the step's block indices."""
+    h, j, w32 = _halves(), _q6k_word(), row.to(tl.pointer_type(tl.uint32))
+    off = b * 210
+    base, sh = w32 + (off >> 2), ((off & 2) << 3).to(tl.uint32)
+    first = tl.arange(0, 2)[None, None, None, :] == 0
+
+    def pair(at):  # the lane's two words at word `at` + j of the block: three loads, the middle one shared
+        lo = tl.load(base + at + j)
+        hi = tl.where(first, tl.sum(tl.where(first, 0, lo), axis=-1, keep_dims=True),
+                      tl.load(base + at + 2 * _q6k_lane() + 2))
+        return _funnel(lo, hi, sh)
+
+    raw = [pair(16 * h), pair(16 * h + 8), pair(32 + 8 * h)]  # ql, ql + 32, qh
+    sc = [tl.load(base + 48 + 2 * h + i, mask=mask, other=0) for i in range(3)]  # scale bytes 8h ..
+    lo_hi = [_funnel(sc[0], sc[1], sh), _funnel(sc[1], sc[2], sh)]
+    d = (tl.load(base + 52, mask=mask, other=0) >> sh) & 0xFFFF
+    return raw + [(lo_hi[k // 2] >> (16 * (k % 2))) & 0xFFFF for k in range(4)] + [d]
+
+
+_q6k_i8_words_load.by_block = True  # _gemv_loop passes it (row pointer, block indices) instead of block pointers
+
+
 def _q6k_xq_load(xq, xd, sb):
     """Per field k: (x words [STEP, 2, 4, 2], their block's d [STEP, 2, 1, 1], 32 sum(q) over the lane's 8)."""
     xw, h, out = xq.to(tl.pointer_type(tl.uint32)), _halves(), []
@@ -166,16 +201,20 @@ def quantize_x_kernel(x, xq, xd, xs, n_cols, x_stride, xq_stride, xd_stride, BLO
 I8_FAMILY = {"Q4_K": (_q4k_xq_load, _q4k_load, _q4k_dot_i8, (4, 2, 1)),
              "Q5_K": (_q4k_xq_load, _q5k_load, _q5k_dot_i8, (4, 2, 1)),
              "Q6_K": (_q6k_xq_load, _q6k_i8_load, _q6k_dot_i8, (2, 4, 1))}  # x load, w_load, w_dot, acc shape
+WORD_LOADS = {"Q6_K": _q6k_i8_words_load}  # formats whose int8 path has a word-reading variant (tile key words)
+WORDS = False  # the default where the rows allow it: not until tools/sweep_gemv times it on a GPU
 
 
 def dequant_gemv_i8_kernel(w, xq, xd, y, n_rows, n_cols, w_stride, xq_stride, xd_stride, y_stride,
                            QTYPE: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           PDL: tl.constexpr = False, WORDS: tl.constexpr = False):
     """dequant_gemv_kernel on int8 activations from quantize_x_kernel (Q4_K, Q5_K, Q6_K). PDL: launched as a
     programmatic dependent launch, so each step's weight loads are issued before waiting for quantize_x's output
-    (in the first step that overlaps the pre-pass; later waits return at once)."""
+    (in the first step that overlaps the pre-pass; later waits return at once). WORDS: WORD_LOADS' loader."""
     elems, size = FORMATS[QTYPE]
     x_load, w_load, w_dot, acc_shape = I8_FAMILY[QTYPE]
+    if WORDS:
+        w_load = WORD_LOADS[QTYPE]
 
     def x_prep(m, b):
         if PDL and m == 0:
@@ -226,14 +265,27 @@ def traces(x_dtype: str = "bf16", m: int = 1, pdl: bool = True, qtypes: tuple = 
                       PDL=pdl).trace(signature=gemv) for q in qtypes for t in [rule_tiles(q, m, 14336)])]
 
 
-def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, target: str) -> None:
-    """dequant_gemv's int8 path: quantize_x, then the integer GEMV (one lane part whatever PARTS says)."""
+def word_rows(w, qtype: str, k: int) -> bool:
+    """Whether W's rows suit qtype's word loader: 4-byte aligned starts and an even number of blocks."""
+    return qtype in WORD_LOADS and (k // FORMATS[qtype][0]) % 2 == 0 and not (
+        _addr(w) % 4 or (w.shape[0] > 1 and elem_stride(w, 0) % 4))
+
+
+def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, target: str,
+            words: bool = False) -> None:
+    """dequant_gemv's int8 path: quantize_x, then the integer GEMV (one lane part whatever PARTS says); words: W
+    through WORD_LOADS' loader (word_rows must hold)."""
     m, k = x2.shape
     n = w.shape[0]
+    if words and qtype not in WORD_LOADS:
+        raise ValueError(f"words: only {', '.join(WORD_LOADS)} have a word loader, not {qtype}")
+    if words and not word_rows(w, qtype, k):
+        raise ValueError(f"words: {qtype} rows {tuple(w.shape)} (stride {elem_stride(w, 0)}, {k} inputs) must start "
+                         f"4-byte aligned and hold an even number of blocks")
     xq, xd = quantize_x(x2, target=target)
     pdl = use_pdl(target)
     kern = compile(dequant_gemv_i8_kernel, target, num_warps=num_warps, launch_pdl=pdl, QTYPE=qtype, M=m, ROWS=rows,
-                   STEP=step, PDL=pdl)
+                   STEP=step, PDL=pdl, WORDS=bool(words))
     kern[tl.cdiv(n, rows)](w, xq, xd, out2, n, k, elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xd, 0),
                            elem_stride(out2, 0))
 

@@ -349,7 +349,7 @@ _block_n, _ = moe_gguf.pass_tiles(("Q4_K",), True, _block_m, _block_n)
 register(KernelEntry(
     "moe_gemm_gguf", moe_gguf.moe_qgemm_kernel,
     dict(TOP_K=8, GATED=True, ACT="silu", QTYPE_A="Q4_K", QTYPE_B="Q4_K", KB_A=1, KB_B=1, BLOCK_M=_block_m,
-         BLOCK_N=_block_n, WIDE=True, PDL=True),
+         BLOCK_N=_block_n, WIDE=True, PDL=True, WORDS=False),
     _ptrs(BF16, "x", "y", w_a="*u8", w_b="*u8", rows="*i32", block_expert="*i32", weights="*fp32"),
     dict(tokens=16, hidden=2048, inner=768, experts=128, top_k=8, qtype="Q4_K", down_qtype="Q6_K", dtype=BF16),
     moe_gguf_bytes, flops=_moe_flops, launcher=moe.moe_experts,

@@ -6,7 +6,8 @@ best per problem as a TUNED literal for kernels_src/dequant_gemv.py, and what ea
 
 Problems (qtype, N x K): by default those of tools/gemv_shapes for --files (llama.cpp's types, q/k/v and gate/up
 fused where their types agree), the largest share of a step first; --shapes names others. Settings: the rule's
-tiles (for Q4_K, Q5_K and Q6_K, whose default is int8 x, also on the fp32-x path) and TUNED's entry first, then ROWS 1-8
+tiles (for Q4_K, Q5_K and Q6_K, whose default is int8 x, also on the fp32-x path; for Q6_K also with W read as 32-bit
+words, the `words` column, and TUNED's entry likewise) and TUNED's entry first, then ROWS 1-8
 a program x (PARTS, warps, STEP: one or two lane passes a step) on the fp32-x kernel, or for those three the
 int8 path's (STEP 4-16, warps) and the fp32 path at its best parts. bf16 x, CUDA-graph replays
 (triton.testing.do_bench_cudagraph) cycling over enough weight copies that none is found in L2; int8 x times include
@@ -41,16 +42,23 @@ def rows_for(m: int) -> tuple[int, ...]:
 
 
 def essentials(qtype: str, m: int, n: int, k: int) -> list[dict]:
-    """The rule's tiles for the problem (and on the fp32 path too where the int8 one is the default), and TUNED's
-    where it lists the problem."""
+    """The rule's tiles for the problem (and on the fp32 path too where the int8 one is the default, and with W read
+    as words where that path has a word loader), and TUNED's where it lists the problem (and its words twin)."""
     from kernels_src.dequant_gemv import TUNED, rule_tiles
-    from kernels_src.dequant_gemv_i8 import uses_int8
+    from kernels_src.dequant_gemv_i8 import WORD_LOADS, uses_int8
 
     out = [rule_tiles(qtype, m, n)]
     if uses_int8(qtype, TARGET):
         out.append(out[0] | {"int8_x": False})
+        if qtype in WORD_LOADS:
+            out.append(out[0] | {"words": True})
     tuned = TUNED.get((qtype, m, n, k))
-    return out + [dict(tuned)] if tuned is not None and tuned not in out else out
+    if tuned is None:
+        return out
+    more = [dict(tuned)]
+    if qtype in WORD_LOADS and "words" not in tuned and uses_int8(qtype, TARGET, tuned.get("int8_x")):
+        more.append(dict(tuned) | {"words": True})
+    return out + [s for s in more if s not in out]
 
 
 def settings(qtype: str, m: int, n: int, k: int, quick: bool = False) -> list[dict]:
@@ -79,18 +87,19 @@ def settings(qtype: str, m: int, n: int, k: int, quick: bool = False) -> list[di
 
 
 def _kw(s: dict) -> dict:
-    keys = {"ROWS": "rows", "STEP": "step", "PARTS": "parts", "num_warps": "num_warps", "int8_x": "int8_x"}
+    keys = {"ROWS": "rows", "STEP": "step", "PARTS": "parts", "num_warps": "num_warps", "int8_x": "int8_x",
+            "words": "words"}
     return {keys[k]: v for k, v in s.items()}
 
 
 def _t(s: dict) -> tuple:
-    """A setting as a key: (ROWS, STEP, PARTS, num_warps, int8_x or None)."""
-    return (*(s[k] for k in TILE_KEYS), s.get("int8_x"))
+    """A setting as a key: (ROWS, STEP, PARTS, num_warps, int8_x or None, words or None)."""
+    return (*(s[k] for k in TILE_KEYS), s.get("int8_x"), s.get("words"))
 
 
 def _s(t: tuple) -> dict:
     s = dict(zip(TILE_KEYS, t[:4], strict=True))
-    return s if t[4] is None else s | {"int8_x": t[4]}
+    return s | {key: v for key, v in zip(("int8_x", "words"), t[4:], strict=True) if v is not None}
 
 
 def _check(job) -> str | None:
@@ -217,8 +226,8 @@ def _report(probs: list[Problem], gbps: float, steps: dict) -> dict:
     from kernels_src.dequant_gemv import TUNED
 
     nan = float("nan")
-    print(f"\n{'type':5} {'M':>1} {'N x K':>12} {'rule us':>8} {'fp32-x':>8} {'tuned us':>8} {'best us':>8} "
-          f"{'GB/s':>6} {'%copy':>5}  best (ROWS, STEP, PARTS, warps, int8_x)")
+    print(f"\n{'type':5} {'M':>1} {'N x K':>12} {'rule us':>8} {'fp32-x':>8} {'words':>8} {'tuned us':>8} "
+          f"{'best us':>8} {'GB/s':>6} {'%copy':>5}  best (ROWS, STEP, PARTS, warps, int8_x, words)")
     table, best_us, rule_us = {}, {}, {}
     for p in probs:
         if not p.us:
@@ -226,12 +235,13 @@ def _report(probs: list[Problem], gbps: float, steps: dict) -> dict:
         ess = essentials(*p.key)
         rule = p.us.get(_t(ess[0]), nan)
         fp32 = p.us.get(_t(ess[1]), nan) if len(ess) > 1 and ess[1].get("int8_x") is False else nan
+        words = p.us.get(_t(ess[0] | {"words": True}), nan)  # the rule's tiles with W read as words
         tuned = p.us.get(_t(TUNED[p.key]), nan) if p.key in TUNED else nan
         best = min(p.us, key=p.us.get)
         us = p.us[best]
         gb = (p.n * row_bytes(p.qtype, p.k) + 2 * p.m * (p.n + p.k)) / us / 1e3
-        print(f"{p.qtype:5} {p.m:>1} {f'{p.n}x{p.k}':>12} {rule:8.2f} {fp32:8.2f} {tuned:8.2f} {us:8.2f} {gb:6.0f} "
-              f"{100 * gb / gbps:5.1f}  {best}")
+        print(f"{p.qtype:5} {p.m:>1} {f'{p.n}x{p.k}':>12} {rule:8.2f} {fp32:8.2f} {words:8.2f} {tuned:8.2f} "
+              f"{us:8.2f} {gb:6.0f} {100 * gb / gbps:5.1f}  {best}")
         best_us[p.key], rule_us[p.key] = us, rule
         if us <= GAIN * rule:
             table[p.key] = _s(best)
