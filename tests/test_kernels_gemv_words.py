@@ -46,6 +46,13 @@ def test_words_match_half_words_and_reference(target, m, n, blocks, tiles, rng):
     assert np.isfinite(got).all() and (np.abs(got - want) <= bound).all()
 
 
+def test_words_on_the_simt_fiber_oracle(rng):
+    """The SIMT lowering (C++ fibers) of the word loader: the 16-bit loads' outputs exactly."""
+    w = padded_weights(rng, "Q6_K", 3, 512)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    np.testing.assert_array_equal(gemv("simt-cpu", x, w, words=True), gemv("simt-cpu", x, w, words=False))
+
+
 def test_words_planted_bug_fails(rng, monkeypatch):
     """A funnel that ignores the block's 2-byte offset (right for even blocks only) fails."""
     w = padded_weights(rng, "Q6_K", 4, 512)

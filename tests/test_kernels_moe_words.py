@@ -117,3 +117,11 @@ def test_aot_sm90_no_subword_loads(words, tmp_path, monkeypatch):
     sub = re.findall(r"ld\.global(?:\.\w+)*\.[bsu](?:8|16)\b", ptx)
     assert "cp.async" in ptx
     assert (len(sub) == 0) if words else (len(sub) == 16), sub
+
+
+def test_sweep_moe_variants_argument():
+    """tools/sweep_moe --variants takes blocked and words only, and says so before touching a GPU."""
+    from tools import sweep_moe
+
+    with pytest.raises(SystemExit):
+        sweep_moe.main(["--variants", "blocked,bytes"])
