@@ -25,6 +25,9 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 320
 # the one case whose first logits come through the MMQ: 3.8% on an H200 (2026-12-01); the others' prefills take
 # dequant_gemm (fp x) and stay far below.
 TOL = 0.05
+# per256 (the default MMQ variant since 2026-12-03) quantizes x per 256 elements, about 2x per32's error from x:
+# the 23-row prefill at batch 2 read 5.2% on an H200 (per32 3.7% on this CPU), so its bound is 8%.
+VARIANT_TOL = {"per256": 0.08}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +92,8 @@ def test_kquant_model_at_every_path(device, batch, kquant_file, monkeypatch):
     assert {p.qtype for p in backend.params.values() if isinstance(p, QuantWeight)} == {"Q4_K", "Q6_K"}
     _, first = backend_greedy(backend, ref, prompts, 2, 8)
     err = float(np.abs(first - ref_first).max())
-    assert err <= TOL * float(np.abs(ref_first).max()), err
+    tol = VARIANT_TOL.get(gguf_mmq.MMQ_VARIANT, TOL)  # where the MMQ computes the first logits, its x error
+    assert err <= tol * float(np.abs(ref_first).max()), err
     decode_rows = {m for m, _ in calls}
     if runner.MMQ_MIN_ROWS["Q4_K"] <= batch <= runner.MMQ_MAX_ROWS:
         assert batch in decode_rows and {q for _, q in calls} == {"Q4_K", "Q6_K"}
