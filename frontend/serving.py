@@ -296,14 +296,39 @@ class OpenAIServing:
 
     async def _generate(self, prompts: list[list[int]], params: SamplingParams,
                         reply: Reply) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Runs every prompt as its own engine request and merges their outputs; leaving early aborts them all.
-        One prompt (the usual request) is read straight from its stream: no task and second queue a token."""
+        """Runs every prompt as its own engine request and merges their outputs; leaving early aborts them all."""
+        arrival, first_token, remaining = time.monotonic(), None, len(prompts)
+        try:
+            async with contextlib.aclosing(self._outputs(prompts, params)) as outs:
+                async for i, item in outs:
+                    if first_token is None and any(c.delta_token_ids for c in item.outputs):
+                        first_token = time.monotonic()
+                        self.metrics.ttft.observe(first_token - arrival)
+                    if item.finished:
+                        remaining -= 1
+                        self._finished(item, reply, arrival, first_token)
+                    yield i, item
+        finally:
+            for _ in range(remaining * params.n):  # the client went away (or the engine failed) first
+                self.metrics.finished("abort")
+
+    async def _outputs(self, prompts: list[list[int]],
+                       params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they come, engine failures as API errors. One prompt (the usual request) is read
+        straight from its stream, closed at once when this ends early (the request aborted, its KV blocks freed,
+        without waiting for the loop's generator finalizer); several each get a task feeding one queue."""
         if len(prompts) == 1:
-            async for out in self._generate_one(prompts[0], params, reply):
-                yield 0, out
+            try:
+                async with contextlib.aclosing(self.engine.generate(prompts[0], params)) as outs:
+                    async for item in outs:
+                        yield 0, item
+            except Exception as e:
+                err = _api_error(e)
+                if err is e:
+                    raise
+                raise err from e
             return
         queue: asyncio.Queue = asyncio.Queue()
-        arrival = time.monotonic()
 
         async def pump(i: int, prompt: list[int]) -> None:
             try:
@@ -313,50 +338,17 @@ class OpenAIServing:
                 queue.put_nowait((i, e))
 
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
-        first_token = None
         remaining = len(prompts)
         try:
             while remaining:
                 i, item = await queue.get()
                 if isinstance(item, Exception):
                     raise _api_error(item)
-                if first_token is None and any(c.delta_token_ids for c in item.outputs):
-                    first_token = time.monotonic()
-                    self.metrics.ttft.observe(first_token - arrival)
-                if item.finished:
-                    remaining -= 1
-                    self._finished(item, reply, arrival, first_token)
+                remaining -= item.finished
                 yield i, item
         finally:
             for t in tasks:
                 t.cancel()
-            for _ in range(remaining * params.n):  # the client went away (or the engine failed) first
-                self.metrics.finished("abort")
-
-    async def _generate_one(self, prompt: list[int], params: SamplingParams,
-                            reply: Reply) -> AsyncIterator[RequestOutput]:
-        """_generate's bookkeeping for one prompt; closing the engine's stream at once when this ends early aborts
-        the request (its KV blocks freed) without waiting for the loop's generator finalizer."""
-        arrival, first_token, finished = time.monotonic(), None, False
-        try:
-            async with contextlib.aclosing(self.engine.generate(prompt, params)) as outs:
-                async for item in outs:
-                    if first_token is None and any(c.delta_token_ids for c in item.outputs):
-                        first_token = time.monotonic()
-                        self.metrics.ttft.observe(first_token - arrival)
-                    if item.finished:
-                        finished = True
-                        self._finished(item, reply, arrival, first_token)
-                    yield item
-        except Exception as e:
-            err = _api_error(e)
-            if err is e:
-                raise
-            raise err from e
-        finally:
-            if not finished:  # the client went away (or the engine failed) first
-                for _ in range(params.n):
-                    self.metrics.finished("abort")
 
     def _finished(self, out: RequestOutput, reply: Reply, arrival: float, first_token: float | None) -> None:
         now = time.monotonic()

@@ -93,10 +93,9 @@ class RequestOutput:
 def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two successive reports of one request as one: `then`'s with each choice's deltas prefixed by `first`'s (a
     stream that fell behind sends them in one chunk). Choices only `first` reports keep its report."""
-    earlier = {c.index: c for c in first.outputs}
     outs = {c.index: c for c in first.outputs}
     for c in then.outputs:
-        a = earlier.get(c.index)
+        a = outs.get(c.index)  # a report names each choice once, so this is still first's
         outs[c.index] = c if a is None else CompletionOutput(
             c.index, c._pieces, c._num_pieces, c.text_len, c.token_view, c.finish_reason, c.stop_reason, c.logprobs,
             a.delta_text + c.delta_text, a.delta_token_ids + c.delta_token_ids)
