@@ -89,7 +89,10 @@ def settings(qtype: str, m: int, n: int, k: int, quick: bool = False) -> list[di
 def _kw(s: dict) -> dict:
     keys = {"ROWS": "rows", "STEP": "step", "PARTS": "parts", "num_warps": "num_warps", "int8_x": "int8_x",
             "words": "words"}
-    return {keys[k]: v for k, v in s.items()}
+    kw = {keys[k]: v for k, v in s.items()}
+    if kw.get("words"):  # the word loaders are the int8 path's: not TUNED's fp32 choice for the problem, if any
+        kw.setdefault("int8_x", True)
+    return kw
 
 
 def _t(s: dict) -> tuple:

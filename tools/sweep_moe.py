@@ -128,12 +128,13 @@ def _per_expert(runner, x, weights, ids, gate, up, down):
 
 
 def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS, variants=("blocked",)) -> dict:
-    from backends.cuda.runner import Runner
+    from backends.cuda.runner import MMQ_MAX_ROWS, Runner
     from kernels_src import moe, moe_gguf
 
     x = torch.randn((tokens, H), device="cuda").bfloat16()
     runner = object.__new__(Runner)  # only its quantized linear: target, pdl and the row-id cache
     runner.target, runner.pdl, runner._rows, runner.device = "triton", None, {}, x.device
+    runner.mmq_variant, runner.mmq_max_rows = None, MMQ_MAX_ROWS
 
     def fused(ls, gemv=None):
         for stacks, ids, w in ls:
