@@ -27,6 +27,7 @@ from kernels_src import gemm_tuned
 from kernels_src.dequant_gemm import _pow2_divisor, _sm_count, gemm_out, launch_split_k, split_k_for, split_k_tile
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.int_group_gemm_gather import int_group_gemm_gather_kernel
+from kernels_src.int_group_gemm_stream import int_group_gemm_stream_kernel, permute_x, stream_bk
 from kernels_src.int_group_gemv import _check, _words_view
 from kernels_src.int_group_gemv import int_group_gemv_ref as int_group_matmul_ref
 
@@ -93,9 +94,10 @@ TILES = {
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", sub="SUB", groups="KG", split_k="SPLIT", swap="SWAP",
              num_warps="num_warps", num_stages="num_stages", bk="BK")
 # "blocked": int_group_gemm_kernel (words [N, KG, SUB / PER] unpacked along a new axis, then reshaped); "gather":
-# kernels_src/int_group_gemm_gather.py (a word a weight element, in the dot's order). The GPU sweep
+# kernels_src/int_group_gemm_gather.py (a word a weight element, in the dot's order); "stream":
+# kernels_src/int_group_gemm_stream.py (the word tile split by field, a dot each, x permuted to match). The GPU sweep
 # (tools/sweep_gemm --qtypes int4g128) decides the default.
-VARIANTS = ("blocked", "gather")
+VARIANTS = ("blocked", "gather", "stream")
 VARIANT = "blocked"
 GATHER_BK = 64  # inputs a gather step (its word tile is BLOCK_N x BK 32-bit loads: 32 KB a stage at BLOCK_N 128)
 
@@ -185,7 +187,7 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
                      bk: int | None = None):
     """y [M, N] = x2 [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); x2 fp32 / fp16
     / bf16, rows contiguous; out in x2's dtype. The keywords override default_tiles (sub = SUB, groups = KG); variant
-    (VARIANTS, default VARIANT) picks the kernel, bk the gather variant's step."""
+    (VARIANTS, default VARIANT) picks the kernel, bk the gather and stream variants' step."""
     variant = variant or tuned_variant(x2.shape[0], w.shape[0], x2.shape[1], bits, group)
     if variant not in VARIANTS:
         raise ValueError(f"int_group_matmul: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -215,6 +217,14 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
                        GROUP=group, PDL=pdl, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=step,
                        SWAP=cfg["SWAP"])
         return launch_split_k(kern, (w, x2), (m, n, elem_stride(w, 0), elem_stride(x2, 0)), out, k // step, split,
+                              cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
+    if variant == "stream":
+        step = stream_bk(bits, k, bk)
+        kern = compile(int_group_gemm_stream_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
+                       GROUP=group, PDL=pdl, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=step,
+                       SWAP=cfg["SWAP"])
+        xp = permute_x(x2, step, bits)
+        return launch_split_k(kern, (w, xp), (m, n, elem_stride(w, 0), elem_stride(xp, 0)), out, k // step, split,
                               cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
     kern = compile(int_group_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
                    GROUP=group, PDL=pdl, **cfg)

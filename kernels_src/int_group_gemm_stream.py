@@ -1,0 +1,87 @@
+"""int_group_gemm's variant "stream": W's packed words go from the load to the MMA's register operand without a
+reshape, so the sm_90 build streams them (cp.async, 3-4 stages) and decodes in registers, Marlin's idea in Triton.
+
+- A step of BK inputs takes one [BLOCK_N, C] tile of q words (C = BK / PER, PER = 32 / BITS fields a word) and splits
+  it by field: field j of every word is a [BLOCK_N, C] tile in the words' own layout, one `dot` of depth C each
+  (PER dots a step). Field j of word c is input c * PER + j of the step, so x is read in that order: the launcher
+  hands the kernel x permuted once per call (`permute_x`: a step's inputs j * C + c hold x's c * PER + j), whose
+  [BLOCK_M, C] slices are then plain contiguous loads. Variant "blocked" shifts the fields out along a new axis and
+  reshapes, which the build turns into a round trip through shared memory every step (and 4 lanes reading each word).
+- A field decodes without I2F (a quarter-rate conversion on sm_90): masked in place and ORed under an fp32 exponent
+  that makes its lowest bit worth 1, the word reads as 2^E + q exactly; subtracting 2^E leaves q (`field_q`). Fields
+  past bit 15 come from the word shifted down 16 (one shift a word), so no field reaches the exponent's bits. Then
+  q * scale + bias in fp32, rounded once to x's dtype: the same values as "blocked".
+- Scales and biases: one [BLOCK_N, 1] pair a step when the step lies in one group, else a pair per word column.
+"""
+
+from __future__ import annotations
+
+from kernels_src.dequant_gemm import split_k_tile, word_tile
+from kernels_src.dsl import tl
+
+STREAM_BK = 128  # inputs a step: 16 words a row at 4 bits (the dot's least depth), 32 at 8
+MIN_DEPTH = 16  # a dot's least depth for 16-bit inputs: words a row a step
+
+
+def field_q(words, hi, j: int, BITS: int):
+    """q of field j (bits BITS * j..) of words as exact fp32; hi = words >> 16 holds the fields past bit 15."""
+    half = 16 // BITS
+    src, at = (words, BITS * j) if j < half else (hi, BITS * (j - half))
+    exp = 23 - at  # 2^exp has its lowest mantissa bit at the field's lowest bit
+    v = ((src & (((1 << BITS) - 1) << at)) | ((127 + exp) << 23)).to(tl.float32, bitcast=True)
+    return v - float(2 ** exp)
+
+
+def int_group_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
+                                 steps_per_split, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+                                 PDL: tl.constexpr = False):
+    """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (BK inputs each);
+    w int32 words [N, row_words]; x permuted by permute_x; y output or fp32 partials."""
+    PER = 32 // BITS
+    C = BK // PER  # q words a row a step
+    GW = GROUP // PER  # q words a group
+    BW = 2 + GW  # words a group block: scale, bias, q words
+    m, n, wrow, xrow = word_tile(w, x, m_rows, n_rows, w_stride, x_stride, BLOCK_M, BLOCK_N, C, PDL)
+    c = tl.arange(0, C)
+    lo = tl.program_id(2) * steps_per_split
+
+    def step(it, acc):
+        k0 = it * BK
+        if GROUP % BK == 0:  # the step inside one group: its words contiguous, one scale and bias a row
+            blk = wrow + (k0 // GROUP) * BW
+            words = tl.load(blk + 2 + (k0 % GROUP) // PER + c[None, :])
+        else:  # a scale and bias a word column (groups shorter than the step, or not dividing it)
+            kw = k0 // PER + c  # the columns' q-word indices within the row
+            blk = wrow + ((kw // GW) * BW)[None, :]
+            words = tl.load(blk + 2 + (kw % GW)[None, :])
+        scale = tl.load(blk).to(tl.float32, bitcast=True)
+        bias = tl.load(blk + 1).to(tl.float32, bitcast=True)
+        hi = words >> 16
+        for j in tl.static_range(PER):
+            wv = (field_q(words, hi, j, BITS) * scale + bias).to(xrow.dtype.element_ty)
+            xv = tl.load(xrow + k0 + j * C)  # x's inputs c * PER + j of the step (permute_x)
+            acc = tl.dot(wv, tl.trans(xv), acc) if SWAP else tl.dot(xv, tl.trans(wv), acc)
+        return acc
+
+    split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
+
+
+def stream_bk(bits: int, k: int, bk: int | None = None) -> int:
+    """The step (STREAM_BK unless given), checked: whole words a row at least MIN_DEPTH deep, a power of two of
+    them, and dividing the row."""
+    bk = bk or STREAM_BK
+    words = bk // (32 // bits)
+    if bk % (32 // bits) or words < MIN_DEPTH or words & (words - 1) or k % bk:
+        raise ValueError(f"a stream step of {bk} inputs does not tile a row of {k} at {bits} bits (it takes a "
+                         f"power of two of {MIN_DEPTH} or more q words, {MIN_DEPTH * 32 // bits} inputs at least, "
+                         "dividing the row)")
+    return bk
+
+
+def permute_x(x2, bk: int, bits: int):
+    """x [M, K] in the order the stream kernel reads it: within each step of bk inputs, position j * C + c holds
+    input c * PER + j (C = bk / PER words, PER fields a word); a contiguous copy (numpy or torch alike)."""
+    per = 32 // bits
+    m, k = x2.shape
+    return x2.reshape(m, k // bk, bk // per, per).swapaxes(2, 3).reshape(m, k)
