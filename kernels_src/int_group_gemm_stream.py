@@ -7,10 +7,10 @@ reshape, so the sm_90 build streams them (cp.async, 3-4 stages) and decodes in r
   hands the kernel x permuted once per call (`permute_x`: a step's inputs j * C + c hold x's c * PER + j), whose
   [BLOCK_M, C] slices are then plain contiguous loads. Variant "blocked" shifts the fields out along a new axis and
   reshapes, which the build turns into a round trip through shared memory every step (and 4 lanes reading each word).
-- A field decodes without I2F (a quarter-rate conversion on sm_90): masked in place and ORed under an fp32 exponent
-  that makes its lowest bit worth 1, the word reads as 2^E + q exactly; subtracting 2^E leaves q (`field_q`). Fields
-  past bit 15 come from the word shifted down 16 (one shift a word), so no field reaches the exponent's bits. Then
-  q * scale + bias in fp32, rounded once to x's dtype: the same values as "blocked".
+- A field decodes without I2F (a quarter-rate conversion on sm_90): each 16-bit half of a word, ORed once under
+  the fp32 exponent of 2^23, reads as 2^23 + its bits; a field masked out of it with the exponent (one LOP3) less
+  2^23 is q * 2^at exactly (at: the field's place in the half), and the step's scale divided by 2^at once a row
+  makes q * scale + bias in fp32 the same value as "blocked" computes, rounded once to x's dtype.
 - Scales and biases: one [BLOCK_N, 1] pair a step when the step lies in one group, else a pair per word column.
 """
 
@@ -22,14 +22,20 @@ from kernels_src.dsl import tl
 STREAM_BK = 128  # inputs a step: 16 words a row at 4 bits (the dot's least depth), 32 at 8
 MIN_DEPTH = 16  # a dot's least depth for 16-bit inputs: words a row a step
 
+MAGIC = (127 + 23) << 23  # the fp32 exponent of 2^23: mantissa bit 0 worth 1
+KEEP = 0x7F800000  # an fp32's exponent bits
 
-def field_q(words, hi, j: int, BITS: int):
-    """q of field j (bits BITS * j..) of words as exact fp32; hi = words >> 16 holds the fields past bit 15."""
+
+def halves(words):
+    """(low, high) 16 bits of each word under MAGIC's exponent: fp32s 2^23 + the half's bits, fields in place."""
+    return (words & 0xFFFF) | MAGIC, ((words >> 16) & 0xFFFF) | MAGIC
+
+
+def field_q(lo, hi, j: int, BITS: int):
+    """q * 2^at of field j (the half's bits at.. hold it) as exact fp32, and at; the caller scales by 2^-at."""
     half = 16 // BITS
-    src, at = (words, BITS * j) if j < half else (hi, BITS * (j - half))
-    exp = 23 - at  # 2^exp has its lowest mantissa bit at the field's lowest bit
-    v = ((src & (((1 << BITS) - 1) << at)) | ((127 + exp) << 23)).to(tl.float32, bitcast=True)
-    return v - float(2 ** exp)
+    src, at = (lo, BITS * j) if j < half else (hi, BITS * (j - half))
+    return (src & (KEEP | (((1 << BITS) - 1) << at))).to(tl.float32, bitcast=True) - 8388608.0, at
 
 
 def int_group_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
@@ -48,7 +54,10 @@ def int_group_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_
 
     def step(it, acc):
         k0 = it * BK
-        if GROUP % BK == 0:  # the step inside one group: its words contiguous, one scale and bias a row
+        if GROUP == BK:  # a group a step: its offsets known 8-byte aligned, so the words load 8 bytes a vector
+            blk = wrow + it * BW
+            words = tl.load(blk + 2 + c[None, :])
+        elif GROUP % BK == 0:  # a slice of one group: its words contiguous, one scale and bias a row
             blk = wrow + (k0 // GROUP) * BW
             words = tl.load(blk + 2 + (k0 % GROUP) // PER + c[None, :])
         else:  # a scale and bias a word column (groups shorter than the step, or not dividing it)
@@ -57,9 +66,10 @@ def int_group_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_
             words = tl.load(blk + 2 + (kw % GW)[None, :])
         scale = tl.load(blk).to(tl.float32, bitcast=True)
         bias = tl.load(blk + 1).to(tl.float32, bitcast=True)
-        hi = words >> 16
+        lo, hi = halves(words)
         for j in tl.static_range(PER):
-            wv = (field_q(words, hi, j, BITS) * scale + bias).to(xrow.dtype.element_ty)
+            q, at = field_q(lo, hi, j, BITS)
+            wv = (q * (scale * (1.0 / (1 << at))) + bias).to(xrow.dtype.element_ty)
             xv = tl.load(xrow + k0 + j * C)  # x's inputs c * PER + j of the step (permute_x)
             acc = tl.dot(wv, tl.trans(xv), acc) if SWAP else tl.dot(xv, tl.trans(wv), acc)
         return acc

@@ -61,10 +61,16 @@ def test_permute_x_order(rng):
     assert sorted(p[0]) == sorted(x[0])
 
 
+def _zero_off(lo, hi, j, BITS):
+    q, at = FIELD_Q(lo, hi, j, BITS)
+    return q + float(1 << at), at
+
+
 @pytest.mark.parametrize("planted", [
-    lambda words, hi, j, BITS: FIELD_Q(words, hi, (j + 1) % (32 // BITS), BITS),  # nibble order
-    lambda words, hi, j, BITS: FIELD_Q(words, hi, j, BITS) + 1.0,  # zero point off by one
-    lambda words, hi, j, BITS: FIELD_Q(words, words, j, BITS)])  # high half not shifted down
+    lambda lo, hi, j, BITS: FIELD_Q(lo, hi, (j + 1) % (32 // BITS), BITS),  # nibble order
+    lambda lo, hi, j, BITS: (FIELD_Q(lo, hi, j, BITS)[0], 0),  # the field's place not taken out of the scale
+    lambda lo, hi, j, BITS: FIELD_Q(lo, lo, j, BITS),  # the high half read from the low one
+    _zero_off])  # the zero point off by one
 def test_stream_planted_bug_fails(planted, rng, monkeypatch):
     w, w64 = quantized(rng, 13, 128, 4, 32, False)
     x = rng.standard_normal((9, 128)).astype(np.float32)
