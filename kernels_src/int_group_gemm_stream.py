@@ -16,11 +16,12 @@ reshape, so the sm_90 build streams them (cp.async, 3-4 stages) and decodes in r
 
 from __future__ import annotations
 
-from kernels_src.dequant_gemm import split_k_tile, word_tile
+from kernels_src.dequant_gemm import store_tile, word_tile
 from kernels_src.dsl import tl
 
 STREAM_BK = 128  # inputs a step: 16 words a row at 4 bits (the dot's least depth), 32 at 8
 MIN_DEPTH = 16  # a dot's least depth for 16-bit inputs: words a row a step
+ACC_REGS = 64  # fp32 accumulator registers a thread may hold (8 fields x 16 x 64 at 4 warps: 129 in all; 32 x 64: 246)
 
 MAGIC = (127 + 23) << 23  # the fp32 exponent of 2^23: mantissa bit 0 worth 1
 KEEP = 0x7F800000  # an fp32's exponent bits
@@ -40,10 +41,11 @@ def field_q(lo, hi, j: int, BITS: int):
 
 def int_group_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
                                  steps_per_split, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, ACCS: tl.constexpr = 1,
                                  PDL: tl.constexpr = False):
     """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (BK inputs each);
-    w int32 words [N, row_words]; x permuted by permute_x; y output or fp32 partials."""
+    w int32 words [N, row_words]; x permuted by permute_x; y output or fp32 partials. Field j's dot adds into
+    accumulator j % ACCS (ACCS 1, or PER: then no dot of a step waits for another, see accs_for)."""
     PER = 32 // BITS
     C = BK // PER  # q words a row a step
     GW = GROUP // PER  # q words a group
@@ -52,7 +54,8 @@ def int_group_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_
     c = tl.arange(0, C)
     lo = tl.program_id(2) * steps_per_split
 
-    def step(it, acc):
+    def step(it, *accs):
+        accs = list(accs)
         k0 = it * BK
         if GROUP == BK:  # a group a step: its offsets known 8-byte aligned, so the words load 8 bytes a vector
             blk = wrow + it * BW
@@ -66,15 +69,22 @@ def int_group_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_
             words = tl.load(blk + 2 + (kw % GW)[None, :])
         scale = tl.load(blk).to(tl.float32, bitcast=True)
         bias = tl.load(blk + 1).to(tl.float32, bitcast=True)
-        lo, hi = halves(words)
+        lo_half, hi_half = halves(words)
         for j in tl.static_range(PER):
-            q, at = field_q(lo, hi, j, BITS)
+            q, at = field_q(lo_half, hi_half, j, BITS)
             wv = (q * (scale * (1.0 / (1 << at))) + bias).to(xrow.dtype.element_ty)
             xv = tl.load(xrow + k0 + j * C)  # x's inputs c * PER + j of the step (permute_x)
-            acc = tl.dot(wv, tl.trans(xv), acc) if SWAP else tl.dot(xv, tl.trans(wv), acc)
-        return acc
+            a = j % ACCS
+            accs[a] = tl.dot(wv, tl.trans(xv), accs[a]) if SWAP else tl.dot(xv, tl.trans(wv), accs[a])
+        return tuple(accs)
 
-    split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
+    shape = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
+    accs = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step,
+                        tuple(tl.zeros(shape, tl.float32) for _ in range(ACCS)))
+    acc = accs[0]
+    for more in accs[1:]:
+        acc = acc + more
+    store_tile(acc, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
 
 
 def stream_bk(bits: int, k: int, bk: int | None = None) -> int:
@@ -87,6 +97,14 @@ def stream_bk(bits: int, k: int, bk: int | None = None) -> int:
                          f"power of two of {MIN_DEPTH} or more q words, {MIN_DEPTH * 32 // bits} inputs at least, "
                          "dividing the row)")
     return bk
+
+
+def accs_for(bits: int, block_m: int, block_n: int, num_warps: int, swap: bool) -> int:
+    """PER accumulators where they fit ACC_REGS registers a thread and W is the register operand, else 1. Triton
+    waits for a dot at once when another dot of the loop body reads its result (8 small wgmmas in a row at 4 bits);
+    one loop-carried accumulator a field leaves each dot read only by the next step's, so they stay in flight."""
+    per = 32 // bits
+    return per if swap and per * block_m * block_n <= ACC_REGS * 32 * num_warps else 1
 
 
 def permute_x(x2, bk: int, bits: int):

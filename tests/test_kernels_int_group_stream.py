@@ -52,6 +52,17 @@ def test_stream_tiles_and_fp16(target, rng):
     close(got, igm.int_group_matmul_ref(x.astype(np.float32), w, 4, 128), TOL[np.float16])
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_stream_accumulators(target, rng):
+    """8 bits (4 fields a word): a loop-carried accumulator a field (the rule's choice at 16 x 64 tiles) and one."""
+    w, w64 = quantized(rng, 21, 256, 8, 64, False)
+    x = rng.standard_normal((12, 256)).astype(np.float32)
+    assert stream.accs_for(8, 16, 64, 4, True) == 4 and stream.accs_for(8, 64, 64, 4, True) == 1
+    for accs in (4, 1):
+        got = run(target, x, w, 8, 64, variant="stream", accs=accs, split_k=2)
+        close(got, x.astype(np.float64) @ w64.T, TOL[np.float32])
+
+
 def test_permute_x_order(rng):
     """Step position j * C + c holds input c * PER + j (PER = 8 at 4 bits, C = 16 words at 128 inputs)."""
     x = rng.standard_normal((3, 256))
@@ -87,6 +98,8 @@ def test_stream_errors_and_tuned(rng, monkeypatch):
         igm.int_group_matmul(x, w, 4, 96, variant="stream")
     with pytest.raises(ValueError, match="stream step of 64 inputs"):
         igm.int_group_matmul(x, w, 4, 96, variant="stream", bk=64)  # 8 words: shallower than a dot
+    with pytest.raises(ValueError, match="stream takes 1 or 8 accumulators at 4 bits, not 3"):
+        igm.int_group_matmul(x[:, :128], quantized(rng, 5, 128, 4, 128, False)[0], 4, 128, variant="stream", accs=3)
     monkeypatch.setitem(igm.TUNED, (4, 96, 16, 5, 192), dict(variant="stream", bk=192))
     assert igm.tuned_variant(9, 5, 192, 4, 96) == "stream"
     with pytest.raises(ValueError, match="power of two"):  # the table's variant and step are the ones run
@@ -98,13 +111,14 @@ def test_stream_errors_and_tuned(rng, monkeypatch):
                                       (dict(BLOCK_M=64, BLOCK_N=64, SWAP=False), 4)])
 def test_stream_aot_sm90(tiles, nw, tmp_path, monkeypatch):
     """The TUNED tiles of 16 and 64 rows: wgmma; W and x only through cp.async; the loop without I2F and (W as the
-    register operand) without a shared-memory store; no spills."""
+    register operand) without a shared-memory store, its dots not waited for one by one; no spills."""
     from kernels_src.dsl.triton_target import aot_compile
     from tools.sass_mix import loop_mix
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    accs = stream.accs_for(4, tiles["BLOCK_M"], tiles["BLOCK_N"], nw, tiles["SWAP"])
     kern = dsl_launch.compile(stream.int_group_gemm_stream_kernel, "triton", PDL=True, BITS=4, GROUP=128, BK=128,
-                              **tiles)
+                              ACCS=accs, **tiles)
     sig = dict(w="*i32", x="*bf16", y="*fp32")
     c = aot_compile(kern.trace(signature=sig | {p: "i32" for p in kern.runtime_params if p not in sig}), arch=90,
                     num_warps=nw, num_stages=3, aligned=True)
@@ -113,5 +127,5 @@ def test_stream_aot_sm90(tiles, nw, tmp_path, monkeypatch):
     mix = loop_mix(c.asm["cubin"])
     assert not {"I2F", "I2FP"} & set(mix.opcodes) and mix.stack == 0
     assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
-    if tiles["SWAP"]:
-        assert "STS" not in mix.opcodes, mix.summary()
+    if tiles["SWAP"]:  # and a step's 8 wgmmas in flight together (a field's accumulator each)
+        assert "STS" not in mix.opcodes and accs == 8 and "pendings = 7" in c.asm["ttgir"], mix.summary()
