@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_kernels_basic import TARGETS
 from test_kernels_gemv import _stack_bytes, needs_aot
-from test_kernels_int_group_gemm import TOL, close, quantized, run
+from test_kernels_int_group_gemm import TOL, close, matches_references, planted_fails, quantized, run
 
 from kernels_src import int_group_gemm as igm
 from kernels_src import int_group_gemm_stream as stream
@@ -36,11 +36,7 @@ STREAM = [(4, 32, 128, 9, False, 1), (4, 128, 384, 17, True, 2), (4, 256, 256, 3
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("bits,group,k,m,sym,split", STREAM)
 def test_stream_matches_references(target, bits, group, k, m, sym, split, rng):
-    w, w64 = quantized(rng, 37, k, bits, group, sym)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    got = run(target, x, w, bits, group, split_k=split, variant="stream")
-    close(got, x.astype(np.float64) @ w64.T, TOL[np.float32])
-    close(got, igm.int_group_matmul_ref(x, w, bits, group), TOL[np.float32])
+    matches_references(target, rng, bits, group, k, m, sym, split_k=split, variant="stream")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -83,12 +79,7 @@ def _zero_off(lo, hi, j, BITS):
     lambda lo, hi, j, BITS: FIELD_Q(lo, lo, j, BITS),  # the high half read from the low one
     _zero_off])  # the zero point off by one
 def test_stream_planted_bug_fails(planted, rng, monkeypatch):
-    w, w64 = quantized(rng, 13, 128, 4, 32, False)
-    x = rng.standard_normal((9, 128)).astype(np.float32)
-    monkeypatch.setattr(dsl_launch, "_kernels", {})
-    monkeypatch.setattr(stream, "field_q", planted)
-    with pytest.raises(AssertionError, match="Not equal to tolerance"):
-        close(run("numpy", x, w, 4, 32, variant="stream"), x.astype(np.float64) @ w64.T, TOL[np.float32])
+    planted_fails(rng, monkeypatch, stream, "field_q", planted, variant="stream")
 
 
 def test_stream_errors_and_tuned(rng, monkeypatch):
