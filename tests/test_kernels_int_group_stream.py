@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 import pytest
-from test_kernels_basic import TARGETS
+from test_kernels_basic import HAS_TRITON, TARGETS
 from test_kernels_gemv import _stack_bytes, needs_aot
 from test_kernels_int_group_gemm import TOL, close, matches_references, planted_fails, quantized, run
 
@@ -46,6 +46,19 @@ def test_stream_tiles_and_fp16(target, rng):
     x = rng.standard_normal((18, 512)).astype(np.float16)
     got = run(target, x, w, 4, 128, np.float16, variant="stream", swap=False, block_n=16, bk=256)
     close(got, igm.int_group_matmul_ref(x.astype(np.float32), w, 4, 128), TOL[np.float16])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="bf16 x needs torch")
+def test_stream_bf16_equals_blocked(rng):
+    """bf16 x (the engine's): the same W values meet the dot as in blocked (its sums in another order), so y is
+    blocked's within a bf16 rounding, and x @ W.T's within bf16's error."""
+    import torch
+
+    w, w64 = quantized(rng, 37, 512, 4, 128, True)
+    x = torch.randn((16, 512), generator=torch.Generator().manual_seed(1)).bfloat16()
+    got = {v: igm.int_group_matmul(x, w, 4, 128, variant=v) for v in ("blocked", "stream")}
+    close(got["stream"].float().numpy(), got["blocked"].float().numpy(), 2**-8)
+    close(got["stream"].float().numpy(), x.double().numpy() @ w64.T, 1e-2)
 
 
 @pytest.mark.parametrize("target", TARGETS)
