@@ -60,6 +60,11 @@ def split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_
     its split's fp32 partial): acc is [len(n), len(m)] under SWAP (W @ x.T), else [len(m), len(n)]."""
     shape = (n.shape[0], m.shape[0]) if SWAP else (m.shape[0], n.shape[0])
     acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros(shape, tl.float32))
+    store_tile(acc, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
+
+
+def store_tile(acc, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP: bool):
+    """A GEMM program's store of its tile of y (or of its split's fp32 partial), acc [len(n), len(m)] under SWAP."""
     dst = y + tl.program_id(2).to(tl.int64) * split_stride
     if SWAP:
         tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))

@@ -27,6 +27,7 @@ from kernels_src import gemm_tuned
 from kernels_src.dequant_gemm import _pow2_divisor, _sm_count, gemm_out, launch_split_k, split_k_for, split_k_tile
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.int_group_gemm_gather import int_group_gemm_gather_kernel
+from kernels_src.int_group_gemm_stream import accs_for, int_group_gemm_stream_kernel, permute_x, stream_bk
 from kernels_src.int_group_gemv import _check, _words_view
 from kernels_src.int_group_gemv import int_group_gemv_ref as int_group_matmul_ref
 
@@ -91,11 +92,12 @@ TILES = {
     128: dict(BLOCK_M=128, BLOCK_N=64, SWAP=True, num_warps=8, num_stages=3),  # 128 x 128 spills at these steps
 }
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", sub="SUB", groups="KG", split_k="SPLIT", swap="SWAP",
-             num_warps="num_warps", num_stages="num_stages", bk="BK")
+             num_warps="num_warps", num_stages="num_stages", bk="BK", accs="ACCS")
 # "blocked": int_group_gemm_kernel (words [N, KG, SUB / PER] unpacked along a new axis, then reshaped); "gather":
-# kernels_src/int_group_gemm_gather.py (a word a weight element, in the dot's order). The GPU sweep
+# kernels_src/int_group_gemm_gather.py (a word a weight element, in the dot's order); "stream":
+# kernels_src/int_group_gemm_stream.py (the word tile split by field, a dot each, x permuted to match). The GPU sweep
 # (tools/sweep_gemm --qtypes int4g128) decides the default.
-VARIANTS = ("blocked", "gather")
+VARIANTS = ("blocked", "gather", "stream")
 VARIANT = "blocked"
 GATHER_BK = 64  # inputs a gather step (its word tile is BLOCK_N x BK 32-bit loads: 32 KB a stage at BLOCK_N 128)
 
@@ -182,10 +184,11 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
                      block_m: int | None = None, block_n: int | None = None, sub: int | None = None,
                      groups: int | None = None, split_k: int | None = None, swap: bool | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, variant: str | None = None,
-                     bk: int | None = None):
+                     bk: int | None = None, accs: int | None = None):
     """y [M, N] = x2 [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); x2 fp32 / fp16
     / bf16, rows contiguous; out in x2's dtype. The keywords override default_tiles (sub = SUB, groups = KG); variant
-    (VARIANTS, default VARIANT) picks the kernel, bk the gather variant's step."""
+    (VARIANTS, default VARIANT) picks the kernel, bk the gather and stream variants' step, accs stream's accumulators
+    (1 or 32 / bits; default int_group_gemm_stream.accs_for)."""
     variant = variant or tuned_variant(x2.shape[0], w.shape[0], x2.shape[1], bits, group)
     if variant not in VARIANTS:
         raise ValueError(f"int_group_matmul: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -200,7 +203,7 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
         return out
     cfg = default_tiles(m, n, k, bits, group, _sm_count(x2))
     over = dict(block_m=block_m, block_n=block_n, sub=sub, groups=groups, split_k=split_k, swap=swap,
-                num_warps=num_warps, num_stages=num_stages, bk=bk)
+                num_warps=num_warps, num_stages=num_stages, bk=bk, accs=accs)
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     sub_, kg = cfg["SUB"], cfg["KG"]
     per = 32 // bits
@@ -208,6 +211,7 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
         raise ValueError(f"a step of {kg} x {sub_} inputs does not tile groups of {group} in a row of {k} "
                          "(sub must divide the group; several groups a step only whole)")
     nw, ns, split, bk = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT"), cfg.pop("BK", None)
+    accs = cfg.pop("ACCS", None)
     pdl = use_pdl(target, pdl)
     if variant == "gather":
         step = gather_bk(group, k, bk)
@@ -215,6 +219,17 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
                        GROUP=group, PDL=pdl, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=step,
                        SWAP=cfg["SWAP"])
         return launch_split_k(kern, (w, x2), (m, n, elem_stride(w, 0), elem_stride(x2, 0)), out, k // step, split,
+                              cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
+    if variant == "stream":
+        step = stream_bk(bits, k, bk)
+        accs = accs or accs_for(bits, cfg["BLOCK_M"], cfg["BLOCK_N"], nw, cfg["SWAP"])
+        if accs not in (1, 32 // bits):
+            raise ValueError(f"stream takes 1 or {32 // bits} accumulators at {bits} bits, not {accs}")
+        kern = compile(int_group_gemm_stream_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
+                       GROUP=group, PDL=pdl, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BK=step,
+                       SWAP=cfg["SWAP"], ACCS=accs)
+        xp = permute_x(x2, step, bits)
+        return launch_split_k(kern, (w, xp), (m, n, elem_stride(w, 0), elem_stride(xp, 0)), out, k // step, split,
                               cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
     kern = compile(int_group_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
                    GROUP=group, PDL=pdl, **cfg)

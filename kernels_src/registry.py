@@ -25,6 +25,7 @@ from kernels_src import (
     gguf_mmq_sb,
     int_group_gemm,
     int_group_gemm_gather,
+    int_group_gemm_stream,
     int_group_gemv,
     int_group_gemv_i8,
     kv_int8,
@@ -428,9 +429,11 @@ register(KernelEntry(
     "int_group_gemm", int_group_gemm.int_group_gemm_kernel, dict(BITS=4, GROUP=128, PDL=True, **_tiles),
     _ptrs(BF16, "x", w="*i32", y="*fp32"), dict(m=16, n=14336, k=4096, bits=4, group=128, dtype=BF16),
     int_group_bytes, flops=lambda m, n, k, **_: 2 * m * n * k, launcher=int_group_gemm.int_group_matmul,
-    variants=(dequant_gemm.dequant_gemm_reduce_kernel, int_group_gemm_gather.int_group_gemm_gather_kernel),
+    variants=(dequant_gemm.dequant_gemm_reduce_kernel, int_group_gemm_gather.int_group_gemm_gather_kernel,
+              int_group_gemm_stream.int_group_gemm_stream_kernel),
     notes="9-256 rows; split-K writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: the bench "
-          "times both; tools/bench_int_group_gemm times it against cuBLAS"))
+          "times both; variants gather and stream (x permuted first) by variant=; tools/bench_int_group_gemm times "
+          "it against cuBLAS"))
 
 _tiles = fp8_gemv.default_tiles(4096, 1)
 _tiles.pop("num_warps")

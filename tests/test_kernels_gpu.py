@@ -65,11 +65,16 @@ SIZES["int_group_gemv"] = [("m1", dict(m=1, n=300, k=4096)), ("m8_i8_g32", dict(
                            ("m1_fp32x", dict(m=1, n=300, k=4096, int8_x=False)),
                            ("m5_fp32x_odd", dict(m=5, n=77, k=2240, group=64, int8_x=False))]
 # the GEMM: the bench's decode batch (split-K), 9 rows of int8 in groups of 32 (four groups a step), group -1 over a
-# 1024-wide row, a 64-row down projection, 256 rows on 128-row tiles, x @ W.T (swap off) at 33
+# 1024-wide row, a 64-row down projection, 256 rows on 128-row tiles, x @ W.T (swap off) at 33; variant stream at
+# 16 rows (an accumulator a field), 64 (one), on int8 groups of 32 (a scale a word column) and with swap off
 SIZES["int_group_gemm"] = [("m16", dict(m=16, n=300, k=4096)), ("m9_i8_g32", dict(m=9, n=77, k=2048, bits=8, group=32)),
                            ("m17_row", dict(m=17, n=130, k=1024, group=1024)),
                            ("m64_down", dict(m=64, n=520, k=14336)), ("m256", dict(m=256, n=200, k=1024, group=64)),
-                           ("m33_noswap", dict(m=33, n=130, k=2048, swap=False))]
+                           ("m33_noswap", dict(m=33, n=130, k=2048, swap=False)),
+                           ("m16_stream", dict(m=16, n=300, k=4096, variant="stream")),
+                           ("m64_down_stream", dict(m=64, n=520, k=14336, variant="stream")),
+                           ("m9_i8_g32_stream", dict(m=9, n=77, k=2048, bits=8, group=32, variant="stream")),
+                           ("m33_noswap_stream", dict(m=33, n=130, k=2048, swap=False, variant="stream"))]
 SIZES["int_group_dequantize"] = [("g128", dict(n=300, k=4096)), ("i8_g64", dict(n=77, k=1024, bits=8, group=64))]
 # FP8: the bench's token, 8 rows in groups of 16 on odd N (two rows a program), one scale a row (K) at 3 rows off
 # BLOCK_K (masked steps), 4 rows a program at 5 rows

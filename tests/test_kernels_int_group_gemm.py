@@ -57,10 +57,15 @@ CASES = [(4, 32, 128, 9, False, 1), (4, 64, 256, 17, True, 2), (4, 32, 96, 17, F
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("bits,group,k,m,sym,split", CASES)
 def test_matches_references(target, bits, group, k, m, sym, split, rng):
-    n = 37  # one ragged N tile
-    w, w64 = quantized(rng, n, k, bits, group, sym)
+    matches_references(target, rng, bits, group, k, m, sym, split_k=split)
+
+
+def matches_references(target, rng, bits: int, group: int, k: int, m: int, sym: bool, **kw) -> None:
+    """The launcher (kw: its variant and tiles) on 37 rows of W (one ragged N tile) and fp32 x against x @ W.T in
+    float64 from the packer's own q, scales and zero points, and against the numpy dequantizer's reference."""
+    w, w64 = quantized(rng, 37, k, bits, group, sym)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    got = run(target, x, w, bits, group, split_k=split)
+    got = run(target, x, w, bits, group, **kw)
     close(got, x.astype(np.float64) @ w64.T, TOL[np.float32])
     close(got, igm.int_group_matmul_ref(x, w, bits, group), TOL[np.float32])
 
@@ -114,14 +119,19 @@ PLANTED = {  # a decoding bug -> the module attribute that carries it
 @pytest.mark.parametrize("bug", PLANTED)
 @pytest.mark.parametrize("sym", [False, True])
 def test_planted_bug_fails(bug, sym, rng, monkeypatch):
-    attr, planted = PLANTED[bug]
+    planted_fails(rng, monkeypatch, igm, *PLANTED[bug], sym=sym)
+
+
+def planted_fails(rng, monkeypatch, module, attr: str, planted, sym: bool = False, **kw) -> None:
+    """module.attr replaced by a planted decoding bug: the launcher's output (kw: its variant) fails the float64
+    check it passes without the bug (groups of 32, 4 bits)."""
     w, w64 = quantized(rng, 13, 128, 4, 32, sym)
     x = rng.standard_normal((9, 128)).astype(np.float32)
-    close(run("numpy", x, w, 4, 32), x.astype(np.float64) @ w64.T, TOL[np.float32])
+    close(run("numpy", x, w, 4, 32, **kw), x.astype(np.float64) @ w64.T, TOL[np.float32])
     monkeypatch.setattr(dsl_launch, "_kernels", {})  # traced afresh with the bug
-    monkeypatch.setattr(igm, attr, planted)
+    monkeypatch.setattr(module, attr, planted)
     with pytest.raises(AssertionError, match="Not equal to tolerance"):
-        close(run("numpy", x, w, 4, 32), x.astype(np.float64) @ w64.T, TOL[np.float32])
+        close(run("numpy", x, w, 4, 32, **kw), x.astype(np.float64) @ w64.T, TOL[np.float32])
 
 
 def test_scales_of_the_next_group_fail(rng):

@@ -13,7 +13,7 @@ import pytest
 from test_kernels_basic import HAS_TRITON, TARGETS, dev, host
 from test_kernels_gemm import _run, close, needs_aot
 from test_kernels_gemv import _stack_bytes, padded_weights
-from test_kernels_int_group_gemm import TOL, quantized, run
+from test_kernels_int_group_gemm import TOL, matches_references, planted_fails, quantized, run
 
 from kernels_src import dequant_gemm as dgm
 from kernels_src import dequant_gemm_q4k as q4k
@@ -141,11 +141,7 @@ GATHER = [(4, 32, 128, 9, False, 1, None), (4, 32, 256, 17, True, 2, 64), (4, 12
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("bits,group,k,m,sym,split,bk", GATHER)
 def test_gather_matches_references(target, bits, group, k, m, sym, split, bk, rng):
-    w, w64 = quantized(rng, 37, k, bits, group, sym)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    got = run(target, x, w, bits, group, split_k=split, variant="gather", bk=bk)
-    close(got, x.astype(np.float64) @ w64.T, TOL[np.float32])
-    close(got, igm.int_group_matmul_ref(x, w, bits, group), TOL[np.float32])
+    matches_references(target, rng, bits, group, k, m, sym, split_k=split, variant="gather", bk=bk)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -160,12 +156,7 @@ def test_gather_tiles_and_fp16(target, rng):
     lambda words, k, BITS, GROUP: (words >> (((k % GROUP) % (32 // BITS)) * BITS + BITS)) & ((1 << BITS) - 1),
     lambda words, k, BITS, GROUP: (words >> ((32 // BITS - 1 - (k % GROUP) % (32 // BITS)) * BITS)) & 15])
 def test_gather_planted_bug_fails(planted, rng, monkeypatch):
-    w, w64 = quantized(rng, 13, 128, 4, 32, False)
-    x = rng.standard_normal((9, 128)).astype(np.float32)
-    monkeypatch.setattr(dsl_launch, "_kernels", {})
-    monkeypatch.setattr(gather, "gather_q", planted)
-    with pytest.raises(AssertionError, match="Not equal to tolerance"):
-        close(run("numpy", x, w, 4, 32, variant="gather"), x.astype(np.float64) @ w64.T, TOL[np.float32])
+    planted_fails(rng, monkeypatch, gather, "gather_q", planted, variant="gather")
 
 
 def test_gather_errors_and_tuned(rng, monkeypatch):

@@ -37,7 +37,7 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
     clock = iter(range(1, 10**6))
     monkeypatch.setattr(sweep, "BENCH", lambda torch, fn: (fn(), 100.0 - 0.01 * next(clock))[1])
     out = tmp_path / "x.json"
-    assert sweep.main(["--variants", "blocked,words,sub64,gather", "--ms", "16", "--shapes", "40x512",
+    assert sweep.main(["--variants", "blocked,words,sub64,gather,stream", "--ms", "16", "--shapes", "40x512",
                        "--qtypes", "Q4_K,int4g128", "--quick", "--workers", "0", "--budget", "1e9",
                        "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -45,8 +45,10 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
     data = json.loads(out.read_text())
     got = {(r["type"], r["variant"]) for r in data["results"]}
     assert got == {("Q4_K", "blocked"), ("Q4_K", "words"), ("Q4_K", "sub64"), ("int4g128", "blocked"),
-                   ("int4g128", "gather")}
+                   ("int4g128", "gather"), ("int4g128", "stream")}
     assert all(r["us"] < 100 for r in data["results"]) and sum(r["best"] for r in data["results"]) == 2
+    stream = next(r for r in data["results"] if r["variant"] == "stream")
+    assert stream["tiles"]["accs"] in (1, 8)  # stream's own axis (its accumulators) searched and kept
     tables = text.split("TUNED = {")[1:]
     assert len(tables) == 2
     gguf = eval("{" + tables[0].split("}\n")[0] + "}")  # the printed literal, as pasted

@@ -49,12 +49,13 @@ def int_group_gemv_case(d: Dev, p: dict, name: str) -> Case:
     return Case(name, p, launch, check, lambda target: y.fill_(float("nan")))
 
 
-GEMM_KEYS = ("block_m", "block_n", "sub", "groups", "split_k", "swap", "num_warps", "num_stages")
+GEMM_KEYS = ("block_m", "block_n", "sub", "groups", "split_k", "swap", "num_warps", "num_stages", "variant", "bk",
+             "accs")
 
 
 def int_group_gemm_case(d: Dev, p: dict, name: str) -> Case:
-    """int_group_matmul at default tiles unless p names launcher keywords (GEMM_KEYS); sampled columns against the
-    numpy reference."""
+    """int_group_matmul at default tiles and variant unless p names launcher keywords (GEMM_KEYS); sampled columns
+    against the numpy reference."""
     m, n, k, bits, group, dt = p["m"], p["n"], p["k"], p["bits"], p["group"], d.dtype(p["dtype"])
     w, x, y = int_group_weights(d, n, k, bits, group), d.randn((m, k), dt), d.nan((m, n), dt)
     tiles = {key: p[key] for key in GEMM_KEYS if key in p}

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Sweep the quantized tensor-core GEMMs' variants and tiles on a CUDA GPU: `python -m tools.sweep_gemm [--variants
-blocked,words,sub64,gather] [--ms 16,64,128] [--shapes 14336x4096,...] [--qtypes Q4_K,Q6_K,int4g128] [--budget S]
+blocked,words,sub64,gather,stream] [--ms 16,64,128] [--shapes 14336x4096,...] [--qtypes Q4_K,Q6_K,int4g128] [--budget S]
 [--json FILE]`.
 
 GGUF types go through dequant_matmul (kernels_src/dequant_gemm.py), intBgG (GPTQ/AWQ layout, B bits, groups of G)
@@ -26,6 +26,7 @@ import numpy as np
 
 from kernels_src import dequant_gemm as dgm
 from kernels_src import int_group_gemm as igm
+from kernels_src.int_group_gemm_stream import accs_for
 
 TARGET, DEVICE = "triton", "cuda"  # (a CPU test runs the sweep's code on the DSL interpreter)
 MS = (16, 64, 128)
@@ -91,14 +92,25 @@ def rule(kind: Kind, variant: str, m: int, n: int, k: int) -> dict:
     out = {inverse[key]: v for key, v in cfg.items() if key in ("BLOCK_M", "BLOCK_N", "SPLIT", "SWAP", "num_warps",
                                                                  "num_stages")}
     out["num_stages"] = out["num_stages"] or 3
+    if "accs" in axes(kind, variant):  # the launcher's own choice of stream's accumulators at these tiles
+        out["accs"] = accs_for(kind.bits, out["block_m"], out["block_n"], out["num_warps"], out["swap"])
     return out
 
 
-def builds(block_m: int, quick: bool) -> list[dict]:
-    """The keywords that change a build (split_k does not, beyond split 1 against more)."""
+def axes(kind: Kind, variant: str) -> dict:
+    """A variant's own build keywords and their values, searched beside the shared ones (stream: its accumulators,
+    one or a field's each)."""
+    return dict(accs=(1, 32 // kind.bits)) if variant == "stream" else {}
+
+
+def builds(block_m: int, quick: bool, extra: dict | None = None) -> list[dict]:
+    """The keywords that change a build (split_k does not, beyond split 1 against more); extra: a variant's axes."""
     out = [dict(block_m=block_m, block_n=bn, num_stages=ns, num_warps=8 if bn == 128 else 4, swap=True)
            for bn, ns in itertools.product(BLOCK_N, (3,) if quick else STAGES)]
-    return out + [dict(block_m=block_m, block_n=64, num_stages=3, num_warps=4, swap=False)]
+    out += [dict(block_m=block_m, block_n=64, num_stages=3, num_warps=4, swap=False)]
+    for key, values in (extra or {}).items():
+        out = [dict(b, **{key: v}) for b in out for v in values]
+    return out
 
 
 def _build_key(cfg: dict) -> tuple:
@@ -184,9 +196,9 @@ def _time(torch, fn) -> float:
 BENCH = _time  # us of a call (a CPU test puts a fake clock here)
 
 
-def search(bench, run, start: dict, ok) -> tuple[dict, float, float, int]:
-    """Coordinate search from `start` (each keyword in turn over its values, keeping the best; num_warps follows
-    block_n: 8 for 128): (best, its us, start's us, settings timed)."""
+def search(bench, run, start: dict, ok, extra: dict | None = None) -> tuple[dict, float, float, int]:
+    """Coordinate search from `start` (each keyword in turn over its values, then extra's, keeping the best;
+    num_warps follows block_n: 8 for 128): (best, its us, start's us, settings timed)."""
     seen: dict = {}
 
     def t(cfg):
@@ -197,7 +209,8 @@ def search(bench, run, start: dict, ok) -> tuple[dict, float, float, int]:
 
     best, good = dict(start), ok(start)
     base = t(best) if good else float("nan")  # own tiles that failed the check are not timed
-    for key, values in dict(block_n=BLOCK_N, num_stages=STAGES, split_k=SPLITS, swap=(True, False)).items():
+    for key, values in dict(block_n=BLOCK_N, num_stages=STAGES, split_k=SPLITS, swap=(True, False),
+                            **(extra or {})).items():
         for v in values:
             cand = dict(best, **{key: v})
             if key == "block_n":
@@ -223,7 +236,7 @@ class Result:
 def _search_one(kind: Kind, v: str, m: int, k: int, xws: tuple, bench, bad: set, quick: bool):
     """One variant's coordinate search on one problem over the checked builds, each call through every weight copy
     in turn: (best, its us a GEMM, own tiles' us)."""
-    allowed = {_build_key(b) for b in builds(bucket(kind, m), quick)}
+    allowed = {_build_key(b) for b in builds(bucket(kind, m), quick, axes(kind, v))}
     x, ws, y = xws
 
     def ok(c):
@@ -234,7 +247,7 @@ def _search_one(kind: Kind, v: str, m: int, k: int, xws: tuple, bench, bad: set,
         for w in ws:
             call(kind, v, x, w, y, c)
 
-    best, us, base, _ = search(bench, run, rule(kind, v, m, y.shape[1], k), ok)
+    best, us, base, _ = search(bench, run, rule(kind, v, m, y.shape[1], k), ok, axes(kind, v))
     return best, us / len(ws), base / len(ws)
 
 
@@ -299,7 +312,7 @@ def report(results: list[Result], gbps: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="blocked,words,sub64,gather",
+    ap.add_argument("--variants", default="blocked,words,sub64,gather,stream",
                     help="kernel variants (dequant_gemm.VARIANTS, int_group_gemm.VARIANTS); each where it applies")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K of W")
@@ -323,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         if k % max(unit, 128):
             raise SystemExit(f"sweep_gemm: K {k} is not whole {kind.name} blocks of 128-input steps")
     jobs = sorted({(kind.name, v, m, _build_key(b)) for kind in kinds for v in variants if v in kind.variants
-                   for m in ms for b in builds(bucket(kind, m), args.quick)})
+                   for m in ms for b in builds(bucket(kind, m), args.quick, axes(kind, v))})
     work = [(q, v, m, dict(b)) for q, v, m, b in jobs]
     if args.workers:
         with mp.get_context("spawn").Pool(args.workers) as pool:
