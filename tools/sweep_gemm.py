@@ -184,9 +184,10 @@ def _time(torch, fn) -> float:
 BENCH = _time  # us of a call (a CPU test puts a fake clock here)
 
 
-def search(bench, run, start: dict, ok) -> tuple[dict, float, float, int]:
-    """Coordinate search from `start` (each keyword in turn over its values, keeping the best; num_warps follows
-    block_n: 8 for 128): (best, its us, start's us, settings timed)."""
+def search(bench, run, start: dict, ok, axes: dict | None = None) -> tuple[dict, float, float, int]:
+    """Coordinate search from `start` (each keyword of `axes`, by default block_n, num_stages, split_k and swap, in
+    turn over its values, keeping the best; num_warps follows block_n: 8 for 128): (best, its us, start's us,
+    settings timed)."""
     seen: dict = {}
 
     def t(cfg):
@@ -197,7 +198,8 @@ def search(bench, run, start: dict, ok) -> tuple[dict, float, float, int]:
 
     best, good = dict(start), ok(start)
     base = t(best) if good else float("nan")  # own tiles that failed the check are not timed
-    for key, values in dict(block_n=BLOCK_N, num_stages=STAGES, split_k=SPLITS, swap=(True, False)).items():
+    axes = axes or dict(block_n=BLOCK_N, num_stages=STAGES, split_k=SPLITS, swap=(True, False))
+    for key, values in axes.items():
         for v in values:
             cand = dict(best, **{key: v})
             if key == "block_n":
