@@ -7,30 +7,20 @@ Triton AOT build for sm_90 (wgmma, 16-byte cp.async, no spills, the PDL wait).""
 from __future__ import annotations
 
 import json
-import os
 import zlib
 
 import numpy as np
 import pytest
 from test_kernels_basic import HAS_TRITON, TARGETS, dev, host
+from test_kernels_gemm import TOL, close, needs_aot
 from test_kernels_gemv import _stack_bytes
 
 from kernels_src import dense_gemm as dgm
-
-TOL = {np.float32: 1e-5, np.float16: 2e-3}  # of the largest output (fp16: y rounded to fp16)
-needs_aot = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
-                               reason="AOT builds need triton, and TRITON_INTERPRET unset")
 
 
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
-
-
-def close(got, want, tol: float):
-    got = np.asarray(got, np.float64)
-    assert np.isfinite(got).all(), "outputs left unwritten (NaN) or NaN computed"
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def _inputs(rng, m, n, k, dtype=np.float16):
