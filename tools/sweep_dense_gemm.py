@@ -37,13 +37,16 @@ CHECK_N = 96  # the workers' check problem's N (odd tiles at block_n 64 and 128)
 COLD_BYTES = 150 << 20  # weight bytes a timed call walks through (3x the H200's 50 MB L2)
 TOL = 2e-2  # of the largest output: bf16 y
 MARGIN = 0.03  # how much faster than cuBLAS a setting must be to enter the table
+SMEM_BYTES = 232448  # an sm_90 block's shared memory: builds whose pipeline needs more are not compiled
 
 
 def builds(m: int, quick: bool) -> list[dict]:
-    """The keywords that change a build at m rows (split_k only as 1 against more: the check runs each split)."""
+    """The keywords that change a build at m rows (split_k only as 1 against more: the check runs each split); those
+    whose num_stages bf16 tiles of W and x do not fit SMEM_BYTES are left out."""
     block_m = min(dgm.MAX_BLOCK_M, dgm.row_bucket(m))
     out = [dict(block_m=block_m, block_n=bn, block_k=bk, num_stages=ns, num_warps=8 if bn == 128 else 4, swap=True)
-           for bn, bk, ns in itertools.product(BLOCK_N, BLOCK_K, (4,) if quick else STAGES)]
+           for bn, bk, ns in itertools.product(BLOCK_N, BLOCK_K, (4,) if quick else STAGES)
+           if 2 * (bn + block_m) * bk * ns <= SMEM_BYTES]
     return out + [dict(block_m=block_m, block_n=64, block_k=128, num_stages=4, num_warps=4, swap=False)]
 
 
