@@ -116,11 +116,17 @@ class Result:
         return self.us == self.us and self.us <= self.cublas_us * (1 - margin)
 
 
-def time_problems(problems, bad: set, bench, budget: float, t0: float, quick: bool) -> list[Result]:
-    """cuBLAS and the coordinate search on each (m, n, k) until the budget is spent (those left: us = nan)."""
-    nan = float("nan")
-    return [_time_one(m, n, k, bad, bench, quick) if time.perf_counter() - t0 <= budget
-            else Result(m, n, k, nan, nan, nan, {}, 2 * (n * k + m * k + m * n)) for m, n, k in problems]
+def time_problems(problems, bad: set, bench, budget: float, t0: float, quick: bool, done=lambda results: None):
+    """cuBLAS and the coordinate search on each (m, n, k) until the budget is spent (those left: us = nan);
+    `done(results so far)` after each problem (the JSON is written as it goes: a call cut short keeps its rows)."""
+    nan, out = float("nan"), []
+    for m, n, k in problems:
+        out.append(_time_one(m, n, k, bad, bench, quick) if time.perf_counter() - t0 <= budget
+                   else Result(m, n, k, nan, nan, nan, {}, 2 * (n * k + m * k + m * n)))
+        r = out[-1]
+        print(f"  M={m} {n}x{k}: cuBLAS {r.cublas_us:.1f} us, ours {r.us:.1f} us {r.tiles or ''}", flush=True)
+        done(out)
+    return out
 
 
 def _time_one(m: int, n: int, k: int, bad: set, bench, quick: bool) -> Result:
@@ -210,15 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     from tools.bench_kernels import copy_gbps
 
     gbps = copy_gbps(torch, 2**30)
-    results = time_problems([(m, n, k) for m in ms for n, k in shapes], bad, lambda fn: BENCH(torch, fn), args.budget,
-                            t0, args.quick)
-    report(results, gbps, args.margin)
-    if args.json:
+    def write(results):
+        if not args.json:
+            return
         rows = [dict(m=r.m, n=r.n, k=r.k, us=r.us, cublas_us=r.cublas_us, own_us=r.own_us, gbps=r.gbps(r.us),
                      cublas_gbps=r.gbps(r.cublas_us), tiles=r.tiles, use=r.use(args.margin)) for r in results]
         with open(args.json, "w") as f:
             json.dump(dict(copy_gbps=gbps, margin=args.margin, failed=[str(j) for j in bad], results=rows), f,
                       indent=1)
+
+    results = time_problems([(m, n, k) for m in ms for n, k in shapes], bad, lambda fn: BENCH(torch, fn), args.budget,
+                            t0, args.quick, write)
+    report(results, gbps, args.margin)
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 
