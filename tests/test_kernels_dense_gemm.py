@@ -36,9 +36,10 @@ def _run(target, x, w, **kw):
 
 # (m, n, k, tiles): 9 and 64 rows; N of 70 and 45 (ragged last tile); K of one step (48: one masked 64-wide step),
 # several even steps (256 / 64), a ragged tail (200 / 64); split 1, 2 and 3 (3 over 4 steps: the last split
-# shorter); swap off
+# shorter); swap off; more rows than a tile
 CASES = [(9, 70, 48, {}), (64, 45, 256, dict(block_k=64, split_k=2)), (20, 33, 200, dict(block_k=64, split_k=3)),
-         (33, 40, 128, dict(block_k=32, swap=False, block_n=16)), (64, 70, 200, dict(block_k=64, split_k=1))]
+         (33, 40, 128, dict(block_k=32, swap=False, block_n=16)), (64, 70, 200, dict(block_k=64, split_k=1)),
+         (70, 24, 64, dict(block_n=16, block_k=32, split_k=2))]  # 70 rows: two 64-row tiles
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -46,6 +47,17 @@ CASES = [(9, 70, 48, {}), (64, 45, 256, dict(block_k=64, split_k=2)), (20, 33, 2
 def test_dense_matmul(target, m, n, k, tiles, rng):
     x, w = _inputs(rng, m, n, k)
     close(_run(target, x, w, **tiles), dgm.dense_matmul_ref(x, w), TOL[np.float16])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_strided_rows(target, rng):
+    """x and W as column slices of wider matrices (row strides past K), out a slice of a wider y."""
+    x, w = _inputs(rng, 12, 30, 96 + 40)
+    y = dev(np.full((12, 50), np.nan, np.float16), target)
+    got = dgm.dense_matmul(dev(x, target)[:, :96], dev(w, target)[:, :96], out=y[:, 5:35], target=target,
+                           block_k=32, split_k=2)
+    assert np.isnan(host(y)[:, :5]).all() and np.isnan(host(y)[:, 35:]).all()
+    close(host(got), dgm.dense_matmul_ref(x[:, :96], w[:, :96]), TOL[np.float16])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="F.linear needs torch")
