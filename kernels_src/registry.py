@@ -14,6 +14,7 @@ from ir.formats import int_groups
 from ir.formats.gguf_quants import row_bytes
 from kernels_src import (
     activations,
+    dense_gemm,
     dense_gemv,
     dequant_gemm,
     dequant_gemm_q4k,
@@ -257,6 +258,19 @@ for _p, (_n, _k) in {"none": (3072, 3072), "rms_norm": (6144, 4096), "add_rms_no
         dense_gemv_bytes, floats=("eps",), flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dense_gemv.dense_gemv,
         notes="x2: add_rms_norm's residual or gated's up; s_out: add_rms_norm's sum (program 0 writes it); r: the "
               "residual epilogue's input"))
+
+# --- dense GEMM: a decode batch of 64 through Llama-3-8B's down projection (split-K's partials and reduce) ---------
+
+_tiles = dense_gemm.default_tiles(64, 4096, 14336)
+for _key in ("num_warps", "num_stages", "SPLIT"):
+    _tiles.pop(_key)
+register(KernelEntry(
+    "dense_gemm", dense_gemm.dense_gemm_kernel, dict(EVEN_K=True, PDL=True, **_tiles),
+    _ptrs(BF16, "w", "x", y="*fp32"), dict(m=64, n=4096, k=14336, dtype=BF16),
+    lambda m, n, k, dtype: ITEMSIZE[dtype] * (n * k + m * k + m * n), flops=lambda m, n, k, **_: 2 * m * n * k,
+    launcher=dense_gemm.dense_matmul,
+    notes="split-K (default_tiles) writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y; "
+          "bytes_moved leaves the partials out (they stay in L2)"))
 
 # --- dequantizing rows: a whole 14336 x 4096 GGUF matrix to bf16, as before a GEMM in prefill ----------------------
 

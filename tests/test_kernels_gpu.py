@@ -56,6 +56,10 @@ SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m9_padded", dict(m=9, n=77, 
               ("m64_split", dict(m=64, n=520, k=14336)), ("m256", dict(m=256, n=200, k=1024)),
               ("m33_noswap", dict(m=33, n=130, k=2048, swap=False))]
           for n in REGISTRY if n.startswith("dequant_gemm_")}
+# the dense GEMM: 9 rows (a 16-row tile mostly clamped rows) on a ragged N and K tail, the bench's split-K at 64 rows,
+# x @ W.T (swap off) over 33 rows, and a wider batch than the table's buckets
+SIZES["dense_gemm"] = [("m9_ragged", dict(m=9, n=77, k=1000)), ("m64_split", dict(m=64, n=520, k=14336)),
+                       ("m33_noswap", dict(m=33, n=130, k=2048, swap=False)), ("m128", dict(m=128, n=200, k=1024))]
 # decode batches of 1 and 16, and a prefill whose experts take many blocks each
 # a decode batch and a prefill's tokens through DeepSeek-V3's router
 # integer groups: the bench's token, 8 rows of int8 in groups of 32, and group -1 (a whole 1024-wide row) at 3 rows,
@@ -118,7 +122,7 @@ SIZES |= {n: [("m1", dict(m=1, n=300, k=4096)), ("m3_odd", dict(m=3, n=77, k=100
               ("m8_phi3", dict(m=8, n=3072, k=8192))]
           for n in REGISTRY if n.startswith("dense_gemv")}
 # their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
-TRITON_ONLY = ("dequant_gemm_", "moe_gemm", "moe_gemv", "mmq_", "int_group_gemm")
+TRITON_ONLY = ("dense_gemm", "dequant_gemm_", "moe_gemm", "moe_gemv", "mmq_", "int_group_gemm")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim"),

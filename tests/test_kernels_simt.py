@@ -17,6 +17,7 @@ from test_kernels_gemv import k_for, padded_weights
 
 from kernels_src import (
     activations,
+    dense_gemm,
     dense_gemv,
     dequant_gemm,
     fp8_gemv,
@@ -229,6 +230,7 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            moe_route.moe_route_kernel,  # its simt-cpu case: test_kernels_moe_route.py
            mla_decode.mla_decode_kernel,  # its simt-cpu case: test_kernels_mla.py
            dense_gemv.dense_gemv_kernel,  # its simt-cpu case: test_kernels_dense_gemv.py
+           dense_gemm.dense_gemm_kernel,  # its simt-cpu case: test_kernels_dense_gemm.py
            # their simt-cpu case: test_kernels_int_group.py
            int_group_gemv.int_group_gemv_kernel, int_group_gemv.int_group_dequantize_kernel,
            int_group_gemm.int_group_gemm_kernel,  # its simt-cpu case: test_kernels_int_group_gemm.py

@@ -95,6 +95,9 @@ ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): ea
     "no dense GEMV": ({"dense_gemv": False}, None, True),
     "dense GEMV to 8 rows": ({"dense_gemv": True, "gemv_max_rows": 8}, None, True),
     "dense GEMV with prologues": ({"dense_gemv": True, "gemv_prologues": True}, None, True),
+    # 9+ row linears through kernels_src/dense_gemm where its table lists them (LLM_ENGINE_DENSE_GEMM_TUNED=FILE of
+    # tools/sweep_dense_gemm --json, or dense_gemm.TUNED): off, every one on cuBLAS
+    "no dense GEMM": ({"dense_gemm": False}, None, True),
 }
 
 

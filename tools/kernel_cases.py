@@ -33,7 +33,7 @@ from tools.kernel_cases_attention import (
     paged_decode_reduce_case,
     paged_prefill_case,
 )
-from tools.kernel_cases_dense import dense_gemv_case
+from tools.kernel_cases_dense import dense_gemm_case, dense_gemv_case
 from tools.kernel_cases_fp8 import fp8_gemv_case
 from tools.kernel_cases_int_group import int_group_dequantize_case, int_group_gemm_case, int_group_gemv_case
 
@@ -367,6 +367,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
     "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_route": _moe_route,
     **{n: functools.partial(_moe, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf")},
+    "dense_gemm": dense_gemm_case,
     "int_group_gemv": functools.partial(int_group_gemv_case, name="int_group_gemv"),
     "int_group_gemm": functools.partial(int_group_gemm_case, name="int_group_gemm"),
     "int_group_dequantize": functools.partial(int_group_dequantize_case, name="int_group_dequantize"),

@@ -1,8 +1,10 @@
-"""The dense GEMV's GPU case for tools/kernel_cases.py (and its inputs, which tools/sweep_dense_gemv times): a
-decode batch through one projection with its prologue, checked on sampled columns against the numpy reference."""
+"""The dense GEMV's and GEMM's GPU cases for tools/kernel_cases.py (and the GEMV's inputs, which
+tools/sweep_dense_gemv times): a decode batch through one projection (the GEMV's with its prologue), checked on
+sampled columns against the numpy reference."""
 
 from __future__ import annotations
 
+from kernels_src import dense_gemm as dgm
 from kernels_src import dense_gemv as dg
 from tools.kernel_case_base import Case, Dev, combine, compare, host, written
 
@@ -52,3 +54,22 @@ def dense_gemv_case(d: Dev, p: dict, name: str) -> Case:
 
     return Case(name, p, lambda target: dg.dense_gemv(x, w, prologue=pro, residual=res, out=y, target=target,
                                                       **tiles), check, prepare)
+
+
+GEMM_KEYS = ("block_m", "block_n", "block_k", "split_k", "swap", "num_warps", "num_stages")
+
+
+def dense_gemm_case(d: Dev, p: dict) -> Case:
+    """dense_matmul at default tiles unless p names launcher keywords (GEMM_KEYS); sampled columns against the
+    float64 reference."""
+    m, n, k, dt = p["m"], p["n"], p["k"], d.dtype(p["dtype"])
+    x, w, y = d.randn((m, k), dt), d.randn((n, k), dt, k ** -0.5), d.nan((m, n), dt)
+    tiles = {key: p[key] for key in GEMM_KEYS if key in p}
+
+    def check():
+        i = d.sample(n)
+        return combine(written("y", y), compare("y", host(y[:, i]), dgm.dense_matmul_ref(host(x), host(w[i])),
+                                                p["dtype"]))
+
+    return Case("dense_gemm", p, lambda target: dgm.dense_matmul(x, w, out=y, target=target, **tiles), check,
+                lambda target: y.fill_(float("nan")))

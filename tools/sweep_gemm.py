@@ -196,9 +196,11 @@ def _time(torch, fn) -> float:
 BENCH = _time  # us of a call (a CPU test puts a fake clock here)
 
 
-def search(bench, run, start: dict, ok, extra: dict | None = None) -> tuple[dict, float, float, int]:
-    """Coordinate search from `start` (each keyword in turn over its values, then extra's, keeping the best;
-    num_warps follows block_n: 8 for 128): (best, its us, start's us, settings timed)."""
+def search(bench, run, start: dict, ok, axes: dict | None = None,
+           extra: dict | None = None) -> tuple[dict, float, float, int]:
+    """Coordinate search from `start` (each keyword of `axes`, by default block_n, num_stages, split_k and swap, then
+    extra's, in turn over its values, keeping the best; num_warps follows block_n: 8 for 128): (best, its us,
+    start's us, settings timed)."""
     seen: dict = {}
 
     def t(cfg):
@@ -209,8 +211,8 @@ def search(bench, run, start: dict, ok, extra: dict | None = None) -> tuple[dict
 
     best, good = dict(start), ok(start)
     base = t(best) if good else float("nan")  # own tiles that failed the check are not timed
-    for key, values in dict(block_n=BLOCK_N, num_stages=STAGES, split_k=SPLITS, swap=(True, False),
-                            **(extra or {})).items():
+    axes = dict(axes or dict(block_n=BLOCK_N, num_stages=STAGES, split_k=SPLITS, swap=(True, False)), **(extra or {}))
+    for key, values in axes.items():
         for v in values:
             cand = dict(best, **{key: v})
             if key == "block_n":
@@ -247,7 +249,7 @@ def _search_one(kind: Kind, v: str, m: int, k: int, xws: tuple, bench, bad: set,
         for w in ws:
             call(kind, v, x, w, y, c)
 
-    best, us, base, _ = search(bench, run, rule(kind, v, m, y.shape[1], k), ok, axes(kind, v))
+    best, us, base, _ = search(bench, run, rule(kind, v, m, y.shape[1], k), ok, extra=axes(kind, v))
     return best, us / len(ws), base / len(ws)
 
 

@@ -1,5 +1,6 @@
 """A step's linears over dense fp16/bf16 weights through kernels_src/dense_gemv where the step has at most 8 rows,
-with the op before each (and the residual add after it) run inside the GEMV.
+with the op before each (and the residual add after it) run inside the GEMV (and which wider steps' linears
+kernels_src/dense_gemm takes: dense_gemm_takes).
 
 The fused graph (ir.fusion) puts each projection right after what makes its input: rms_norm -> linear (the first
 layer's qkv), add_rms_norm -> linear (qkv and gate_up: the normed result goes to the linear, the sum on down the
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from backends.cuda.runtime import torch
 from ir.graph import Graph, Node
+from kernels_src import dense_gemm as dgm
 from kernels_src import dense_gemv as dg
 
 DTYPES = (torch.float16, torch.bfloat16)  # weights the GEMV streams (a CPU test adds fp32)
@@ -34,6 +36,14 @@ def gemv_rows(x, max_rows: int = dg.MAX_ROWS) -> int | None:
         return None
     rows = x.numel() // x.shape[-1]
     return rows if 1 <= rows <= min(max_rows, dg.MAX_ROWS) else None
+
+
+def dense_gemm_takes(x, w) -> bool:
+    """Whether dense_gemm runs x @ w.T: a matrix gemv_weight takes, x of its dtype, and a table entry for the
+    problem (its row bucket, N, K): with an empty table every linear stays on cuBLAS."""
+    if not gemv_weight(w) or x.dtype != w.dtype or x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        return False
+    return bool(dgm.tuned(x.numel() // max(1, x.shape[-1]), w.shape[0], w.shape[1]))
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from kernels_src import (
     rope,
     rope_kv_write,
 )
+from kernels_src.dense_gemm import dense_matmul
 from kernels_src.dense_gemv import dense_gemv
 from kernels_src.dequant_gemv import dequant_gemv
 from kernels_src.dequant_gemv_i8 import I8_TARGETS
@@ -101,6 +102,9 @@ class Runner:
         self.dense_gemv = device.type == "cuda"
         self.gemv_prologues = False
         self.gemv_max_rows = 1
+        # Dense linears of 9+ rows through kernels_src/dense_gemm where its table (TUNED, LLM_ENGINE_DENSE_GEMM_TUNED)
+        # lists the (row bucket, N, K): a GPU sweep saw it beat cuBLAS there (tools/sweep_dense_gemm); else cuBLAS.
+        self.dense_gemm = device.type == "cuda"
         # Q4_K / Q6_K linears of MMQ_MIN_ROWS..mmq_max_rows rows through kernels_src/gguf_mmq, in mmq_variant (None:
         # MMQ_TUNED's choice per problem, else MMQ_VARIANT); a benchmark may change both (tools/bench_gguf --mmq).
         self.mmq_variant: str | None = None
@@ -291,6 +295,9 @@ class Runner:
             x2 = x.reshape(-1, x.shape[-1])
             y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target,
                            pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
+        elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
+            y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
+                             pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
         else:
             y = F.linear(x, w)
         return y if b is None else y + b
