@@ -36,8 +36,18 @@ TUNED_ENV = "LLM_ENGINE_DENSE_GEMM_TUNED"
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", block_k="BLOCK_K", split_k="SPLIT", swap="SWAP",
              num_warps="num_warps", num_stages="num_stages")
 # (row bucket, n, k) -> launcher keywords that beat cuBLAS by >= 3% on an H200 (tools/sweep_dense_gemm prints this
-# literal). Empty until a GPU sweep fills it: a problem not listed stays on cuBLAS in the runner.
-TUNED: dict[tuple[int, int, int], dict] = {}
+# literal): a problem not listed stays on cuBLAS in the runner. `sweep_dense_gemm --ms 64,16,32 --quick`, 2026-12-03
+# 22:31 UTC (cuBLAS us -> ours): o at 16 and 32 rows 13.8 -> 10.7 and 14.0 -> 11.8, down at 16 32.3 -> 31.2, qkv at 16
+# 15.9 -> 15.2, the LM head at 32 and 64 257.3 -> 242.7 and 271.5 -> 252.3; cuBLAS kept qkv and o at 64 rows
+# (ours 0.88x, 0.91x) and gate_up everywhere.
+TUNED: dict[tuple[int, int, int], dict] = {
+    (16, 4096, 4096): dict(block_m=16, block_n=64, block_k=64, split_k=4, swap=True, num_warps=4, num_stages=4),
+    (16, 4096, 14336): dict(block_m=16, block_n=64, block_k=64, split_k=4, swap=True, num_warps=4, num_stages=4),
+    (16, 6144, 4096): dict(block_m=16, block_n=32, block_k=128, split_k=2, swap=True, num_warps=4, num_stages=4),
+    (32, 4096, 4096): dict(block_m=32, block_n=64, block_k=64, split_k=4, swap=True, num_warps=4, num_stages=4),
+    (32, 128256, 4096): dict(block_m=32, block_n=128, block_k=128, split_k=1, swap=True, num_warps=8, num_stages=4),
+    (64, 128256, 4096): dict(block_m=64, block_n=128, block_k=128, split_k=1, swap=True, num_warps=8, num_stages=4),
+}
 
 
 def dense_gemm_kernel(w, x, y, m_rows, n_rows, n_cols, w_stride, x_stride, y_stride, split_stride, n_steps,

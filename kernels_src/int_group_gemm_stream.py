@@ -87,6 +87,15 @@ def int_group_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_
     store_tile(acc, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
 
 
+def stream_fits(bits: int, k: int) -> bool:
+    """Whether the default stream step tiles a row of k inputs at `bits` bits."""
+    try:
+        stream_bk(bits, k)
+    except ValueError:
+        return False
+    return True
+
+
 def stream_bk(bits: int, k: int, bk: int | None = None) -> int:
     """The step (STREAM_BK unless given), checked: whole words a row at least MIN_DEPTH deep, a power of two of
     them, and dividing the row."""
