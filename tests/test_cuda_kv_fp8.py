@@ -64,8 +64,8 @@ def test_tiny_models_read_what_the_reference_rounds(case, device, tmp_path, monk
         assert [t.dtype for t in layer] == [torch.uint8] * 2 + [torch.float32] * 2
         assert layer[2].shape == layer[0].shape[:3]  # a scale a token and head
     rounded_writes(monkeypatch)  # rope, then the plain write (rope_kv_write would round k before rotating it)
-    want, want_first = backend_greedy(_backend(model, device, fusions=Fusions(rope_attention=False)), ref, prompts,
-                                      5, BS)
+    emulated = _backend(model, device, fusions=Fusions(rope_attention=False), cuda_graph=False)  # host round trips
+    want, want_first = backend_greedy(emulated, ref, prompts, 5, BS)
     err = float(np.abs(first - want_first).max()) / float(np.abs(want_first).max())
     assert err < TINY_RTOL, err
     assert tokens == want
