@@ -20,6 +20,8 @@ import numpy as np
 from ir.formats import fp8_blocks
 from kernels_src import e4m3
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.kv_int8 import scale_strides  # noqa: F401  (the same block, token and head strides: quant_args')
+from kernels_src.kv_write import check_caches, quantized_write_ref
 
 TINY = 1e-30  # an all-zero head divides by this and stores scale 0 (codes 0), not 0/0
 
@@ -75,16 +77,10 @@ def check_scales(k_cache, v_cache, k_scales, v_scales) -> None:
                 raise ValueError(f"fp8 caches and their scales must be contiguous ({name}: {dims}, strides {strides})")
 
 
-def scale_strides(k_scales) -> tuple[int, int, int]:
-    return elem_stride(k_scales, 0), elem_stride(k_scales, 1), elem_stride(k_scales, 2)
-
-
 def kv_write_fp8(k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping, *, target: str = "numpy",
                  pdl: bool | None = None) -> None:
     """Quantize k, v [T, Hkv, D] (token and head strides free, D contiguous) into e4m3 paged caches and scales."""
-    t, h, d = k.shape
-    if tuple(k_cache.shape[2:]) != (h, d) or tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"caches {tuple(k_cache.shape)} do not hold [*, *, {h}, {d}]")
+    t, h, d = check_caches(k, k_cache, v_cache)
     check_scales(k_cache, v_cache, k_scales, v_scales)
     if elem_stride(k, 2) != 1 or elem_stride(v, 2) != 1:
         raise ValueError("k and v need contiguous head dims")
@@ -121,9 +117,4 @@ def dequantize_ref(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def kv_write_fp8_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_scales: np.ndarray,
                      v_scales: np.ndarray, slot_mapping: np.ndarray) -> None:
-    block_size = k_cache.shape[1]
-    for t, slot in enumerate(np.asarray(slot_mapping)):
-        if slot >= 0:
-            at = (slot // block_size, slot % block_size)
-            k_cache[at], k_scales[at] = quantize_ref(k[t])
-            v_cache[at], v_scales[at] = quantize_ref(v[t])
+    quantized_write_ref(quantize_ref, k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from backend_greedy import backend_greedy
 from kv_int8_models import tiny_model
-from test_cuda_kv_int8 import BS, DEVICES, GPU, _backend
+from test_cuda_kv_int8 import BS, DEVICES, GPU, _backend, smollm_keeps_its_tokens
 from test_tiny_models import prompt
 
 from backends.base import create_backend
@@ -91,13 +91,7 @@ def test_bytes_a_block(tmp_path):
 def test_smollm_keeps_its_greedy_tokens(smollm, device):
     """SmolLM2 with the fp8 cache: the same 16 greedy tokens as its 16-bit cache (dense fp32 on CPU tensors; its
     GGUF weights in bf16 on a GPU, CUDA graphs on), first-step logits within SMOLLM_TOL."""
-    ids = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    ref = ReferenceRunner(smollm, max_tokens=256, block_size=16)
-    kw = dict(quantized=False) if device == "cpu" else dict(dtype="bf16")
-    want, want_first = backend_greedy(_backend(smollm, device, **kw), ref, [ids], 16, 16)
-    tokens, first = backend_greedy(_backend(smollm, device, kv_cache_dtype="fp8", **kw), ref, [ids], 16, 16)
-    assert tokens == want and "Paris" in smollm.tokenizer.decode(tokens[0])
-    err = float(np.abs(first - want_first).max())
+    err = smollm_keeps_its_tokens(smollm, device, "fp8")
     assert 0 < err < SMOLLM_TOL, err
 
 

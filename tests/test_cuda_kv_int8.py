@@ -75,14 +75,20 @@ def test_bytes_a_block(tmp_path):
 def test_smollm_keeps_its_greedy_tokens(smollm, device):
     """SmolLM2 with the int8 cache: the same 16 greedy tokens as its 16-bit cache (dense fp32 on CPU tensors; its
     GGUF weights in bf16 on a GPU, CUDA graphs on)."""
+    err = smollm_keeps_its_tokens(smollm, device, "int8")
+    assert 0 < err < SMOLLM_TOL, err
+
+
+def smollm_keeps_its_tokens(smollm, device: str, kv_cache_dtype: str) -> float:
+    """Asserts SmolLM2's 16 greedy tokens under `kv_cache_dtype` are its 16-bit cache's (and say Paris); returns the
+    largest change of its first-step logits."""
     ids = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     ref = ReferenceRunner(smollm, max_tokens=256, block_size=16)
     kw = dict(quantized=False) if device == "cpu" else dict(dtype="bf16")
     want, want_first = backend_greedy(_backend(smollm, device, **kw), ref, [ids], 16, 16)
-    tokens, first = backend_greedy(_backend(smollm, device, kv_cache_dtype="int8", **kw), ref, [ids], 16, 16)
+    tokens, first = backend_greedy(_backend(smollm, device, kv_cache_dtype=kv_cache_dtype, **kw), ref, [ids], 16, 16)
     assert tokens == want and "Paris" in smollm.tokenizer.decode(tokens[0])
-    err = float(np.abs(first - want_first).max())
-    assert 0 < err < SMOLLM_TOL, err
+    return float(np.abs(first - want_first).max())
 
 
 def test_refusals(tmp_path):

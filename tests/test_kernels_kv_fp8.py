@@ -15,6 +15,7 @@ import torch
 from test_isq_quantizers import _interesting
 from test_kernels_attention import paged_cache
 from test_kernels_basic import HAS_TRITON, TARGETS, dev, host
+from test_kernels_kv_int8 import aot_sm90, check_prefill
 
 from kernels_src import e4m3, kv_fp8
 from kernels_src import paged_attention as pa
@@ -146,24 +147,12 @@ def test_paged_decode_fp8(target, case, rng):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_paged_prefill_fp8(target, rng):
-    hq, hkv, d, bs = 4, 2, 64, 4
-    ctx, qlen = np.array([9, 21], np.int32), np.array([9, 6], np.int32)  # a whole prompt, a chunk after 15 tokens
-    (kc, ks, vc, vs), tables = _fp8_cache(rng, ctx, hkv, d, bs)
-    starts = np.concatenate([[0], np.cumsum(qlen)]).astype(np.int32)
-    q = rng.standard_normal((int(starts[-1]), hq, d)).astype(np.float32)
+    def plant(vs):
+        wrong = vs.copy()
+        wrong[:, ::3] *= 1.5  # one token in three's values a little off
+        return wrong
 
-    def run(v_scales):
-        out = pp.paged_prefill(dev(q, target), dev(kc, target), dev(vc, target), dev(tables, target),
-                               dev(ctx, target), dev(starts, target), 0.2, sliding_window=12, block_m=16, block_n=16,
-                               k_scales=dev(ks, target), v_scales=dev(v_scales, target), target=target)
-        return host(out)
-
-    deq = kv_fp8.dequantize_ref
-    want = pp.paged_prefill_ref(q, deq(kc, ks), deq(vc, vs), tables, ctx, starts, 0.2, sliding_window=12)
-    np.testing.assert_allclose(run(vs), want, **TOL)
-    wrong = vs.copy()
-    wrong[:, ::3] *= 1.5
-    assert not np.allclose(run(wrong), want, **TOL)
+    check_prefill(target, rng, _fp8_cache, kv_fp8.dequantize_ref, plant)
 
 
 def test_fp16_queries_on_the_interpreter(rng):
@@ -189,24 +178,5 @@ def test_fp8_cache_refusals():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="AOT builds need TRITON_INTERPRET unset")
 @pytest.mark.parametrize("name", ["write", "decode", "prefill"])
 def test_aot_sm90_fp8(name, tmp_path, monkeypatch):
-    from test_kernels_basic import _sig
-    from test_kernels_gemv import _stack_bytes
-
-    from kernels_src.dsl.triton_target import aot_compile
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    codes = {"k_cache": "*u8", "v_cache": "*u8", "k_scales": "*fp32", "v_scales": "*fp32"}
-    att = codes | {"q": "*bf16", "out": "*bf16", "block_tables": "*i32", "context_lens": "*i32"}
-    fn, consts, ptrs = {
-        "write": (kv_fp8.kv_write_fp8_kernel, dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, PDL=True),
-                  codes | {"k": "*bf16", "v": "*bf16", "slots": "*i64"}),
-        "decode": (pa.paged_decode_fp8_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
-                                                    BS=16, PARTITION=512, SPLIT=True, SOFTCAP=False, PDL=True),
-                   att | dict.fromkeys(("part_m", "part_l", "part_acc"), "*fp32")),
-        "prefill": (pp.paged_prefill_fp8_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64,
-                                                      BS=16, SOFTCAP=False, PDL=True), att | {"query_start": "*i32"}),
-    }[name]
-    k = dsl_compile(fn, "triton", **consts).trace(signature=_sig(fn, ptrs, floats=("scale", "softcap")))
-    compiled = aot_compile(k, arch=90, aligned=True)  # as the JIT specializes the runner's tensors
-    assert ".target sm_90a" in compiled.asm["ptx"]
-    assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0  # nothing spilled (as the 16-bit kernels)
+    kernels = (kv_fp8.kv_write_fp8_kernel, pa.paged_decode_fp8_kernel, pp.paged_prefill_fp8_kernel)
+    aot_sm90(name, kernels, dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, PDL=True), "*u8", tmp_path, monkeypatch)
