@@ -30,6 +30,7 @@ torch = pytest.importorskip("torch")
 # (a value within 1/16 of itself) to 6-12% of the largest logit and changes their greedy tokens (int8's groups of 32
 # keep them within 5%), so the tiny models check the cache against its codec, and SmolLM2 against the 16-bit cache.
 TINY_RTOL = 1e-4
+STEPS = 3  # greedy steps of the tiny models: a prefill and two decode steps (each ~3 s under Triton's interpreter)
 # SmolLM2's first-step logits (the largest ~25): the fp8 cache moved them by 1.26 on CPU tensors in fp32 (int8's
 # groups of 32: 0.57; e4m3 keeps 3 significant bits where int8 keeps ~7 of a group's largest), its 16 greedy tokens
 # the same; a wrong scale or head moves them by whole units and changes the tokens.
@@ -59,13 +60,13 @@ def test_tiny_models_read_what_the_reference_rounds(case, device, tmp_path, monk
     prompts = [prompt(1), prompt(2, 9), prompt(3, 17)]
     ref = ReferenceRunner(model, max_tokens=64, block_size=BS)
     fp8 = _backend(model, device, kv_cache_dtype="fp8")
-    tokens, first = backend_greedy(fp8, ref, prompts, 5, BS)
+    tokens, first = backend_greedy(fp8, ref, prompts, STEPS, BS)
     for layer in fp8.kv:
         assert [t.dtype for t in layer] == [torch.uint8] * 2 + [torch.float32] * 2
         assert layer[2].shape == layer[0].shape[:3]  # a scale a token and head
     rounded_writes(monkeypatch)  # rope, then the plain write (rope_kv_write would round k before rotating it)
     emulated = _backend(model, device, fusions=Fusions(rope_attention=False), cuda_graph=False)  # host round trips
-    want, want_first = backend_greedy(emulated, ref, prompts, 5, BS)
+    want, want_first = backend_greedy(emulated, ref, prompts, STEPS, BS)
     err = float(np.abs(first - want_first).max()) / float(np.abs(want_first).max())
     assert err < TINY_RTOL, err
     assert tokens == want
