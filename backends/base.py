@@ -130,17 +130,14 @@ CUDA_ONLY = ("device", "cuda_graph", "rendezvous")  # options only the CUDA back
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # --kv-cache-dtype
 
 
-def kv_cache_int8(kv_cache_dtype: str, backend: str) -> bool:
-    """Whether `backend` ("mlx" or "cuda") keeps an 8-bit KV cache; what it cannot take is refused, saying what to
-    use instead."""
+def kv_cache_quant(kv_cache_dtype: str, backend: str) -> str | None:
+    """The 8-bit KV cache `backend` ("mlx" or "cuda") keeps ("int8", "fp8"), None for the activations' dtype; what
+    it cannot take is refused, saying what to use instead."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
     if kv_cache_dtype == "fp8" and backend == "mlx":
         raise ValueError("--kv-cache-dtype fp8: MLX has no FP8 type; its 8-bit KV cache is --kv-cache-dtype int8")
-    if kv_cache_dtype == "fp8" and backend == "cuda":
-        raise NotImplementedError("--kv-cache-dtype fp8: the CUDA backend's attention kernels (the kernel DSL) have no "
-                                  "FP8 type yet; its 8-bit KV cache is --kv-cache-dtype int8")
-    return kv_cache_dtype == "int8"
+    return None if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def create_backend(name: str, model: LoadedModel, **options) -> Backend:
@@ -148,7 +145,7 @@ def create_backend(name: str, model: LoadedModel, **options) -> Backend:
     if name == "auto":
         name = "cuda" if _cuda_usable() else "mlx"
     if name in ("mlx", "cuda"):  # a KV cache dtype the backend cannot take: refused before anything starts
-        kv_cache_int8(options.get("kv_cache_dtype", "auto"), name)
+        kv_cache_quant(options.get("kv_cache_dtype", "auto"), name)
     if name == "mlx":
         from backends.mlx.backend import MLXBackend
         if isinstance(options.get("device"), list | tuple) or options.get("rendezvous") is not None:

@@ -22,18 +22,13 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats import fp8_blocks
+from kernels_src import e4m3
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.paged_attention import empty
 
 MAX_ROWS = 8
 VEC = 16  # bytes (weights) a lane loads a row and step; every group is a multiple of it
-FP16_SHIFT = 256.0  # 2 ** (15 - 7): fp16's exponent bias over e4m3's
-
-
-def e4m3_as_f32(c):
-    """fp32 values of e4m3 byte tiles (any integer dtype holding 0-255) times 2^-8 (NaN codes: 480 * 2^-8)."""
-    ci = c.to(tl.int32)
-    return ((ci + (ci & 0x80)) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+e4m3_as_f32 = e4m3.decode_f32  # a module global, so a test can plant a wrong decoder
 
 
 def fp8_gemv_kernel(codes, scales, x, y, n_rows, n_cols, c_stride, s_stride, x_stride, y_stride,
@@ -54,7 +49,7 @@ def fp8_gemv_kernel(codes, scales, x, y, n_rows, n_cols, c_stride, s_stride, x_s
         # K is a multiple of 16: a lane's bytes are all in or all out (Triton sees that from n_cols % 16 == 0)
         lmask, mask = (None, None) if EVEN_K else (k0 + lane < n_cols, k0 + idx < n_cols)
         cv = [tl.load(cr + k0 + idx, mask=mask, other=0) for cr in c_rows]  # weights: before the wait
-        sv = [tl.load(sr + (k0 + lane) // GROUP, mask=lmask, other=0.0) * FP16_SHIFT for sr in s_rows]
+        sv = [tl.load(sr + (k0 + lane) // GROUP, mask=lmask, other=0.0) * e4m3.FP16_SHIFT for sr in s_rows]
         if PDL:
             tl.wait_prior_grid()
         wv = [e4m3_as_f32(c) for c in cv]

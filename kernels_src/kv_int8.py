@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.kv_write import check_caches, quantized_write_ref
 
 GROUP = 32
 QMAX = 127.0
@@ -86,9 +87,7 @@ def scale_strides(k_scales) -> tuple[int, int, int]:
 def kv_write_int8(k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping, *, target: str = "numpy",
                   pdl: bool | None = None) -> None:
     """Quantize k, v [T, Hkv, D] (token and head strides free, D contiguous) into int8 paged caches and scales."""
-    t, h, d = k.shape
-    if tuple(k_cache.shape[2:]) != (h, d) or tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"caches {tuple(k_cache.shape)} do not hold [*, *, {h}, {d}]")
+    t, h, d = check_caches(k, k_cache, v_cache)
     check_scales(k_cache, v_cache, k_scales, v_scales)
     if t == 0:
         return
@@ -119,9 +118,4 @@ def dequantize_ref(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def kv_write_int8_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, k_scales: np.ndarray,
                       v_scales: np.ndarray, slot_mapping: np.ndarray) -> None:
-    block_size = k_cache.shape[1]
-    for t, slot in enumerate(np.asarray(slot_mapping)):
-        if slot >= 0:
-            at = (slot // block_size, slot % block_size)
-            k_cache[at], k_scales[at] = quantize_ref(k[t])
-            v_cache[at], v_scales[at] = quantize_ref(v[t])
+    quantized_write_ref(quantize_ref, k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping)

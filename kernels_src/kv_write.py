@@ -28,11 +28,17 @@ def kv_write_kernel(k, v, k_cache, v_cache, slots, n_heads, head_dim, k_stride, 
     tl.store(v_cache + dst, vv, mask=mask)
 
 
-def kv_write(k, v, k_cache, v_cache, slot_mapping, *, target: str = "numpy", pdl: bool | None = None) -> None:
-    """Write k, v [T, Hkv, D] (token and head strides free, D contiguous) into contiguous paged caches."""
+def check_caches(k, k_cache, v_cache) -> tuple[int, int, int]:
+    """(T, Hkv, D) of k [T, Hkv, D], once both caches are seen to hold [*, *, Hkv, D]."""
     t, h, d = k.shape
     if tuple(k_cache.shape[2:]) != (h, d) or tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"caches {tuple(k_cache.shape)} do not hold [*, *, {h}, {d}]")
+    return t, h, d
+
+
+def kv_write(k, v, k_cache, v_cache, slot_mapping, *, target: str = "numpy", pdl: bool | None = None) -> None:
+    """Write k, v [T, Hkv, D] (token and head strides free, D contiguous) into contiguous paged caches."""
+    t, h, d = check_caches(k, k_cache, v_cache)
     pdl = use_pdl(target, pdl)
     kern = compile(kv_write_kernel, target, launch_pdl=pdl, BLOCK_H=tl.next_power_of_2(h),
                    BLOCK_D=tl.next_power_of_2(d), PDL=pdl)
@@ -47,3 +53,14 @@ def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.
         if slot >= 0:
             k_cache[slot // block_size, slot % block_size] = k[t]
             v_cache[slot // block_size, slot % block_size] = v[t]
+
+
+def quantized_write_ref(quantize, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                        k_scales: np.ndarray, v_scales: np.ndarray, slot_mapping: np.ndarray) -> None:
+    """An 8-bit cache's write: each token's k and v heads through `quantize` (-> codes, scales) into its slot."""
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(np.asarray(slot_mapping)):
+        if slot >= 0:
+            at = (slot // block_size, slot % block_size)
+            k_cache[at], k_scales[at] = quantize(k[t])
+            v_cache[at], v_scales[at] = quantize(v[t])

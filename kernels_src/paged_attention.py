@@ -14,23 +14,37 @@ exit at once. A grid of one partition skips the scratch and the reduce.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ir.interpreter import attend_cached
+from kernels_src import e4m3, kv_fp8, kv_int8
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
-from kernels_src.kv_int8 import GROUP as QGROUP
-from kernels_src.kv_int8 import check_scales, scale_strides
 
 LOG2E = 1.4426950408889634
 NEG_BIG = -1.0e30  # running maxima start finite: rows with every key masked stay NaN-free
 NO_WINDOW = 1 << 30
 
 
+class CacheScales(NamedTuple):
+    """A quantized cache's scales as `attend` reads them (pointers and their block, token and head strides):
+    int8 codes with a scale per group of kv_int8.GROUP values, or (fp8) e4m3 codes with one per token and head."""
+
+    k: object
+    v: object
+    block_stride: object
+    tok_stride: object
+    head_stride: object
+    fp8: bool = False
+
+
 def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window, kv_block_stride, kv_tok_stride,
            kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales=None):
     """Online softmax of query rows qv [M, BLOCK_D] (cache index qi [M]) over cache indices [lo, hi): (m, den, acc).
-    `scales`: None for float caches; for int8 codes (kv_int8's layout) (k_scales, v_scales, their block, token and
-    head strides), each tile dequantized in registers to q's dtype before its dot."""
+    `scales`: None for float caches, else CacheScales: int8 tiles are dequantized in registers to q's dtype before
+    their dots; fp8 tiles are decoded (exactly, times 2^-8) and their per-token scales applied to the scores (keys)
+    and to the probabilities (values), one multiply a token instead of one an element."""
     n = tl.arange(0, BLOCK_N)
     rows = qv.shape[0]
     qk_scale = scale * LOG2E
@@ -45,16 +59,25 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
         # behind the QK dot. Triton's sm_90 pipeliner already issues both as cp.async, either way.
         kt = tl.load(k_cache + off[None, :] + d[:, None], mask=dmask[:, None] & valid[None, :], other=0.0)
         vt = tl.load(v_cache + off[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        if scales is not None:
+        fp8 = scales is not None and scales.fp8
+        if fp8:
+            soff = blk * scales.block_stride + (toks % BS) * scales.tok_stride + kvh * scales.head_stride
+            ks = tl.load(scales.k + soff, mask=valid, other=0.0) * e4m3.FP16_SHIFT
+            vs = tl.load(scales.v + soff, mask=valid, other=0.0) * e4m3.FP16_SHIFT
+            kt, vt = e4m3.decode_f16(kt).to(qv.dtype), e4m3.decode_f16(vt).to(qv.dtype)
+        elif scales is not None:
             kt, vt = dequantize_tiles(kt, vt, scales, blk, toks % BS, kvh, d, dmask, valid, qv.dtype)
         s = tl.dot(qv, kt)
+        if fp8:
+            s = s * ks[None, :]
         s = softcap * LOG2E * tl.tanh(s * (scale / softcap)) if SOFTCAP else s * qk_scale
         keep = valid[None, :] & (toks[None, :] <= qi[:, None]) & (toks[None, :] > qi[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        pv = p * vs[None, :] if fp8 else p
+        return m_new, den * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(pv.to(vt.dtype), vt)
 
     init = (tl.full([rows], NEG_BIG, tl.float32), tl.zeros([rows], tl.float32),
             tl.zeros([rows, d.shape[0]], tl.float32))
@@ -64,11 +87,10 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
 
 def dequantize_tiles(kt, vt, scales, blk, tok, kvh, d, dmask, valid, dtype):
     """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] int8 tiles times their group scales, as `dtype`."""
-    k_scales, v_scales, s_block, s_tok, s_head = scales
-    soff = blk * s_block + tok * s_tok + kvh * s_head
-    grp = d // QGROUP
-    ks = tl.load(k_scales + soff[None, :] + grp[:, None], mask=dmask[:, None] & valid[None, :], other=0.0)
-    vs = tl.load(v_scales + soff[:, None] + grp[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+    soff = blk * scales.block_stride + tok * scales.tok_stride + kvh * scales.head_stride
+    grp = d // kv_int8.GROUP
+    ks = tl.load(scales.k + soff[None, :] + grp[:, None], mask=dmask[:, None] & valid[None, :], other=0.0)
+    vs = tl.load(scales.v + soff[:, None] + grp[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
     return (kt.to(tl.float32) * ks).to(dtype), (vt.to(tl.float32) * vs).to(dtype)
 
 
@@ -107,7 +129,23 @@ def paged_decode_int8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tabl
                              BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
                              SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
     """paged_decode_kernel over an int8 cache (kv_int8's layout), dequantized in registers."""
-    decode_program(q, k_cache, v_cache, (k_scales, v_scales, sc_block_stride, sc_tok_stride, sc_head_stride),
+    decode_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
+                                                    sc_head_stride),
+                   block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
+                   q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
+                   kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL)
+
+
+def paged_decode_fp8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, out, part_m,
+                            part_l, part_acc, scale, softcap, window, max_parts, q_stride, q_head_stride, out_stride,
+                            out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride,
+                            sc_block_stride, sc_tok_stride, sc_head_stride, GROUP: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+                            SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
+    """paged_decode_kernel over an fp8 cache (kv_fp8's layout): e4m3 decoded in registers, scaled per token."""
+    decode_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
+                                                    sc_head_stride, fp8=True),
                    block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
                    q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL)
@@ -207,12 +245,14 @@ def cache_strides(k_cache) -> tuple[int, int, int]:
     return elem_stride(k_cache, 0), elem_stride(k_cache, 1), elem_stride(k_cache, 2)
 
 
-def quant_args(k_cache, v_cache, k_scales, v_scales, float_kernel, int8_kernel) -> tuple:
-    """(cache arguments, kernel, scale strides) for float caches (no scales) or int8 ones with their scales."""
+def quant_args(k_cache, v_cache, k_scales, v_scales, float_kernel, int8_kernel, fp8_kernel) -> tuple:
+    """(cache arguments, kernel, scale strides) for float caches (no scales), int8 ones (int8 codes) or fp8 ones
+    (uint8 e4m3 codes) with their scales."""
     if k_scales is None and v_scales is None:
         return (k_cache, v_cache), float_kernel, ()
-    check_scales(k_cache, v_cache, k_scales, v_scales)
-    return (k_cache, v_cache, k_scales, v_scales), int8_kernel, scale_strides(k_scales)
+    layout, kernel = (kv_fp8, fp8_kernel) if str(k_cache.dtype).endswith("uint8") else (kv_int8, int8_kernel)
+    layout.check_scales(k_cache, v_cache, k_scales, v_scales)
+    return (k_cache, v_cache, k_scales, v_scales), kernel, layout.scale_strides(k_scales)
 
 
 def num_partitions(max_context: int, partition: int) -> int:
@@ -246,7 +286,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     keep the grid fixed under CUDA graphs), at most `max_parts`; a context longer than the grid's partitions of
     `partition` tokens is cut into that many longer ones, so any context is served by any grid.
     `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D]. `k_scales`, `v_scales`: the caches
-    are int8 codes with these group scales (kernels_src.kv_int8's layout).
+    are int8 codes with these group scales (kernels_src.kv_int8's layout) or e4m3 bytes (uint8) with these token
+    scales (kernels_src.kv_fp8's).
     """
     group, bs = check_cache(q, k_cache, v_cache)
     n_seq, hq, d = q.shape
@@ -265,7 +306,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
                   SPLIT=split, SOFTCAP=bool(softcap))
     pdl = use_pdl(target, pdl)
     caches, fn, sc_strides = quant_args(k_cache, v_cache, k_scales, v_scales, paged_decode_kernel,
-                                        paged_decode_int8_kernel)
+                                        paged_decode_int8_kernel, paged_decode_fp8_kernel)
     kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
     kern[n_seq, k_cache.shape[2], n_parts](
         q, *caches, block_tables, context_lens, out, m, den, acc, float(scale), float(softcap or 0.0),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.paged_attention import (
     NO_WINDOW,
+    CacheScales,
     attend,
     cache_strides,
     check_cache,
@@ -40,7 +41,22 @@ def paged_prefill_int8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tab
                               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                               SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
     """paged_prefill_kernel over an int8 cache (kv_int8's layout), dequantized in registers."""
-    prefill_program(q, k_cache, v_cache, (k_scales, v_scales, sc_block_stride, sc_tok_stride, sc_head_stride),
+    prefill_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
+                                                     sc_head_stride),
+                    block_tables, context_lens, query_start, out, scale, softcap, window, q_stride, q_head_stride,
+                    out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride, GROUP,
+                    HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL)
+
+
+def paged_prefill_fp8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, query_start, out,
+                             scale, softcap, window, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
+                             kv_block_stride, kv_tok_stride, kv_head_stride, sc_block_stride, sc_tok_stride,
+                             sc_head_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                             SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
+    """paged_prefill_kernel over an fp8 cache (kv_fp8's layout): e4m3 decoded in registers, scaled per token."""
+    prefill_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
+                                                     sc_head_stride, fp8=True),
                     block_tables, context_lens, query_start, out, scale, softcap, window, q_stride, q_head_stride,
                     out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride, GROUP,
                     HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL)
@@ -84,7 +100,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, 
     """Attention of flat varlen q [T, Hq, D] over the paged caches (see the module docstring); out [T, Hq, D].
 
     `max_query_len` bounds the per-sequence query counts (computed from query_start when not given). `k_scales`,
-    `v_scales`: the caches are int8 codes with these group scales (kernels_src.kv_int8's layout).
+    `v_scales`: the caches are int8 codes with these group scales (kernels_src.kv_int8's layout) or e4m3 bytes
+    (uint8) with these token scales (kernels_src.kv_fp8's).
     """
     group, bs = check_cache(q, k_cache, v_cache)
     d = q.shape[2]
@@ -100,7 +117,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, 
         return out
     pdl = use_pdl(target, pdl)
     caches, fn, sc_strides = quant_args(k_cache, v_cache, k_scales, v_scales, paged_prefill_kernel,
-                                        paged_prefill_int8_kernel)
+                                        paged_prefill_int8_kernel, paged_prefill_fp8_kernel)
     kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
     kern[len(context_lens), k_cache.shape[2], n_tiles](
         q, *caches, block_tables, context_lens, query_start, out, float(scale), float(softcap or 0.0),

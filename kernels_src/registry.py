@@ -29,6 +29,7 @@ from kernels_src import (
     int_group_gemm_stream,
     int_group_gemv,
     int_group_gemv_i8,
+    kv_fp8,
     kv_int8,
     kv_write,
     mla_decode,
@@ -124,8 +125,9 @@ register(KernelEntry(
     "kv_write", kv_write.kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128, PDL=True),
     _ptrs(BF16, "k", "v", "k_cache", "v_cache", slots="*i64"), dict(tokens=4096, kv_heads=8, head_dim=128, dtype=BF16),
     lambda tokens, kv_heads, head_dim, dtype: 4 * tokens * kv_heads * head_dim * ITEMSIZE[dtype] + 8 * tokens,
-    launcher=kv_write.kv_write, variants=(kv_int8.kv_write_int8_kernel,),
-    notes="variant: kv_int8.kv_write_int8 quantizes as it writes (--kv-cache-dtype int8)"))
+    launcher=kv_write.kv_write, variants=(kv_int8.kv_write_int8_kernel, kv_fp8.kv_write_fp8_kernel),
+    notes="variants: kv_int8.kv_write_int8 and kv_fp8.kv_write_fp8 quantize as they write (--kv-cache-dtype int8, "
+    "fp8)"))
 register(KernelEntry(
     "rope_kv_write", rope_kv_write.rope_kv_write_kernel,
     dict(HALF=64, HEAD_DIM=128, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_D=128, INTERLEAVED=False, PDL=True),
@@ -159,9 +161,10 @@ register(KernelEntry(
          SOFTCAP=False, PDL=True),
     _ATT_PTRS | dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32"), _DECODE, decode_bytes,
     floats=("scale", "softcap"), flops=lambda batch, context, q_heads, head_dim, **_: 4 * batch * context * q_heads
-    * head_dim, launcher=paged_attention.paged_decode, variants=(paged_attention.paged_decode_int8_kernel,),
-    notes="grid (B, Hkv, partitions); the bench time is this kernel plus paged_decode_reduce; variant: the int8 "
-    "cache's (codes and scales, dequantized in registers)"))
+    * head_dim, launcher=paged_attention.paged_decode,
+    variants=(paged_attention.paged_decode_int8_kernel, paged_attention.paged_decode_fp8_kernel),
+    notes="grid (B, Hkv, partitions); the bench time is this kernel plus paged_decode_reduce; variants: the int8 "
+    "cache's (codes and scales, dequantized in registers) and the fp8 cache's (e4m3 decoded, scaled per token)"))
 register(KernelEntry(
     "paged_decode_reduce", paged_attention.paged_decode_reduce_kernel,
     dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, BLOCK_N=64, BLOCK_P=8, PDL=True),
@@ -210,8 +213,9 @@ register(KernelEntry(
     "paged_prefill", paged_prefill.paged_prefill_kernel,
     dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, BS=16, SOFTCAP=False, PDL=True),
     _ATT_PTRS | dict(query_start="*i32"), _PREFILL, prefill_bytes, floats=("scale", "softcap"),
-    flops=prefill_flops, launcher=paged_prefill.paged_prefill, variants=(paged_prefill.paged_prefill_int8_kernel,),
-    notes="compute bound: report flops too; variant: the int8 cache's"))
+    flops=prefill_flops, launcher=paged_prefill.paged_prefill,
+    variants=(paged_prefill.paged_prefill_int8_kernel, paged_prefill.paged_prefill_fp8_kernel),
+    notes="compute bound: report flops too; variants: the int8 and fp8 caches'"))
 
 # --- dequantizing GEMV: one token through a 14336 x 4096 (up/gate-sized) GGUF matrix -----------------------------
 

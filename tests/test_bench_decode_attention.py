@@ -92,3 +92,20 @@ def test_shape_sets_the_layer_here_and_for_the_workers(monkeypatch):
         assert os.environ[bench.SHAPE_ENV] == "phi3-mini"
     finally:
         bench.Q_HEADS, bench.KV_HEADS, bench.HEAD_DIM, bench.SCALE = saved
+
+
+def test_fp8_caches_and_their_bytes(monkeypatch):
+    """--kv-cache-dtype fp8: the bytes read are a byte an element and a scale a token and head (132 / 256 of bf16's
+    at head dim 128), and the caches it builds decode (kv_fp8's reference) within e4m3's half step of the bf16's."""
+    import torch
+
+    from kernels_src import kv_fp8
+
+    bf16 = bench.kv_bytes(16, 16384)
+    monkeypatch.setenv(bench.KV_ENV, "fp8")
+    assert bench.kv_bytes(16, 16384) / bf16 == (bench.HEAD_DIM + 4) / (2 * bench.HEAD_DIM)
+    x = torch.randn((3, 16, 2, 128), generator=torch.Generator().manual_seed(0)).bfloat16()
+    codes, scales = bench.e4m3_cache(torch, x)
+    back = kv_fp8.dequantize_ref(codes.numpy(), scales.numpy())
+    assert codes.dtype == torch.uint8 and scales.shape == x.shape[:3]
+    assert (np.abs(back - x.float().numpy()) <= np.abs(x.float().numpy()) / 16 + scales.numpy()[..., None] / 1024).all()

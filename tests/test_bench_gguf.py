@@ -323,3 +323,13 @@ def test_mmq_choice():
     for bad in ("per64", "per256:2", "per256:x"):
         with pytest.raises(SystemExit):
             parse_args(["--stage", "ours", "--mmq", bad])
+
+
+def test_kv_cache_dtype_choice():
+    """--kv-cache-dtype takes the CUDA backend's caches (issue 17's 16k figure compares auto and fp8)."""
+    from tools.bench_gguf import parse_args
+
+    assert [parse_args(["--stage", "ours", "--kv-cache-dtype", d]).kv_cache_dtype for d in ("auto", "int8", "fp8")] \
+        == ["auto", "int8", "fp8"]
+    with pytest.raises(SystemExit):
+        parse_args(["--stage", "ours", "--kv-cache-dtype", "int4"])

@@ -90,9 +90,20 @@ def test_paged_decode_int8(target, case, rng):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_paged_prefill_int8(target, rng):
+    def plant(vs):
+        wrong = vs.copy()
+        wrong[..., 0] *= 1.5
+        return wrong
+
+    check_prefill(target, rng, _int8_cache, _deq, plant)
+
+
+def check_prefill(target, rng, make_cache, dequantize, plant) -> None:
+    """paged_prefill over an 8-bit cache (make_cache: (codes, scales, codes, scales), tables) against the reference
+    on its dequantized copy, a whole prompt and a chunk, under a window; `plant`'s wrong value scales must fail."""
     hq, hkv, d, bs = 4, 2, 64, 4
     ctx, qlen = np.array([9, 21], np.int32), np.array([9, 6], np.int32)  # a whole prompt, a chunk after 15 tokens
-    (kc, ks, vc, vs), tables = _int8_cache(rng, ctx, hkv, d, bs)
+    (kc, ks, vc, vs), tables = make_cache(rng, ctx, hkv, d, bs)
     starts = np.concatenate([[0], np.cumsum(qlen)]).astype(np.int32)
     q = rng.standard_normal((int(starts[-1]), hq, d)).astype(np.float32)
 
@@ -102,11 +113,10 @@ def test_paged_prefill_int8(target, rng):
                                k_scales=dev(ks, target), v_scales=dev(v_scales, target), target=target)
         return host(out)
 
-    want = pp.paged_prefill_ref(q, _deq(kc, ks), _deq(vc, vs), tables, ctx, starts, 0.2, sliding_window=12)
+    want = pp.paged_prefill_ref(q, dequantize(kc, ks), dequantize(vc, vs), tables, ctx, starts, 0.2,
+                                sliding_window=12)
     np.testing.assert_allclose(run(vs), want, **TOL)
-    wrong = vs.copy()
-    wrong[..., 0] *= 1.5
-    assert not np.allclose(run(wrong), want, **TOL)
+    assert not np.allclose(run(plant(vs)), want, **TOL)
 
 
 def test_int8_cache_refusals():
@@ -121,23 +131,32 @@ def test_int8_cache_refusals():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="AOT builds need TRITON_INTERPRET unset")
 @pytest.mark.parametrize("name", ["write", "decode", "prefill"])
 def test_aot_sm90_int8(name, tmp_path, monkeypatch):
+    kernels = (kv_int8.kv_write_int8_kernel, pa.paged_decode_int8_kernel, pp.paged_prefill_int8_kernel)
+    aot_sm90(name, kernels, dict(GROUPS=4, BLOCK_H=8, BLOCK_G=4, PDL=True), "*i8", tmp_path, monkeypatch)
+
+
+def aot_sm90(name: str, kernels: tuple, write_consts: dict, code: str, tmp_path, monkeypatch):
+    """An 8-bit cache's write, decode or prefill kernel (of `kernels`, in that order) built for sm_90 at Llama's
+    layer (bf16 q, 8 KV heads of 128, codes of pointer type `code`) as the JIT specializes the runner's tensors:
+    the build and its spills (none)."""
     from test_kernels_basic import _sig
+    from test_kernels_gemv import _stack_bytes
 
     from kernels_src.dsl import compile as dsl_compile
     from kernels_src.dsl.triton_target import aot_compile
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    codes = {"k_cache": "*i8", "v_cache": "*i8", "k_scales": "*fp32", "v_scales": "*fp32"}
+    codes = {"k_cache": code, "v_cache": code, "k_scales": "*fp32", "v_scales": "*fp32"}
     att = codes | {"q": "*bf16", "out": "*bf16", "block_tables": "*i32", "context_lens": "*i32"}
     fn, consts, ptrs = {
-        "write": (kv_int8.kv_write_int8_kernel, dict(GROUPS=4, BLOCK_H=8, BLOCK_G=4, PDL=True),
-                  codes | {"k": "*bf16", "v": "*bf16", "slots": "*i64"}),
-        "decode": (pa.paged_decode_int8_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
-                                                     BS=16, PARTITION=512, SPLIT=True, SOFTCAP=False, PDL=True),
+        "write": (kernels[0], write_consts, codes | {"k": "*bf16", "v": "*bf16", "slots": "*i64"}),
+        "decode": (kernels[1], dict(GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, BS=16,
+                                    PARTITION=512, SPLIT=True, SOFTCAP=False, PDL=True),
                    att | dict.fromkeys(("part_m", "part_l", "part_acc"), "*fp32")),
-        "prefill": (pp.paged_prefill_int8_kernel, dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64,
-                                                       BS=16, SOFTCAP=False, PDL=True), att | {"query_start": "*i32"}),
+        "prefill": (kernels[2], dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, BS=16,
+                                     SOFTCAP=False, PDL=True), att | {"query_start": "*i32"}),
     }[name]
     k = dsl_compile(fn, "triton", **consts).trace(signature=_sig(fn, ptrs, floats=("scale", "softcap")))
-    compiled = aot_compile(k, arch=90)
+    compiled = aot_compile(k, arch=90, aligned=True)
     assert ".target sm_90a" in compiled.asm["ptx"]
+    assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0

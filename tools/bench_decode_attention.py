@@ -12,8 +12,11 @@ compiled and checked against the reference on a small case in worker processes (
 timing pass only replays. The last lines give the best setting per (batch, context), one setting per batch as
 DecodeTable rows, and the tools/bench_gpu --decode-table that A/Bs it in the engine.
 
+`--kv-cache-dtype fp8` times the fp8 cache's kernel (e4m3 bytes and a scale a token and head, kernels_src/kv_fp8.py)
+on the same problems, its copy share counted on the bytes it reads.
+
     python -m tools.bench_decode_attention [--shape llama3-8b|phi3-mini|gemma2-9b] [--batches 1,16,64]
-        [--contexts 4096,16384,32768] [--hot] [--budget 100] [--json FILE]
+        [--contexts 4096,16384,32768] [--kv-cache-dtype auto|fp8] [--hot] [--budget 100] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from kernels_src import paged_attention as pa
 SHAPES = {"llama3-8b": (32, 8, 128), "phi3-mini": (32, 32, 96), "gemma2-9b": (16, 8, 256)}
 SHAPE_ENV = "BENCH_DECODE_ATTENTION_SHAPE"
 Q_HEADS, KV_HEADS, HEAD_DIM = SHAPES[os.environ.get(SHAPE_ENV, "llama3-8b")]
+KV_ENV = "BENCH_DECODE_ATTENTION_KV"  # "fp8": the workers build and check fp8 caches too
 BLOCK = 16
 SCALE = HEAD_DIM ** -0.5
 PARTITIONS = (64, 128, 256, 512)
@@ -90,8 +94,19 @@ def plan(context: int, mine: Setting) -> dict[tuple, Setting]:
     return out
 
 
+def fp8() -> bool:
+    return os.environ.get(KV_ENV) == "fp8"
+
+
 def kv_bytes(batch: int, context: int) -> int:
-    return 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    """K and V read once: bf16, or (fp8) a byte an element and an fp32 scale a token and head."""
+    return 2 * batch * context * KV_HEADS * (HEAD_DIM + 4 if fp8() else HEAD_DIM * 2)
+
+
+def e4m3_cache(torch, x):
+    """(e4m3 bytes, fp32 scales per token and head) of a bf16 cache, by torch's cast (kernels_src/kv_fp8.py's rule)."""
+    scales = x.float().abs().amax(-1).clamp_min(1e-30) / 448
+    return (x.float() / scales[..., None]).to(torch.float8_e4m3fn).view(torch.uint8), scales
 
 
 def caches(torch, batch: int, context: int, gen):
@@ -102,7 +117,11 @@ def caches(torch, batch: int, context: int, gen):
                      generator=gen)
     tables = torch.zeros((batch, -(-blocks // 16) * 16), dtype=torch.int32, device="cuda")
     tables[:, :blocks] = torch.randperm(batch * blocks, device="cuda", generator=gen).view(batch, -1)
-    return kc, torch.randn_like(kc), tables
+    vc = torch.randn_like(kc)
+    if fp8():
+        (kc, ks), (vc, vs) = e4m3_cache(torch, kc), e4m3_cache(torch, vc)
+        return kc, vc, tables, (ks, vs)
+    return kc, vc, tables, ()
 
 
 def problem(torch, batch: int, context: int, copies: int, seed: int = 0):
@@ -114,9 +133,10 @@ def problem(torch, batch: int, context: int, copies: int, seed: int = 0):
 
 def launch(prob, s: Setting, n: int, out, ws, turn) -> None:
     q, ctx, _ = prob
-    kc, vc, tables = next(turn)  # each captured call its own copy
+    kc, vc, tables, scales = next(turn)  # each captured call its own copy
+    kw = dict(k_scales=scales[0], v_scales=scales[1]) if scales else {}
     pa.paged_decode(q, kc, vc, tables, ctx, SCALE, out=out, max_context=n * s.partition, partition=s.partition,
-                    max_parts=n, block_n=s.block_n, num_warps=s.num_warps, workspace=ws, target="triton")
+                    max_parts=n, block_n=s.block_n, num_warps=s.num_warps, workspace=ws, target="triton", **kw)
 
 
 def time_setting(torch, triton, prob, s: Setting, context: int) -> float:
@@ -139,11 +159,17 @@ def _check(job: tuple[Setting, int]) -> str | None:
 
         s, n = job
         lens = [1, 777, min(n * s.partition + 333, 6000)]  # the last past the grid where the grid is small
-        q, _, [(kc, vc, tables)] = problem(torch, len(lens), max(lens), 1)
+        q, _, [cache] = problem(torch, len(lens), max(lens), 1)
         ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
         out = torch.full_like(q, float("nan"))
-        launch((q, ctx, None), s, n, out, pa.decode_workspace(q, n) if n > 1 else None, iter([(kc, vc, tables)]))
+        launch((q, ctx, None), s, n, out, pa.decode_workspace(q, n) if n > 1 else None, iter([cache]))
         host = lambda t: t.float().cpu().numpy()  # noqa: E731
+        kc, vc, tables, scales = cache
+        if scales:
+            from kernels_src.kv_fp8 import dequantize_ref
+
+            kc, vc = (torch.from_numpy(dequantize_ref(c.cpu().numpy(), x.cpu().numpy())) for c, x in
+                      zip((kc, vc), scales, strict=True))
         want = pa.paged_decode_ref(host(q), host(kc), host(vc), tables.cpu().numpy(), np.array(lens), SCALE)
         err = np.abs(host(out) - want)
         return None if np.all(err <= 2e-2 + 2e-2 * np.abs(want)) else f"max |d out| {np.nanmax(err):.3g}"
@@ -204,12 +230,15 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), help=f"the layer's heads (default: ${SHAPE_ENV} or llama3-8b)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="1024,4096,16384,32768")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="the caches' elements: "
+                    "bf16 (auto) or e4m3 with a scale a token and head (fp8)")
     ap.add_argument("--hot", action="store_true", help="one copy of the caches, replayed from L2 where it fits")
     ap.add_argument("--budget", type=float, default=100.0, help="seconds; past it only our setting is timed")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_decode_attention.json")
     args = ap.parse_args()
     if args.shape:
         use_shape(args.shape)
+    os.environ[KV_ENV] = args.kv_cache_dtype
     t0 = time.perf_counter()
     import torch
     import triton.testing
@@ -228,9 +257,9 @@ def main() -> None:
           f"to time", flush=True)
     bw = copy_gbps(torch, 2**30) * 1e9
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    print(f"{os.environ.get(SHAPE_ENV, 'llama3-8b')} layer ({Q_HEADS} q heads, {KV_HEADS} KV heads of {HEAD_DIM}); "
-          f"copy {bw / 1e9:,.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB; {'hot' if args.hot else 'cold'} caches",
-          flush=True)
+    print(f"{os.environ.get(SHAPE_ENV, 'llama3-8b')} layer ({Q_HEADS} q heads, {KV_HEADS} KV heads of {HEAD_DIM}, "
+          f"{'fp8' if fp8() else 'bf16'} cache); copy {bw / 1e9:,.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB; "
+          f"{'hot' if args.hot else 'cold'} caches", flush=True)
     rows, skipped = [], 0
     for (batch, context), runs_at in plans.items():
         copies = 1 if args.hot else max(2, -(-COLD_L2S * l2 // kv_bytes(batch, context)))

@@ -273,8 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="the curve's contexts (1k = 1024)")
     ap.add_argument("--budget", type=float, default=540, help="seconds this stage may take: work that would start "
                     "later is skipped (and says so)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="ours: the KV cache's "
-                    "elements (int8: 1.125 bytes each; results.json merges by figure: give each run its own --out)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"), help="ours: the KV cache's "
+                    "elements (int8: 1.125 bytes each; fp8: e4m3, 1 + 4 / head_dim; results.json merges by figure: "
+                    "give each run its own --out)")
     ap.add_argument("--mmq", type=mmq_choice, default=None, metavar="VARIANT[:MAX_ROWS]",
                     help="ours: the Q4_K / Q6_K int8 GEMM's variant (per32 or per256) and the most rows it takes "
                     "(default: the runner's); give each run its own --out")

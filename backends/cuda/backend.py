@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from backends.base import Backend, MemoryReport, kv_cache_int8
+from backends.base import Backend, MemoryReport, kv_cache_quant
 from backends.cuda import weights
 from backends.cuda.graphs import DecodeGraphs
 from backends.cuda.piecewise import PiecewiseGraphs
@@ -26,7 +26,7 @@ from ir.kv_groups import kv_layout
 from ir.loader import LoadedModel
 from ir.sharding import ShardedWeights, shard
 from ir.weight_formats import FORMATS
-from kernels_src import kv_int8
+from kernels_src import kv_fp8, kv_int8
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ class CUDABackend(Backend):
                  kv_cache_dtype: str = "auto"):
         """`rank` of `world`: this process runs that rank's graph (ir.sharding) in a torch.distributed group already
         joined (backends.cuda.tensor_parallel starts them); `mirror`, when set, is told each call that runs it.
-        `kv_cache_dtype`: "auto" (the activations' dtype) or "int8" (kernels_src.kv_int8's codes and scales)."""
-        self.kv_int8 = kv_cache_int8(kv_cache_dtype, "cuda")
+        `kv_cache_dtype`: "auto" (the activations' dtype), "int8" (kernels_src.kv_int8's codes and scales) or "fp8"
+        (kernels_src.kv_fp8's e4m3 bytes and scales)."""
+        self.kv_quant = kv_cache_quant(kv_cache_dtype, "cuda")  # None, "int8" or "fp8"
         self.model = model
         self.rank, self.world = rank, world
         self.rank_graph = shard(model.graph, rank, world)
@@ -67,8 +68,8 @@ class CUDABackend(Backend):
         if wide:
             raise NotImplementedError(f"{model.arch.name}: values wider than keys {wide} are not on the CUDA backend; "
                                       "use --backend mlx")
-        if self.kv_int8:
-            self._check_int8_layout(model.arch.name)
+        if self.kv_quant:
+            self._check_quant_layout(model.arch.name)
         self.device = torch.device(device or "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -96,7 +97,7 @@ class CUDABackend(Backend):
         self.piecewise = self.use_graphs
         self.pieces: PiecewiseGraphs | None = None
         self.max_step_tokens = 2048
-        self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), (latent,) or int8's (k, v, ks, vs)
+        self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), (latent,) or int8's / fp8's (k, v, ks, vs)
         self.block_size = 0
         self.max_num_seqs, self.max_model_len = 256, model.config.max_position_embeddings
         self._sampler = None
@@ -147,8 +148,9 @@ class CUDABackend(Backend):
         where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu tensors"
         quant = sorted({p.qtype for p in self.params.values() if isinstance(p, weights.QuantWeight)})
         where += f", rank {self.rank} of {self.world}" if self.world > 1 else ""
+        kv = f", {self.kv_quant} KV cache" if self.kv_quant else ""
         return (f"{where}, {self.dtype}, {'weights ' + '/'.join(quant) if quant else 'dense'}, "
-                f"CUDA graphs {'on' if self.use_graphs else 'off'}{', int8 KV cache' if self.kv_int8 else ''}")
+                f"CUDA graphs {'on' if self.use_graphs else 'off'}{kv}")
 
     # -- KV cache -----------------------------------------------------------------------------------
     def set_limits(self, max_num_seqs: int, max_model_len: int, max_step_tokens: int | None = None) -> None:
@@ -160,21 +162,26 @@ class CUDABackend(Backend):
         if max_step_tokens is not None:
             self.max_step_tokens = max_step_tokens
 
-    def _check_int8_layout(self, arch: str) -> None:
-        """The int8 cache takes K and V heads whose dims are multiples of kv_int8.GROUP; MLA's latent is refused."""
+    def _check_quant_layout(self, arch: str) -> None:
+        """The 8-bit caches take K and V heads (int8: of dims that are multiples of kv_int8.GROUP); MLA's latent is
+        refused."""
         for s in self.kv_layout().shapes:
             if s.values_in_keys:
-                raise NotImplementedError(f"{arch}: --kv-cache-dtype int8 on the CUDA backend has no latent (MLA) "
-                                          "cache yet (mla_decode reads 16-bit latents); use --kv-cache-dtype auto, or "
-                                          "--backend mlx")
-            kv_int8.check_head_dim(s.key_dim)
+                raise NotImplementedError(f"{arch}: --kv-cache-dtype {self.kv_quant} on the CUDA backend has no latent "
+                                          "(MLA) cache yet (mla_decode reads 16-bit latents); use --kv-cache-dtype "
+                                          "auto, or --backend mlx (int8)")
+            if self.kv_quant == "int8":
+                kv_int8.check_head_dim(s.key_dim)
 
     def kv_bytes_per_block(self, block_size: int, group: int | None = None) -> int:
-        if not self.kv_int8:
+        if not self.kv_quant:
             return self.kv_bytes(block_size, weights.DTYPES[self.dtype].itemsize, group)
         layout = self.kv_layout()
         groups = range(layout.num_groups) if group is None else (group,)
-        elements = sum(layout.shapes[i].elements for g in groups for i in layout.groups[g].layers)
+        shapes = [layout.shapes[i] for g in groups for i in layout.groups[g].layers]
+        elements = sum(s.elements for s in shapes)
+        if self.kv_quant == "fp8":  # a byte each, an fp32 scale a token and head of K and of V
+            return block_size * (elements + sum(2 * s.heads for s in shapes) * 4)
         return block_size * (elements + elements // kv_int8.GROUP * 4)  # a code each, an fp32 scale a group
 
     def default_kv_bytes(self) -> int:
@@ -242,10 +249,11 @@ class CUDABackend(Backend):
 
         def caches(n: int, s) -> tuple[torch.Tensor, ...]:  # a latent layer's one cache: values in its keys
             dims = (s.key_dim,) if s.values_in_keys else (s.key_dim, s.value_dim)
-            if self.kv_int8:  # (k codes, v codes, k scales, v scales): kernels_src.kv_int8's layout
+            if self.kv_quant:  # (k codes, v codes, k scales, v scales): kernels_src.kv_int8's or kv_fp8's layout
                 shape = (n, block_size, s.heads, s.key_dim)
-                return (*(torch.zeros(shape, dtype=torch.int8, device=self.device) for _ in dims),
-                        *(torch.zeros(kv_int8.scales_shape(shape), device=self.device) for _ in dims))
+                layout, codes = (kv_fp8, torch.uint8) if self.kv_quant == "fp8" else (kv_int8, torch.int8)
+                return (*(torch.zeros(shape, dtype=codes, device=self.device) for _ in dims),
+                        *(torch.zeros(layout.scales_shape(shape), device=self.device) for _ in dims))
             return tuple(torch.zeros((n, block_size, s.heads, d), dtype=dt, device=self.device) for d in dims)
 
         try:

@@ -23,6 +23,7 @@ from ir.rope import RopeSpec, cos_sin, long_after
 from ir.weight_formats import weight_format
 from kernels_src import (
     activations,
+    kv_fp8,
     kv_int8,
     kv_write,
     moe,
@@ -227,19 +228,20 @@ class Runner:
 
     def _attention(self, node: Node, args, meta: StepMeta):
         a = node.attrs
-        kc, vc, *scales = self.kv[a["layer"]]  # an int8 cache also has (k_scales, v_scales)
+        kc, vc, *scales = self.kv[a["layer"]]  # an int8 or fp8 cache also has (k_scales, v_scales)
         slots, tables = meta.kv_group(self.group_of[a["layer"]])
         q, k, v = args[:3]
         dv = v.shape[2]
         if dv < kc.shape[3]:  # values narrower than keys, cached at the keys' width (CUDABackend.kv_layout)
             v = F.pad(v, (0, kc.shape[3] - dv))
-        if scales:  # int8: q and k rotated in place (rope_kv_write writes 16-bit caches), then the quantizing write
+        if scales:  # 8-bit: q and k rotated in place (rope_kv_write writes 16-bit caches), then the quantizing write
             if node.op == "rope_attention":
                 q, k = self._own(node.inputs[0], q), self._own(node.inputs[1], k)
                 spec = a["spec"]
                 rope.rope(q, k, self.rope_rows(spec, meta), *self._rope[spec], interleaved=spec.style != "neox",
                           target=self.target, pdl=self.pdl)
-            kv_int8.kv_write_int8(k, v, kc, vc, *scales, slots, target=self.target, pdl=self.pdl)
+            write = kv_fp8.kv_write_fp8 if kc.dtype == torch.uint8 else kv_int8.kv_write_int8
+            write(k, v, kc, vc, *scales, slots, target=self.target, pdl=self.pdl)
         elif node.op == "attention":
             kv_write.kv_write(k, v, kc, vc, slots, target=self.target, pdl=self.pdl)
         else:  # rope_attention: q rotated in place, k rotated on its way into the cache, one kernel
@@ -271,7 +273,7 @@ class Runner:
 
     def _attend(self, q, kc, vc, tables, meta: StepMeta, a: dict, scales=()):
         """The decode (split-K) or prefill kernel over caches already holding this step's keys and values (int8
-        codes when `scales` holds their k and v scales)."""
+        codes or e4m3 bytes when `scales` holds their k and v scales)."""
         out = torch.empty((q.shape[0], q.shape[1], vc.shape[3]), dtype=q.dtype, device=q.device)
         kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
                   pdl=self._attend_pdl)

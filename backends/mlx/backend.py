@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from backends.base import Backend, MemoryReport, kv_cache_int8
+from backends.base import Backend, MemoryReport, kv_cache_quant
 from backends.mlx import fast_blas, kv_quant, weights
 from backends.mlx.attention import AttentionMeta
 from backends.mlx.decode_step import CompiledDecode
@@ -33,7 +33,7 @@ class MLXBackend(Backend):
         (backends.mlx.tensor_parallel starts them); `mirror`, when set, is told each call that runs it.
         `kv_cache_dtype` "int8": the paged cache as 8-bit affine groups (backends.mlx.kv_quant)."""
         self.model = model
-        self.kv_int8 = kv_cache_int8(kv_cache_dtype, "mlx")
+        self.kv_int8 = kv_cache_quant(kv_cache_dtype, "mlx") == "int8"
         self.rank, self.world = rank, world
         rank_graph = shard(model.graph, rank, world)
         self._kv_layout = kv_layout(rank_graph)  # the rank's heads: its KV cache is sized per rank

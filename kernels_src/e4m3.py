@@ -1,0 +1,51 @@
+"""The e4m3 (OCP FP8 "fn") codec in the kernel DSL, by integer and bit operations: the DSL has no FP8 type, and
+neither do pre-Hopper targets. The numpy reference is ir/formats/fp8_blocks.encode / decode (checked bit for bit
+against torch's float8_e4m3fn in tests/test_isq_quantizers.py).
+
+Byte c: sign bit 7, exponent bits 6-3 of bias 7, mantissa bits 2-0; exponent 0 is subnormal; 0x7F / 0xFF are NaN.
+"""
+
+from __future__ import annotations
+
+from kernels_src.dsl import tl
+
+E4M3_MAX = 448.0  # the largest finite e4m3 value (S.1111.110)
+FP16_SHIFT = 256.0  # 2 ** (15 - 7): fp16's exponent bias over e4m3's; decode_f16 gives values times its inverse
+MIN_NORMAL = 2.0 ** -6
+ROUND_MAGIC = 8388608.0  # 2 ** 23: a float in [0, 8) added to it is rounded to an integer (half to even) by f32's
+MAGIC_BITS = 0x4B000000  # add, and that integer sits in the sum's low mantissa bits
+
+
+def decode_f16(c):
+    """fp16 values of e4m3 byte tiles (any integer dtype holding 0-255) times 2^-8, exactly, subnormals included;
+    NaN codes read as 480 * 2^-8 (testing for them costs two more ops an element; our encoders write them only for
+    NaN inputs, whose scales the KV write makes NaN)."""
+    # The byte read as int8 and widened copies its sign into bits 8-31; shifted left by 7 its exponent and mantissa
+    # sit at fp16's own places (bits 13-7) and the sign at bits 14 and 15: clearing bit 14 leaves the fp16 whose
+    # exponent field is e4m3's, i.e. the value over 2^(15 - 7), and fp16's exponent 0 is subnormal too. On sm_90 the
+    # byte's extraction sign-extends for free: 1,031 SASS instructions a paged_decode step against 1,263 for
+    # (c + (c & 0x80)) << 7.
+    s = c.to(tl.uint8).to(tl.int8, bitcast=True).to(tl.int32)
+    return ((s << 7) & 0xBF80).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+def decode_f32(c):
+    """fp32 values of e4m3 byte tiles times 2^-8 (see decode_f16)."""
+    return decode_f16(c).to(tl.float32)
+
+
+def encode(x):
+    """e4m3 codes (int32 0-255) of fp32 tiles: round to nearest, ties to even; beyond +-448 saturated to +-448
+    (torch's cast gives NaN from 464); NaN to 0x7F with its sign bit, as torch's cast."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.minimum(tl.abs(x), E4M3_MAX)
+    u = a.to(tl.int32, bitcast=True)
+    # Normal values (from 2^-6) are f32 values with 3 mantissa bits: round the f32 bits to nearest even at bit 20
+    # (a carry moves into the exponent, as it should), then rebias the exponent from 127 to 7.
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # Subnormals are multiples of 2^-9: a * 512 is exact and below 8, rounded half to even by the magic add
+    # (one f32 rounding whether or not the multiply and add contract to an FMA).
+    sub = (a * 512.0 + ROUND_MAGIC).to(tl.int32, bitcast=True) - MAGIC_BITS
+    code = tl.where(a >= MIN_NORMAL, normal, sub)
+    return tl.where(x != x, 0x7F, code) | sign
