@@ -208,8 +208,10 @@ register(KernelEntry(
     "paged_prefill", paged_prefill.paged_prefill_kernel,
     dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, BS=16, SOFTCAP=False, PDL=True),
     _ATT_PTRS | dict(query_start="*i32"), _PREFILL, prefill_bytes, floats=("scale", "softcap"),
-    flops=prefill_flops, launcher=paged_prefill.paged_prefill, variants=(paged_prefill.paged_prefill_int8_kernel,),
-    notes="compute bound: report flops too; variant: the int8 cache's"))
+    flops=prefill_flops, launcher=paged_prefill.paged_prefill,
+    variants=(paged_prefill.paged_prefill_int8_kernel, *paged_prefill.MAPPED_KERNELS),
+    notes="compute bound: report flops too; variants: the int8 cache's, and both on a grid of a tile map's capacity "
+          "(tile_map=, a whole-step CUDA graph's)"))
 
 # --- dequantizing GEMV: one token through a 14336 x 4096 (up/gate-sized) GGUF matrix -----------------------------
 
