@@ -118,3 +118,19 @@ def _check_steps(model, device: str, monkeypatch, kv: str = "auto") -> None:
         got, want = got.cpu().numpy().copy(), eager.forward(step).cpu().numpy()
         assert got.shape == want.shape == (len(step.logits_indices), model.config.vocab_size)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_a_failed_capture_is_logged_once_and_left_to_the_pieces(caplog):
+    from backends.cuda.graphs import try_capture
+
+    failed, calls = {}, []
+
+    def capture(key):
+        calls.append(key)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    what = "whole steps of %d tokens, %d logits rows (those steps run in pieces)"
+    assert not try_capture(failed, (64, 8), capture, what) and not try_capture(failed, (64, 8), capture, what)
+    assert calls == [(64, 8)] and "not permitted" in failed[(64, 8)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "64 tokens, 8 logits rows" in warnings[0]

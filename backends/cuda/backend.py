@@ -155,7 +155,8 @@ class CUDABackend(Backend):
         quant = sorted({p.qtype for p in self.params.values() if isinstance(p, weights.QuantWeight)})
         where += f", rank {self.rank} of {self.world}" if self.world > 1 else ""
         return (f"{where}, {self.dtype}, {'weights ' + '/'.join(quant) if quant else 'dense'}, "
-                f"CUDA graphs {'on' if self.use_graphs else 'off'}{', int8 KV cache' if self.kv_int8 else ''}")
+                f"CUDA graphs {'on' if self.use_graphs else 'off'}{', whole prefill steps' if self.whole_steps else ''}"
+                f"{', int8 KV cache' if self.kv_int8 else ''}")
 
     # -- KV cache -----------------------------------------------------------------------------------
     def set_limits(self, max_num_seqs: int, max_model_len: int, max_step_tokens: int | None = None) -> None:

@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from backends.cuda.graphs import try_capture, warm_and_capture
 from backends.cuda.runner import Runner, StepMeta
 from backends.cuda.runtime import torch
 from core.batch import Batch
@@ -160,16 +161,8 @@ class StepGraphs:
         self.out[:rows].copy_(logits)
 
     def _try_capture(self, key: tuple[int, int]) -> bool:
-        if key in self.failed:
-            return False
-        try:
-            self._capture(key)
-            return True
-        except Exception as e:  # noqa: BLE001  (any capture error: those steps still run in pieces)
-            self.failed[key] = f"{type(e).__name__}: {e}"
-            log.warning("whole-step CUDA graph capture for %d tokens, %d logits rows failed; those steps run in "
-                        "pieces: %s", *key, self.failed[key])
-            return False
+        return try_capture(self.failed, key, self._capture,
+                           "whole steps of %d tokens, %d logits rows (those steps run in pieces)")
 
     def _capture(self, key: tuple[int, int]) -> None:
         """Warms up and captures on padding inputs of its own: every token padding, every map entry empty."""
@@ -180,15 +173,7 @@ class StepGraphs:
         if not self.capture:
             self.graphs[key] = None
             return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # the warm-up compiles the kernels; capture must not
-            self._step(key)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._step(key)
-        self.graphs[key] = graph
+        self.graphs[key] = warm_and_capture(lambda: self._step(key), self.pool)[0]
 
     def __call__(self, batch: Batch) -> torch.Tensor | None:
         """The step's logits [len(logits_indices), vocab] (a view of the static buffer, valid until the next step),
