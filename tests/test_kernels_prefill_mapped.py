@@ -100,3 +100,19 @@ def test_mapped_prefill_int8(target, rng):
                            tile_map=dev(tile_map, target), target=target)
     want = pp.paged_prefill_ref(q, _deq(kc, ks), _deq(vc, vs), tables, ctx, qs, 0.2, sliding_window=12)
     np.testing.assert_allclose(host(out), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("fn", pp.MAPPED_KERNELS, ids=lambda f: f.__name__)
+def test_mapped_kernels_wait_before_what_earlier_kernels_write(fn):
+    """Under PDL only the tile map (copied in from the host before the step) is read before the wait."""
+    from test_kernels_pdl import check_pdl
+
+    from kernels_src.dsl import compile
+    from kernels_src.dsl.tracer import split_params
+    from kernels_src.registry import get
+
+    entry = get("paged_prefill")
+    sig = {p: entry.pointers.get(p, "*fp32" if "scales" in p else "*i32" if p == "tile_map" else
+                                 "fp32" if p in entry.floats else "i32") for p in split_params(fn)[0]}
+    sig |= {p: "*i8" for p in ("k_cache", "v_cache") if "int8" in fn.__name__}
+    check_pdl(compile(fn, **(entry.constexprs | {"PDL": True})).trace(signature=sig), {"tile_map"})
