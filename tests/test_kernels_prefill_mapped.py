@@ -4,12 +4,13 @@ tile map builder against a brute-force enumeration of every (sequence, tile) pro
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
 import pytest
 from test_kernels_attention import PREFILL_CASES, close, paged_cache
-from test_kernels_basic import TARGETS, dev, host
+from test_kernels_basic import HAS_TRITON, TARGETS, dev, host
 from test_kernels_kv_int8 import _deq, _int8_cache
 
 from kernels_src import paged_prefill as pp
@@ -58,10 +59,13 @@ def test_tile_map_refuses_a_step_past_its_capacity():
         pp.build_tile_map(np.array([0, 40, 41]), 4, 64, 3)
 
 
-@pytest.mark.parametrize("target,dtype", [("numpy", np.float32), ("numpy", np.float16),  # Triton's: fp32 (time)
-                                          pytest.param(*TARGETS[1].values, np.float32, marks=TARGETS[1].marks)])
-@pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_mapped_prefill_matches_the_reference(target, dtype, case, rng):
+# DSL interpreter: every case in both dtypes; Triton's (slower): fp32 where the rows, padding, window and softcap vary
+MAPPED_RUNS = [(c, "numpy", dt) for c in PREFILL_CASES for dt in (np.float32, np.float16)] + [
+    pytest.param(c, *TARGETS[1].values, np.float32, marks=TARGETS[1].marks) for c in ("chunked_gqa4", "window_softcap")]
+
+
+@pytest.mark.parametrize("case,target,dtype", MAPPED_RUNS)
+def test_mapped_prefill_matches_the_reference(case, target, dtype, rng):
     """Each case with two padding sequences of no queries appended and a map of more entries than the step uses:
     the real rows as the reference has them, the padding token rows never written."""
     hq, hkv, d, bs, q_lens, ctx, block_m, window, cap = PREFILL_CASES[case]
@@ -102,11 +106,8 @@ def test_mapped_prefill_int8(target, rng):
     np.testing.assert_allclose(host(out), want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("fn", pp.MAPPED_KERNELS, ids=lambda f: f.__name__)
-def test_mapped_kernels_wait_before_what_earlier_kernels_write(fn):
-    """Under PDL only the tile map (copied in from the host before the step) is read before the wait."""
-    from test_kernels_pdl import check_pdl
-
+def _trace(fn, **consts):
+    """`fn` traced at paged_prefill's registered configuration (bf16 q, its caches int8 for the int8 twin)."""
     from kernels_src.dsl import compile
     from kernels_src.dsl.tracer import split_params
     from kernels_src.registry import get
@@ -115,4 +116,25 @@ def test_mapped_kernels_wait_before_what_earlier_kernels_write(fn):
     sig = {p: entry.pointers.get(p, "*fp32" if "scales" in p else "*i32" if p == "tile_map" else
                                  "fp32" if p in entry.floats else "i32") for p in split_params(fn)[0]}
     sig |= {p: "*i8" for p in ("k_cache", "v_cache") if "int8" in fn.__name__}
-    check_pdl(compile(fn, **(entry.constexprs | {"PDL": True})).trace(signature=sig), {"tile_map"})
+    return compile(fn, **(entry.constexprs | consts)).trace(signature=sig)
+
+
+@pytest.mark.parametrize("fn", pp.MAPPED_KERNELS, ids=lambda f: f.__name__)
+def test_mapped_kernels_wait_before_what_earlier_kernels_write(fn):
+    """Under PDL only the tile map (copied in from the host before the step) is read before the wait."""
+    from test_kernels_pdl import check_pdl
+
+    check_pdl(_trace(fn, PDL=True), {"tile_map"})
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="AOT builds need TRITON_INTERPRET unset")
+def test_mapped_kernel_builds_for_sm90(tmp_path, monkeypatch):
+    """The sm_90 build at the realistic configuration (Llama-3-8B's GQA 4, 128-wide heads), within shared memory
+    (the int8 twin's program is the shaped int8 kernel's, built by test_kernels_kv_int8's cases)."""
+    from kernels_src.dsl.triton_target import aot_compile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    compiled = aot_compile(_trace(pp.paged_prefill_mapped_kernel, PDL=True), arch=90)
+    assert ".target sm_90a" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
+    assert compiled.metadata.shared <= pp.SMEM_BUDGET
