@@ -79,7 +79,8 @@ def main() -> None:
     backend.allocate_kv(blocks + 8, BLOCK)  # captures the decode graphs, the pieces and the whole-step graphs
     res: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "decodes": args.decodes,
                  "prompt": args.prompt, "context": args.context, "start_up_s": time.perf_counter() - t0,
-                 "whole_graphs": len(backend.whole.graphs), "whole_failed": backend.whole.failed}
+                 "whole_graphs": len(backend.whole.graphs),
+                 "whole_failed": {f"{t} tokens, {rows} rows": why for (t, rows), why in backend.whole.failed.items()}}
     print(f"start-up (KV cache and every graph) {res['start_up_s']:.1f} s; {res['whole_graphs']} whole-step graphs, "
           f"failed: {backend.whole.failed or 'none'}", flush=True)
     whole, pieces = backend.whole, backend.pieces
