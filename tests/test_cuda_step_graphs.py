@@ -134,3 +134,46 @@ def test_a_failed_capture_is_logged_once_and_left_to_the_pieces(caplog):
     assert calls == [(64, 8)] and "not permitted" in failed[(64, 8)]
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "64 tokens, 8 logits rows" in warnings[0]
+
+
+@needs_cuda
+def test_engine_tokens_with_whole_steps(tmp_path, monkeypatch):
+    """Through LLMEngine with overlapped steps, prompts arriving while others decode (mixed steps whose decodes'
+    tokens are chained on the device): the same greedy tokens with whole-step graphs as with the pieces."""
+    from backends.cuda.backend import WHOLE_STEPS_ENV, CUDABackend
+    from backends.cuda.step_graphs import StepGraphs
+    from core.sampling_params import SamplingParams
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    model = tiny_model("qwen2_swa", tmp_path)
+    served = []
+    real = StepGraphs.__call__
+
+    def spy(self, batch):
+        served.append(batch.prev_rows is not None and bool((batch.prev_rows >= 0).any()))
+        return real(self, batch)
+
+    monkeypatch.setattr(StepGraphs, "__call__", spy)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (9, 30, 13, 5)]
+
+    def tokens(whole: bool) -> dict:
+        monkeypatch.setenv(WHOLE_STEPS_ENV, "1" if whole else "0")
+        engine = LLMEngine(CUDABackend(model, dtype="f32", progress=False), EngineConfig(
+            num_kv_blocks=96, block_size=8, async_scheduling=True,
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40, prefill_chunk_size=24)))
+        arrivals = {0: [0, 1], 3: [2], 5: [3]}
+        out, step = {}, 0
+        while step in arrivals or engine.has_unfinished():
+            for i in arrivals.get(step, []):
+                engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=10 - i, ignore_eos=True),
+                                   str(i))
+            out |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+            step += 1
+        return out
+
+    want = tokens(False)
+    assert not served
+    assert tokens(True) == want and len(want) == 4
+    assert len(served) >= 3 and sum(served) >= 2  # mixed steps with chained tokens went through the whole graphs
