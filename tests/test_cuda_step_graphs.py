@@ -108,6 +108,11 @@ def _check_steps(model, device: str, monkeypatch, kv: str = "auto") -> None:
     steps = [batch([a, b], [0, 0], tables[:2]),  # 19 tokens, 2 logits rows: key (32, 4)
              chained,  # 8 tokens, 3 rows: (8, 4)
              batch([[7], [8], c[6:]], [8, 13, 6], tables)]  # 7 tokens
+    before = [t.clone() for layer in whole.kv for t in layer]
+    g._capture((32, 4))
+    g._step((32, 4))  # what a capture's warm-up runs: padding only, owned by a sequence of context 0
+    assert torch.isfinite(g.out[:4]).all()
+    assert all(torch.equal(x, y) for x, y in zip(before, (t for layer in whole.kv for t in layer), strict=True))
     for be in (whole, eager):
         be._chain[:2] = torch.tensor([5, 6], dtype=torch.int32)
     whole.pieces = None  # on a GPU too: only the whole graphs or the eager path remain

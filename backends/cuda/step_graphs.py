@@ -165,11 +165,15 @@ class StepGraphs:
                            "whole steps of %d tokens, %d logits rows (those steps run in pieces)")
 
     def _capture(self, key: tuple[int, int]) -> None:
-        """Warms up and captures on padding inputs of its own: every token padding, every map entry empty."""
+        """Warms up and captures on padding inputs of its own: every token padding, owned by one sequence of context
+        0 (so the warm-up's attention rows are zeros, never stale memory a MoE router would read)."""
+        t = key[0]
         for name, buf in self._dev.items():
-            buf.fill_(-1 if name == "prev" or name.startswith(("slots", "map")) else 0)
-        for name in self.maps:
-            self._dev[f"map{name}"][:, 1].zero_()
+            buf.fill_(-1 if name == "prev" or name.startswith("slots") else 0)
+        self._dev["qstart"][1:].fill_(t)
+        for k in self.maps:
+            tiles = build_tile_map(np.array([0, t]), *k, self.capacity(t, k))
+            self._dev[f"map{k}"][:len(tiles)].copy_(torch.from_numpy(tiles))
         if not self.capture:
             self.graphs[key] = None
             return
