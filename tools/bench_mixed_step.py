@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -66,6 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mixed_step needs a CUDA GPU")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the graphs' capture lines
     from backends.cuda.backend import CUDABackend
     from tools.bench_gpu_model import dense_params, loaded_model, model_config
 
@@ -79,10 +81,12 @@ def main() -> None:
     backend.allocate_kv(blocks + 8, BLOCK)  # captures the decode graphs, the pieces and the whole-step graphs
     res: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "decodes": args.decodes,
                  "prompt": args.prompt, "context": args.context, "start_up_s": time.perf_counter() - t0,
-                 "whole_graphs": len(backend.whole.graphs),
+                 "whole_graphs": len(backend.whole.graphs), "whole_capture_s": backend.whole.capture_s,
+                 "whole_capture_mib": backend.whole.capture_mib,
                  "whole_failed": {f"{t} tokens, {rows} rows": why for (t, rows), why in backend.whole.failed.items()}}
-    print(f"start-up (KV cache and every graph) {res['start_up_s']:.1f} s; {res['whole_graphs']} whole-step graphs, "
-          f"failed: {backend.whole.failed or 'none'}", flush=True)
+    print(f"start-up (KV cache and every graph) {res['start_up_s']:.1f} s; {res['whole_graphs']} whole-step graphs in "
+          f"{res['whole_capture_s']:.1f} s, {res['whole_capture_mib']:.0f} MiB; failed: "
+          f"{res['whole_failed'] or 'none'}", flush=True)
     whole, pieces = backend.whole, backend.pieces
     backend.whole = backend.pieces = None
     want = backend.forward(mixed).clone()

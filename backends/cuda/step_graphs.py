@@ -113,6 +113,7 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
         self.failed: dict[tuple[int, int], str] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.capture_s = self.capture_mib = 0.0  # capture_all's time and the memory it reserved
 
     @property
     def available(self) -> bool:
@@ -137,9 +138,11 @@ class StepGraphs:
         for key in self.keys.all():
             self._try_capture(key)
         if self.capture:
+            self.capture_s = time.perf_counter() - t0
+            self.capture_mib = (torch.cuda.memory_reserved(dev) - mem0) / 2**20
             log.info("captured %d whole-step CUDA graphs for prefill steps (tokens %s, up to %d sequences) in %.1f s, "
                      "%.0f MiB", len(self.graphs), ",".join(map(str, self.keys.tokens)), self.max_seqs,
-                     time.perf_counter() - t0, (torch.cuda.memory_reserved(dev) - mem0) / 2**20)
+                     self.capture_s, self.capture_mib)
 
     def _meta(self, t: int) -> StepMeta:
         d = self._dev
