@@ -7,9 +7,17 @@ cache). One program takes BLOCK_M rows of one KV head: rows are (token, query he
 so the GROUP heads sharing a KV head read each K/V tile once. Keys are walked in BLOCK_N tiles up to the tile's
 last query (causal), from its first query's window start (sliding window), with the online softmax of `attend`.
 Decode tokens (q_len 1) are valid here too; paged_decode is the faster path when every sequence decodes.
+
+The grid above depends on the batch (sequences x longest query), so a CUDA graph could not hold it. The mapped
+kernels take a grid fixed by a capacity (`tile_capacity`: the most tiles any step of a token and a sequence bound
+can have, x KV heads) and read each program's (sequence, tile) from a map the host writes each step
+(`build_tile_map`); programs past the step's tiles do nothing. Same program, same results (as vLLM's unified
+attention finds its sequence from device metadata).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.paged_attention import (
@@ -62,16 +70,51 @@ def paged_prefill_fp8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tabl
                     HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL)
 
 
+def paged_prefill_mapped_kernel(q, k_cache, v_cache, block_tables, context_lens, query_start, tile_map, out, scale,
+                                softcap, window, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
+                                kv_block_stride, kv_tok_stride, kv_head_stride, GROUP: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
+                                PDL: tl.constexpr = False):
+    """paged_prefill_kernel on a grid fixed by a capacity: each program's (sequence, tile) from `tile_map`."""
+    prefill_program(q, k_cache, v_cache, None, block_tables, context_lens, query_start, out, scale, softcap, window,
+                    q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
+                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL, tile_map)
+
+
+def paged_prefill_mapped_int8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens,
+                                     query_start, tile_map, out, scale, softcap, window, q_stride, q_head_stride,
+                                     out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
+                                     kv_head_stride, sc_block_stride, sc_tok_stride, sc_head_stride,
+                                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                                     SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
+    """paged_prefill_mapped_kernel over an int8 cache (kv_int8's layout)."""
+    prefill_program(q, k_cache, v_cache, (k_scales, v_scales, sc_block_stride, sc_tok_stride, sc_head_stride),
+                    block_tables, context_lens, query_start, out, scale, softcap, window, q_stride, q_head_stride,
+                    out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride, GROUP,
+                    HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL, tile_map)
+
+
 def prefill_program(q, k_cache, v_cache, scales, block_tables, context_lens, query_start, out, scale, softcap, window,
                     q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
-                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL):
-    """One (sequence, KV head, row tile) program of the prefill kernels (`scales` as attend takes them)."""
-    b, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL, tile_map=None):
+    """One (sequence, KV head, row tile) program of the prefill kernels (`scales` as attend takes them). With a
+    `tile_map` the grid is (map entries, KV heads) and entry p names the program's (sequence, tile); a sequence of
+    -1 is an unused entry, which reads and writes nothing."""
+    if tile_map is None:
+        b, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:  # the map is copied in from the host before the step: read before waiting on earlier kernels
+        p, kvh = tl.program_id(0), tl.program_id(1)
+        seq, tile = tl.load(tile_map + 2 * p), tl.load(tile_map + 2 * p + 1)
+        b = tl.maximum(seq, 0)
     if PDL:  # q, the caches and the batch's tables may all be earlier kernels' outputs
         tl.wait_prior_grid()
         tl.launch_dependents()
     q0 = tl.load(query_start + b)
     q_len = tl.load(query_start + b + 1) - q0
+    if tile_map is not None:
+        q_len = tl.where(seq >= 0, q_len, 0)  # no rows: no keys walked (hi = 0 below), every store masked
     ctx = tl.load(context_lens + b)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     t, g = r // GROUP, r % GROUP
@@ -96,31 +139,39 @@ def prefill_program(q, k_cache, v_cache, scales, block_tables, context_lens, que
 def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, scale: float, *,
                   sliding_window: int | None = None, softcap: float | None = None, out=None,
                   max_query_len: int | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                  k_scales=None, v_scales=None, target: str = "numpy", pdl: bool | None = None):
+                  k_scales=None, v_scales=None, tile_map=None, target: str = "numpy", pdl: bool | None = None):
     """Attention of flat varlen q [T, Hq, D] over the paged caches (see the module docstring); out [T, Hq, D].
 
     `max_query_len` bounds the per-sequence query counts (computed from query_start when not given). `k_scales`,
     `v_scales`: the caches are int8 codes with these group scales (kernels_src.kv_int8's layout) or e4m3 bytes
-    (uint8) with these token scales (kernels_src.kv_fp8's).
+    (uint8) with these token scales (kernels_src.kv_fp8's). `tile_map`: a [capacity, 2] int32 array of
+    `build_tile_map` for this block_m (`row_tile`): the grid is then (capacity, KV heads) whatever the batch (a CUDA
+    graph's), and max_query_len is not read (16-bit and int8 caches only).
     """
     group, bs = check_cache(q, k_cache, v_cache)
     d = q.shape[2]
     out = empty(q, q.shape) if out is None else out
-    if max_query_len is None:
-        max_query_len = int((query_start[1:] - query_start[:-1]).max()) if len(query_start) > 1 else 0
     block_d = max(16, tl.next_power_of_2(d))
     block_m, block_n = prefill_tiles(group, block_d, block_m, block_n)
     consts = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, BS=bs,
                   SOFTCAP=bool(softcap))
-    n_tiles = tl.cdiv(max_query_len * group, block_m)
-    if n_tiles == 0 or len(context_lens) == 0:
+    if tile_map is not None:
+        grid, kernels, maps = (tile_map.shape[0], k_cache.shape[2]), (*MAPPED_KERNELS, None), (tile_map,)
+    else:
+        if max_query_len is None:
+            max_query_len = int((query_start[1:] - query_start[:-1]).max()) if len(query_start) > 1 else 0
+        grid, kernels, maps = (len(context_lens), k_cache.shape[2], tl.cdiv(max_query_len * group, block_m)), \
+            (paged_prefill_kernel, paged_prefill_int8_kernel, paged_prefill_fp8_kernel), ()
+    if 0 in grid:
         return out
     pdl = use_pdl(target, pdl)
-    caches, fn, sc_strides = quant_args(k_cache, v_cache, k_scales, v_scales, paged_prefill_kernel,
-                                        paged_prefill_int8_kernel, paged_prefill_fp8_kernel)
+    caches, fn, sc_strides = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels)
+    if fn is None:
+        raise ValueError("paged_prefill: no tile-mapped kernel for an fp8 cache (whole-step graphs leave such steps "
+                         "to the pieces)")
     kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
-    kern[len(context_lens), k_cache.shape[2], n_tiles](
-        q, *caches, block_tables, context_lens, query_start, out, float(scale), float(softcap or 0.0),
+    kern[grid](
+        q, *caches, block_tables, context_lens, query_start, *maps, out, float(scale), float(softcap or 0.0),
         int(sliding_window or NO_WINDOW), elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),
         elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache), *sc_strides)
     return out
@@ -146,6 +197,36 @@ def prefill_tiles(group: int, block_d: int, block_m: int = 64, block_n: int = 64
     while not fits() and block_m > 16:
         block_m //= 2
     return block_m, block_n
+
+
+MAPPED_KERNELS = (paged_prefill_mapped_kernel, paged_prefill_mapped_int8_kernel)
+
+
+def row_tile(q_heads: int, kv_heads: int, head_dim: int) -> int:
+    """BLOCK_M that paged_prefill takes (at its default tiles) for these heads: the unit of a tile map's rows."""
+    return prefill_tiles(q_heads // kv_heads, max(16, tl.next_power_of_2(head_dim)))[0]
+
+
+def tile_capacity(max_tokens: int, max_seqs: int, group: int, block_m: int) -> int:
+    """Map entries enough for any step of up to max_tokens query tokens in up to max_seqs sequences: each sequence
+    adds at most one partial tile to the tokens' whole ones."""
+    return tl.cdiv(max_tokens * group, block_m) + min(max_seqs, max_tokens)
+
+
+def build_tile_map(query_start, group: int, block_m: int, capacity: int, out=None):
+    """[capacity, 2] int32 (sequence, row tile) entries, sequence by sequence, each sequence's tiles in order; the
+    rest (-1, 0), which do nothing. Written into `out` (a pinned host array) when given."""
+    q_lens = np.diff(np.asarray(query_start, np.int64))
+    tiles = -(-q_lens * group // block_m)
+    n = int(tiles.sum())
+    if n > capacity:
+        raise ValueError(f"{n} attention tiles ({len(q_lens)} sequences, {int(q_lens.sum())} tokens) exceed the map's "
+                         f"capacity of {capacity}")
+    out = np.empty((capacity, 2), np.int32) if out is None else out
+    out[:n, 0] = np.repeat(np.arange(len(q_lens)), tiles)
+    out[:n, 1] = np.arange(n) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    out[n:] = (-1, 0)
+    return out
 
 
 paged_prefill_ref = paged_attention_ref

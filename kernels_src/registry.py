@@ -214,8 +214,10 @@ register(KernelEntry(
     dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, BS=16, SOFTCAP=False, PDL=True),
     _ATT_PTRS | dict(query_start="*i32"), _PREFILL, prefill_bytes, floats=("scale", "softcap"),
     flops=prefill_flops, launcher=paged_prefill.paged_prefill,
-    variants=(paged_prefill.paged_prefill_int8_kernel, paged_prefill.paged_prefill_fp8_kernel),
-    notes="compute bound: report flops too; variants: the int8 and fp8 caches'"))
+    variants=(paged_prefill.paged_prefill_int8_kernel, paged_prefill.paged_prefill_fp8_kernel,
+              *paged_prefill.MAPPED_KERNELS),
+    notes="compute bound: report flops too; variants: the int8 and fp8 caches', and the 16-bit and int8 ones on a "
+          "grid of a tile map's capacity (tile_map=, a whole-step CUDA graph's)"))
 
 # --- dequantizing GEMV: one token through a 14336 x 4096 (up/gate-sized) GGUF matrix -----------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -19,6 +20,7 @@ from backends.cuda.graphs import DecodeGraphs
 from backends.cuda.piecewise import PiecewiseGraphs
 from backends.cuda.runner import Runner, StepMeta
 from backends.cuda.runtime import torch
+from backends.cuda.step_graphs import StepGraphs
 from core.batch import Batch
 from core.kv_layout import KVLayout
 from ir.fusion import Fusions, concat_parts, fuse
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KV_FRACTION = 0.9  # of the memory free after loading and a warm-up step
 PIECEWISE_MAX_TOKENS = 512
+WHOLE_STEPS_ENV = "LLM_ENGINE_WHOLE_STEPS"  # "1": steps with prefill tokens as whole CUDA graphs (CUDABackend)
 
 
 def _mib(n: float) -> str:
@@ -96,6 +99,12 @@ class CUDABackend(Backend):
         # time exceeds an eager step's host time (an 8B model: ~13 ms for 512 tokens on an H200), which then hides.
         self.piecewise = self.use_graphs
         self.pieces: PiecewiseGraphs | None = None
+        # Such steps as one CUDA graph each (backends.cuda.step_graphs: attention on a grid fixed by a tile map), the
+        # pieces kept for what those cannot take. Off until an H200 run A/Bs it (LLM_ENGINE_WHOLE_STEPS=1 turns it on).
+        # An fp8 cache has no tile-mapped prefill kernel: its steps stay on the pieces.
+        self.whole_steps = (self.use_graphs and os.environ.get(WHOLE_STEPS_ENV, "0") == "1"
+                            and self.kv_quant != "fp8")
+        self.whole: StepGraphs | None = None
         self.max_step_tokens = 2048
         self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), (latent,) or int8's / fp8's (k, v, ks, vs)
         self.block_size = 0
@@ -150,7 +159,8 @@ class CUDABackend(Backend):
         where += f", rank {self.rank} of {self.world}" if self.world > 1 else ""
         kv = f", {self.kv_quant} KV cache" if self.kv_quant else ""
         return (f"{where}, {self.dtype}, {'weights ' + '/'.join(quant) if quant else 'dense'}, "
-                f"CUDA graphs {'on' if self.use_graphs else 'off'}{kv}")
+                f"CUDA graphs {'on' if self.use_graphs else 'off'}{', whole prefill steps' if self.whole_steps else ''}"
+                f"{kv}")
 
     # -- KV cache -----------------------------------------------------------------------------------
     def set_limits(self, max_num_seqs: int, max_model_len: int, max_step_tokens: int | None = None) -> None:
@@ -240,7 +250,7 @@ class CUDABackend(Backend):
     def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int, _graphs: bool = True) -> None:
         if self.mirror is not None:  # the workers capture their graphs as this rank does, collectives in step
             self.mirror("allocate_kv", num_blocks, block_size, _graphs=_graphs)
-        self.kv, self.graphs, self.pieces, self.runner.kv = [], None, None, []  # the old cache goes first
+        self.kv, self.graphs, self.pieces, self.whole, self.runner.kv = [], None, None, None, []  # old cache first
         dt, layout = weights.DTYPES[self.dtype], self.kv_layout()
         pools = [num_blocks] * layout.num_groups if isinstance(num_blocks, int) else list(num_blocks)
         if len(pools) != layout.num_groups:
@@ -280,6 +290,10 @@ class CUDABackend(Backend):
                 self.pieces = PiecewiseGraphs(self.runner, min(PIECEWISE_MAX_TOKENS, self.max_step_tokens))
                 self.pieces.capture_all()
                 self._warm_up_attention(block_size)
+            if self.whole_steps:
+                self.whole = StepGraphs(self.runner, self._chain, min(PIECEWISE_MAX_TOKENS, self.max_step_tokens),
+                                        self.max_num_seqs, -(-longest // block_size))
+                self.whole.capture_all()
         else:
             self._chain = torch.zeros(chain, dtype=torch.int32, device=self.device)
 
@@ -304,6 +318,10 @@ class CUDABackend(Backend):
             self.mirror("forward", batch)
         if self.graphs is not None and self.graphs.applies(batch):
             logits = self.graphs(batch)
+            if logits is not None:
+                return logits
+        if self.whole is not None and self.whole.applies(batch):
+            logits = self.whole(batch)
             if logits is not None:
                 return logits
         dev = self.device

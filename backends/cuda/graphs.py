@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -32,6 +33,34 @@ log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly: launch costs matter little there
+
+
+def try_capture(failed: dict, key: tuple, capture: Callable[[tuple], None], what: str) -> bool:
+    """capture(key), unless it failed before; a failure is kept in `failed` and logged once, `what` saying which
+    steps the key names and how they run instead (a format for the key's values)."""
+    if key in failed:
+        return False
+    try:
+        capture(key)
+        return True
+    except Exception as e:  # noqa: BLE001  (any capture error: those steps still run another way)
+        failed[key] = f"{type(e).__name__}: {e}"
+        log.warning("CUDA graph capture for %s failed: %s", what % key, failed[key])
+        return False
+
+
+def warm_and_capture(step: Callable[[], torch.Tensor | None], pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`step` run once on a side stream (it compiles the kernels, which a capture must not), then captured into a
+    new graph in `pool`: (the graph, what the captured call returned)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
 
 
 class GraphKeys:
@@ -125,16 +154,7 @@ class DecodeGraphs:
 
     def _try_capture(self, key: tuple[int, int]) -> bool:
         """Captures `key`'s graph; a failure is logged (once per key) and leaves the key to eager steps."""
-        if key in self.failed:
-            return False
-        try:
-            self._capture(key)
-            return True
-        except Exception as e:  # noqa: BLE001  (any capture error: the step can still run eagerly)
-            self.failed[key] = f"{type(e).__name__}: {e}"
-            log.warning("CUDA graph capture for decode batch %d, %d partitions failed; those steps run eagerly: %s",
-                        *key, self.failed[key])
-            return False
+        return try_capture(self.failed, key, self._capture, "decode batch %d, %d partitions (those steps run eagerly)")
 
     def _capture(self, key: tuple[int, int]) -> None:
         """Warms up and captures on padding inputs of its own (host token 0, slot -1, context 0): the live step's
@@ -149,15 +169,7 @@ class DecodeGraphs:
             slots, tables = self._keys(g)
             self._dev[slots][:b].fill_(-1)
             self._dev[tables][:b].zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # the warm-up compiles the kernels; capture must not
-            self._step(b, meta)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._step(b, meta)
-        self.graphs[key] = (graph, logits)
+        self.graphs[key] = warm_and_capture(lambda: self._step(b, meta), self.pool)
 
     def __call__(self, batch: Batch) -> torch.Tensor | None:
         """The step's logits from its graph, or None when that graph could not be captured (run it eagerly)."""

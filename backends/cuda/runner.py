@@ -62,6 +62,9 @@ class StepMeta:
     max_query_len: int
     max_context: int  # fixes the decode kernel's grid (with Runner.max_partitions); longer contexts still work
     groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # (slots, block_tables) of KV groups 1.. (core.batch)
+    # (GQA group, row tile) -> paged_prefill's tile map: the prefill kernel on a grid fixed by the map's capacity (a
+    # whole-step CUDA graph's, backends.cuda.step_graphs); None: the grid from max_query_len
+    tile_maps: dict[tuple[int, int], torch.Tensor] | None = None
 
     def kv_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, block tables) of one KV group (core.kv_layout)."""
@@ -286,6 +289,10 @@ class Runner:
                                                 max_context=meta.max_context, partition=self.decode_partition(rows),
                                                 max_parts=self.max_partitions(rows), block_n=block_n,
                                                 num_warps=num_warps, **kw)
+        if meta.tile_maps is not None:
+            kv_heads = kc.shape[2]
+            kw["tile_map"] = meta.tile_maps[(q.shape[1] // kv_heads, paged_prefill.row_tile(q.shape[1], kv_heads,
+                                                                                            q.shape[2]))]
         return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],
                                            max_query_len=meta.max_query_len, **kw)
 
