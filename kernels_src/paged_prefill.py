@@ -90,7 +90,8 @@ def paged_prefill_mapped_int8_kernel(q, k_cache, v_cache, k_scales, v_scales, bl
                                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                                      SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
     """paged_prefill_mapped_kernel over an int8 cache (kv_int8's layout)."""
-    prefill_program(q, k_cache, v_cache, (k_scales, v_scales, sc_block_stride, sc_tok_stride, sc_head_stride),
+    prefill_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
+                                                     sc_head_stride),
                     block_tables, context_lens, query_start, out, scale, softcap, window, q_stride, q_head_stride,
                     out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride, GROUP,
                     HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL, tile_map)
