@@ -37,6 +37,9 @@ CHECK_N, CHECK_K = 48, 4096  # the check's problem: sizes divisible by 16, as Tr
 GAIN = 0.97  # a setting enters the printed table when it takes at most this fraction of the rule's time
 INT8_STEPS = ((4, 1), (8, 1), (16, 1), (8, 2), (16, 2))  # (STEP, warps) of the int8 path: 1-2 blocks a lane
 LOOP_FORMS = ({"prefetch": True}, {"stages": 2}, {"stages": 3})  # the K loop's forms beside the plain one
+# Settings of more rows x batch rows take no other loop form: at 8 the prefetch spills (Q6_K: 255 registers), and
+# Triton's compile of the pipelined loop takes 40 s (Q4_K, stages 3) to over 15 min (Q6_K words) on a CPU core.
+FORM_ROWS = 4
 
 
 def rows_for(m: int) -> tuple[int, ...]:
@@ -47,7 +50,7 @@ def rows_for(m: int) -> tuple[int, ...]:
 def essentials(qtype: str, m: int, n: int, k: int) -> list[dict]:
     """The rule's tiles for the problem (and on the fp32 path too where the int8 one is the default, and with W read
     as words where that path has a word loader), and TUNED's where it lists the problem (and its words twin); then
-    each of those but the fp32-x twin in each of LOOP_FORMS."""
+    each of those but the fp32-x twin in each of LOOP_FORMS (up to FORM_ROWS rows x batch rows)."""
     from kernels_src.dequant_gemv import TUNED, rule_tiles
     from kernels_src.dequant_gemv_i8 import WORD_LOADS, uses_int8
 
@@ -64,7 +67,7 @@ def essentials(qtype: str, m: int, n: int, k: int) -> list[dict]:
         out += [s for s in more if s not in out]
     fp32_twin = out[0] | {"int8_x": False}  # the rule's on the other path: a reference column, in no other form
     forms = [{key: v for key, v in s.items() if key not in ("prefetch", "stages")} | f
-             for s in out if s != fp32_twin for f in LOOP_FORMS]
+             for s in out if s != fp32_twin and s["ROWS"] * m <= FORM_ROWS for f in LOOP_FORMS]
     return out + [s for s in map(_s, dict.fromkeys(map(_t, forms))) if s not in out]
 
 
