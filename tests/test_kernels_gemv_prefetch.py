@@ -2,7 +2,8 @@
 `prefetch`, or Triton's pipelining over `stages`): dequant_gemv (both paths, Q6_K's word loader), int_group_gemv_i8
 and fp8_gemv give the plain loop's outputs exactly and stay within their references' bounds on both interpreters, at
 one step, at several with a partial last one, and with ROWS not dividing N; a prefetch one step off fails the same
-checks; bad keys are named; the sweeps carry the forms; the sm_90 builds: no spills, and under stages W's loads are
+checks; the SIMT lowering runs the prefetch loop; bad keys are named; the sweeps carry the forms; the sm_90 builds: no
+spills, and under stages W's loads are
 cp.async issued after the PDL wait."""
 
 from __future__ import annotations
@@ -107,6 +108,15 @@ def test_fp8_forms_match_the_plain_loop(target, group, k, tiles, rng):
     check_gemv(plain, x, codes, scales, group)
     for form in FORMS:
         np.testing.assert_array_equal(out(**form), plain, err_msg=str(form))
+
+
+def test_prefetch_on_the_simt_fiber_oracle(rng):
+    """The SIMT lowering (the Metal / CUDA C emitters' form, run by the C++ fiber oracle) of the prefetch loop, which
+    a GPU's table may hand every target: the plain loop's outputs exactly."""
+    w = padded_weights(rng, "Q4_K", 3, 768)
+    x = rng.standard_normal((1, 768)).astype(np.float32)
+    plain = gguf("simt-cpu", x, w, "Q4_K", rows=2, step=2)
+    np.testing.assert_array_equal(gguf("simt-cpu", x, w, "Q4_K", rows=2, step=2, prefetch=True, stages=2), plain)
 
 
 def _fp8(target, x, codes, scales, **kw):
