@@ -3,8 +3,7 @@
 and fp8_gemv give the plain loop's outputs exactly and stay within their references' bounds on both interpreters, at
 one step, at several with a partial last one, and with ROWS not dividing N; a prefetch one step off fails the same
 checks; the SIMT lowering runs the prefetch loop; bad keys are named; the sweeps carry the forms; the sm_90 builds: no
-spills, and under stages W's loads are
-cp.async issued after the PDL wait."""
+spills, and under stages W's loads are cp.async issued after the PDL wait."""
 
 from __future__ import annotations
 
