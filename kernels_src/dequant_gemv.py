@@ -39,6 +39,7 @@ from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src import gguf_gemv_kquants as kquants
 from kernels_src import gguf_gemv_legacy as legacy
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.gemv_loop import check_loop_keys, k_loop, loop_form
 from kernels_src.gguf_gemv_common import _Decode
 from kernels_src.paged_attention import empty
 
@@ -57,43 +58,46 @@ def _family(QTYPE: str, PARTS: int):
     return (kquants.family if QTYPE in kquants.K_QTYPES else legacy.family)(QTYPE, PARTS)
 
 
-def _gemv_loop(mats, n_rows, n_cols, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape, x_prep, w_load, w_dot):
+def _gemv_loop(mats, n_rows, n_cols, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape, x_prep, w_load, w_dot,
+               PREFETCH: bool = False, STAGES: int = 0):
     """The GEMV's loop over K for the program's ROWS rows of each matrix in `mats` ((w, w_stride) pairs of one
-    format and shape, each x_prep shared by all): (rows, accumulators [(i * ROWS + r) * M + m] of matrix i)."""
+    format and shape, each x_prep shared by all): (rows, accumulators [(i * ROWS + r) * M + m] of matrix i).
+    PREFETCH, STAGES: gemv_loop.k_loop's (a step's raw tiles are w_load's, every row's)."""
     n_blk = n_cols // elems
     rows = [tl.program_id(0) * ROWS + r for r in range(ROWS)]
     blocks = tl.arange(0, STEP)
     for _ in range(rank - 1):
         blocks = blocks[:, None]
-    n_acc = ROWS * M
 
-    def body(it, *accs):
+    def load(it):
         b = it * STEP + blocks
         bmask = b < n_blk
         b = tl.minimum(b, n_blk - 1)  # past the end: re-read the last block, with its scales masked to 0
         starts = [(w + tl.minimum(row, n_rows - 1).to(tl.int64) * w_stride, bmask & (row < n_rows))
                   for w, w_stride in mats for row in rows]
         if getattr(w_load, "by_block", False):  # a word loader: the row's start and the block indices
-            raw = [w_load(start, b, mask, PARTS) for start, mask in starts]
-        else:
-            raw = [w_load(start + b * size, mask, PARTS) for start, mask in starts]
+            return [list(w_load(start, b, mask, PARTS)) for start, mask in starts]
+        return [list(w_load(start + b * size, mask, PARTS)) for start, mask in starts]
+
+    def dot(it, raw, accs):
+        b = tl.minimum(it * STEP + blocks, n_blk - 1)
         out = list(accs)
         for m in range(M):
             xp = x_prep(m, b)
             for r in range(ROWS * len(mats)):
                 out[r * M + m] = out[r * M + m] + w_dot(raw[r], xp)
-        return tuple(out)
+        return out
 
-    init = tuple(tl.zeros((STEP,) + acc_shape, tl.float32) for _ in range(n_acc * len(mats)))
-    return rows, tl.fori_loop(0, (n_blk + STEP - 1) // STEP, body, init)
+    init = tuple(tl.zeros((STEP,) + acc_shape, tl.float32) for _ in range(ROWS * M * len(mats)))
+    return rows, k_loop((n_blk + STEP - 1) // STEP, load, dot, init, PREFETCH, STAGES)
 
 
 def _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape,
-               x_prep, w_load, w_dot, PDL: bool = False):
+               x_prep, w_load, w_dot, PDL: bool = False, PREFETCH: bool = False, STAGES: int = 0):
     """The GEMV. Under PDL the caller's x_prep waits before loading x, after the step's weight loads; PDL waits once
     more before the stores, since a program whose loop runs no step must still wait (a later wait returns at once)."""
     rows, accs = _gemv_loop(((w, w_stride),), n_rows, n_cols, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape,
-                            x_prep, w_load, w_dot)
+                            x_prep, w_load, w_dot, PREFETCH, STAGES)
     if PDL:
         tl.wait_prior_grid()
         tl.launch_dependents()
@@ -104,20 +108,22 @@ def _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, S
 
 def dequant_gemv_kernel(w, x, y, n_rows, n_cols, w_stride, x_stride, y_stride, QTYPE: tl.constexpr, M: tl.constexpr,
                         ROWS: tl.constexpr, STEP: tl.constexpr, PARTS: tl.constexpr, SUBNORMAL: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 0):
     """PDL: each step's weight loads are issued before waiting for x (as dequant_gemv_i8_kernel does): in the first
-    step they overlap the kernel before; later waits return at once."""
+    step they overlap the kernel before; later waits return at once. PREFETCH, STAGES: _gemv_loop's."""
     elems, size = FORMATS[QTYPE]
     rank, acc_shape, x_prep, w_load, w_dot = _family(QTYPE, PARTS)
     dec = _Decode(SUBNORMAL)
 
     def x_step(m, b):
-        if PDL and m == 0:
+        if PDL and m == 0 and not STAGES:
             tl.wait_prior_grid()
         return x_prep(x + m * x_stride, b, dec, PARTS)
 
+    if PDL and STAGES:  # the pipeliner would hoist the first steps' x loads above a wait inside the loop
+        tl.wait_prior_grid()
     _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, PARTS, rank, acc_shape, x_step,
-               w_load, lambda raw, xp: w_dot(raw, xp, dec), PDL)
+               w_load, lambda raw, xp: w_dot(raw, xp, dec), PDL, PREFETCH, STAGES)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
@@ -209,13 +215,14 @@ def _env_tuned() -> dict[tuple[str, int, int, int], dict]:
 
 def check_tiles(qtype: str, tiles: dict) -> None:
     """Raises ValueError naming what is off in `tiles` (TILE_KEYS, and int8_x where qtype has an int8 path, words
-    where that path has a word loader) for qtype: ROWS 1-16, STEP and num_warps powers of two (1-128, 1-8), PARTS a
-    divisor of MAX_PARTS (the lane's words of a block)."""
+    where that path has a word loader, the loop's prefetch and stages) for qtype: ROWS 1-16, STEP and num_warps
+    powers of two (1-128, 1-8), PARTS a divisor of MAX_PARTS (the lane's words of a block)."""
     from kernels_src.dequant_gemv_i8 import I8_QTYPES, WORD_LOADS
 
     qtype = qtype.upper()
-    if sorted(set(tiles) - {"int8_x", "words"}) != sorted(TILE_KEYS):
-        raise ValueError(f"{qtype} tiles {tiles}: keys must be {', '.join(TILE_KEYS)} (and int8_x, words)")
+    if sorted(set(tiles) - {"int8_x", "words", "prefetch", "stages"}) != sorted(TILE_KEYS):
+        raise ValueError(f"{qtype} tiles {tiles}: keys must be {', '.join(TILE_KEYS)} (and int8_x, words, prefetch, "
+                         "stages)")
     if "int8_x" in tiles and (qtype not in I8_QTYPES or not isinstance(tiles["int8_x"], bool)):
         raise ValueError(f"{qtype} tiles {tiles}: int8_x is a bool for {', '.join(I8_QTYPES)} only")
     if "words" in tiles and (qtype not in WORD_LOADS or not isinstance(tiles["words"], bool)):
@@ -228,6 +235,7 @@ def check_tiles(qtype: str, tiles: dict) -> None:
     parts = tiles["PARTS"]
     if not (isinstance(parts, int) and parts >= 1 and MAX_PARTS[qtype] % parts == 0):
         bad.append(f"PARTS {parts} (a divisor of {MAX_PARTS[qtype]})")
+    bad += check_loop_keys(tiles)
     if bad:
         raise ValueError(f"{qtype} tiles {tiles}: {'; '.join(bad)}")
 
@@ -255,14 +263,16 @@ def aligned_x(x2):
 
 def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: int | None = None,
                  parts: int | None = None, num_warps: int | None = None, target: str = "numpy",
-                 int8_x: bool | None = None, pdl: bool | None = None, words: bool | None = None):
+                 int8_x: bool | None = None, pdl: bool | None = None, words: bool | None = None,
+                 prefetch: bool | None = None, stages: int | None = None):
     """y [M, N] = x [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, row_bytes]); M <= 8; x may be 1-d.
 
     int8_x (default: dequant_gemv_i8.uses_int8): x quantized to int8 per 32 elements first, then integer dot
     products (kernels_src/dequant_gemv_i8.py); y then differs from the fp32 path by that quantization.
     pdl (default: dsl.use_pdl) applies to the fp32 path; the int8 path's GEMV is a PDL launch wherever use_pdl says.
     words (int8 path, dequant_gemv_i8.WORD_LOADS' formats; default: TUNED's words, else dequant_gemv_i8.WORDS, where
-    the rows allow it): W read as 32-bit words."""
+    the rows allow it): W read as 32-bit words. prefetch, stages (both paths; default: TUNED's, else
+    gemv_loop.PREFETCH / STAGES): the K loop's form (kernels_src/gemv_loop.py)."""
     qtype = qtype.upper()
     if qtype not in FORMATS:
         raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(QTYPES)})")
@@ -286,6 +296,7 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     tuned_i8 = cfg.pop("int8_x", None)  # TUNED's choice of path, where it was timed: on I8_TARGETS
     int8_x = i8.uses_int8(qtype, target, tuned_i8 if int8_x is None and target in i8.I8_TARGETS else int8_x)
     tuned_words = cfg.pop("words", None)
+    prefetch, stages = loop_form({key: cfg.pop(key) for key in ("prefetch", "stages") if key in cfg}, prefetch, stages)
     if words and not int8_x:
         raise ValueError(f"words: only the int8-activation path of {', '.join(i8.WORD_LOADS)} reads W as words")
     if words is None:  # TUNED's choice (or the default) where the rows allow it; an explicit True is checked
@@ -293,11 +304,11 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     nw = cfg.pop("num_warps")
     grid = tl.cdiv(n, cfg["ROWS"])
     if int8_x:
-        i8.gemv_i8(x2, w, out2, qtype, cfg["ROWS"], cfg["STEP"], nw, target, words)
+        i8.gemv_i8(x2, w, out2, qtype, cfg["ROWS"], cfg["STEP"], nw, target, words, prefetch, stages)
         return out[0] if vec and len(out.shape) == 2 else out
     pdl = use_pdl(target, pdl)
     kern = compile(dequant_gemv_kernel, target, num_warps=nw, launch_pdl=pdl, QTYPE=qtype, M=m,
-                   SUBNORMAL=target in SUBNORMAL_TARGETS, PDL=pdl, **cfg)
+                   SUBNORMAL=target in SUBNORMAL_TARGETS, PDL=pdl, PREFETCH=prefetch, STAGES=stages, **cfg)
     kern[grid](w, x2, out2, n, k, elem_stride(w, 0), elem_stride(x2, 0), elem_stride(out2, 0))
     return out[0] if vec and len(out.shape) == 2 else out
 

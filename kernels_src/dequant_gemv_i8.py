@@ -207,22 +207,26 @@ WORDS = False  # the default where the rows allow it: not until tools/sweep_gemv
 
 def dequant_gemv_i8_kernel(w, xq, xd, y, n_rows, n_cols, w_stride, xq_stride, xd_stride, y_stride,
                            QTYPE: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
-                           PDL: tl.constexpr = False, WORDS: tl.constexpr = False):
+                           PDL: tl.constexpr = False, WORDS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                           STAGES: tl.constexpr = 0):
     """dequant_gemv_kernel on int8 activations from quantize_x_kernel (Q4_K, Q5_K, Q6_K). PDL: launched as a
     programmatic dependent launch, so each step's weight loads are issued before waiting for quantize_x's output
-    (in the first step that overlaps the pre-pass; later waits return at once). WORDS: WORD_LOADS' loader."""
+    (in the first step that overlaps the pre-pass; later waits return at once). WORDS: WORD_LOADS' loader.
+    PREFETCH, STAGES: _gemv_loop's (the next step's W loads before this step's arithmetic; Triton's pipelining)."""
     elems, size = FORMATS[QTYPE]
     x_load, w_load, w_dot, acc_shape = I8_FAMILY[QTYPE]
     if WORDS:
         w_load = WORD_LOADS[QTYPE]
 
     def x_prep(m, b):
-        if PDL and m == 0:
+        if PDL and m == 0 and not STAGES:
             tl.wait_prior_grid()
         return x_load(xq + m * xq_stride, xd + m * xd_stride, b)
 
+    if PDL and STAGES:  # the pipeliner would hoist the first steps' x loads above a wait inside the loop
+        tl.wait_prior_grid()
     _gemv_body(w, y, n_rows, n_cols, w_stride, y_stride, elems, size, M, ROWS, STEP, 1, 4, acc_shape, x_prep,
-               w_load, w_dot)
+               w_load, w_dot, PREFETCH=PREFETCH, STAGES=STAGES)
 
 
 I8_QTYPES = tuple(I8_FAMILY)  # formats with an int8-activation path
@@ -272,9 +276,9 @@ def word_rows(w, qtype: str, k: int) -> bool:
 
 
 def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, target: str,
-            words: bool = False) -> None:
+            words: bool = False, prefetch: bool = False, stages: int = 0) -> None:
     """dequant_gemv's int8 path: quantize_x, then the integer GEMV (one lane part whatever PARTS says); words: W
-    through WORD_LOADS' loader (word_rows must hold)."""
+    through WORD_LOADS' loader (word_rows must hold); prefetch, stages: the loop's form (gemv_loop.k_loop)."""
     m, k = x2.shape
     n = w.shape[0]
     if words and qtype not in WORD_LOADS:
@@ -285,7 +289,7 @@ def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, targe
     xq, xd = quantize_x(x2, target=target)
     pdl = use_pdl(target)
     kern = compile(dequant_gemv_i8_kernel, target, num_warps=num_warps, launch_pdl=pdl, QTYPE=qtype, M=m, ROWS=rows,
-                   STEP=step, PDL=pdl, WORDS=bool(words))
+                   STEP=step, PDL=pdl, WORDS=bool(words), PREFETCH=prefetch, STAGES=stages)
     kern[tl.cdiv(n, rows)](w, xq, xd, out2, n, k, elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xd, 0),
                            elem_stride(out2, 0))
 

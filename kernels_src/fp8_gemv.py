@@ -24,6 +24,7 @@ import numpy as np
 from ir.formats import fp8_blocks
 from kernels_src import e4m3
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.gemv_loop import k_loop, loop_form
 from kernels_src.paged_attention import empty
 
 MAX_ROWS = 8
@@ -33,8 +34,10 @@ e4m3_as_f32 = e4m3.decode_f32  # a module global, so a test can plant a wrong de
 
 def fp8_gemv_kernel(codes, scales, x, y, n_rows, n_cols, c_stride, s_stride, x_stride, y_stride,
                     GROUP: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr = False, PDL: tl.constexpr = False):
-    """EVEN_K: K is a multiple of BLOCK_K (no masks)."""
+                    EVEN_K: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                    STAGES: tl.constexpr = 0):
+    """EVEN_K: K is a multiple of BLOCK_K (no masks). PREFETCH, STAGES: gemv_loop.k_loop's (a step's raw tiles:
+    every row's code bytes and scales)."""
     lanes = BLOCK_K // VEC
     pid = tl.program_id(0)
     rows = [pid * ROWS + i for i in range(ROWS)]
@@ -44,24 +47,34 @@ def fp8_gemv_kernel(codes, scales, x, y, n_rows, n_cols, c_stride, s_stride, x_s
     lane = tl.arange(0, lanes) * VEC
     idx = lane[:, None] + tl.arange(0, VEC)[None, :]
 
-    def body(it, *accs):
-        k0 = it * BLOCK_K
+    def masks(k0):
         # K is a multiple of 16: a lane's bytes are all in or all out (Triton sees that from n_cols % 16 == 0)
-        lmask, mask = (None, None) if EVEN_K else (k0 + lane < n_cols, k0 + idx < n_cols)
-        cv = [tl.load(cr + k0 + idx, mask=mask, other=0) for cr in c_rows]  # weights: before the wait
-        sv = [tl.load(sr + (k0 + lane) // GROUP, mask=lmask, other=0.0) * e4m3.FP16_SHIFT for sr in s_rows]
-        if PDL:
+        return (None, None) if EVEN_K else (k0 + lane < n_cols, k0 + idx < n_cols)
+
+    def load(it):
+        k0 = it * BLOCK_K
+        lmask, mask = masks(k0)
+        return ([tl.load(cr + k0 + idx, mask=mask, other=0) for cr in c_rows]  # weights: before the wait
+                + [tl.load(sr + (k0 + lane) // GROUP, mask=lmask, other=0.0) for sr in s_rows])
+
+    def compute(it, raw, accs):
+        k0 = it * BLOCK_K
+        mask = masks(k0)[1]
+        if PDL and not STAGES:
             tl.wait_prior_grid()
-        wv = [e4m3_as_f32(c) for c in cv]
+        wv = [e4m3_as_f32(c) for c in raw[:ROWS]]
+        sv = [s * e4m3.FP16_SHIFT for s in raw[ROWS:]]
         out = list(accs)
         for m in range(M):
             xv = tl.load(x + m * x_stride + k0 + idx, mask=mask, other=0.0).to(tl.float32)
             for i in range(ROWS):
                 out[i * M + m] = out[i * M + m] + sv[i] * tl.sum(wv[i] * xv, axis=1)
-        return tuple(out)
+        return out
 
+    if PDL and STAGES:  # the pipeliner would hoist the first steps' x loads above a wait inside the loop
+        tl.wait_prior_grid()
     init = tuple(tl.zeros((lanes,), tl.float32) for _ in range(ROWS * M))
-    accs = tl.fori_loop(0, (n_cols + BLOCK_K - 1) // BLOCK_K, body, init)
+    accs = k_loop((n_cols + BLOCK_K - 1) // BLOCK_K, load, compute, init, PREFETCH, STAGES)
     if PDL:  # a program whose loop ran no step must wait too (a later wait returns at once)
         tl.wait_prior_grid()
         tl.launch_dependents()
@@ -71,6 +84,11 @@ def fp8_gemv_kernel(codes, scales, x, y, n_rows, n_cols, c_stride, s_stride, x_s
 
 
 # --- host side -------------------------------------------------------------------------------------------------
+
+# (group, M, N, K) -> tiles measured best on a GPU by tools/sweep_fp8_gemv (its last lines print this literal): ROWS,
+# BLOCK_K, num_warps and the loop's form (prefetch, stages: gemv_loop.py). A problem not listed takes default_tiles.
+TUNED: dict[tuple[int, int, int, int], dict] = {}
+
 
 def default_tiles(k: int, m: int) -> dict:
     """ROWS, BLOCK_K, num_warps: 4 warps, a 16-byte vector a lane and row a step (BLOCK_K 2048 bytes, or K's next
@@ -95,14 +113,17 @@ def _check(codes, scales, m: int, k: int, x) -> int:
 
 
 def fp8_gemv(x, codes, scales, *, out=None, rows: int | None = None, block_k: int | None = None,
-             num_warps: int | None = None, target: str = "numpy", pdl: bool | None = None):
+             num_warps: int | None = None, target: str = "numpy", pdl: bool | None = None,
+             prefetch: bool | None = None, stages: int | None = None):
     """y [M, N] = x [M, K] @ W.T for W as e4m3 bytes `codes` (uint8 [N, K]) times f32 `scales` [N, K / group]
-    (group a multiple of 16; K for one scale a row); M <= 8. y takes out's dtype (x's when out is None)."""
+    (group a multiple of 16; K for one scale a row); M <= 8. y takes out's dtype (x's when out is None). Tiles and
+    the loop's form (prefetch, stages: kernels_src/gemv_loop.py) default to TUNED's, else default_tiles'."""
     m, k = x.shape
     group = _check(codes, scales, m, k, x)
     n = codes.shape[0]
     out = empty(x, (m, n)) if out is None else out
-    cfg = default_tiles(k, m)
+    cfg = dict(TUNED.get((group, m, n, k)) or default_tiles(k, m))
+    prefetch, stages = loop_form({key: cfg.pop(key) for key in ("prefetch", "stages") if key in cfg}, prefetch, stages)
     cfg.update({key: v for key, v in (("ROWS", rows), ("BLOCK_K", block_k), ("num_warps", num_warps))
                 if v is not None})
     nw = cfg.pop("num_warps")
@@ -110,7 +131,7 @@ def fp8_gemv(x, codes, scales, *, out=None, rows: int | None = None, block_k: in
         raise ValueError(f"tiles {cfg}: BLOCK_K is a power of two of at least {VEC}, ROWS 1-16")
     pdl = use_pdl(target, pdl)
     kern = compile(fp8_gemv_kernel, target, num_warps=nw, launch_pdl=pdl, GROUP=group, M=m, PDL=pdl,
-                   EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg)
+                   EVEN_K=k % cfg["BLOCK_K"] == 0, PREFETCH=prefetch, STAGES=stages, **cfg)
     kern[(tl.cdiv(n, cfg["ROWS"]),)](codes, scales, x, out, n, k, elem_stride(codes, 0), elem_stride(scales, 0),
                                      elem_stride(x, 0), elem_stride(out, 0))
     return out

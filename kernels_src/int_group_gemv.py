@@ -169,6 +169,12 @@ def _check(w, bits: int, group: int, n: int, k: int) -> None:
         raise ValueError(f"I{bits}_G{group} words {tuple(w.shape)} do not hold [{n}, {k}] (want [{n}, {rb // 4}])")
 
 
+# (bits, group, M, N, K) -> the int8 path's tiles measured best on a GPU by tools/bench_int_group_gemm --gemv-sweep
+# (its last lines print this literal): ROWS, LANES, num_warps and the loop's form (prefetch, stages: gemv_loop.py).
+# A problem not listed takes default_tiles.
+TUNED: dict[tuple[int, int, int, int, int], dict] = {}
+
+
 def default_tiles(m: int, n: int) -> dict:
     """ROWS, LANES (vectors a row and step) and num_warps, from the H200 sweep of the int8-x path (tools/
     bench_int_group_gemm --gemv-sweep --quick, 2026-12-03; 4-bit groups of 128): one-warp programs; 4 rows a program
@@ -191,14 +197,16 @@ def _vec(w, n_groups: int) -> int:
 
 def int_group_gemv(x, w, bits: int, group: int, *, out=None, rows: int | None = None, lanes: int | None = None,
                    num_warps: int | None = None, target: str = "numpy", pdl: bool | None = None,
-                   int8_x: bool | None = None):
+                   int8_x: bool | None = None, prefetch: bool | None = None, stages: int | None = None):
     """y [M, N] = x [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); M <= 8. rows,
     lanes (a power of two) and num_warps default to default_tiles (tools/bench_int_group_gemm --gemv-sweep times
     others); pdl (default: dsl.use_pdl) makes the GEMV a programmatic dependent launch.
 
     int8_x (default: int_group_gemv_i8.uses_int8, the Triton target): x quantized to int8 per q word's inputs first,
     then dp4a (kernels_src/int_group_gemv_i8.py); y then differs from the fp32 path by that quantization (within
-    int_group_gemv_i8.int8_error_bound)."""
+    int_group_gemv_i8.int8_error_bound). prefetch, stages (int8 path; default: TUNED's, else gemv_loop's defaults):
+    the K loop's form (kernels_src/gemv_loop.py)."""
+    from kernels_src.gemv_loop import loop_form
     from kernels_src.int_group_gemv_i8 import gemv_i8, uses_int8  # the int8 path builds on this module
 
     w = _words_view(w)
@@ -207,7 +215,8 @@ def int_group_gemv(x, w, bits: int, group: int, *, out=None, rows: int | None = 
     _check(w, bits, group, n, k)
     if not 1 <= m <= MAX_ROWS or elem_stride(x, 1) != 1:
         raise ValueError(f"x [{m}, {k}] (rows contiguous) does not make a GEMV of 1-{MAX_ROWS} rows")
-    cfg = default_tiles(m, n)
+    cfg = dict(TUNED.get((bits, group, m, n, k)) or default_tiles(m, n))
+    form = {key: cfg.pop(key) for key in ("prefetch", "stages") if key in cfg}
     cfg.update({key: v for key, v in (("ROWS", rows), ("LANES", lanes), ("num_warps", num_warps)) if v is not None})
     if cfg["LANES"] < 1 or cfg["LANES"] & (cfg["LANES"] - 1) or not 1 <= cfg["ROWS"] <= 16:
         raise ValueError(f"tiles {cfg}: LANES is a power of two, ROWS 1-16")
@@ -218,8 +227,10 @@ def int_group_gemv(x, w, bits: int, group: int, *, out=None, rows: int | None = 
     nw = cfg.pop("num_warps")
     vec = _vec(w, k // group)
     if uses_int8(target, int8_x):
-        gemv_i8(x, w, out, bits, group, vec, cfg, nw, target, pdl)
+        gemv_i8(x, w, out, bits, group, vec, cfg, nw, target, pdl, *loop_form(form, prefetch, stages))
         return out
+    if prefetch or stages:
+        raise ValueError("prefetch, stages: only the int8-activation path's loop takes them")
     pdl = use_pdl(target, pdl)
     kern = compile(int_group_gemv_kernel, target, num_warps=nw, launch_pdl=pdl, BITS=bits, GROUP=group, M=m,
                    VEC=vec, SUBNORMAL=target in SUBNORMAL_TARGETS, PDL=pdl, **cfg)

@@ -25,6 +25,7 @@ import numpy as np
 from ir.formats import int_groups
 from kernels_src.dequant_gemv_i8 import _MAGIC, _absmax, _quantize
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.gemv_loop import k_loop
 from kernels_src.gguf_gemv_common import _add
 from kernels_src.int_group_gemv import _program_rows, _scale_bias, _store_rows, _words
 from kernels_src.paged_attention import empty
@@ -73,23 +74,31 @@ def quantize_x_i8_kernel(x, xq, xd, xs, xr, n_groups, x_stride, xq_stride, xd_st
 
 def int_group_gemv_i8_kernel(w, xq, xd, xs, xr, y, n_rows, n_groups, w_stride, xq_stride, xd_stride, y_stride,
                              BITS: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
-                             LANES: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr = False):
+                             LANES: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr = False,
+                             PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 0):
     """int_group_gemv_kernel on quantize_x_i8_kernel's output (xq_stride in bytes, xd_stride for xd, xs and xr).
-    PDL: launched as a programmatic dependent launch; each step's weight loads come before the wait for x."""
+    PDL: launched as a programmatic dependent launch; each step's weight loads come before the wait for x.
+    PREFETCH, STAGES: gemv_loop.k_loop's (a step's raw tiles: every row's q words and header words)."""
     BW = _words(BITS, GROUP)[2]
     RW = n_groups * BW
     rows, w32, w64 = _program_rows(w, w_stride, n_rows, ROWS)
     lane, slot = tl.arange(0, LANES)[:, None], tl.arange(0, VEC)[None, :]
     n_vec = RW // VEC
 
-    def body(it, *accs):
+    def vectors(it):
         v = it * LANES + lane
-        live = v < n_vec  # past the row's end: the last vector's W again, its x read as 0
-        s0 = tl.minimum(v, n_vec - 1) * VEC
-        g = s0 // BW  # the block of the vector's q words (see int_group_gemv.py)
-        raw = [tl.load(p + s0 + slot).to(tl.uint32, bitcast=True) for p in w32]
-        heads = [_scale_bias(tl.load(p + g * (BW // 2))) for p in w64]
-        if PDL:
+        s0 = tl.minimum(v, n_vec - 1) * VEC  # past the row's end: the last vector's W again, its x read as 0
+        return v < n_vec, s0, s0 // BW  # g: the block of the vector's q words (see int_group_gemv.py)
+
+    def load(it):
+        _, s0, g = vectors(it)
+        return ([tl.load(p + s0 + slot).to(tl.uint32, bitcast=True) for p in w32]
+                + [tl.load(p + g * (BW // 2)) for p in w64])
+
+    def compute(it, raw, accs):
+        live, s0, _ = vectors(it)
+        heads = [_scale_bias(h) for h in raw[ROWS:]]
+        if PDL and not STAGES:
             tl.wait_prior_grid()
         out = list(accs)
         for m in range(M):
@@ -107,10 +116,12 @@ def int_group_gemv_i8_kernel(w, xq, xd, xs, xr, y, n_rows, n_groups, w_stride, x
                     isum = tl.dot4(raw[r], planes[0], _DP4A_BASE)
                 qx = tl.sum(d * (isum.to(tl.float32, bitcast=True) - _MAGIC), axis=-1, keep_dims=True) + rest
                 out[r * M + m] = out[r * M + m] + scale * qx + bias * xsum
-        return tuple(out)
+        return out
 
+    if PDL and STAGES:  # the pipeliner would hoist the first steps' x loads above a wait inside the loop
+        tl.wait_prior_grid()
     init = tuple(tl.zeros((LANES, 1), tl.float32) for _ in range(ROWS * M))
-    accs = tl.fori_loop(0, (n_vec + LANES - 1) // LANES, body, init)
+    accs = k_loop((n_vec + LANES - 1) // LANES, load, compute, init, PREFETCH, STAGES)
     _store_rows(y, y_stride, rows, n_rows, accs, M, 1.0, PDL)
 
 
@@ -140,13 +151,14 @@ def quantize_x_i8(x, bits: int, group: int, target: str = "numpy"):
 
 
 def gemv_i8(x, w, out, bits: int, group: int, vec: int, cfg: dict, num_warps: int, target: str,
-            pdl: bool | None = None) -> None:
-    """int_group_gemv's int8 path: quantize_x_i8, then the dp4a GEMV (a PDL launch as use_pdl(target, pdl) says)."""
+            pdl: bool | None = None, prefetch: bool = False, stages: int = 0) -> None:
+    """int_group_gemv's int8 path: quantize_x_i8, then the dp4a GEMV (a PDL launch as use_pdl(target, pdl) says;
+    prefetch, stages: its loop's form, gemv_loop.k_loop)."""
     m, k = x.shape
     xq, xd, xs, xr = quantize_x_i8(x, bits, group, target)
     pdl = use_pdl(target, pdl)
     kern = compile(int_group_gemv_i8_kernel, target, num_warps=num_warps, launch_pdl=pdl, BITS=bits, GROUP=group,
-                   M=m, VEC=vec, PDL=pdl, **cfg)
+                   M=m, VEC=vec, PDL=pdl, PREFETCH=prefetch, STAGES=stages, **cfg)
     kern[(tl.cdiv(w.shape[0], cfg["ROWS"]),)](w, xq, xd, xs, xr, out, w.shape[0], k // group, elem_stride(w, 0),
                                               elem_stride(xq, 0), elem_stride(xd, 0), elem_stride(out, 0))
 

@@ -22,6 +22,7 @@ from kernels_src import (
     dequant_gemv_i8,
     dequantize,
     fp8_gemv,
+    gemv_loop,
     gguf_mmq,
     gguf_mmq_sb,
     int_group_gemm,
@@ -235,7 +236,7 @@ for _q in dequant_gemv.QTYPES:
     _i8 = _q in dequant_gemv_i8.I8_QTYPES
     register(KernelEntry(
         f"dequant_gemv_{_q.lower()}", dequant_gemv.dequant_gemv_kernel,
-        dict(QTYPE=_q, M=1, SUBNORMAL=True, PDL=True, **_tiles),
+        dict(QTYPE=_q, M=1, SUBNORMAL=True, PDL=True, PREFETCH=gemv_loop.PREFETCH, STAGES=gemv_loop.STAGES, **_tiles),
         _ptrs(BF16, "x", "y", w="*u8"), dict(m=1, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes,
         flops=lambda m, n, k, **_: 2 * m * n * k, launcher=dequant_gemv.dequant_gemv, notes=_I8_NOTE if _i8 else "",
         variants=(dequant_gemv_i8.quantize_x_kernel, dequant_gemv_i8.dequant_gemv_i8_kernel) if _i8 else ()))
@@ -458,7 +459,8 @@ register(KernelEntry(
 _tiles = fp8_gemv.default_tiles(4096, 1)
 _tiles.pop("num_warps")
 register(KernelEntry(
-    "fp8_gemv", fp8_gemv.fp8_gemv_kernel, dict(GROUP=128, M=1, EVEN_K=True, PDL=True, **_tiles),
+    "fp8_gemv", fp8_gemv.fp8_gemv_kernel,
+    dict(GROUP=128, M=1, EVEN_K=True, PDL=True, PREFETCH=gemv_loop.PREFETCH, STAGES=gemv_loop.STAGES, **_tiles),
     _ptrs(BF16, "x", "y", codes="*u8", scales="*fp32"), dict(m=1, n=14336, k=4096, group=128, dtype=BF16),
     lambda m, n, k, group, dtype: n * k + n * k // group * 4 + (m * k + m * n) * ITEMSIZE[dtype],
     flops=lambda m, n, k, **_: 2 * m * n * k, launcher=fp8_gemv.fp8_gemv,

@@ -7,7 +7,9 @@ best per problem as a TUNED literal for kernels_src/dequant_gemv.py, and what ea
 Problems (qtype, N x K): by default those of tools/gemv_shapes for --files (llama.cpp's types, q/k/v and gate/up
 fused where their types agree), the largest share of a step first; --shapes names others. Settings: the rule's
 tiles (for Q4_K, Q5_K and Q6_K, whose default is int8 x, also on the fp32-x path; for Q6_K also with W read as 32-bit
-words, the `words` column, and TUNED's entry likewise) and TUNED's entry first, then ROWS 1-8
+words, the `words` column, and TUNED's entry likewise) and TUNED's entry first, each of those two also in the K
+loop's other forms (LOOP_FORMS, kernels_src/gemv_loop.py: the next step's W prefetched in registers, the `prefetch`
+column, or Triton's pipelining over 2 or 3 stages, `stages 2`, `stages 3`), then ROWS 1-8
 a program x (PARTS, warps, STEP: one or two lane passes a step) on the fp32-x kernel, or for those three the
 int8 path's (STEP 4-16, warps) and the fp32 path at its best parts. bf16 x, CUDA-graph replays
 (triton.testing.do_bench_cudagraph) cycling over enough weight copies that none is found in L2; int8 x times include
@@ -34,6 +36,10 @@ TARGET, DEVICE = "triton", "cuda"  # (a CPU test runs the sweep's code on the DS
 CHECK_N, CHECK_K = 48, 4096  # the check's problem: sizes divisible by 16, as Triton specializes the timed ones
 GAIN = 0.97  # a setting enters the printed table when it takes at most this fraction of the rule's time
 INT8_STEPS = ((4, 1), (8, 1), (16, 1), (8, 2), (16, 2))  # (STEP, warps) of the int8 path: 1-2 blocks a lane
+LOOP_FORMS = ({"prefetch": True}, {"stages": 2}, {"stages": 3})  # the K loop's forms beside the plain one
+# Settings of more rows x batch rows take no other loop form: at 8 the prefetch spills (Q6_K: 255 registers), and
+# Triton's compile of the pipelined loop takes 40 s (Q4_K, stages 3) to over 15 min (Q6_K words) on a CPU core.
+FORM_ROWS = 4
 
 
 def rows_for(m: int) -> tuple[int, ...]:
@@ -43,7 +49,8 @@ def rows_for(m: int) -> tuple[int, ...]:
 
 def essentials(qtype: str, m: int, n: int, k: int) -> list[dict]:
     """The rule's tiles for the problem (and on the fp32 path too where the int8 one is the default, and with W read
-    as words where that path has a word loader), and TUNED's where it lists the problem (and its words twin)."""
+    as words where that path has a word loader), and TUNED's where it lists the problem (and its words twin); then
+    each of those but the fp32-x twin in each of LOOP_FORMS (up to FORM_ROWS rows x batch rows)."""
     from kernels_src.dequant_gemv import TUNED, rule_tiles
     from kernels_src.dequant_gemv_i8 import WORD_LOADS, uses_int8
 
@@ -53,12 +60,15 @@ def essentials(qtype: str, m: int, n: int, k: int) -> list[dict]:
         if qtype in WORD_LOADS:
             out.append(out[0] | {"words": True})
     tuned = TUNED.get((qtype, m, n, k))
-    if tuned is None:
-        return out
-    more = [dict(tuned)]
-    if qtype in WORD_LOADS and "words" not in tuned and uses_int8(qtype, TARGET, tuned.get("int8_x")):
-        more.append(dict(tuned) | {"words": True})
-    return out + [s for s in more if s not in out]
+    if tuned is not None:
+        more = [dict(tuned)]
+        if qtype in WORD_LOADS and "words" not in tuned and uses_int8(qtype, TARGET, tuned.get("int8_x")):
+            more.append(dict(tuned) | {"words": True})
+        out += [s for s in more if s not in out]
+    fp32_twin = out[0] | {"int8_x": False}  # the rule's on the other path: a reference column, in no other form
+    forms = [{key: v for key, v in s.items() if key not in ("prefetch", "stages")} | f
+             for s in out if s != fp32_twin and s["ROWS"] * m <= FORM_ROWS for f in LOOP_FORMS]
+    return out + [s for s in map(_s, dict.fromkeys(map(_t, forms))) if s not in out]
 
 
 def settings(qtype: str, m: int, n: int, k: int, quick: bool = False) -> list[dict]:
@@ -88,21 +98,24 @@ def settings(qtype: str, m: int, n: int, k: int, quick: bool = False) -> list[di
 
 def _kw(s: dict) -> dict:
     keys = {"ROWS": "rows", "STEP": "step", "PARTS": "parts", "num_warps": "num_warps", "int8_x": "int8_x",
-            "words": "words"}
+            "words": "words", "prefetch": "prefetch", "stages": "stages"}
     kw = {keys[k]: v for k, v in s.items()}
     if kw.get("words"):  # the word loaders are the int8 path's: not TUNED's fp32 choice for the problem, if any
         kw.setdefault("int8_x", True)
     return kw
 
 
+_OPTIONAL = ("int8_x", "words", "prefetch", "stages")  # keys a setting may leave out (the default then)
+
+
 def _t(s: dict) -> tuple:
-    """A setting as a key: (ROWS, STEP, PARTS, num_warps, int8_x or None, words or None)."""
-    return (*(s[k] for k in TILE_KEYS), s.get("int8_x"), s.get("words"))
+    """A setting as a key: (ROWS, STEP, PARTS, num_warps, then int8_x, words, prefetch, stages or None)."""
+    return (*(s[k] for k in TILE_KEYS), *(s.get(k) for k in _OPTIONAL))
 
 
 def _s(t: tuple) -> dict:
     s = dict(zip(TILE_KEYS, t[:4], strict=True))
-    return s | {key: v for key, v in zip(("int8_x", "words"), t[4:], strict=True) if v is not None}
+    return s | {key: v for key, v in zip(_OPTIONAL, t[4:], strict=True) if v is not None}
 
 
 def _check(job) -> str | None:
@@ -218,6 +231,11 @@ def _time(probs: list[Problem], problems: dict, bench, budget: float, t0: float,
     return skipped
 
 
+def _form(f: dict) -> str:
+    """A loop form's column head: prefetch, stages 2, ..."""
+    return " ".join("prefetch" if k == "prefetch" else f"{k} {v}" for k, v in f.items())
+
+
 def step_us(gemvs, us: dict) -> float:
     """A step's GEMV time at M = 1 from {(qtype, 1, N, K): us} and the step's Counter of (qtype, N, K)."""
     return sum(us[(q, 1, n, k)] * c for (q, n, k), c in gemvs.items())
@@ -229,9 +247,11 @@ def _report(probs: list[Problem], gbps: float, steps: dict) -> dict:
     from kernels_src.dequant_gemv import TUNED
 
     nan = float("nan")
-    print(f"\n{'type':5} {'M':>1} {'N x K':>12} {'rule us':>8} {'fp32-x':>8} {'words':>8} {'tuned us':>8} "
-          f"{'best us':>8} {'GB/s':>6} {'%copy':>5}  best (ROWS, STEP, PARTS, warps, int8_x, words)")
-    table, best_us, rule_us = {}, {}, {}
+    print(f"\n{'type':5} {'M':>1} {'N x K':>12} {'rule us':>8} {'fp32-x':>8} {'words':>8} "
+          + "".join(f"{'/'.join(map(str, f.values())) if len(f) > 1 else _form(f):>9}" for f in LOOP_FORMS)
+          + f" {'tuned us':>8} {'best us':>8} {'GB/s':>6} {'%copy':>5}  best (ROWS, STEP, PARTS, warps, int8_x, "
+          "words, prefetch, stages)")
+    table, best_us, rule_us, plain_us = {}, {}, {}, {}
     for p in probs:
         if not p.us:
             continue
@@ -239,19 +259,23 @@ def _report(probs: list[Problem], gbps: float, steps: dict) -> dict:
         rule = p.us.get(_t(ess[0]), nan)
         fp32 = p.us.get(_t(ess[1]), nan) if len(ess) > 1 and ess[1].get("int8_x") is False else nan
         words = p.us.get(_t(ess[0] | {"words": True}), nan)  # the rule's tiles with W read as words
+        forms = "".join(f"{p.us.get(_t(ess[0] | f), nan):9.2f}" for f in LOOP_FORMS)  # and in the loop's forms
         tuned = p.us.get(_t(TUNED[p.key]), nan) if p.key in TUNED else nan
         best = min(p.us, key=p.us.get)
         us = p.us[best]
         gb = (p.n * row_bytes(p.qtype, p.k) + 2 * p.m * (p.n + p.k)) / us / 1e3
-        print(f"{p.qtype:5} {p.m:>1} {f'{p.n}x{p.k}':>12} {rule:8.2f} {fp32:8.2f} {words:8.2f} {tuned:8.2f} "
-              f"{us:8.2f} {gb:6.0f} {100 * gb / gbps:5.1f}  {best}")
+        print(f"{p.qtype:5} {p.m:>1} {f'{p.n}x{p.k}':>12} {rule:8.2f} {fp32:8.2f} {words:8.2f}{forms} "
+              f"{tuned:8.2f} {us:8.2f} {gb:6.0f} {100 * gb / gbps:5.1f}  {best}")
         best_us[p.key], rule_us[p.key] = us, rule
+        plain_us[p.key] = min((v for t, v in p.us.items() if not _s(t).get("prefetch") and not _s(t).get("stages")),
+                              default=nan)
         if us <= GAIN * rule:
             table[p.key] = _s(best)
     for f, gemvs in steps.items():
         if all((q, 1, n, k) in best_us for q, n, k in gemvs):
             print(f"{f}: {sum(gemvs.values())} GEMVs a step at M = 1: {step_us(gemvs, rule_us):.0f} us at the "
-                  f"rule's tiles, {step_us(gemvs, best_us):.0f} us at the best")
+                  f"rule's tiles, {step_us(gemvs, plain_us):.0f} us at the best with the plain loop, "
+                  f"{step_us(gemvs, best_us):.0f} us at the best")
     return table
 
 

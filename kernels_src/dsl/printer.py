@@ -23,7 +23,8 @@ def _block(block: Block, depth: int, lines: list[str]) -> None:
             lo, hi, *init = op.args
             iv, *carried = op.body.args
             carry = ", ".join(f"{c!r}={i!r}" for c, i in zip(carried, init, strict=True))
-            lines.append(f"{pad}{lhs}for {iv!r} in range({lo!r}, {hi!r}, {op.attrs['step']}) "
+            stages = f" stages {op.attrs['stages']}" if op.attrs.get("stages") else ""
+            lines.append(f"{pad}{lhs}for {iv!r} in range({lo!r}, {hi!r}, {op.attrs['step']}){stages} "
                          f"carry({carry}){' : ' + types if types else ''} {{")
             _block(op.body, depth + 1, lines)
             lines.append(f"{pad}  yield {', '.join(repr(y) for y in op.body.yields)}")

@@ -262,11 +262,14 @@ def static_range(start: int, stop: int | None = None, step: int = 1) -> range:
     return range(start, stop, step) if stop is not None else range(start)
 
 
-def fori_loop(lo, hi, body, init=(), step: int = 1):
+def fori_loop(lo, hi, body, init=(), step: int = 1, stages: int = 0):
     """A runtime loop: `carry = body(i, *carry)` for i in range(lo, hi, step); returns the final carry.
 
     `lo`/`hi` are i32 scalars (runtime values or ints), `step` a nonzero int. `init` is one value or a tuple;
     the body returns the same number of values, each of its init's dtype and shape (scalars are broadcast).
+    `stages` (Triton only; 0: none): software-pipeline the loop's loads over that many stages (`tl.range`'s
+    num_stages: cp.async into shared memory, stages - 1 steps ahead), which Triton does not do unasked for a loop
+    whose loads feed no dot; the other targets run the loop as written.
     """
     b = current()
     single = not isinstance(init, tuple | list)
@@ -274,6 +277,8 @@ def fori_loop(lo, hi, body, init=(), step: int = 1):
     bounds = [_cast(_lift(x, int32), int32) for x in (lo, hi)]
     if any(t.shape for t in bounds) or not isinstance(step, int) or step == 0:
         raise TraceError("fori_loop bounds are scalars and step a nonzero int")
+    if not isinstance(stages, int) or stages < 0 or stages == 1:
+        raise TraceError(f"fori_loop stages {stages!r}: 0 (none) or a pipelining depth of 2 or more")
     from .ir import Block
 
     block = Block(parent=b.block)
@@ -295,7 +300,8 @@ def fori_loop(lo, hi, body, init=(), step: int = 1):
             block.yields.append(o.v)
     finally:
         b.block = block.parent
-    op = b.emit("for", [t.v for t in bounds + inits], {"step": step}, [t.type for t in inits])
+    op = b.emit("for", [t.v for t in bounds + inits], {"step": step} | ({"stages": stages} if stages else {}),
+                [t.type for t in inits])
     op.body = block
     res = [Tile(v) for v in op.results]
     return (res[0] if res else None) if single else tuple(res)

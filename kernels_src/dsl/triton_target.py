@@ -125,7 +125,10 @@ class TritonRenderer(Renderer):
             inits = [_typed(self, i.op) if i.op is not None and i.op.opcode == "const" else self.name(i)
                      for i in init]
             lines.append(pad + f"{', '.join(self.name(c) for c in carried)} = {', '.join(inits)}")
-        lines.append(pad + f"for {self.name(iv)} in range({self.name(lo)}, {self.name(hi)}, {op.attrs['step']}):")
+        bounds = f"{self.name(lo)}, {self.name(hi)}, {op.attrs['step']}"
+        stages = op.attrs.get("stages")  # tl.range's pipelining (the interpreter runs it as a plain range)
+        lines.append(pad + (f"for {self.name(iv)} in tl.range({bounds}, num_stages={stages}):" if stages
+                            else f"for {self.name(iv)} in range({bounds}):"))
         lines += self.render_block(op.body, depth + 1)
         if carried:
             names = ", ".join(self.name(c) for c in carried)
