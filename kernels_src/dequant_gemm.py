@@ -194,10 +194,13 @@ TUNED: dict[tuple[str, int, int, int], dict] = {  # tools/sweep_gemm, H200: 2026
 # "blocked": dequant_gemm_kernel (any format, a step of KB blocks through dequantize.py's decoders); "words": the same
 # with Q4_K's / Q5_K's headers read as 32-bit words (so Triton pipelines them; blocked's fp16 and byte loads of them
 # are synchronous, a wait every step); "sub64": Q4_K only,
-# kernels_src/dequant_gemm_q4k.py (64-input steps, every load of W a 32-bit word). The GPU sweep (tools/sweep_gemm
+# kernels_src/dequant_gemm_q4k.py (64-input steps, every load of W a 32-bit word); "stream": Q4_K only,
+# kernels_src/dequant_gemm_stream.py (a super-block's quants one [BLOCK_N, 32]-word tile, one 256-wide dot over x as
+# stored). The GPU sweep (tools/sweep_gemm
 # --variants) decides the default.
-VARIANTS = {"blocked": None, "words": dq.WORD_HEADS, "sub64": ("Q4_K",)}
+VARIANTS = {"blocked": None, "words": dq.WORD_HEADS, "sub64": ("Q4_K",), "stream": ("Q4_K",)}
 VARIANT = "blocked"
+WORD_VARIANTS = ("words", "sub64", "stream")  # rows read as 32-bit words: they must start 4-byte aligned
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", blocks="KB", split_k="SPLIT", swap="SWAP", num_warps="num_warps",
              num_stages="num_stages")
 _sms: dict = {}
@@ -320,7 +323,7 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
     if _addr(w) % 2 or (n > 1 and elem_stride(w, 0) % 2):
         raise ValueError("weight rows must start 2-byte aligned (the blocks' fp16 scales are read as such)")
     explicit, variant = variant is not None, variant or tuned_variant(qtype, m, w.shape[0], k)
-    if variant in ("sub64", "words") and not explicit and not _whole_words(w):
+    if variant in WORD_VARIANTS and not explicit and not _whole_words(w):
         variant = "blocked"  # a table's choice on rows it cannot read as words: the general kernel
     if variant not in VARIANTS or qtype not in (VARIANTS[variant] or (qtype,)):
         raise ValueError(f"dequant_matmul: variant {variant!r} does not take {qtype} (variants: "
@@ -339,8 +342,8 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
     if n_steps * cfg["KB"] * elems != k:
         raise ValueError(f"blocks={cfg['KB']} does not divide the {k // elems} blocks of a row")
     pdl = use_pdl(target, pdl)
-    if variant == "sub64":
-        return _launch_q4k(x2, w, out, cfg, nw, ns, split, target, pdl)
+    if variant in ("sub64", "stream"):
+        return _launch_q4k(variant, x2, w, out, cfg, nw, ns, split, target, pdl)
     if variant == "words" and not _whole_words(w):
         raise ValueError(f"variant words reads {qtype} headers as 32-bit words: rows {tuple(w.shape)} of stride "
                          f"{elem_stride(w, 0)} must start 4-byte aligned")
@@ -354,16 +357,21 @@ def _whole_words(w) -> bool:
     return not (_addr(w) % 4 or (w.shape[0] > 1 and elem_stride(w, 0) % 4) or w.shape[1] % 4)
 
 
-def _launch_q4k(x2, w, out, cfg: dict, nw: int, ns: int | None, split: int, target: str, pdl: bool):
-    """Variant sub64: W as int32 words (Q4_K rows are whole words; they must start 4-byte aligned)."""
-    from kernels_src.dequant_gemm_q4k import STEP, dequant_gemm_q4k_kernel
+def _launch_q4k(variant: str, x2, w, out, cfg: dict, nw: int, ns: int | None, split: int, target: str, pdl: bool):
+    """Variants sub64 and stream: W as int32 words (Q4_K rows are whole words; they must start 4-byte aligned)."""
+    if variant == "stream":
+        from kernels_src.dequant_gemm_stream import STEP
+        from kernels_src.dequant_gemm_stream import dequant_gemm_stream_kernel as kernel
+    else:
+        from kernels_src.dequant_gemm_q4k import STEP
+        from kernels_src.dequant_gemm_q4k import dequant_gemm_q4k_kernel as kernel
 
     if not _whole_words(w):
-        raise ValueError(f"variant sub64 reads Q4_K rows as 32-bit words: rows {tuple(w.shape)} of stride "
+        raise ValueError(f"variant {variant} reads Q4_K rows as 32-bit words: rows {tuple(w.shape)} of stride "
                          f"{elem_stride(w, 0)} must start 4-byte aligned and be whole words")
     words = w.view(np.int32) if isinstance(w, np.ndarray) else w.view(__import__("torch").int32)  # no copy
     m, k = x2.shape
-    kern = compile(dequant_gemm_q4k_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl,
+    kern = compile(kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl,
                    BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SWAP=cfg["SWAP"], PDL=pdl)
     return launch_split_k(kern, (words, x2), (m, w.shape[0], elem_stride(words, 0), elem_stride(x2, 0)), out,
                           k // STEP, split, cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)

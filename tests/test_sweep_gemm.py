@@ -37,15 +37,15 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
     clock = iter(range(1, 10**6))
     monkeypatch.setattr(sweep, "BENCH", lambda torch, fn: (fn(), 100.0 - 0.01 * next(clock))[1])
     out = tmp_path / "x.json"
-    assert sweep.main(["--variants", "blocked,words,sub64,gather", "--ms", "16", "--shapes", "40x512",
+    assert sweep.main(["--variants", "blocked,words,stream,sub64,gather", "--ms", "16", "--shapes", "40x512",
                        "--qtypes", "Q4_K,int4g128", "--quick", "--workers", "0", "--budget", "1e9",
                        "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "failed: none" in text and "skipped" not in text
     data = json.loads(out.read_text())
     got = {(r["type"], r["variant"]) for r in data["results"]}
-    assert got == {("Q4_K", "blocked"), ("Q4_K", "words"), ("Q4_K", "sub64"), ("int4g128", "blocked"),
-                   ("int4g128", "gather")}
+    assert got == {("Q4_K", "blocked"), ("Q4_K", "words"), ("Q4_K", "stream"), ("Q4_K", "sub64"),
+                   ("int4g128", "blocked"), ("int4g128", "gather")}
     assert all(r["us"] < 100 for r in data["results"]) and sum(r["best"] for r in data["results"]) == 2
     tables = text.split("TUNED = {")[1:]
     assert len(tables) == 2
@@ -101,7 +101,8 @@ def test_a_wrong_kernel_fails_the_check(sweep, monkeypatch, capsys):
 
 def test_arguments(sweep):
     assert sweep.parse_kind("int4g128") == sweep.Kind("int4g128", 4, 128) and sweep.parse_kind("q6_k").name == "Q6_K"
-    assert sweep.Kind("Q6_K").variants == ("blocked",) and sweep.Kind("Q4_K").variants == ("blocked", "words", "sub64")
+    assert sweep.Kind("Q6_K").variants == ("blocked",) and sweep.Kind("Q4_K").variants == ("blocked", "words", "sub64",
+                                                                                                "stream")
     for bad, msg in ((["--qtypes", "Q7_K"], "unknown type"), (["--variants", "fast"], "unknown variants"),
                      (["--shapes", "40x100"], "not whole"), (["--ms", "a"], "bad --ms")):
         with pytest.raises(SystemExit, match=msg):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Sweep the quantized tensor-core GEMMs' variants and tiles on a CUDA GPU: `python -m tools.sweep_gemm [--variants
-blocked,words,sub64,gather] [--ms 16,64,128] [--shapes 14336x4096,...] [--qtypes Q4_K,Q6_K,int4g128] [--budget S]
+blocked,words,stream,sub64,gather] [--ms 16,64,128] [--shapes 14336x4096,...] [--qtypes Q4_K,Q6_K,int4g128] [--budget S]
 [--json FILE]`.
 
 GGUF types go through dequant_matmul (kernels_src/dequant_gemm.py), intBgG (GPTQ/AWQ layout, B bits, groups of G)
@@ -299,7 +299,7 @@ def report(results: list[Result], gbps: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="blocked,words,sub64,gather",
+    ap.add_argument("--variants", default="blocked,words,stream,sub64,gather",
                     help="kernel variants (dequant_gemm.VARIANTS, int_group_gemm.VARIANTS); each where it applies")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K of W")

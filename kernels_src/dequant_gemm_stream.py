@@ -1,0 +1,71 @@
+"""dequant_gemm's variant "stream" for Q4_K: a K step is one super-block, its BLOCK_N rows' 128 quant bytes one 2-D
+tile of 32-bit words [BLOCK_N, 32] (16-byte vectors: 144-byte blocks keep 16-byte alignment), decoded in registers
+in x's stored order, so a step is one 256-wide dot over x as stored.
+
+Why (the sm_90 AOT builds of variant "words", docs/ARCHITECTURE.md): its loads are all cp.async'd already, but x
+is staged in the decoder's [M, 1, 4, 32] piece shape, read back from shared memory, reshaped and written again for
+wgmma's B operand (two round trips a step), and each wgmma is waited for at once. Here nibble h of byte i of quant
+word (c, j) is input 64c + 32h + 4j + i (ggml's layout), so the [BLOCK_N, 4, 2, 8, 4] tile (c, h, j, i) read
+row-major is the super-block in order, and x's cp.async buffer is wgmma's B as it lies (sm_90 build: no x round
+trip, one wgmma left in flight). A value is its nibble masked where it lies in the word (bytes 2, 3: in the word
+shifted down 16 bits, so fields stay under bit 23), OR-ed into 2**23's mantissa (an exact float, no int-to-float
+conversion), less 2**23, times d * scale over the field's power of two, less dmin * min; the (scale, min) pairs
+are decoded on an [N, 8] tile from the header's words, as in dequantize._k4_scales. Rows past N are clamped (read
+again, not stored); no load is masked.
+"""
+
+from __future__ import annotations
+
+from kernels_src import dequantize as dq
+from kernels_src.dequant_gemm import split_k_tile, word_tile
+from kernels_src.dsl import tl
+
+BLOCK_WORDS = 36  # a Q4_K super-block: d, dmin (1 word), 12 scale bytes (3), 128 quant bytes (32)
+STEP = 256  # inputs a step: one super-block
+
+
+def quant_tile(words):
+    """[N, 4, 2, 8, 4] fp32 quants of [N, 4, 1, 8, 1] int32 quant words (c, j), each times 2**(8 (i % 2) + 4h): nibble
+    h of byte i masked where it lies in the word, or (bytes 2 and 3) in the word shifted down 16 bits, so that every
+    field stays under bit 23, inside 2**23's mantissa; one shift serves 8 values."""
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 4)[None, None, None, None, :]
+    field = tl.where(i >= 2, words >> 16, words) & (15 << (8 * (i % 2) + 4 * h))
+    return (field | dq.MAGIC).to(tl.float32, bitcast=True) - float(2 ** 23)
+
+
+def field_scale():
+    """[1, 1, 2, 1, 4]: 1 / quant_tile's factor of nibble h of byte i."""
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 4)[None, None, None, None, :]
+    return tl.where(i % 2 == 1, 2.0 ** -8, 1.0) * tl.where(h == 1, 0.0625, 1.0)
+
+
+def scales(blk):
+    """(d * scale, dmin * min) [N, 4, 2, 1, 1] of sub-block 2c + h, from the header's four words at blk [N, 1]:
+    decoded as an [N, 8] tile (a few a thread), then broadcast."""
+    s = tl.arange(0, 8)[None, :]
+    head = tl.load(blk)
+    sw = [tl.load(blk + i) for i in (1, 2, 3)]
+    ds, dm = dq._k4_scales(None, s // 2, s % 2, dq._half(head), dq._half(head >> 16), sw)
+    return tl.reshape(ds, (ds.shape[0], 4, 2, 1, 1)), tl.reshape(dm, (dm.shape[0], 4, 2, 1, 1))
+
+
+def dequant_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
+                               steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (a super-block
+    each); w: the Q4_K rows as int32 words [N, >= row_words] (w_stride in words); y output or fp32 partials."""
+    m, n, wrow, xrow = word_tile(w, x, m_rows, n_rows, w_stride, x_stride, BLOCK_M, BLOCK_N, STEP, PDL)
+    quant = 4 + tl.arange(0, 32)[None, :]  # a block's quant words: (c, j) at 4 + 8c + j
+    lo = tl.program_id(2) * steps_per_split
+
+    def step(it, acc):
+        blk = wrow + it * BLOCK_WORDS
+        ds, dm = scales(blk)
+        words = tl.reshape(tl.load(blk + quant), (BLOCK_N, 4, 1, 8, 1))
+        wv = tl.reshape(quant_tile(words) * (ds * field_scale()) - dm, (BLOCK_N, STEP)).to(xrow.dtype.element_ty)
+        xv = tl.load(xrow + it * STEP)
+        return tl.dot(wv, tl.trans(xv), acc) if SWAP else tl.dot(xv, tl.trans(wv), acc)
+
+    split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
