@@ -21,7 +21,7 @@ from kernels_src.dequant_gemm import split_k_tile, word_tile
 from kernels_src.dsl import tl
 
 BLOCK_WORDS = 36  # a Q4_K super-block: d, dmin (1 word), 12 scale bytes (3), 128 quant bytes (32)
-STEP = 256  # inputs a step: one super-block
+STEP = 256  # inputs a super-block: a step at CHUNKS 4 (CHUNKS 2: half of one, 1: a quarter)
 
 
 def quant_tile(words):
@@ -41,31 +41,35 @@ def field_scale():
     return tl.where(i % 2 == 1, 2.0 ** -8, 1.0) * tl.where(h == 1, 0.0625, 1.0)
 
 
-def scales(blk):
-    """(d * scale, dmin * min) [N, 4, 2, 1, 1] of sub-block 2c + h, from the header's four words at blk [N, 1]:
-    decoded as an [N, 8] tile (a few a thread), then broadcast."""
-    s = tl.arange(0, 8)[None, :]
+def scales(blk, p, CHUNKS: int):
+    """(d * scale, dmin * min) [N, CHUNKS, 2, 1, 1] of sub-block 2 (CHUNKS p + c) + h, from the header's four words
+    at blk [N, 1]: decoded as an [N, 2 CHUNKS] tile (a few a thread), then broadcast."""
+    s = tl.arange(0, 2 * CHUNKS)[None, :]
     head = tl.load(blk)
     sw = [tl.load(blk + i) for i in (1, 2, 3)]
-    ds, dm = dq._k4_scales(None, s // 2, s % 2, dq._half(head), dq._half(head >> 16), sw)
-    return tl.reshape(ds, (ds.shape[0], 4, 2, 1, 1)), tl.reshape(dm, (dm.shape[0], 4, 2, 1, 1))
+    ds, dm = dq._k4_scales(None, CHUNKS * p + s // 2, s % 2, dq._half(head), dq._half(head >> 16), sw)
+    return tl.reshape(ds, (ds.shape[0], CHUNKS, 2, 1, 1)), tl.reshape(dm, (dm.shape[0], CHUNKS, 2, 1, 1))
 
 
 def dequant_gemm_stream_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
                                steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr,
-                               PDL: tl.constexpr = False):
-    """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (a super-block
-    each); w: the Q4_K rows as int32 words [N, >= row_words] (w_stride in words); y output or fp32 partials."""
-    m, n, wrow, xrow = word_tile(w, x, m_rows, n_rows, w_stride, x_stride, BLOCK_M, BLOCK_N, STEP, PDL)
-    quant = 4 + tl.arange(0, 32)[None, :]  # a block's quant words: (c, j) at 4 + 8c + j
+                               CHUNKS: tl.constexpr = 4, PDL: tl.constexpr = False):
+    """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. of K (64 CHUNKS inputs
+    each: CHUNKS of a super-block's four 64-input chunks); w: the Q4_K rows as int32 words [N, >= row_words]
+    (w_stride in words); y output or fp32 partials."""
+    per_block = 4 // CHUNKS  # steps a super-block
+    m, n, wrow, xrow = word_tile(w, x, m_rows, n_rows, w_stride, x_stride, BLOCK_M, BLOCK_N, 64 * CHUNKS, PDL)
+    quant = 4 + tl.arange(0, 8 * CHUNKS)[None, :]  # the step's quant words past 8 CHUNKS p: (c, j) at 8c + j
     lo = tl.program_id(2) * steps_per_split
 
     def step(it, acc):
-        blk = wrow + it * BLOCK_WORDS
-        ds, dm = scales(blk)
-        words = tl.reshape(tl.load(blk + quant), (BLOCK_N, 4, 1, 8, 1))
-        wv = tl.reshape(quant_tile(words) * (ds * field_scale()) - dm, (BLOCK_N, STEP)).to(xrow.dtype.element_ty)
-        xv = tl.load(xrow + it * STEP)
+        p = it % per_block
+        blk = wrow + (it // per_block) * BLOCK_WORDS
+        ds, dm = scales(blk, p, CHUNKS)
+        words = tl.reshape(tl.load(blk + 8 * CHUNKS * p + quant), (BLOCK_N, CHUNKS, 1, 8, 1))
+        wv = quant_tile(words) * (ds * field_scale()) - dm
+        wv = tl.reshape(wv, (BLOCK_N, 64 * CHUNKS)).to(xrow.dtype.element_ty)
+        xv = tl.load(xrow + it * (64 * CHUNKS))
         return tl.dot(wv, tl.trans(xv), acc) if SWAP else tl.dot(xv, tl.trans(wv), acc)
 
     split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)

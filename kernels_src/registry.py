@@ -278,8 +278,8 @@ for _q in dequantize.QTYPES:
 
 for _q in dequant_gemv.QTYPES:
     _tiles = dequant_gemm.default_tiles(_q, 16, 14336, 4096)
-    for _key in ("num_warps", "num_stages", "SPLIT"):
-        _tiles.pop(_key)
+    for _key in ("num_warps", "num_stages", "SPLIT", "CHUNKS"):
+        _tiles.pop(_key, None)
     register(KernelEntry(
         f"dequant_gemm_{_q.lower()}", dequant_gemm.dequant_gemm_kernel,
         dict(QTYPE=_q, WIDE=True, WORDS=False, PDL=True, **_tiles), _ptrs(BF16, "x", w="*u8", y="*fp32"),

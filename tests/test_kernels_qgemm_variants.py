@@ -135,12 +135,13 @@ def test_sub64_needs_word_rows_and_tuned_picks_it(rng, monkeypatch):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("m,blocks,opts", [(9, 1, {}), (33, 3, dict(split_k=2)), (64, 2, dict(block_n=32)),
-                                           (18, 2, dict(swap=False, block_n=16, block_m=32, split_k=3)),
-                                           (2, 4, dict(block_n=64, split_k=4))])
+@pytest.mark.parametrize("m,blocks,opts", [(9, 1, {}), (33, 3, dict(split_k=2, chunks=4)),
+                                           (64, 2, dict(block_n=32, chunks=1)),
+                                           (18, 2, dict(swap=False, block_n=16, block_m=32, split_k=3, chunks=1)),
+                                           (2, 4, dict(block_n=64, split_k=4, chunks=4)), (16, 3, dict(split_k=4))])
 def test_stream_matches_reference(target, m, blocks, opts, rng):
-    """Q4_K through variant stream on 0xFF-padded rows (37: N tiles ragged): K of 1-4 super-blocks, split-K over
-    uneven steps, x @ W.T, 2 to 64 rows."""
+    """Q4_K through variant stream on 0xFF-padded rows (37: N tiles ragged): K of 1-4 super-blocks, steps of a
+    quarter, half (the default) or a whole super-block, split-K over uneven steps, x @ W.T, 2 to 64 rows."""
     k = 256 * blocks
     w = padded_weights(rng, "Q4_K", 37, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -180,7 +181,7 @@ _scales = stream.scales
 STREAM_BUGS = {  # a decoding bug -> (module attribute, planted version)
     "nibbles swapped": ("field_scale", _swapped_nibbles),
     "bytes 2, 3 read in place": ("quant_tile", _in_place),
-    "min ignored": ("scales", lambda blk: (_scales(blk)[0], 0.0 * _scales(blk)[1])),
+    "min ignored": ("scales", lambda *a: (_scales(*a)[0], 0.0 * _scales(*a)[1])),
 }
 
 
@@ -202,9 +203,11 @@ def test_stream_needs_word_rows_and_tuned_picks_it(rng, monkeypatch):
     x = rng.standard_normal((16, 256)).astype(np.float32)
     with pytest.raises(ValueError, match="variant stream reads Q4_K rows as 32-bit words"):
         dgm.dequant_matmul(x, w, "Q4_K", variant="stream")
+    with pytest.raises(ValueError, match="variant stream takes 1, 2 or 4 .* not chunks=3"):
+        dgm.dequant_matmul(x, padded_weights(rng, "Q4_K", 11, 256), "Q4_K", variant="stream", chunks=3)
     with pytest.raises(ValueError, match="variant 'stream' does not take Q6_K"):
         dgm.dequant_matmul(x, padded_weights(rng, "Q6_K", 11, 256), "Q6_K", variant="stream")
-    monkeypatch.setitem(dgm.TUNED, ("Q4_K", 16, 11, 256), dict(variant="stream", block_n=32, split_k=1))
+    monkeypatch.setitem(dgm.TUNED, ("Q4_K", 16, 11, 256), dict(variant="stream", block_n=32, split_k=1, chunks=4))
     close(_run("numpy", x, w, "Q4_K", np.float32), dgm.dequant_matmul_ref(x, w, "Q4_K"), 1e-5)
     monkeypatch.setattr(dsl_launch, "_kernels", {})
     monkeypatch.setattr(stream, *STREAM_BUGS["min ignored"])
@@ -287,7 +290,8 @@ def test_aot_sm90(which, tmp_path, monkeypatch):
     elif which == "sub64":
         c = _aot(q4k.dequant_gemm_q4k_kernel, tiles, dict(w="*i32", x="*bf16", y="*fp32"), 8, tmp_path)
     elif which == "stream":
-        c = _aot(stream.dequant_gemm_stream_kernel, tiles, dict(w="*i32", x="*bf16", y="*fp32"), 8, tmp_path)
+        c = _aot(stream.dequant_gemm_stream_kernel, dict(tiles, CHUNKS=dgm.STREAM_CHUNKS),
+                 dict(w="*i32", x="*bf16", y="*fp32"), 8, tmp_path)
     else:
         c = _aot(gather.int_group_gemm_gather_kernel, dict(tiles, BITS=4, GROUP=128, BK=64),
                  dict(w="*i32", x="*bf16", y="*fp32"), 8, tmp_path)

@@ -47,6 +47,7 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
     assert got == {("Q4_K", "blocked"), ("Q4_K", "words"), ("Q4_K", "stream"), ("Q4_K", "sub64"),
                    ("int4g128", "blocked"), ("int4g128", "gather")}
     assert all(r["us"] < 100 for r in data["results"]) and sum(r["best"] for r in data["results"]) == 2
+    assert [r["tiles"]["chunks"] in sweep.CHUNKS for r in data["results"] if r["variant"] == "stream"] == [True]
     tables = text.split("TUNED = {")[1:]
     assert len(tables) == 2
     gguf = eval("{" + tables[0].split("}\n")[0] + "}")  # the printed literal, as pasted

@@ -7,8 +7,8 @@ GGUF types go through dequant_matmul (kernels_src/dequant_gemm.py), intBgG (GPTQ
 through int_group_matmul; a variant runs where it takes the type. Every build (variant x block_n x num_stages, swap,
 at each row bucket) is compiled first by worker processes (Triton's disk cache is shared, so the timing loop only
 loads them), each checked at split 1 and 2 against the float64 reference on a small problem; then per problem and
-variant a coordinate search from the launcher's own tiles (block_n, num_stages, split_k, swap), CUDA-graph medians,
-"% of copy" against tools.bench_kernels.copy_gbps. Ends with a table, the best of each problem, and the literals
+variant a coordinate search from the launcher's own tiles (block_n, num_stages, split_k, swap; stream's chunks),
+CUDA-graph medians, "% of copy" against tools.bench_kernels.copy_gbps. Ends with a table, the best of each problem, and the literals
 for dequant_gemm.TUNED and int_group_gemm.TUNED (their `variant` named)."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ QTYPES = ("Q4_K", "Q6_K", "int4g128")
 BLOCK_N = (32, 64, 128)
 STAGES = (2, 3, 4)
 SPLITS = (1, 2, 4, 8)
+CHUNKS = (1, 2, 4)  # variant stream's step: 64-input chunks of a super-block
 CHECK_N, CHECK_K = 96, 1024  # the workers' check problem (odd N tiles at block_n 64 and 128)
 COLD_BYTES = 150 << 20  # weight bytes a timed call walks through (3x the H200's 50 MB L2)
 TOL = 2e-2  # of the largest output: bf16 x, W rounded to bf16 for the dot, y in bf16
@@ -91,14 +92,17 @@ def rule(kind: Kind, variant: str, m: int, n: int, k: int) -> dict:
     out = {inverse[key]: v for key, v in cfg.items() if key in ("BLOCK_M", "BLOCK_N", "SPLIT", "SWAP", "num_warps",
                                                                  "num_stages")}
     out["num_stages"] = out["num_stages"] or 3
+    if variant == "stream":
+        out["chunks"] = cfg.get("CHUNKS") or dgm.STREAM_CHUNKS
     return out
 
 
-def builds(block_m: int, quick: bool) -> list[dict]:
-    """The keywords that change a build (split_k does not, beyond split 1 against more)."""
+def builds(block_m: int, quick: bool, variant: str = "blocked") -> list[dict]:
+    """The keywords that change a build (split_k does not, beyond split 1 against more); stream's step (chunks) too."""
     out = [dict(block_m=block_m, block_n=bn, num_stages=ns, num_warps=8 if bn == 128 else 4, swap=True)
            for bn, ns in itertools.product(BLOCK_N, (3,) if quick else STAGES)]
-    return out + [dict(block_m=block_m, block_n=64, num_stages=3, num_warps=4, swap=False)]
+    out += [dict(block_m=block_m, block_n=64, num_stages=3, num_warps=4, swap=False)]
+    return [dict(b, chunks=c) for b in out for c in CHUNKS] if variant == "stream" else out
 
 
 def _build_key(cfg: dict) -> tuple:
@@ -197,7 +201,8 @@ def search(bench, run, start: dict, ok) -> tuple[dict, float, float, int]:
 
     best, good = dict(start), ok(start)
     base = t(best) if good else float("nan")  # own tiles that failed the check are not timed
-    for key, values in dict(block_n=BLOCK_N, num_stages=STAGES, split_k=SPLITS, swap=(True, False)).items():
+    keys = dict(block_n=BLOCK_N, num_stages=STAGES, split_k=SPLITS, swap=(True, False))
+    for key, values in (keys | (dict(chunks=CHUNKS) if "chunks" in start else {})).items():
         for v in values:
             cand = dict(best, **{key: v})
             if key == "block_n":
@@ -223,7 +228,7 @@ class Result:
 def _search_one(kind: Kind, v: str, m: int, k: int, xws: tuple, bench, bad: set, quick: bool):
     """One variant's coordinate search on one problem over the checked builds, each call through every weight copy
     in turn: (best, its us a GEMM, own tiles' us)."""
-    allowed = {_build_key(b) for b in builds(bucket(kind, m), quick)}
+    allowed = {_build_key(b) for b in builds(bucket(kind, m), quick, v)}
     x, ws, y = xws
 
     def ok(c):
@@ -323,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         if k % max(unit, 128):
             raise SystemExit(f"sweep_gemm: K {k} is not whole {kind.name} blocks of 128-input steps")
     jobs = sorted({(kind.name, v, m, _build_key(b)) for kind in kinds for v in variants if v in kind.variants
-                   for m in ms for b in builds(bucket(kind, m), args.quick)})
+                   for m in ms for b in builds(bucket(kind, m), args.quick, v)})
     work = [(q, v, m, dict(b)) for q, v, m, b in jobs]
     if args.workers:
         with mp.get_context("spawn").Pool(args.workers) as pool:
