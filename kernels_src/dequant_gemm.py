@@ -194,11 +194,11 @@ TUNED: dict[tuple[str, int, int, int], dict] = {  # tools/sweep_gemm, H200: 2026
 # "blocked": dequant_gemm_kernel (any format, a step of KB blocks through dequantize.py's decoders); "words": the same
 # with Q4_K's / Q5_K's headers read as 32-bit words (so Triton pipelines them; blocked's fp16 and byte loads of them
 # are synchronous, a wait every step); "sub64": Q4_K only,
-# kernels_src/dequant_gemm_q4k.py (64-input steps, every load of W a 32-bit word); "stream": Q4_K only,
-# kernels_src/dequant_gemm_stream.py (a super-block's quants one [BLOCK_N, 32]-word tile, one 256-wide dot over x as
-# stored). The GPU sweep (tools/sweep_gemm
+# kernels_src/dequant_gemm_q4k.py (64-input steps, every load of W a 32-bit word); "stream": Q4_K and Q6_K,
+# kernels_src/dequant_gemm_stream*.py (a step's weights 2-D tiles of 32-bit words decoded in x's order, one dot over
+# x as stored). The GPU sweep (tools/sweep_gemm
 # --variants) decides the default.
-VARIANTS = {"blocked": None, "words": dq.WORD_HEADS, "sub64": ("Q4_K",), "stream": ("Q4_K",)}
+VARIANTS = {"blocked": None, "words": dq.WORD_HEADS, "sub64": ("Q4_K",), "stream": ("Q4_K", "Q6_K")}
 VARIANT = "blocked"
 WORD_VARIANTS = ("words", "sub64", "stream")  # rows read as 32-bit words: they must start 4-byte aligned
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", blocks="KB", split_k="SPLIT", swap="SWAP", num_warps="num_warps",
@@ -345,7 +345,7 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
         raise ValueError(f"blocks={cfg['KB']} does not divide the {k // elems} blocks of a row")
     pdl = use_pdl(target, pdl)
     if variant in ("sub64", "stream"):
-        return _launch_q4k(variant, x2, w, out, cfg, nw, ns, split, target, pdl, chunks or STREAM_CHUNKS)
+        return _launch_words(variant, qtype, x2, w, out, cfg, nw, ns, split, target, pdl, chunks or STREAM_CHUNKS)
     if variant == "words" and not _whole_words(w):
         raise ValueError(f"variant words reads {qtype} headers as 32-bit words: rows {tuple(w.shape)} of stride "
                          f"{elem_stride(w, 0)} must start 4-byte aligned")
@@ -359,21 +359,23 @@ def _whole_words(w) -> bool:
     return not (_addr(w) % 4 or (w.shape[0] > 1 and elem_stride(w, 0) % 4) or w.shape[1] % 4)
 
 
-def _launch_q4k(variant: str, x2, w, out, cfg: dict, nw: int, ns: int | None, split: int, target: str, pdl: bool,
-                chunks: int):
-    """Variants sub64 and stream: W as int32 words (Q4_K rows are whole words; they must start 4-byte aligned)."""
+def _launch_words(variant: str, qtype: str, x2, w, out, cfg: dict, nw: int, ns: int | None, split: int, target: str,
+                  pdl: bool, chunks: int):
+    """Variants sub64 and stream: W as int32 words (rows must start 4-byte aligned and be whole words)."""
     from kernels_src.dequant_gemm_q4k import STEP, dequant_gemm_q4k_kernel
     from kernels_src.dequant_gemm_stream import dequant_gemm_stream_kernel
+    from kernels_src.dequant_gemm_stream_q6k import dequant_gemm_stream_q6k_kernel
 
     if not _whole_words(w):
-        raise ValueError(f"variant {variant} reads Q4_K rows as 32-bit words: rows {tuple(w.shape)} of stride "
+        raise ValueError(f"variant {variant} reads {qtype} rows as 32-bit words: rows {tuple(w.shape)} of stride "
                          f"{elem_stride(w, 0)} must start 4-byte aligned and be whole words")
     if variant == "stream" and chunks not in (1, 2, 4):
         raise ValueError(f"variant stream takes 1, 2 or 4 of a super-block's four 64-input chunks a step, not "
                          f"chunks={chunks}")
     words = w.view(np.int32) if isinstance(w, np.ndarray) else w.view(__import__("torch").int32)  # no copy
     m, k = x2.shape
-    kernel, step, extra = ((dequant_gemm_stream_kernel, 64 * chunks, dict(CHUNKS=chunks)) if variant == "stream"
+    stream = dequant_gemm_stream_q6k_kernel if qtype == "Q6_K" else dequant_gemm_stream_kernel
+    kernel, step, extra = ((stream, 64 * chunks, dict(CHUNKS=chunks)) if variant == "stream"
                            else (dequant_gemm_q4k_kernel, STEP, {}))
     kern = compile(kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl,
                    BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SWAP=cfg["SWAP"], PDL=pdl, **extra)

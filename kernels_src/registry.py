@@ -18,6 +18,7 @@ from kernels_src import (
     dequant_gemm,
     dequant_gemm_q4k,
     dequant_gemm_stream,
+    dequant_gemm_stream_q6k,
     dequant_gemv,
     dequant_gemv_i8,
     dequantize,
@@ -286,7 +287,7 @@ for _q in dequant_gemv.QTYPES:
         dict(m=16, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes, flops=lambda m, n, k, **_: 2 * m * n * k,
         launcher=dequant_gemm.dequant_matmul, variants=(dequant_gemm.dequant_gemm_reduce_kernel,) + (
             (dequant_gemm_q4k.dequant_gemm_q4k_kernel, dequant_gemm_stream.dequant_gemm_stream_kernel)
-            if _q == "Q4_K" else ()),
+            if _q == "Q4_K" else (dequant_gemm_stream_q6k.dequant_gemm_stream_q6k_kernel,) if _q == "Q6_K" else ()),
         notes="split-K (default_tiles) writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: "
               "the bench times both; bytes_moved leaves the partials out (they stay in L2)"))
 

@@ -1,9 +1,8 @@
 """The quantized GEMMs' new variants against the existing references: dequant_gemm's "words" (Q4_K / Q5_K headers
-as 32-bit words), "sub64" (Q4_K, 64-input steps, every W load a 32-bit word) and "stream" (Q4_K, a super-block's
-quants one word tile, one 256-wide dot over x as stored) and int_group_gemm's "gather" (a q word per weight
-element), on the DSL interpreter and Triton's, tiles, split-K, swap and dtypes varied; planted decoding bugs fail;
-TUNED entries pick their variant; the sm_90 AOT builds use wgmma with every global load of W staged by cp.async
-and nothing spilled."""
+as 32-bit words) and "sub64" (Q4_K, 64-input steps, every W load a 32-bit word) and int_group_gemm's "gather" (a q
+word per weight element), on the DSL interpreter and Triton's, tiles, split-K, swap and dtypes varied; planted
+decoding bugs fail; TUNED entries pick their variant; the sm_90 AOT builds use wgmma with every global load of W
+staged by cp.async and nothing spilled (variant stream: tests/test_kernels_qgemm_stream.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +17,9 @@ from test_kernels_int_group_gemm import TOL, quantized, run
 
 from kernels_src import dequant_gemm as dgm
 from kernels_src import dequant_gemm_q4k as q4k
-from kernels_src import dequant_gemm_stream as stream
 from kernels_src import int_group_gemm as igm
 from kernels_src import int_group_gemm_gather as gather
 from kernels_src.dsl import launch as dsl_launch
-from kernels_src.dsl import tl
 
 
 @pytest.fixture
@@ -134,88 +131,6 @@ def test_sub64_needs_word_rows_and_tuned_picks_it(rng, monkeypatch):
         close(_run("numpy", x, w4, "Q4_K", np.float32), dgm.dequant_matmul_ref(x, w4, "Q4_K"), 1e-5)
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("m,blocks,opts", [(9, 1, {}), (33, 3, dict(split_k=2, chunks=4)),
-                                           (64, 2, dict(block_n=32, chunks=1)),
-                                           (18, 2, dict(swap=False, block_n=16, block_m=32, split_k=3, chunks=1)),
-                                           (2, 4, dict(block_n=64, split_k=4, chunks=4)), (16, 3, dict(split_k=4))])
-def test_stream_matches_reference(target, m, blocks, opts, rng):
-    """Q4_K through variant stream on 0xFF-padded rows (37: N tiles ragged): K of 1-4 super-blocks, steps of a
-    quarter, half (the default) or a whole super-block, split-K over uneven steps, x @ W.T, 2 to 64 rows."""
-    k = 256 * blocks
-    w = padded_weights(rng, "Q4_K", 37, k)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    got = _run(target, x, w, "Q4_K", np.float32, variant="stream", **opts)
-    close(got, dgm.dequant_matmul_ref(x, w, "Q4_K"), 1e-5)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="bf16 x needs torch")
-def test_stream_fp16_and_bf16(rng):
-    import torch
-
-    w = padded_weights(rng, "Q4_K", 19, 512)
-    x = rng.standard_normal((12, 512)).astype(np.float16)
-    close(_run("numpy", x, w, "Q4_K", np.float16, variant="stream"), dgm.dequant_matmul_ref(x, w, "Q4_K"), 2e-3)
-    xb = torch.from_numpy(x.astype(np.float32)).bfloat16()
-    out = torch.full((12, 19), float("nan"), dtype=torch.bfloat16)
-    dgm.dequant_matmul(xb, w, "Q4_K", out=out, variant="stream")
-    close(out.float().numpy(), dgm.dequant_matmul_ref(xb.float().numpy(), w, "Q4_K"), 1.5e-2)
-
-
-def _swapped_nibbles():
-    """field_scale with the nibbles' factors exchanged (a high nibble scaled as a low one)."""
-    h = tl.arange(0, 2)[None, None, :, None, None]
-    i = tl.arange(0, 4)[None, None, None, None, :]
-    return tl.where(i % 2 == 1, 2.0 ** -8, 1.0) * tl.where(h == 0, 0.0625, 1.0)
-
-
-def _in_place(words):
-    """quant_tile without the 16-bit shift for bytes 2 and 3 (their high nibbles then reach the exponent)."""
-    h = tl.arange(0, 2)[None, None, :, None, None]
-    i = tl.arange(0, 4)[None, None, None, None, :]
-    field = words & (15 << (8 * (i % 2) + 4 * h))
-    return (field | stream.dq.MAGIC).to(tl.float32, bitcast=True) - float(2 ** 23)
-
-
-_scales = stream.scales
-STREAM_BUGS = {  # a decoding bug -> (module attribute, planted version)
-    "nibbles swapped": ("field_scale", _swapped_nibbles),
-    "bytes 2, 3 read in place": ("quant_tile", _in_place),
-    "min ignored": ("scales", lambda *a: (_scales(*a)[0], 0.0 * _scales(*a)[1])),
-}
-
-
-@pytest.mark.parametrize("bug", STREAM_BUGS)
-def test_stream_planted_bug_fails(bug, rng, monkeypatch):
-    w = padded_weights(rng, "Q4_K", 13, 512)
-    x = rng.standard_normal((9, 512)).astype(np.float32)
-    want = dgm.dequant_matmul_ref(x, w, "Q4_K")
-    monkeypatch.setattr(dsl_launch, "_kernels", {})
-    monkeypatch.setattr(stream, *STREAM_BUGS[bug])
-    with pytest.raises(AssertionError, match="Not equal to tolerance|NaN"):
-        close(_run("numpy", x, w, "Q4_K", np.float32, variant="stream"), want, 1e-5)
-
-
-def test_stream_needs_word_rows_and_tuned_picks_it(rng, monkeypatch):
-    """Rows off a 4-byte boundary: refused when stream is asked for, the general kernel when a table chose it; on
-    word rows the table's stream runs."""
-    w = padded_weights(rng, "Q4_K", 11, 256, pad=6)  # rows of 144 bytes at a stride of 166
-    x = rng.standard_normal((16, 256)).astype(np.float32)
-    with pytest.raises(ValueError, match="variant stream reads Q4_K rows as 32-bit words"):
-        dgm.dequant_matmul(x, w, "Q4_K", variant="stream")
-    with pytest.raises(ValueError, match="variant stream takes 1, 2 or 4 .* not chunks=3"):
-        dgm.dequant_matmul(x, padded_weights(rng, "Q4_K", 11, 256), "Q4_K", variant="stream", chunks=3)
-    with pytest.raises(ValueError, match="variant 'stream' does not take Q6_K"):
-        dgm.dequant_matmul(x, padded_weights(rng, "Q6_K", 11, 256), "Q6_K", variant="stream")
-    monkeypatch.setitem(dgm.TUNED, ("Q4_K", 16, 11, 256), dict(variant="stream", block_n=32, split_k=1, chunks=4))
-    close(_run("numpy", x, w, "Q4_K", np.float32), dgm.dequant_matmul_ref(x, w, "Q4_K"), 1e-5)
-    monkeypatch.setattr(dsl_launch, "_kernels", {})
-    monkeypatch.setattr(stream, *STREAM_BUGS["min ignored"])
-    w4 = padded_weights(rng, "Q4_K", 11, 256)
-    with pytest.raises(AssertionError, match="Not equal to tolerance"):
-        close(_run("numpy", x, w4, "Q4_K", np.float32), dgm.dequant_matmul_ref(x, w4, "Q4_K"), 1e-5)
-
-
 # (bits, group, K, rows, symmetric, split, bk): a group a step, two groups a step (scales gathered a column), a
 # 128-group in 32- and 64-input slices, a group of 96 (not a power of two), 8 bits
 GATHER = [(4, 32, 128, 9, False, 1, None), (4, 32, 256, 17, True, 2, 64), (4, 128, 512, 16, False, 3, 32),
@@ -278,7 +193,7 @@ def _aot(fn, consts: dict, sig: dict, nw: int, tmp_path):
 
 
 @needs_aot
-@pytest.mark.parametrize("which", ["sub64", "gather", "words", "stream"])
+@pytest.mark.parametrize("which", ["sub64", "gather", "words"])
 def test_aot_sm90(which, tmp_path, monkeypatch):
     """At 64 x 128 tiles and 8 warps: wgmma, and W read only through cp.async (no synchronous global load in the
     build at all), no spills."""
@@ -289,16 +204,9 @@ def test_aot_sm90(which, tmp_path, monkeypatch):
                  dict(w="*u8", x="*bf16", y="*fp32"), 8, tmp_path)
     elif which == "sub64":
         c = _aot(q4k.dequant_gemm_q4k_kernel, tiles, dict(w="*i32", x="*bf16", y="*fp32"), 8, tmp_path)
-    elif which == "stream":
-        c = _aot(stream.dequant_gemm_stream_kernel, dict(tiles, CHUNKS=dgm.STREAM_CHUNKS),
-                 dict(w="*i32", x="*bf16", y="*fp32"), 8, tmp_path)
     else:
         c = _aot(gather.int_group_gemm_gather_kernel, dict(tiles, BITS=4, GROUP=128, BK=64),
                  dict(w="*i32", x="*bf16", y="*fp32"), 8, tmp_path)
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx and "ld.global" not in ptx
     assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
-    if which == "stream":  # quants in 16-byte copies, x's buffer wgmma's B as it lies, one wgmma left in flight
-        loop = c.asm["ttgir"].split("scf.for")[1]
-        assert "cp.async.cg.shared.global" in ptx and ", 0x10," in ptx
-        assert loop.count("ttg.local_load") == 5 and "pendings = 1" in loop

@@ -8,8 +8,8 @@ through int_group_matmul; a variant runs where it takes the type. Every build (v
 at each row bucket) is compiled first by worker processes (Triton's disk cache is shared, so the timing loop only
 loads them), each checked at split 1 and 2 against the float64 reference on a small problem; then per problem and
 variant a coordinate search from the launcher's own tiles (block_n, num_stages, split_k, swap; stream's chunks),
-CUDA-graph medians, "% of copy" against tools.bench_kernels.copy_gbps. Ends with a table, the best of each problem, and the literals
-for dequant_gemm.TUNED and int_group_gemm.TUNED (their `variant` named)."""
+CUDA-graph medians, "% of copy" against tools.bench_kernels.copy_gbps. Ends with a table, the best of each problem,
+and the literals for dequant_gemm.TUNED and int_group_gemm.TUNED (their `variant` named)."""
 
 from __future__ import annotations
 
