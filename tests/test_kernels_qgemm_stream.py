@@ -13,7 +13,7 @@ import pytest
 from test_kernels_basic import HAS_TRITON, TARGETS
 from test_kernels_gemm import _run, close, needs_aot
 from test_kernels_gemv import _stack_bytes, padded_weights
-from test_kernels_qgemm_variants import _aot
+from test_kernels_qgemm_variants import _aot, check_fp16_and_bf16
 
 from kernels_src import dequant_gemm as dgm
 from kernels_src import dequant_gemm_stream as stream
@@ -28,46 +28,28 @@ def rng(request):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("m,blocks,opts", [(9, 1, {}), (33, 3, dict(split_k=2, chunks=4)),
-                                           (64, 2, dict(block_n=32, chunks=1)),
-                                           (18, 2, dict(swap=False, block_n=16, block_m=32, split_k=3, chunks=1)),
-                                           (2, 4, dict(block_n=64, split_k=4, chunks=4)), (16, 3, dict(split_k=4))])
-def test_stream_matches_reference(target, m, blocks, opts, rng):
-    """Q4_K through variant stream on 0xFF-padded rows (37: N tiles ragged): K of 1-4 super-blocks, steps of a
-    quarter, half (the default) or a whole super-block, split-K over uneven steps, x @ W.T, 2 to 64 rows."""
+@pytest.mark.parametrize("qtype,m,blocks,opts", [
+    ("Q4_K", 9, 1, {}), ("Q4_K", 33, 3, dict(split_k=2, chunks=4)), ("Q4_K", 64, 2, dict(block_n=32, chunks=1)),
+    ("Q4_K", 18, 2, dict(swap=False, block_n=16, block_m=32, split_k=3, chunks=1)),
+    ("Q4_K", 2, 4, dict(block_n=64, split_k=4, chunks=4)), ("Q4_K", 16, 3, dict(split_k=4)),
+    ("Q6_K", 9, 2, {}), ("Q6_K", 33, 4, dict(split_k=2, chunks=4)),
+    ("Q6_K", 64, 2, dict(block_n=32, chunks=1, split_k=3)),
+    ("Q6_K", 18, 4, dict(swap=False, block_n=16, block_m=32, split_k=3, chunks=1)), ("Q6_K", 16, 2, dict(chunks=4))])
+def test_stream_matches_reference(target, qtype, m, blocks, opts, rng):
+    """Variant stream on 0xFF-padded rows (37: N tiles ragged): K of 1-4 super-blocks (Q6_K's at even and odd places
+    of the row, 4- and 2-byte aligned: odd ones read as funnels of word pairs), steps of a quarter, half (the
+    default) or a whole super-block, split-K over uneven steps, x @ W.T, 2 to 64 rows."""
     k = 256 * blocks
-    w = padded_weights(rng, "Q4_K", 37, k)
+    w = padded_weights(rng, qtype, 37, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    got = _run(target, x, w, "Q4_K", np.float32, variant="stream", **opts)
-    close(got, dgm.dequant_matmul_ref(x, w, "Q4_K"), 1e-5)
-
-
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("m,blocks,opts", [(9, 2, {}), (33, 4, dict(split_k=2, chunks=4)),
-                                           (64, 2, dict(block_n=32, chunks=1, split_k=3)),
-                                           (18, 4, dict(swap=False, block_n=16, block_m=32, split_k=3, chunks=1)),
-                                           (16, 2, dict(chunks=4))])
-def test_stream_q6k_matches_reference(target, m, blocks, opts, rng):
-    """Q6_K through variant stream: blocks at even and odd places of the row (4-byte and 2-byte aligned: the odd
-    ones read as funnels of word pairs), 2-4 blocks, every step size, split-K, x @ W.T; 0xFF past each row."""
-    k = 256 * blocks
-    w = padded_weights(rng, "Q6_K", 37, k)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    got = _run(target, x, w, "Q6_K", np.float32, variant="stream", **opts)
-    close(got, dgm.dequant_matmul_ref(x, w, "Q6_K"), 1e-5)
+    got = _run(target, x, w, qtype, np.float32, variant="stream", **opts)
+    close(got, dgm.dequant_matmul_ref(x, w, qtype), 1e-5)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="bf16 x needs torch")
-def test_stream_fp16_and_bf16(rng):
-    import torch
-
-    w = padded_weights(rng, "Q4_K", 19, 512)
-    x = rng.standard_normal((12, 512)).astype(np.float16)
-    close(_run("numpy", x, w, "Q4_K", np.float16, variant="stream"), dgm.dequant_matmul_ref(x, w, "Q4_K"), 2e-3)
-    xb = torch.from_numpy(x.astype(np.float32)).bfloat16()
-    out = torch.full((12, 19), float("nan"), dtype=torch.bfloat16)
-    dgm.dequant_matmul(xb, w, "Q4_K", out=out, variant="stream")
-    close(out.float().numpy(), dgm.dequant_matmul_ref(xb.float().numpy(), w, "Q4_K"), 1.5e-2)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_stream_fp16_and_bf16(qtype, rng):
+    check_fp16_and_bf16(rng, "stream", qtype)
 
 
 def _swapped_nibbles():
