@@ -1,16 +1,16 @@
-"""dequant_gemm's variant "stream" for Q4_K: a K step is one super-block, its BLOCK_N rows' 128 quant bytes one 2-D
-tile of 32-bit words [BLOCK_N, 32] (16-byte vectors: 144-byte blocks keep 16-byte alignment), decoded in registers
-in x's stored order, so a step is one 256-wide dot over x as stored.
+"""dequant_gemm's variant "stream" for Q4_K: a K step is CHUNKS of a super-block's four 64-input chunks, its BLOCK_N
+rows' quant bytes of them one 2-D tile of 32-bit words [BLOCK_N, 8 CHUNKS] (16-byte vectors: 144-byte blocks keep
+16-byte alignment), decoded in registers in x's stored order, so a step is one dot over x as stored.
 
 Why (the sm_90 AOT builds of variant "words", docs/ARCHITECTURE.md): its loads are all cp.async'd already, but x
 is staged in the decoder's [M, 1, 4, 32] piece shape, read back from shared memory, reshaped and written again for
 wgmma's B operand (two round trips a step), and each wgmma is waited for at once. Here nibble h of byte i of quant
-word (c, j) is input 64c + 32h + 4j + i (ggml's layout), so the [BLOCK_N, 4, 2, 8, 4] tile (c, h, j, i) read
-row-major is the super-block in order, and x's cp.async buffer is wgmma's B as it lies (sm_90 build: no x round
+word (c, j) is input 64c + 32h + 4j + i (ggml's layout), so the [BLOCK_N, CHUNKS, 2, 8, 4] tile (c, h, j, i) read
+row-major is the step's inputs in order, and x's cp.async buffer is wgmma's B as it lies (sm_90 build: no x round
 trip, one wgmma left in flight). A value is its nibble masked where it lies in the word (bytes 2, 3: in the word
 shifted down 16 bits, so fields stay under bit 23), OR-ed into 2**23's mantissa (an exact float, no int-to-float
 conversion), less 2**23, times d * scale over the field's power of two, less dmin * min; the (scale, min) pairs
-are decoded on an [N, 8] tile from the header's words, as in dequantize._k4_scales. Rows past N are clamped (read
+are decoded on an [N, 2 CHUNKS] tile from the header's words, as in dequantize._k4_scales. Rows past N are clamped (read
 again, not stored); no load is masked.
 """
 
@@ -21,11 +21,10 @@ from kernels_src.dequant_gemm import split_k_tile, word_tile
 from kernels_src.dsl import tl
 
 BLOCK_WORDS = 36  # a Q4_K super-block: d, dmin (1 word), 12 scale bytes (3), 128 quant bytes (32)
-STEP = 256  # inputs a super-block: a step at CHUNKS 4 (CHUNKS 2: half of one, 1: a quarter)
 
 
 def quant_tile(words):
-    """[N, 4, 2, 8, 4] fp32 quants of [N, 4, 1, 8, 1] int32 quant words (c, j), each times 2**(8 (i % 2) + 4h): nibble
+    """[N, C, 2, 8, 4] fp32 quants of [N, C, 1, 8, 1] int32 quant words (c, j), each times 2**(8 (i % 2) + 4h): nibble
     h of byte i masked where it lies in the word, or (bytes 2 and 3) in the word shifted down 16 bits, so that every
     field stays under bit 23, inside 2**23's mantissa; one shift serves 8 values."""
     h = tl.arange(0, 2)[None, None, :, None, None]
