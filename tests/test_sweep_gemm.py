@@ -5,6 +5,7 @@ its literals, and its argument errors."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from test_kernels_basic import HAS_TRITON
@@ -72,6 +73,17 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
         assert dgm.tuned("Q4_K", 9, 40, 512) == gguf[("Q4_K", 16, 40, 512)]  # 9 rows: the same bucket
         assert igm.tuned_entry(4, 128, 16, 40, 512) == ints[(4, 128, 16, 40, 512)]
         assert dgm.tuned("Q6_K", 16, 40, 512) == {} and igm.tuned_entry(8, 128, 16, 40, 512) == {}
+        # a second file (another sweep's, here this one's rows renamed Q6_K) joins the first; the first holds ties
+        q6 = json.loads(out.read_text())
+        for r in q6["results"]:
+            r["type"], r["tiles"] = "Q6_K" if r["type"] == "Q4_K" else r["type"], dict(r["tiles"], split_k=8)
+        (tmp_path / "q6.json").write_text(json.dumps(q6))
+        monkeypatch.setenv(gemm_tuned.TUNED_ENV, f"{out}{os.pathsep}{tmp_path / 'q6.json'}")
+        for f in (gemm_tuned.sweep_rows, dgm._env_tuned, igm._env_tuned):
+            f.cache_clear()
+        assert dgm.tuned("Q6_K", 16, 40, 512) == dict(gguf[("Q4_K", 16, 40, 512)], split_k=8)
+        assert dgm.tuned("Q4_K", 16, 40, 512) == gguf[("Q4_K", 16, 40, 512)]
+        assert igm.tuned_entry(4, 128, 16, 40, 512) == ints[(4, 128, 16, 40, 512)]
         out.write_text("[1, 2]")
         gemm_tuned.sweep_rows.cache_clear()
         with pytest.raises(ValueError, match="not a sweep_gemm --json table"):
