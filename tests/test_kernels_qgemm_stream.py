@@ -1,8 +1,9 @@
 """dequant_gemm's variant "stream" (kernels_src/dequant_gemm_stream*.py: a step's weights 2-D tiles of 32-bit words
 decoded in x's stored order, one dot over x as stored) for Q4_K and Q6_K against the float64 reference, on the DSL
-interpreter and Triton's: step sizes, split-K, swap, ragged N tiles, Q6_K's 2-byte aligned blocks; planted decoding
-bugs fail; rows that are not whole words are refused or (a table's choice) take blocked; the sm_90 AOT builds read
-W only through cp.async, feed wgmma from x's buffer and spill nothing."""
+interpreter and Triton's: step sizes, split-K, swap, ragged N tiles, Q6_K's 2-byte aligned blocks, Q4_K's 16-bit
+decode under fp16 and bf16 x; planted decoding bugs fail; rows that are not whole words are refused or (a table's
+choice) take blocked; the sm_90 AOT builds read W only through cp.async, feed wgmma from x's buffer and spill
+nothing."""
 
 from __future__ import annotations
 
@@ -92,6 +93,28 @@ def test_stream_planted_bug_fails(bug, rng, monkeypatch):
     monkeypatch.setattr(*STREAM_BUGS[bug])
     with pytest.raises(AssertionError, match="Not equal to tolerance|NaN"):
         close(_run("numpy", x, w, qtype, np.float32, variant="stream", chunks=4), want, 1e-5)
+
+
+def _half_in_place(words, dtype):
+    """quant_tile_half with both nibbles masked where they lie: right for fp16, but bf16's 7 mantissa bits cannot
+    hold a high nibble in place."""
+    magic, base = stream.HALF_MAGIC[dtype.name]
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 4)[None, None, None, None, :]
+    field = (words >> 8 * i) & tl.where(h == 1, 0xF0, 0x0F)
+    return (field | magic).to(tl.uint16).to(dtype, bitcast=True) - base
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="bf16 x needs torch")
+@pytest.mark.parametrize("planted", [("quant_tile_half", _half_in_place),
+                                     ("half_scale", lambda dtype: tl.full((1, 1, 2, 1, 1), 1.0, tl.float32))])
+def test_stream_half_decode_planted_bug_fails(planted, rng, monkeypatch):
+    """The 16-bit decode (x fp16 or bf16) has its own planted bugs: bf16's high nibble masked in place (it overflows
+    the mantissa), fp16's high nibble left 16 times too large."""
+    monkeypatch.setattr(dsl_launch, "_kernels", {})
+    monkeypatch.setattr(stream, *planted)
+    with pytest.raises(AssertionError, match="Not equal to tolerance|NaN"):
+        check_fp16_and_bf16(rng, "stream")
 
 
 def test_stream_needs_word_rows_and_tuned_picks_it(rng, monkeypatch):
