@@ -199,12 +199,16 @@ TUNED: dict[tuple[str, int, int, int], dict] = {  # tools/sweep_gemm, H200: 2026
 # "blocked": dequant_gemm_kernel (any format, a step of KB blocks through dequantize.py's decoders); "words": the same
 # with Q4_K's / Q5_K's headers read as 32-bit words (so Triton pipelines them; blocked's fp16 and byte loads of them
 # are synchronous, a wait every step); "sub64": Q4_K only,
-# kernels_src/dequant_gemm_q4k.py (64-input steps, every load of W a 32-bit word). The GPU sweep (tools/sweep_gemm
+# kernels_src/dequant_gemm_q4k.py (64-input steps, every load of W a 32-bit word); "stream": Q4_K and Q6_K,
+# kernels_src/dequant_gemm_stream*.py (a step's weights 2-D tiles of 32-bit words decoded in x's order, one dot over
+# x as stored). The GPU sweep (tools/sweep_gemm
 # --variants) decides the default.
-VARIANTS = {"blocked": None, "words": dq.WORD_HEADS, "sub64": ("Q4_K",)}
+VARIANTS = {"blocked": None, "words": dq.WORD_HEADS, "sub64": ("Q4_K",), "stream": ("Q4_K", "Q6_K")}
 VARIANT = "blocked"
+WORD_VARIANTS = ("words", "sub64", "stream")  # rows read as 32-bit words: they must start 4-byte aligned
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", blocks="KB", split_k="SPLIT", swap="SWAP", num_warps="num_warps",
-             num_stages="num_stages")
+             num_stages="num_stages", chunks="CHUNKS")
+STREAM_CHUNKS = 2  # stream's step when no table names one: half a super-block (fewer registers than a whole one)
 _sms: dict = {}
 
 
@@ -309,11 +313,12 @@ def _addr(a) -> int:
 def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None = None,
                    block_m: int | None = None, block_n: int | None = None, blocks: int | None = None,
                    split_k: int | None = None, swap: bool | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, variant: str | None = None):
+                   num_stages: int | None = None, variant: str | None = None, chunks: int | None = None):
     """y [M, N] = x2 [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, >= row_bytes], rows 2-byte aligned);
     x2 fp32 / fp16 / bf16 with contiguous rows; out (made when not given) in x2's dtype, rows contiguous.
     The keywords override default_tiles (block_m, block_n, blocks = KB, split_k, swap, num_warps, num_stages);
-    variant (VARIANTS, default VARIANT) picks the kernel."""
+    variant (VARIANTS, default VARIANT) picks the kernel; chunks (stream: 1, 2 or 4 of a super-block's 64-input
+    chunks a step)."""
     qtype = qtype.upper()
     if qtype not in dq.QTYPES:
         raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(dq.QTYPES)})")
@@ -325,7 +330,7 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
     if _addr(w) % 2 or (n > 1 and elem_stride(w, 0) % 2):
         raise ValueError("weight rows must start 2-byte aligned (the blocks' fp16 scales are read as such)")
     explicit, variant = variant is not None, variant or tuned_variant(qtype, m, w.shape[0], k)
-    if variant in ("sub64", "words") and not explicit and not _whole_words(w):
+    if variant in WORD_VARIANTS and not explicit and not _whole_words(w):
         variant = "blocked"  # a table's choice on rows it cannot read as words: the general kernel
     if variant not in VARIANTS or qtype not in (VARIANTS[variant] or (qtype,)):
         raise ValueError(f"dequant_matmul: variant {variant!r} does not take {qtype} (variants: "
@@ -337,15 +342,15 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
         return out
     cfg = default_tiles(qtype, m, n, k, _sm_count(x2))
     over = dict(block_m=block_m, block_n=block_n, blocks=blocks, split_k=split_k, swap=swap, num_warps=num_warps,
-                num_stages=num_stages)
+                num_stages=num_stages, chunks=chunks)
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
-    nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
+    nw, ns, split, chunks = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT"), cfg.pop("CHUNKS", None)
     n_steps = k // elems // cfg["KB"]
     if n_steps * cfg["KB"] * elems != k:
         raise ValueError(f"blocks={cfg['KB']} does not divide the {k // elems} blocks of a row")
     pdl = use_pdl(target, pdl)
-    if variant == "sub64":
-        return _launch_q4k(x2, w, out, cfg, nw, ns, split, target, pdl)
+    if variant in ("sub64", "stream"):
+        return _launch_words(variant, qtype, x2, w, out, cfg, nw, ns, split, target, pdl, chunks or STREAM_CHUNKS)
     if variant == "words" and not _whole_words(w):
         raise ValueError(f"variant words reads {qtype} headers as 32-bit words: rows {tuple(w.shape)} of stride "
                          f"{elem_stride(w, 0)} must start 4-byte aligned")
@@ -359,19 +364,28 @@ def _whole_words(w) -> bool:
     return not (_addr(w) % 4 or (w.shape[0] > 1 and elem_stride(w, 0) % 4) or w.shape[1] % 4)
 
 
-def _launch_q4k(x2, w, out, cfg: dict, nw: int, ns: int | None, split: int, target: str, pdl: bool):
-    """Variant sub64: W as int32 words (Q4_K rows are whole words; they must start 4-byte aligned)."""
+def _launch_words(variant: str, qtype: str, x2, w, out, cfg: dict, nw: int, ns: int | None, split: int, target: str,
+                  pdl: bool, chunks: int):
+    """Variants sub64 and stream: W as int32 words (rows must start 4-byte aligned and be whole words)."""
     from kernels_src.dequant_gemm_q4k import STEP, dequant_gemm_q4k_kernel
+    from kernels_src.dequant_gemm_stream import dequant_gemm_stream_kernel
+    from kernels_src.dequant_gemm_stream_q6k import dequant_gemm_stream_q6k_kernel
 
     if not _whole_words(w):
-        raise ValueError(f"variant sub64 reads Q4_K rows as 32-bit words: rows {tuple(w.shape)} of stride "
+        raise ValueError(f"variant {variant} reads {qtype} rows as 32-bit words: rows {tuple(w.shape)} of stride "
                          f"{elem_stride(w, 0)} must start 4-byte aligned and be whole words")
+    if variant == "stream" and chunks not in (1, 2, 4):
+        raise ValueError(f"variant stream takes 1, 2 or 4 of a super-block's four 64-input chunks a step, not "
+                         f"chunks={chunks}")
     words = w.view(np.int32) if isinstance(w, np.ndarray) else w.view(__import__("torch").int32)  # no copy
     m, k = x2.shape
-    kern = compile(dequant_gemm_q4k_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl,
-                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SWAP=cfg["SWAP"], PDL=pdl)
+    stream = dequant_gemm_stream_q6k_kernel if qtype == "Q6_K" else dequant_gemm_stream_kernel
+    kernel, step, extra = ((stream, 64 * chunks, dict(CHUNKS=chunks)) if variant == "stream"
+                           else (dequant_gemm_q4k_kernel, STEP, {}))
+    kern = compile(kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl,
+                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SWAP=cfg["SWAP"], PDL=pdl, **extra)
     return launch_split_k(kern, (words, x2), (m, w.shape[0], elem_stride(words, 0), elem_stride(x2, 0)), out,
-                          k // STEP, split, cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
+                          k // step, split, cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
 
 
 def dequant_matmul_ref(x: np.ndarray, w: np.ndarray, qtype: str) -> np.ndarray:

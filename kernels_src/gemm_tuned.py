@@ -1,6 +1,7 @@
 """Another GPU's (or a fresh sweep's) tiles for the quantized GEMMs without editing code: LLM_ENGINE_GEMM_TUNED names
-a `tools/sweep_gemm --json` file, whose best setting per problem takes precedence over dequant_gemm.TUNED and
-int_group_gemm.TUNED (as LLM_ENGINE_GEMV_TUNED does for the GEMV). Each module keys the rows by its own row buckets."""
+a `tools/sweep_gemm --json` file (or several, joined by os.pathsep: the first naming a problem holds it), whose best
+setting per problem takes precedence over dequant_gemm.TUNED and int_group_gemm.TUNED (as LLM_ENGINE_GEMV_TUNED does
+for the GEMV). Each module keys the rows by its own row buckets."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ INT_TYPE = re.compile(r"int(\d+)g(\d+)")
 
 @functools.cache
 def sweep_rows() -> tuple[dict, ...]:
-    """The best row of each problem in the file TUNED_ENV names (read once), fewest rows first: ({type, m, n, k,
-    variant, tiles}, ...); () without the variable. A file that is not such a table is a ValueError naming it."""
-    path = os.environ.get(TUNED_ENV)
-    if not path:
-        return ()
-    try:
-        rows = json.loads(open(path).read())["results"]
-        best = [dict(type=str(r["type"]), m=int(r["m"]), n=int(r["n"]), k=int(r["k"]), variant=str(r["variant"]),
-                     tiles=dict(r["tiles"])) for r in rows if r.get("best") and r.get("tiles")]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{TUNED_ENV}={path}: not a sweep_gemm --json table ({e})") from e
+    """The best row of each problem in the files TUNED_ENV names (read once), fewest rows first (a stable sort: the
+    files' order within): ({type, m, n, k, variant, tiles}, ...); () without the variable. A file that is not such a
+    table is a ValueError naming it."""
+    best = []
+    for path in filter(None, os.environ.get(TUNED_ENV, "").split(os.pathsep)):
+        try:
+            rows = json.loads(open(path).read())["results"]
+            best += [dict(type=str(r["type"]), m=int(r["m"]), n=int(r["n"]), k=int(r["k"]), variant=str(r["variant"]),
+                          tiles=dict(r["tiles"])) for r in rows if r.get("best") and r.get("tiles")]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{TUNED_ENV}={path}: not a sweep_gemm --json table ({e})") from e
     return tuple(sorted(best, key=lambda r: r["m"]))
 
 

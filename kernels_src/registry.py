@@ -18,6 +18,8 @@ from kernels_src import (
     dense_gemv,
     dequant_gemm,
     dequant_gemm_q4k,
+    dequant_gemm_stream,
+    dequant_gemm_stream_q6k,
     dequant_gemv,
     dequant_gemv_i8,
     dequantize,
@@ -299,14 +301,15 @@ for _q in dequantize.QTYPES:
 
 for _q in dequant_gemv.QTYPES:
     _tiles = dequant_gemm.default_tiles(_q, 16, 14336, 4096)
-    for _key in ("num_warps", "num_stages", "SPLIT"):
-        _tiles.pop(_key)
+    for _key in ("num_warps", "num_stages", "SPLIT", "CHUNKS"):
+        _tiles.pop(_key, None)
     register(KernelEntry(
         f"dequant_gemm_{_q.lower()}", dequant_gemm.dequant_gemm_kernel,
         dict(QTYPE=_q, WIDE=True, WORDS=False, PDL=True, **_tiles), _ptrs(BF16, "x", w="*u8", y="*fp32"),
         dict(m=16, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes, flops=lambda m, n, k, **_: 2 * m * n * k,
         launcher=dequant_gemm.dequant_matmul, variants=(dequant_gemm.dequant_gemm_reduce_kernel,) + (
-            (dequant_gemm_q4k.dequant_gemm_q4k_kernel,) if _q == "Q4_K" else ()),
+            (dequant_gemm_q4k.dequant_gemm_q4k_kernel, dequant_gemm_stream.dequant_gemm_stream_kernel)
+            if _q == "Q4_K" else (dequant_gemm_stream_q6k.dequant_gemm_stream_q6k_kernel,) if _q == "Q6_K" else ()),
         notes="split-K (default_tiles) writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: "
               "the bench times both; bytes_moved leaves the partials out (they stay in L2)"))
 

@@ -2,7 +2,7 @@
 as 32-bit words) and "sub64" (Q4_K, 64-input steps, every W load a 32-bit word) and int_group_gemm's "gather" (a q
 word per weight element), on the DSL interpreter and Triton's, tiles, split-K, swap and dtypes varied; planted
 decoding bugs fail; TUNED entries pick their variant; the sm_90 AOT builds use wgmma with every global load of W
-staged by cp.async and nothing spilled."""
+staged by cp.async and nothing spilled (variant stream: tests/test_kernels_qgemm_stream.py)."""
 
 from __future__ import annotations
 
@@ -41,17 +41,22 @@ def test_sub64_matches_reference(target, m, blocks, opts, rng):
     close(got, dgm.dequant_matmul_ref(x, w, "Q4_K"), 1e-5)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="bf16 x needs torch")
-def test_sub64_fp16_and_bf16(rng):
+def check_fp16_and_bf16(rng, variant: str, qtype: str = "Q4_K"):
+    """A variant on fp16 x (the DSL interpreter) and bf16 x (torch tensors) against the reference."""
     import torch
 
-    w = padded_weights(rng, "Q4_K", 19, 512)
+    w = padded_weights(rng, qtype, 19, 512)
     x = rng.standard_normal((12, 512)).astype(np.float16)
-    close(_run("numpy", x, w, "Q4_K", np.float16, variant="sub64"), dgm.dequant_matmul_ref(x, w, "Q4_K"), 2e-3)
+    close(_run("numpy", x, w, qtype, np.float16, variant=variant), dgm.dequant_matmul_ref(x, w, qtype), 2e-3)
     xb = torch.from_numpy(x.astype(np.float32)).bfloat16()
     out = torch.full((12, 19), float("nan"), dtype=torch.bfloat16)
-    dgm.dequant_matmul(xb, w, "Q4_K", out=out, variant="sub64")
-    close(out.float().numpy(), dgm.dequant_matmul_ref(xb.float().numpy(), w, "Q4_K"), 1.5e-2)
+    dgm.dequant_matmul(xb, w, qtype, out=out, variant=variant)
+    close(out.float().numpy(), dgm.dequant_matmul_ref(xb.float().numpy(), w, qtype), 1.5e-2)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="bf16 x needs torch")
+def test_sub64_fp16_and_bf16(rng):
+    check_fp16_and_bf16(rng, "sub64")
 
 
 @pytest.mark.parametrize("target", TARGETS)

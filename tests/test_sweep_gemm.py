@@ -5,6 +5,7 @@ its literals, and its argument errors."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from test_kernels_basic import HAS_TRITON
@@ -44,11 +45,12 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
     assert "failed: none" in text and "skipped" not in text
     data = json.loads(out.read_text())
     got = {(r["type"], r["variant"]) for r in data["results"]}
-    assert got == {("Q4_K", "blocked"), ("Q4_K", "words"), ("Q4_K", "sub64"), ("int4g128", "blocked"),
-                   ("int4g128", "gather"), ("int4g128", "stream")}
+    assert got == {("Q4_K", "blocked"), ("Q4_K", "words"), ("Q4_K", "stream"), ("Q4_K", "sub64"),
+                   ("int4g128", "blocked"), ("int4g128", "gather"), ("int4g128", "stream")}
     assert all(r["us"] < 100 for r in data["results"]) and sum(r["best"] for r in data["results"]) == 2
-    stream = next(r for r in data["results"] if r["variant"] == "stream")
-    assert stream["tiles"]["accs"] in (1, 8)  # stream's own axis (its accumulators) searched and kept
+    streams = {r["type"]: r["tiles"] for r in data["results"] if r["variant"] == "stream"}
+    assert streams["int4g128"]["accs"] in (1, 8)  # the int-group stream's own axis (its accumulators) kept
+    assert streams["Q4_K"]["chunks"] in sweep.CHUNKS  # the GGUF stream's step searched and kept
     tables = text.split("TUNED = {")[1:]
     assert len(tables) == 2
     gguf = eval("{" + tables[0].split("}\n")[0] + "}")  # the printed literal, as pasted
@@ -73,6 +75,17 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
         assert dgm.tuned("Q4_K", 9, 40, 512) == gguf[("Q4_K", 16, 40, 512)]  # 9 rows: the same bucket
         assert igm.tuned_entry(4, 128, 16, 40, 512) == ints[(4, 128, 16, 40, 512)]
         assert dgm.tuned("Q6_K", 16, 40, 512) == {} and igm.tuned_entry(8, 128, 16, 40, 512) == {}
+        # a second file (another sweep's, here this one's rows renamed Q6_K) joins the first; the first holds ties
+        q6 = json.loads(out.read_text())
+        for r in q6["results"]:
+            r["type"], r["tiles"] = "Q6_K" if r["type"] == "Q4_K" else r["type"], dict(r["tiles"], split_k=8)
+        (tmp_path / "q6.json").write_text(json.dumps(q6))
+        monkeypatch.setenv(gemm_tuned.TUNED_ENV, f"{out}{os.pathsep}{tmp_path / 'q6.json'}")
+        for f in (gemm_tuned.sweep_rows, dgm._env_tuned, igm._env_tuned):
+            f.cache_clear()
+        assert dgm.tuned("Q6_K", 16, 40, 512) == dict(gguf[("Q4_K", 16, 40, 512)], split_k=8)
+        assert dgm.tuned("Q4_K", 16, 40, 512) == gguf[("Q4_K", 16, 40, 512)]
+        assert igm.tuned_entry(4, 128, 16, 40, 512) == ints[(4, 128, 16, 40, 512)]
         out.write_text("[1, 2]")
         gemm_tuned.sweep_rows.cache_clear()
         with pytest.raises(ValueError, match="not a sweep_gemm --json table"):
@@ -103,7 +116,8 @@ def test_a_wrong_kernel_fails_the_check(sweep, monkeypatch, capsys):
 
 def test_arguments(sweep):
     assert sweep.parse_kind("int4g128") == sweep.Kind("int4g128", 4, 128) and sweep.parse_kind("q6_k").name == "Q6_K"
-    assert sweep.Kind("Q6_K").variants == ("blocked",) and sweep.Kind("Q4_K").variants == ("blocked", "words", "sub64")
+    assert sweep.Kind("Q6_K").variants == ("blocked", "stream")
+    assert sweep.Kind("Q4_K").variants == ("blocked", "words", "sub64", "stream")
     for bad, msg in ((["--qtypes", "Q7_K"], "unknown type"), (["--variants", "fast"], "unknown variants"),
                      (["--shapes", "40x100"], "not whole"), (["--ms", "a"], "bad --ms")):
         with pytest.raises(SystemExit, match=msg):

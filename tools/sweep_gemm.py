@@ -7,9 +7,9 @@ GGUF types go through dequant_matmul (kernels_src/dequant_gemm.py), intBgG (GPTQ
 through int_group_matmul; a variant runs where it takes the type. Every build (variant x block_n x num_stages, swap,
 at each row bucket) is compiled first by worker processes (Triton's disk cache is shared, so the timing loop only
 loads them), each checked at split 1 and 2 against the float64 reference on a small problem; then per problem and
-variant a coordinate search from the launcher's own tiles (block_n, num_stages, split_k, swap), CUDA-graph medians,
-"% of copy" against tools.bench_kernels.copy_gbps. Ends with a table, the best of each problem, and the literals
-for dequant_gemm.TUNED and int_group_gemm.TUNED (their `variant` named)."""
+variant a coordinate search from the launcher's own tiles (block_n, num_stages, split_k, swap; stream's chunks),
+CUDA-graph medians, "% of copy" against tools.bench_kernels.copy_gbps. Ends with a table, the best of each problem,
+and the literals for dequant_gemm.TUNED and int_group_gemm.TUNED (their `variant` named)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ QTYPES = ("Q4_K", "Q6_K", "int4g128")
 BLOCK_N = (32, 64, 128)
 STAGES = (2, 3, 4)
 SPLITS = (1, 2, 4, 8)
+CHUNKS = (1, 2, 4)  # variant stream's step: 64-input chunks of a super-block
 CHECK_N, CHECK_K = 96, 1024  # the workers' check problem (odd N tiles at block_n 64 and 128)
 COLD_BYTES = 150 << 20  # weight bytes a timed call walks through (3x the H200's 50 MB L2)
 TOL = 2e-2  # of the largest output: bf16 x, W rounded to bf16 for the dot, y in bf16
@@ -94,13 +95,17 @@ def rule(kind: Kind, variant: str, m: int, n: int, k: int) -> dict:
     out["num_stages"] = out["num_stages"] or 3
     if "accs" in axes(kind, variant):  # the launcher's own choice of stream's accumulators at these tiles
         out["accs"] = accs_for(kind.bits, out["block_m"], out["block_n"], out["num_warps"], out["swap"])
+    if "chunks" in axes(kind, variant):  # the GGUF stream's step, quarters of a super-block
+        out["chunks"] = cfg.get("CHUNKS") or dgm.STREAM_CHUNKS
     return out
 
 
 def axes(kind: Kind, variant: str) -> dict:
-    """A variant's own build keywords and their values, searched beside the shared ones (stream: its accumulators,
-    one or a field's each)."""
-    return dict(accs=(1, 32 // kind.bits)) if variant == "stream" else {}
+    """A variant's own build keywords and their values, searched beside the shared ones: the int-group stream's
+    accumulators (one or a field's each), the GGUF stream's step (chunks)."""
+    if variant != "stream":
+        return {}
+    return dict(accs=(1, 32 // kind.bits)) if kind.bits else dict(chunks=CHUNKS)
 
 
 def builds(block_m: int, quick: bool, extra: dict | None = None) -> list[dict]:
