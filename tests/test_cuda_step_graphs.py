@@ -2,7 +2,7 @@
 
 On CPU tensors each step runs eagerly on the graphs' static buffers (`capture=False`): the padding, the tile maps,
 the chained tokens and the logits rows, with the mapped prefill kernel under Triton's interpreter. On a GPU
-(tools/gpu_check.sh) the graphs are captured by the backend itself (LLM_ENGINE_WHOLE_STEPS=1).
+(tools/gpu_check.sh) the graphs are captured by the backend itself (LLM_ENGINE_WHOLE_STEPS, on by default).
 """
 
 from __future__ import annotations
