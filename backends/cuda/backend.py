@@ -18,9 +18,10 @@ from backends.base import Backend, MemoryReport, kv_cache_quant
 from backends.cuda import weights
 from backends.cuda.graphs import DecodeGraphs
 from backends.cuda.piecewise import PiecewiseGraphs
-from backends.cuda.runner import Runner, StepMeta
+from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
 from backends.cuda.step_graphs import StepGraphs
+from backends.cuda.step_meta import StepMeta
 from core.batch import Batch
 from core.kv_layout import KVLayout
 from ir.fusion import Fusions, concat_parts, fuse

@@ -25,8 +25,9 @@ from collections.abc import Callable
 import numpy as np
 
 from backends.cuda.decode_table import pow2
-from backends.cuda.runner import Runner, StepMeta, partitions_for
+from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
+from backends.cuda.step_meta import StepMeta, partitions_for
 from core.batch import Batch
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from backends.cuda.runner import Runner, StepMeta
+from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
+from backends.cuda.step_meta import StepMeta
 from ir.graph import Graph, Node
 from ir.rope import long_after
 

@@ -6,8 +6,6 @@ one decode step can be captured as a CUDA graph and replayed (see `backends.cuda
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from backends.cuda import distributed, gemv_fusion, torch_ops
@@ -16,6 +14,7 @@ from backends.cuda.fp8_linear import dequantize as fp8_dequantize
 from backends.cuda.fp8_linear import fp8_linear
 from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
+from backends.cuda.step_meta import StepMeta, decode_programs
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
 from ir.kv_groups import kv_layout
@@ -41,44 +40,12 @@ from kernels_src.dequant_gemv_i8 import I8_TARGETS
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
 from kernels_src.gguf_mmq import MIN_ROWS as MMQ_MIN_ROWS
 from kernels_src.gguf_mmq import MMQ_QTYPES, mmq
-from kernels_src.mla_decode import mla_decode, mla_tiles
+from kernels_src.mla_decode import mla_decode
 
 F = torch.nn.functional
 GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it the dequantizing GEMM (kernels_src/dequant_gemm.py)
 GEMM_MAX_ROWS = 256  # its limit: above it (prefill) weights are dequantized in chunks for a cuBLAS GEMM
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
-
-
-@dataclass
-class StepMeta:
-    """One step's batch on the device (the `core.batch` contract) and what the kernels' grids need from the host."""
-
-    positions: torch.Tensor  # [T] int32
-    slots: torch.Tensor  # [T] int64, negative: padding, nothing written
-    block_tables: torch.Tensor  # [B, M] int32
-    context_lens: torch.Tensor  # [B] int32
-    query_start: torch.Tensor  # [B + 1] int32
-    decode: bool  # every sequence adds one token: the split-K decode kernel
-    max_query_len: int
-    max_context: int  # fixes the decode kernel's grid (with Runner.max_partitions); longer contexts still work
-    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # (slots, block_tables) of KV groups 1.. (core.batch)
-    # (GQA group, row tile) -> paged_prefill's tile map: the prefill kernel on a grid fixed by the map's capacity (a
-    # whole-step CUDA graph's, backends.cuda.step_graphs); None: the grid from max_query_len
-    tile_maps: dict[tuple[int, int], torch.Tensor] | None = None
-
-    def kv_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots, block tables) of one KV group (core.kv_layout)."""
-        return (self.slots, self.block_tables) if group == 0 else self.groups[group - 1]
-
-
-def decode_programs(node: Node) -> int:
-    """Decode programs per (sequence, partition): one per KV head, or a latent layer's mla_decode head groups."""
-    latent = node.op == "latent_attention"
-    return -(-node.inputs[0].shape[1] // mla_tiles(1, 1)["BLOCK_H"]) if latent else node.inputs[1].shape[1]
-
-
-def partitions_for(max_context: int, partition: int) -> int:
-    return paged_attention.num_partitions(max_context, partition)
 
 
 class Runner:

@@ -26,8 +26,9 @@ import time
 import numpy as np
 
 from backends.cuda.graphs import try_capture, warm_and_capture
-from backends.cuda.runner import Runner, StepMeta
+from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
+from backends.cuda.step_meta import StepMeta
 from core.batch import Batch
 from ir.rope import long_after
 from kernels_src.paged_prefill import build_tile_map, row_tile, tile_capacity
