@@ -48,7 +48,7 @@ def decode_f16(c, cvt: bool = False):
     subnormals included. NaN codes: 480 * 2^-8 (testing for them costs two more ops an element; our encoders write
     them only for NaN inputs, whose scales the KV write makes NaN); NaN by the cvt."""
     if cvt:  # both exact, so results scaled by unit(cvt) agree bit for bit (power-of-two factors)
-        return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return convert(c, tl.float16)
     # The byte read as int8 and widened copies its sign into bits 8-31; shifted left by 7 its exponent and mantissa
     # sit at fp16's own places (bits 13-7) and the sign at bits 14 and 15: clearing bit 14 leaves the fp16 whose
     # exponent field is e4m3's, i.e. the value over 2^(15 - 7), and fp16's exponent 0 is subnormal too. On sm_90 the
@@ -60,7 +60,13 @@ def decode_f16(c, cvt: bool = False):
 
 def decode_f32(c, cvt: bool = False):
     """fp32 values of e4m3 byte tiles times unit(cvt)'s inverse (see decode_f16)."""
-    return decode_f16(c, cvt).to(tl.float32)
+    return convert(c, tl.float32) if cvt else decode_f16(c).to(tl.float32)
+
+
+def convert(c, dtype):
+    """e4m3 values of byte tiles as `dtype` (fp16, bf16 or fp32), exactly, by the FP8 type's conversion (NaN codes
+    NaN): straight to bf16 on sm_90 is one F2F an element after the e4m3x2 cvt, not fp16's two-step widening."""
+    return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
 
 
 def encode(x):

@@ -37,15 +37,15 @@ class CacheScales(NamedTuple):
     tok_stride: object
     head_stride: object
     fp8: bool = False
-    cvt: bool = False  # fp8: decode by the FP8 conversion (e4m3.decode_f16's cvt), not integer ops
+    cvt: bool = False  # fp8: decode by the FP8 conversion (e4m3.convert), not integer ops
 
 
 def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window, kv_block_stride, kv_tok_stride,
            kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales=None):
     """Online softmax of query rows qv [M, BLOCK_D] (cache index qi [M]) over cache indices [lo, hi): (m, den, acc).
     `scales`: None for float caches, else CacheScales: int8 tiles are dequantized in registers to q's dtype before
-    their dots; fp8 tiles are decoded (exactly, times 2^-8) and their per-token scales applied to the scores (keys)
-    and to the probabilities (values), one multiply a token instead of one an element."""
+    their dots; fp8 tiles are decoded (exactly, times 2^-8; whole with scales.cvt) and their per-token scales applied
+    to the scores (keys) and to the probabilities (values), one multiply a token instead of one an element."""
     n = tl.arange(0, BLOCK_N)
     rows = qv.shape[0]
     qk_scale = scale * LOG2E
@@ -64,10 +64,13 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
         if fp8:
             soff = blk * scales.block_stride + (toks % BS) * scales.tok_stride + kvh * scales.head_stride
             ks = tl.load(scales.k + soff, mask=valid, other=0.0)
-            vs = tl.load(scales.v + soff, mask=valid, other=0.0)
-            if not scales.cvt:
-                ks, vs = ks * e4m3.FP16_SHIFT, vs * e4m3.FP16_SHIFT
-            kt, vt = e4m3.decode_f16(kt, scales.cvt).to(qv.dtype), e4m3.decode_f16(vt, scales.cvt).to(qv.dtype)
+            # p * vs is rounded to q's dtype for the PV dot: times 2^8 it stays clear of fp16's subnormals either way
+            vs = tl.load(scales.v + soff, mask=valid, other=0.0) * e4m3.FP16_SHIFT
+            if scales.cvt:  # the values themselves, in q's dtype (bf16: 1,017 -> 980 SASS a decode step on sm_90)
+                kt, vt = e4m3.convert(kt, qv.dtype), e4m3.convert(vt, qv.dtype)
+            else:
+                ks = ks * e4m3.FP16_SHIFT
+                kt, vt = e4m3.decode_f16(kt).to(qv.dtype), e4m3.decode_f16(vt).to(qv.dtype)
         elif scales is not None:
             kt, vt = dequantize_tiles(kt, vt, scales, blk, toks % BS, kvh, d, dmask, valid, qv.dtype)
         s = tl.dot(qv, kt)
@@ -85,7 +88,10 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
     init = (tl.full([rows], NEG_BIG, tl.float32), tl.zeros([rows], tl.float32),
             tl.zeros([rows, d.shape[0]], tl.float32))
     n_iter = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
-    return tl.fori_loop(0, n_iter, body, init)
+    m, den, acc = tl.fori_loop(0, n_iter, body, init)
+    if scales is not None and scales.cvt:  # whole values times vs * 2^8: the 2^8 comes off once, after the loop
+        acc = acc * (1.0 / e4m3.FP16_SHIFT)
+    return m, den, acc
 
 
 def dequantize_tiles(kt, vt, scales, blk, tok, kvh, d, dmask, valid, dtype):

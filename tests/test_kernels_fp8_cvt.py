@@ -139,6 +139,24 @@ def test_fp8_cache_decode_and_prefill_by_cvt(target, rng, cvt_on):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_half_queries_by_cvt(target, rng, cvt_on):
+    """fp16 q: the tiles converted straight to q's dtype (the cvt) or decoded then converted, the same bits."""
+    ctx = np.array([13, 30], np.int32)
+    (kc, ks, vc, vs), tables = _fp8_cache(rng, ctx, 2, 32, 8)
+    q = rng.standard_normal((2, 4, 32)).astype(np.float16)
+    got = {}
+    for on in (True, False):
+        cvt_on(target, on)
+        out = dev(np.full(q.shape, np.nan, np.float16), target)
+        pa.paged_decode(dev(q, target), dev(kc, target), dev(vc, target), dev(tables, target), dev(ctx, target),
+                        0.25, out=out, partition=16, block_n=16, k_scales=dev(ks, target), v_scales=dev(vs, target),
+                        target=target)
+        got[on] = host(out)
+    np.testing.assert_array_equal(got[True].view(np.uint16), got[False].view(np.uint16))
+    assert np.isfinite(got[True]).all()
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_fp8_gemv_by_cvt(target, rng, cvt_on):
     codes, scales = gemv_weights(rng, 7, 160, 32)
     x = rng.standard_normal((3, 160)).astype(np.float32)
@@ -173,7 +191,7 @@ AOT = {  # Llama's layer (bf16, 8 KV heads of 128) as the bench runs it; fp8_gem
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="AOT builds need TRITON_INTERPRET unset")
 @pytest.mark.parametrize("name", list(AOT))
 def test_aot_sm90_cvt(name, tmp_path, monkeypatch):
-    """sm_90: the cvt in the PTX, fewer instructions a loop step than the integer decode (decode 1,241 -> 1,017,
+    """sm_90: the cvt in the PTX, fewer instructions a loop step than the integer decode (decode 1,241 -> 980,
     gemv 126 -> 81 on Triton 3.7), nothing spilled."""
     from kernels_src.dsl.triton_target import aot_compile
     from tools.sass_mix import loop_mix
