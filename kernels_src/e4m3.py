@@ -1,11 +1,15 @@
-"""The e4m3 (OCP FP8 "fn") codec in the kernel DSL, by integer and bit operations: the DSL has no FP8 type, and
-neither do pre-Hopper targets. The numpy reference is ir/formats/fp8_blocks.encode / decode (checked bit for bit
+"""The e4m3 (OCP FP8 "fn") codec in the kernel DSL: by integer and bit operations, which every target runs, or (decode,
+`cvt`) by the DSL's tl.float8e4nv conversion, which Triton lowers on sm_89+ to one cvt.rn.f16x2.e4m3x2 for two bytes
+(use_cvt says where kernels take it). The numpy reference is ir/formats/fp8_blocks.encode / decode (checked bit for bit
 against torch's float8_e4m3fn in tests/test_isq_quantizers.py).
 
 Byte c: sign bit 7, exponent bits 6-3 of bias 7, mantissa bits 2-0; exponent 0 is subnormal; 0x7F / 0xFF are NaN.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 from kernels_src.dsl import tl
 
@@ -16,10 +20,35 @@ ROUND_MAGIC = 8388608.0  # 2 ** 23: a float in [0, 8) added to it is rounded to 
 MAGIC_BITS = 0x4B000000  # add, and that integer sits in the sum's low mantissa bits
 
 
-def decode_f16(c):
-    """fp16 values of e4m3 byte tiles (any integer dtype holding 0-255) times 2^-8, exactly, subnormals included;
-    NaN codes read as 480 * 2^-8 (testing for them costs two more ops an element; our encoders write them only for
-    NaN inputs, whose scales the KV write makes NaN)."""
+# Targets whose kernels decode by the FP8 conversion (LLM_ENGINE_FP8_CVT=0: none, to time the integer path against it)
+CVT_TARGETS = ("triton",) if os.environ.get("LLM_ENGINE_FP8_CVT", "1") != "0" else ()
+
+
+def use_cvt(target: str) -> bool:
+    """Whether kernels built for `target` decode e4m3 by the FP8 type's conversion (decode_f16's `cvt`)."""
+    return target in CVT_TARGETS and (target != "triton" or _gpu_converts())
+
+
+@functools.cache
+def _gpu_converts() -> bool:
+    """False on a GPU below compute capability 8.9, which has no e4m3 conversion (Triton refuses the type there; the
+    fp8 KV cache runs on it by integer ops). No GPU: True (sm_90 AOT builds)."""
+    import torch
+
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 9)
+
+
+def unit(cvt: bool) -> float:
+    """What decode_f16(c, cvt)'s values are multiplied by to give e4m3 values (fold it into the scales)."""
+    return 1.0 if cvt else FP16_SHIFT
+
+
+def decode_f16(c, cvt: bool = False):
+    """fp16 values of e4m3 byte tiles (any integer dtype holding 0-255) times 2^-8 (cvt: times 1), exactly,
+    subnormals included. NaN codes: 480 * 2^-8 (testing for them costs two more ops an element; our encoders write
+    them only for NaN inputs, whose scales the KV write makes NaN); NaN by the cvt."""
+    if cvt:  # both exact, so results scaled by unit(cvt) agree bit for bit (power-of-two factors)
+        return convert(c, tl.float16)
     # The byte read as int8 and widened copies its sign into bits 8-31; shifted left by 7 its exponent and mantissa
     # sit at fp16's own places (bits 13-7) and the sign at bits 14 and 15: clearing bit 14 leaves the fp16 whose
     # exponent field is e4m3's, i.e. the value over 2^(15 - 7), and fp16's exponent 0 is subnormal too. On sm_90 the
@@ -29,9 +58,15 @@ def decode_f16(c):
     return ((s << 7) & 0xBF80).to(tl.int16).to(tl.float16, bitcast=True)
 
 
-def decode_f32(c):
-    """fp32 values of e4m3 byte tiles times 2^-8 (see decode_f16)."""
-    return decode_f16(c).to(tl.float32)
+def decode_f32(c, cvt: bool = False):
+    """fp32 values of e4m3 byte tiles times unit(cvt)'s inverse (see decode_f16)."""
+    return convert(c, tl.float32) if cvt else decode_f16(c).to(tl.float32)
+
+
+def convert(c, dtype):
+    """e4m3 values of byte tiles as `dtype` (fp16, bf16 or fp32), exactly, by the FP8 type's conversion (NaN codes
+    NaN): straight to bf16 on sm_90 is one F2F an element after the e4m3x2 cvt, not fp16's two-step widening."""
+    return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
 
 
 def encode(x):

@@ -3,14 +3,16 @@ scale per GROUP inputs of a row (f32 [N, K / GROUP]; ir/formats/fp8_blocks.py's 
 backend keeps them): DSL kernel, host launcher, numpy reference.
 
 Decode steps are bound by W's bytes, and e4m3 is one byte a weight, so the kernel has to decode at copy speed with
-no FP8 type (the DSL has none, and pre-Hopper targets neither):
+no FP8 type where the target has none (pre-Hopper GPUs, Metal, the CPU):
 - A program takes ROWS weight rows and walks K BLOCK_K bytes a step; a lane loads VEC = 16 bytes of a row, which lie
   in one group (groups are multiples of 16 inputs), so the lane's 16 products are summed first and multiplied by the
   group's scale once.
 - e4m3fn byte c (sign bit 7, exponent bits 6-3 of bias 7, mantissa bits 2-0) becomes the fp16 bits
   (c + (c & 0x80)) << 7: the sign carried from bit 14 to 15, exponent and mantissa at fp16's own places. fp16's
   exponent bias is 15, so that half is the e4m3 value times 2^-8 exactly, subnormals included (e4m3's exponent 0 is
-  fp16's too); the 2^8 is folded into the group's scale. Three integer ops and a conversion a weight.
+  fp16's too); the 2^8 is folded into the group's scale. Three integer ops and a conversion a weight. On Triton
+  (e4m3.use_cvt) FP8_CVT decodes by the DSL's FP8 type instead: one cvt.rn.f16x2.e4m3x2 for two weights on sm_90,
+  the same values bit for bit (no 2^8 to fold).
 - NaN codes (0x7F, 0xFF) decode as 480 (the pattern's value were it finite): checkpoints never hold them (quantizers
   clamp to +-448; fp8_blocks.encode refuses NaN), and testing for them would cost two more ops a weight.
 - Under PDL (dsl.use_pdl) each step's weight and scale loads are issued before waiting for x.
@@ -35,9 +37,9 @@ e4m3_as_f32 = e4m3.decode_f32  # a module global, so a test can plant a wrong de
 def fp8_gemv_kernel(codes, scales, x, y, n_rows, n_cols, c_stride, s_stride, x_stride, y_stride,
                     GROUP: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                    STAGES: tl.constexpr = 0):
+                    STAGES: tl.constexpr = 0, FP8_CVT: tl.constexpr = False):
     """EVEN_K: K is a multiple of BLOCK_K (no masks). PREFETCH, STAGES: gemv_loop.k_loop's (a step's raw tiles:
-    every row's code bytes and scales)."""
+    every row's code bytes and scales). FP8_CVT: decode by the FP8 conversion (e4m3.decode_f16's cvt)."""
     lanes = BLOCK_K // VEC
     pid = tl.program_id(0)
     rows = [pid * ROWS + i for i in range(ROWS)]
@@ -62,8 +64,8 @@ def fp8_gemv_kernel(codes, scales, x, y, n_rows, n_cols, c_stride, s_stride, x_s
         mask = masks(k0)[1]
         if PDL and not STAGES:
             tl.wait_prior_grid()
-        wv = [e4m3_as_f32(c) for c in raw[:ROWS]]
-        sv = [s * e4m3.FP16_SHIFT for s in raw[ROWS:]]
+        wv = [e4m3_as_f32(c, FP8_CVT) for c in raw[:ROWS]]
+        sv = raw[ROWS:] if FP8_CVT else [s * e4m3.FP16_SHIFT for s in raw[ROWS:]]
         out = list(accs)
         for m in range(M):
             xv = tl.load(x + m * x_stride + k0 + idx, mask=mask, other=0.0).to(tl.float32)
@@ -131,7 +133,8 @@ def fp8_gemv(x, codes, scales, *, out=None, rows: int | None = None, block_k: in
         raise ValueError(f"tiles {cfg}: BLOCK_K is a power of two of at least {VEC}, ROWS 1-16")
     pdl = use_pdl(target, pdl)
     kern = compile(fp8_gemv_kernel, target, num_warps=nw, launch_pdl=pdl, GROUP=group, M=m, PDL=pdl,
-                   EVEN_K=k % cfg["BLOCK_K"] == 0, PREFETCH=prefetch, STAGES=stages, **cfg)
+                   EVEN_K=k % cfg["BLOCK_K"] == 0, PREFETCH=prefetch, STAGES=stages, FP8_CVT=e4m3.use_cvt(target),
+                   **cfg)
     kern[(tl.cdiv(n, cfg["ROWS"]),)](codes, scales, x, out, n, k, elem_stride(codes, 0), elem_stride(scales, 0),
                                      elem_stride(x, 0), elem_stride(out, 0))
     return out

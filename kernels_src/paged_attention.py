@@ -37,14 +37,15 @@ class CacheScales(NamedTuple):
     tok_stride: object
     head_stride: object
     fp8: bool = False
+    cvt: bool = False  # fp8: decode by the FP8 conversion (e4m3.convert), not integer ops
 
 
 def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window, kv_block_stride, kv_tok_stride,
            kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales=None):
     """Online softmax of query rows qv [M, BLOCK_D] (cache index qi [M]) over cache indices [lo, hi): (m, den, acc).
     `scales`: None for float caches, else CacheScales: int8 tiles are dequantized in registers to q's dtype before
-    their dots; fp8 tiles are decoded (exactly, times 2^-8) and their per-token scales applied to the scores (keys)
-    and to the probabilities (values), one multiply a token instead of one an element."""
+    their dots; fp8 tiles are decoded (exactly, times 2^-8; whole with scales.cvt) and their per-token scales applied
+    to the scores (keys) and to the probabilities (values), one multiply a token instead of one an element."""
     n = tl.arange(0, BLOCK_N)
     rows = qv.shape[0]
     qk_scale = scale * LOG2E
@@ -62,9 +63,14 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
         fp8 = scales is not None and scales.fp8
         if fp8:
             soff = blk * scales.block_stride + (toks % BS) * scales.tok_stride + kvh * scales.head_stride
-            ks = tl.load(scales.k + soff, mask=valid, other=0.0) * e4m3.FP16_SHIFT
+            ks = tl.load(scales.k + soff, mask=valid, other=0.0)
+            # p * vs is rounded to q's dtype for the PV dot: times 2^8 it stays clear of fp16's subnormals either way
             vs = tl.load(scales.v + soff, mask=valid, other=0.0) * e4m3.FP16_SHIFT
-            kt, vt = e4m3.decode_f16(kt).to(qv.dtype), e4m3.decode_f16(vt).to(qv.dtype)
+            if scales.cvt:  # the values themselves, in q's dtype (bf16: 1,017 -> 980 SASS a decode step on sm_90)
+                kt, vt = e4m3.convert(kt, qv.dtype), e4m3.convert(vt, qv.dtype)
+            else:
+                ks = ks * e4m3.FP16_SHIFT
+                kt, vt = e4m3.decode_f16(kt).to(qv.dtype), e4m3.decode_f16(vt).to(qv.dtype)
         elif scales is not None:
             kt, vt = dequantize_tiles(kt, vt, scales, blk, toks % BS, kvh, d, dmask, valid, qv.dtype)
         s = tl.dot(qv, kt)
@@ -82,7 +88,10 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
     init = (tl.full([rows], NEG_BIG, tl.float32), tl.zeros([rows], tl.float32),
             tl.zeros([rows, d.shape[0]], tl.float32))
     n_iter = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
-    return tl.fori_loop(0, n_iter, body, init)
+    m, den, acc = tl.fori_loop(0, n_iter, body, init)
+    if scales is not None and scales.cvt:  # whole values times vs * 2^8: the 2^8 comes off once, after the loop
+        acc = acc * (1.0 / e4m3.FP16_SHIFT)
+    return m, den, acc
 
 
 def dequantize_tiles(kt, vt, scales, blk, tok, kvh, d, dmask, valid, dtype):
@@ -142,10 +151,11 @@ def paged_decode_fp8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_table
                             sc_block_stride, sc_tok_stride, sc_head_stride, GROUP: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
-                            SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
-    """paged_decode_kernel over an fp8 cache (kv_fp8's layout): e4m3 decoded in registers, scaled per token."""
+                            SOFTCAP: tl.constexpr, PDL: tl.constexpr = False, FP8_CVT: tl.constexpr = False):
+    """paged_decode_kernel over an fp8 cache (kv_fp8's layout): e4m3 decoded in registers (FP8_CVT: by the FP8
+    conversion), scaled per token."""
     decode_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
-                                                    sc_head_stride, fp8=True),
+                                                    sc_head_stride, fp8=True, cvt=FP8_CVT),
                    block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
                    q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL)
@@ -245,14 +255,17 @@ def cache_strides(k_cache) -> tuple[int, int, int]:
     return elem_stride(k_cache, 0), elem_stride(k_cache, 1), elem_stride(k_cache, 2)
 
 
-def quant_args(k_cache, v_cache, k_scales, v_scales, float_kernel, int8_kernel, fp8_kernel) -> tuple:
-    """(cache arguments, kernel, scale strides) for float caches (no scales), int8 ones (int8 codes) or fp8 ones
-    (uint8 e4m3 codes) with their scales."""
+def quant_args(k_cache, v_cache, k_scales, v_scales, float_kernel, int8_kernel, fp8_kernel, target: str) -> tuple:
+    """(cache arguments, kernel, scale strides, extra constexprs) for float caches (no scales), int8 ones (int8
+    codes) or fp8 ones (uint8 e4m3 codes: FP8_CVT where the target decodes by the FP8 conversion) with their
+    scales."""
     if k_scales is None and v_scales is None:
-        return (k_cache, v_cache), float_kernel, ()
-    layout, kernel = (kv_fp8, fp8_kernel) if str(k_cache.dtype).endswith("uint8") else (kv_int8, int8_kernel)
+        return (k_cache, v_cache), float_kernel, (), {}
+    fp8 = str(k_cache.dtype).endswith("uint8")
+    layout, kernel = (kv_fp8, fp8_kernel) if fp8 else (kv_int8, int8_kernel)
     layout.check_scales(k_cache, v_cache, k_scales, v_scales)
-    return (k_cache, v_cache, k_scales, v_scales), kernel, layout.scale_strides(k_scales)
+    extra = {"FP8_CVT": True} if fp8 and e4m3.use_cvt(target) else {}
+    return (k_cache, v_cache, k_scales, v_scales), kernel, layout.scale_strides(k_scales), extra
 
 
 def num_partitions(max_context: int, partition: int) -> int:
@@ -305,9 +318,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
                   BLOCK_D=max(16, tl.next_power_of_2(d)), BLOCK_N=block_n, BS=bs, PARTITION=partition,
                   SPLIT=split, SOFTCAP=bool(softcap))
     pdl = use_pdl(target, pdl)
-    caches, fn, sc_strides = quant_args(k_cache, v_cache, k_scales, v_scales, paged_decode_kernel,
-                                        paged_decode_int8_kernel, paged_decode_fp8_kernel)
-    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
+    caches, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, paged_decode_kernel,
+                                               paged_decode_int8_kernel, paged_decode_fp8_kernel, target)
+    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts, **extra)
     kern[n_seq, k_cache.shape[2], n_parts](
         q, *caches, block_tables, context_lens, out, m, den, acc, float(scale), float(softcap or 0.0),
         int(sliding_window or NO_WINDOW), n_parts, elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),

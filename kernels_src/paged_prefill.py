@@ -61,10 +61,11 @@ def paged_prefill_fp8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tabl
                              kv_block_stride, kv_tok_stride, kv_head_stride, sc_block_stride, sc_tok_stride,
                              sc_head_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-                             SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
-    """paged_prefill_kernel over an fp8 cache (kv_fp8's layout): e4m3 decoded in registers, scaled per token."""
+                             SOFTCAP: tl.constexpr, PDL: tl.constexpr = False, FP8_CVT: tl.constexpr = False):
+    """paged_prefill_kernel over an fp8 cache (kv_fp8's layout): e4m3 decoded in registers (FP8_CVT: by the FP8
+    conversion), scaled per token."""
     prefill_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
-                                                     sc_head_stride, fp8=True),
+                                                     sc_head_stride, fp8=True, cvt=FP8_CVT),
                     block_tables, context_lens, query_start, out, scale, softcap, window, q_stride, q_head_stride,
                     out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride, GROUP,
                     HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL)
@@ -166,11 +167,11 @@ def paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start, 
     if 0 in grid:
         return out
     pdl = use_pdl(target, pdl)
-    caches, fn, sc_strides = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels)
+    caches, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
     if fn is None:
         raise ValueError("paged_prefill: no tile-mapped kernel for an fp8 cache (whole-step graphs leave such steps "
                          "to the pieces)")
-    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts)
+    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts, **extra)
     kern[grid](
         q, *caches, block_tables, context_lens, query_start, *maps, out, float(scale), float(softcap or 0.0),
         int(sliding_window or NO_WINDOW), elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),

@@ -90,12 +90,12 @@ def test_gemv_tiles_across_groups(target, tiles, rng):
 _decode = fg.e4m3_as_f32
 
 
-def _wrong_bias(c):
-    return _decode(c) * 0.5  # exponent bias 8
+def _wrong_bias(c, cvt=False):
+    return _decode(c, cvt) * 0.5  # exponent bias 8
 
 
-def _no_sign(c):
-    return _decode(c & 0x7F)
+def _no_sign(c, cvt=False):
+    return _decode(c & 0x7F, cvt)
 
 
 PLANTED = {

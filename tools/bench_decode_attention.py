@@ -98,6 +98,13 @@ def fp8() -> bool:
     return os.environ.get(KV_ENV) == "fp8"
 
 
+def fp8_label() -> str:
+    """The fp8 cache and how its kernel decodes e4m3 (LLM_ENGINE_FP8_CVT=0: integer ops)."""
+    from kernels_src import e4m3
+
+    return f"fp8 (e4m3 by {'the cvt' if e4m3.use_cvt('triton') else 'integer ops'})"
+
+
 def kv_bytes(batch: int, context: int) -> int:
     """K and V read once: bf16, or (fp8) a byte an element and an fp32 scale a token and head."""
     return 2 * batch * context * KV_HEADS * (HEAD_DIM + 4 if fp8() else HEAD_DIM * 2)
@@ -258,7 +265,7 @@ def main() -> None:
     bw = copy_gbps(torch, 2**30) * 1e9
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     print(f"{os.environ.get(SHAPE_ENV, 'llama3-8b')} layer ({Q_HEADS} q heads, {KV_HEADS} KV heads of {HEAD_DIM}, "
-          f"{'fp8' if fp8() else 'bf16'} cache); copy {bw / 1e9:,.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB; "
+          f"{fp8_label() if fp8() else 'bf16'} cache); copy {bw / 1e9:,.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB; "
           f"{'hot' if args.hot else 'cold'} caches", flush=True)
     rows, skipped = [], 0
     for (batch, context), runs_at in plans.items():

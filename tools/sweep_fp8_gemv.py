@@ -48,13 +48,15 @@ def check(torch, d, x, codes, scales, s: dict) -> str | None:
 
 def sweep(torch, shapes: dict, batches, group: int, quick: bool) -> dict:
     """Time every setting of each (shape, M); print rows as they come and return the TUNED entries."""
+    from kernels_src import e4m3
     from kernels_src.fp8_gemv import fp8_gemv
     from tools.bench_kernels import copy_gbps, time_calls
     from tools.kernel_case_base import Dev
     from tools.kernel_cases_fp8 import fp8_weights
 
     copy = copy_gbps(torch, 2**30)
-    print(f"copy {copy:.0f} GB/s; {torch.cuda.get_device_name()}", flush=True)
+    cvt = "the cvt" if e4m3.use_cvt(TARGET) else "integer ops (LLM_ENGINE_FP8_CVT=0)"
+    print(f"copy {copy:.0f} GB/s; {torch.cuda.get_device_name()}; e4m3 decoded by {cvt}", flush=True)
     print(f"{'shape':8} {'N x K':>12} {'M':>2} {'rows':>4} {'block_k':>7} {'warps':>5} {'pf':>2} {'st':>2} {'us':>8} "
           f"{'GB/s':>6} {'%copy':>5}  check", flush=True)
     table = {}

@@ -214,6 +214,10 @@ def _convert(x, src: DType, dst: DType, bitcast: bool):
         if dst.name == "bf16":
             return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         return x.view(dst.np)
+    if src.name == "fp8e4nv":  # held as its bytes; e4m3 values are exact in every float type it converts to
+        from ir.formats.fp8_blocks import E4M3  # the format's table: 0x7F / 0xFF are NaN, as the hardware's cvt
+
+        return E4M3[np.asarray(x, np.uint8)].astype(dst.np)
     if dst.kind == "b":
         return np.asarray(x) != 0
     if dst.is_int and src.is_float:  # truncation toward zero, as C and Triton; NaN and overflow undefined

@@ -32,7 +32,7 @@ class DType:
 
     @property
     def np(self) -> np.dtype:
-        """The numpy dtype the interpreter computes in (bf16 is held as fp32, rounded)."""
+        """The numpy dtype the interpreter computes in (bf16 is held as fp32, rounded; fp8e4nv as its bytes)."""
         return np.dtype(_NP_NAMES[self.name])
 
 
@@ -50,16 +50,21 @@ class PtrType:
 
 _TABLE = [("i1", "b", 1), ("i8", "i", 8), ("i16", "i", 16), ("i32", "i", 32), ("i64", "i", 64),
           ("u8", "u", 8), ("u16", "u", 16), ("u32", "u", 32), ("u64", "u", 64),
-          ("fp16", "f", 16), ("bf16", "f", 16), ("fp32", "f", 32), ("fp64", "f", 64)]
+          ("fp16", "f", 16), ("bf16", "f", 16), ("fp32", "f", 32), ("fp64", "f", 64), ("fp8e4nv", "f", 8)]
 DTYPES: dict[str, DType] = {n: DType(n, k, b) for n, k, b in _TABLE}
 _NP_NAMES = {"i1": "bool", "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8",
              "u16": "uint16", "u32": "uint32", "u64": "uint64", "fp16": "float16", "bf16": "float32",
-             "fp32": "float32", "fp64": "float64"}
+             "fp32": "float32", "fp64": "float64", "fp8e4nv": "uint8"}
 # numpy / torch / mlx dtype names (the part after the last dot) to ours
-FOREIGN_NAMES = {v: DTYPES[k] for k, v in _NP_NAMES.items() if k != "bf16"} | {
+FOREIGN_NAMES = {v: DTYPES[k] for k, v in _NP_NAMES.items() if k not in ("bf16", "fp8e4nv")} | {
     "bfloat16": DTYPES["bf16"], "half": DTYPES["fp16"], "float": DTYPES["fp32"], "double": DTYPES["fp64"],
     "int": DTYPES["i32"], "long": DTYPES["i64"]}
 bool_, fp16, bf16, fp32, i32, i64 = (DTYPES[n] for n in ("i1", "fp16", "bf16", "fp32", "i32", "i64"))
+# fp8e4nv: OCP FP8 e4m3 ("fn": no infinities, 0x7F / 0xFF NaN). A tile of it exists only between a bitcast from 8-bit
+# integers and a conversion to fp16 / bf16 / fp32 (tile.py refuses the rest): on sm_89+ Triton converts two bytes in
+# one instruction (cvt.rn.f16x2.e4m3x2); targets without FP8 refuse it (fp8_free).
+fp8e4nv = DTYPES["fp8e4nv"]
+FP8_WIDENS_TO = frozenset({"fp16", "bf16", "fp32"})
 
 
 def dtype_of(x) -> DType:
@@ -184,3 +189,12 @@ class KernelIR:
             yield op
             if op.body is not None:
                 yield from self.walk(op.body)
+
+
+def fp8_free(k: KernelIR, target: str) -> None:
+    """ValueError when kernel `k` holds fp8e4nv values: `target` has no FP8 type (decode e4m3 bytes with integer ops,
+    kernels_src/e4m3.py, there)."""
+    for op in k.walk():
+        if any(v.dtype == fp8e4nv for v in (*op.args, *op.results)):
+            raise ValueError(f"kernel {k.name}: target {target!r} has no FP8 type (op {op.opcode} on fp8e4nv); decode "
+                             "e4m3 bytes with kernels_src.e4m3's integer path on it")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .interpreter import run
-from .ir import KernelIR, dtype_of
+from .ir import KernelIR, dtype_of, fp8_free
 from .printer import format_kernel
 from .tracer import split_params, trace
 from .triton_target import direct_key, direct_launcher  # triton itself is imported only when a kernel is built
@@ -104,6 +104,7 @@ class Kernel:
         if self.target == "numpy":
             return format_kernel(k)
         if self.target in TARGET_HOOKS:
+            fp8_free(k, self.target)  # the SIMT targets (C, CUDA C, Metal) have no FP8 type
             return TARGET_HOOKS[self.target][0](k, self.num_warps)
         from .triton_target import TritonRenderer
 

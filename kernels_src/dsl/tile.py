@@ -11,6 +11,9 @@ from .tracer import TraceError, current
 int1, int8, int16, int32, int64 = (DTYPES[n] for n in ("i1", "i8", "i16", "i32", "i64"))
 uint8, uint16, uint32, uint64 = (DTYPES[n] for n in ("u8", "u16", "u32", "u64"))
 float16, bfloat16, float32, float64 = (DTYPES[n] for n in ("fp16", "bf16", "fp32", "fp64"))
+float8e4nv = DTYPES["fp8e4nv"]  # Triton's name for OCP e4m3fn (see ir.fp8e4nv)
+# what an fp8e4nv tile may go through: its bitcast in, its conversion out, and moves of its registers
+_FP8_OPS = frozenset({"cast", "bitcast", "expand_dims", "broadcast", "reshape", "trans"})
 
 
 class constexpr:
@@ -102,6 +105,8 @@ class Tile:
 # --- helpers -------------------------------------------------------------------------------------------------
 
 def _op(opcode: str, args, type: TileType, **attrs) -> Tile:
+    if opcode not in _FP8_OPS and any(a.dtype == float8e4nv for a in args):
+        raise TraceError(f"{opcode} on an fp8e4nv tile: fp8 tiles only convert to fp16, bf16 or fp32 first")
     return Tile(current().emit(opcode, [a.v for a in args], attrs, [type]).result)
 
 
@@ -145,6 +150,10 @@ def _promote(a: DType, b: DType) -> DType:
 def _cast(t: Tile, dtype: DType) -> Tile:
     if isinstance(t.dtype, PtrType):
         raise TraceError(f"cannot convert pointer {t.type} to {dtype}")
+    if t.dtype != dtype and float8e4nv in (t.dtype, dtype) and (
+            dtype == float8e4nv or dtype.name not in ir.FP8_WIDENS_TO):
+        raise TraceError(f"cannot convert {t.dtype} to {dtype}: fp8e4nv tiles come from bitcasts of 8-bit integers "
+                         "(kernels_src/e4m3.py encodes) and convert to fp16, bf16 or fp32")
     return t if t.dtype == dtype else _op("cast", [t], TileType(dtype, t.shape), to=dtype)
 
 

@@ -24,6 +24,7 @@ from .tile import (  # noqa: F401  (re-exported names of the language)
     bfloat16,
     constexpr,
     expand_dims,
+    float8e4nv,
     float16,
     float32,
     float64,

@@ -64,7 +64,8 @@ class TritonRenderer(Renderer):
     target = "triton"
     dtype_names = {"i1": "tl.int1", "i8": "tl.int8", "i16": "tl.int16", "i32": "tl.int32", "i64": "tl.int64",
                    "u8": "tl.uint8", "u16": "tl.uint16", "u32": "tl.uint32", "u64": "tl.uint64",
-                   "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
+                   "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64",
+                   "fp8e4nv": "tl.float8e4nv"}
     infix = Renderer.infix | {"idiv": "//", "mod": "%", "ptr_add": "+"}
 
     def __init__(self, interpret: bool = False):
