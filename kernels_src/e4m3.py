@@ -20,8 +20,9 @@ ROUND_MAGIC = 8388608.0  # 2 ** 23: a float in [0, 8) added to it is rounded to 
 MAGIC_BITS = 0x4B000000  # add, and that integer sits in the sum's low mantissa bits
 
 
-# Targets whose kernels decode by the FP8 conversion (LLM_ENGINE_FP8_CVT=0: none, to time the integer path against it)
-CVT_TARGETS = ("triton",) if os.environ.get("LLM_ENGINE_FP8_CVT", "1") != "0" else ()
+# Targets whose kernels decode by the FP8 conversion: none by default until an H200 times it against the integer path
+# (sm_90 builds: 21-36% fewer instructions a step, outputs bit-identical); LLM_ENGINE_FP8_CVT=1: Triton's.
+CVT_TARGETS = ("triton",) if os.environ.get("LLM_ENGINE_FP8_CVT", "0") == "1" else ()
 
 
 def use_cvt(target: str) -> bool:
