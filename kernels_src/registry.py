@@ -23,6 +23,7 @@ from kernels_src import (
     dequant_gemv,
     dequant_gemv_i8,
     dequantize,
+    e4m3,
     fp8_gemv,
     gemv_loop,
     gguf_mmq,
@@ -463,7 +464,8 @@ _tiles = fp8_gemv.default_tiles(4096, 1)
 _tiles.pop("num_warps")
 register(KernelEntry(
     "fp8_gemv", fp8_gemv.fp8_gemv_kernel,
-    dict(GROUP=128, M=1, EVEN_K=True, PDL=True, PREFETCH=gemv_loop.PREFETCH, STAGES=gemv_loop.STAGES, **_tiles),
+    dict(GROUP=128, M=1, EVEN_K=True, PDL=True, PREFETCH=gemv_loop.PREFETCH, STAGES=gemv_loop.STAGES,
+         FP8_CVT=e4m3.use_cvt("triton"), **_tiles),
     _ptrs(BF16, "x", "y", codes="*u8", scales="*fp32"), dict(m=1, n=14336, k=4096, group=128, dtype=BF16),
     lambda m, n, k, group, dtype: n * k + n * k // group * 4 + (m * k + m * n) * ITEMSIZE[dtype],
     flops=lambda m, n, k, **_: 2 * m * n * k, launcher=fp8_gemv.fp8_gemv,
