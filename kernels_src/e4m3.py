@@ -39,16 +39,11 @@ def _gpu_converts() -> bool:
     return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 9)
 
 
-def unit(cvt: bool) -> float:
-    """What decode_f16(c, cvt)'s values are multiplied by to give e4m3 values (fold it into the scales)."""
-    return 1.0 if cvt else FP16_SHIFT
-
-
 def decode_f16(c, cvt: bool = False):
     """fp16 values of e4m3 byte tiles (any integer dtype holding 0-255) times 2^-8 (cvt: times 1), exactly,
     subnormals included. NaN codes: 480 * 2^-8 (testing for them costs two more ops an element; our encoders write
     them only for NaN inputs, whose scales the KV write makes NaN); NaN by the cvt."""
-    if cvt:  # both exact, so results scaled by unit(cvt) agree bit for bit (power-of-two factors)
+    if cvt:  # both exact, so results scaled by 1 and by FP16_SHIFT agree bit for bit (power-of-two factors)
         return convert(c, tl.float16)
     # The byte read as int8 and widened copies its sign into bits 8-31; shifted left by 7 its exponent and mantissa
     # sit at fp16's own places (bits 13-7) and the sign at bits 14 and 15: clearing bit 14 leaves the fp16 whose
@@ -60,7 +55,7 @@ def decode_f16(c, cvt: bool = False):
 
 
 def decode_f32(c, cvt: bool = False):
-    """fp32 values of e4m3 byte tiles times unit(cvt)'s inverse (see decode_f16)."""
+    """fp32 values of e4m3 byte tiles, times 2^-8 unless cvt (see decode_f16)."""
     return convert(c, tl.float32) if cvt else decode_f16(c).to(tl.float32)
 
 
