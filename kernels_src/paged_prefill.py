@@ -204,6 +204,11 @@ def prefill_tiles(group: int, block_d: int, block_m: int = 64, block_n: int = 64
 MAPPED_KERNELS = (paged_prefill_mapped_kernel, paged_prefill_mapped_int8_kernel)
 
 
+def tile_key(q_heads: int, kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(GQA group, row tile): which tile map a layer of these heads reads (one per key in a whole-step graph)."""
+    return q_heads // kv_heads, row_tile(q_heads, kv_heads, head_dim)
+
+
 def row_tile(q_heads: int, kv_heads: int, head_dim: int) -> int:
     """BLOCK_M that paged_prefill takes (at its default tiles) for these heads: the unit of a tile map's rows."""
     return prefill_tiles(q_heads // kv_heads, max(16, tl.next_power_of_2(head_dim)))[0]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -36,9 +37,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 MAX_GRAPH_BATCH = 512  # larger decode batches run eagerly: launch costs matter little there
 
 
-def try_capture(failed: dict, key: tuple, capture: Callable[[tuple], None], what: str) -> bool:
+def try_capture(failed: dict, key, capture: Callable[[Any], None], what: str) -> bool:
     """capture(key), unless it failed before; a failure is kept in `failed` and logged once, `what` saying which
-    steps the key names and how they run instead (a format for the key's values)."""
+    steps the key (a value or a tuple of them) names and how they run instead (a format for the key)."""
     if key in failed:
         return False
     try:

@@ -27,6 +27,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from backends.cuda.graphs import try_capture
 from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
 from backends.cuda.step_meta import StepMeta
@@ -50,11 +51,19 @@ class Plan:
     tail_reads: set[int] = field(default_factory=set)  # value ids the eager tail reads from the pieces
 
 
+def reads_metadata(graph: Graph) -> str | None:
+    """Why `graph`'s steps read per-sequence metadata outside attention (so no CUDA graph may hold those ops: the
+    pieces' and the whole-step graphs' shared refusal), or None."""
+    if any(long_after(s) is not None for s in graph.rope_specs()):
+        return "its rope switches tables on the sequence's length (longrope), which reads the step's metadata"
+    return None
+
+
 def plan(graph: Graph) -> Plan | str:
     """The pieces of `graph`, or why it has none."""
-    longrope = [s for s in graph.rope_specs() if long_after(s) is not None]
-    if longrope:
-        return "its rope switches tables on the sequence's length (longrope), which reads the step's metadata"
+    why = reads_metadata(graph)
+    if why:
+        return why
     logits_ids = {graph.inputs["logits_indices"].id} if "logits_indices" in graph.inputs else set()
     steps: list[tuple[str, list[Node]]] = []
     tail: list[Node] = []
@@ -133,16 +142,10 @@ class PiecewiseGraphs:
                      (torch.cuda.memory_reserved(dev) - mem0) / 2**20)
 
     def _try_capture(self, b: int) -> bool:
-        if b in self.failed:
-            return False
-        try:
+        def capture(b: int) -> None:
             self.captured[b] = self._capture(b)
-            return True
-        except Exception as e:  # noqa: BLE001  (any capture error: those steps still run eagerly)
-            self.failed[b] = f"{type(e).__name__}: {e}"
-            log.warning("piecewise CUDA graph capture for %d-token steps failed; they run eagerly: %s", b,
-                        self.failed[b])
-            return False
+
+        return try_capture(self.failed, b, capture, "piecewise %d-token steps (they run eagerly)")
 
     def _capture(self, b: int) -> _Bucket:
         r, dev = self.runner, self.runner.device

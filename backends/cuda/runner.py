@@ -257,9 +257,7 @@ class Runner:
                                                 max_parts=self.max_partitions(rows), block_n=block_n,
                                                 num_warps=num_warps, **kw)
         if meta.tile_maps is not None:
-            kv_heads = kc.shape[2]
-            kw["tile_map"] = meta.tile_maps[(q.shape[1] // kv_heads, paged_prefill.row_tile(q.shape[1], kv_heads,
-                                                                                            q.shape[2]))]
+            kw["tile_map"] = meta.tile_maps[paged_prefill.tile_key(q.shape[1], kc.shape[2], q.shape[2])]
         return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],
                                            max_query_len=meta.max_query_len, **kw)
 

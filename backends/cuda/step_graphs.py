@@ -26,12 +26,12 @@ import time
 import numpy as np
 
 from backends.cuda.graphs import try_capture, warm_and_capture
+from backends.cuda.piecewise import reads_metadata
 from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
 from backends.cuda.step_meta import StepMeta
 from core.batch import Batch
-from ir.rope import long_after
-from kernels_src.paged_prefill import build_tile_map, row_tile, tile_capacity
+from kernels_src.paged_prefill import build_tile_map, tile_capacity, tile_key
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +67,19 @@ class StepKeys:
 
 
 def tile_keys(runner: Runner) -> set[tuple[int, int]]:
-    """(GQA group, row tile) of every attention layer: one tile map each (Runner._attend picks it the same way)."""
+    """(GQA group, row tile) of every attention layer: one tile map each (Runner._attend reads it by tile_key too)."""
     keys = set()
     for node in runner.graph.attention_nodes():
         kv_heads = runner.kv[node.attrs["layer"]][0].shape[2]
-        heads, dim = int(node.inputs[0].shape[1]), int(node.inputs[0].shape[2])
-        keys.add((heads // kv_heads, row_tile(heads, kv_heads, dim)))
+        keys.add(tile_key(int(node.inputs[0].shape[1]), kv_heads, int(node.inputs[0].shape[2])))
     return keys
 
 
 def unavailable(runner: Runner) -> str | None:
     """Why no step can be one graph, or None."""
-    if any(long_after(s) is not None for s in runner.graph.rope_specs()):
-        return "its rope switches tables on the sequence's length (longrope), which reads the step's metadata"
+    why = reads_metadata(runner.graph)
+    if why:
+        return why
     if not runner.graph.attention_nodes():
         return "it has no attention over a KV cache"
     return None
