@@ -185,7 +185,7 @@ def _time(cases, problems: dict, bench, budget: float, t0: float, quick: bool) -
 
 def _report(cases, gbps: float) -> dict:
     """Print a row per case; the best settings by (N, K, M, prologue)."""
-    from kernels_src.registry import dense_gemv_bytes
+    from kernels_src.registry_linear import dense_gemv_bytes
 
     nan = float("nan")
     pct = lambda us, c: 100 * dense_gemv_bytes(c.m, c.n, c.k, "none", "bfloat16") / us / 1e3 / gbps
