@@ -172,7 +172,7 @@ def test_fp8_gemv_by_cvt(target, rng, cvt_on):
 
 
 def test_the_flag_picks_triton_only():
-    assert e4m3.use_cvt("triton") == (os.environ.get("LLM_ENGINE_FP8_CVT", "0") == "1")
+    assert e4m3.use_cvt("triton") == (os.environ.get("LLM_ENGINE_FP8_CVT", "1") != "0")  # on unless set to 0
     assert not any(map(e4m3.use_cvt, ("numpy", "triton-interpret", "simt-cpu", "cuda", "metal")))
 
 
