@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MODEL = "SmolLM2-135M-Instruct"  # the default model's served name
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -92,3 +96,30 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log_file.close()
+
+
+def post(server, path: str, body: bytes | str | dict, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
+    req = urllib.request.Request(server.base + path, data=data, headers={"Content-Type": "application/json",
+                                                                         **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def assert_error_body(body: dict, param: str | None = None) -> str:
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, body
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, body
+    return err["message"]
+
+
+def readme_blocks(lang: str, needle: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    blocks = text.split(f"```{lang}\n")[1:]
+    return next(b.split("```")[0] for b in blocks if needle in b)

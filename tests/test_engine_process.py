@@ -16,8 +16,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.serving import ServerProcess
-from tests.test_server import FRANCE, MODEL
+from tests.serving import FRANCE, MODEL, ServerProcess
 
 LONG = dict(model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=1.0, extra_body={"ignore_eos": True})
 

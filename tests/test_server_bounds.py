@@ -10,8 +10,7 @@ import time
 import openai
 import pytest
 
-from tests.serving import ServerProcess
-from tests.test_server import FRANCE, MODEL, assert_error_body, post
+from tests.serving import FRANCE, MODEL, ServerProcess, assert_error_body, post
 
 LIMITS = {"--max-request-bytes": 65536, "--max-stop": 4, "--max-stop-chars": 32, "--max-n": 4, "--max-prompts": 3,
           "--max-request-seqs": 6, "--max-logit-bias": 4, "--max-messages": 5, "--max-prompt-chars": 2000,

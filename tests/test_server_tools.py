@@ -5,22 +5,22 @@ no tools, takes them too: tests/test_server.py."""
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import openai
 import pytest
 
-from tests.serving import ServerProcess
+from tests.serving import ServerProcess, post
 from tests.tiny_hf import save_tiny_chat_qwen3
 from tests.tool_templates import QWEN_TOOLS, TOOL_HISTORY, WEATHER_TOOL
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def post(server, path: str, body: dict) -> dict:
-    req = urllib.request.Request(server.base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+def ok(server, path: str, body: dict) -> dict:
+    """The JSON body of a POST that must succeed."""
+    status, got = post(server, path, body)
+    assert status == 200, got
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,8 @@ def client(tiny):
 
 def plain_text(server, messages: list[dict], max_tokens: int, **kw) -> str:
     """The same prompt's greedy output through /v1/completions, where nothing is parsed: the reference."""
-    ids = post(server, "/tokenize", {"messages": messages, **kw})["tokens"]
-    return post(server, "/v1/completions", {"prompt": ids, "max_tokens": max_tokens, "temperature": 0})["choices"][0][
+    ids = ok(server, "/tokenize", {"messages": messages, **kw})["tokens"]
+    return ok(server, "/v1/completions", {"prompt": ids, "max_tokens": max_tokens, "temperature": 0})["choices"][0][
         "text"]
 
 
@@ -92,8 +92,8 @@ def test_tools_and_tool_history_reach_the_template(tiny, client):
             c["function"]["arguments"] = json.loads(c["function"]["arguments"])
     # text, not ids: transformers 5 splits this tokenizer.json's newlines otherwise than the tokenizers library does
     want = ref.apply_chat_template(history, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
-    got = post(tiny, "/tokenize", {"messages": TOOL_HISTORY, "tools": [WEATHER_TOOL]})["tokens"]
-    assert post(tiny, "/detokenize", {"tokens": got})["prompt"] == want
+    got = ok(tiny, "/tokenize", {"messages": TOOL_HISTORY, "tools": [WEATHER_TOOL]})["tokens"]
+    assert ok(tiny, "/detokenize", {"tokens": got})["prompt"] == want
     assert '"arguments": {"city": "Rome"}' in want and '"name": "get_weather"' in want
     r = client.chat.completions.create(model=None, messages=TOOL_HISTORY, tools=[WEATHER_TOOL], max_tokens=4,
                                        tool_choice="auto", n=2, temperature=1, seed=3)

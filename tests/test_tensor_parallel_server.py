@@ -19,8 +19,7 @@ import pytest
 from test_engine_process import health
 from tiny_hf import save_tiny_chat_qwen3
 
-from tests.serving import ServerProcess
-from tests.test_server import readme_blocks
+from tests.serving import ServerProcess, readme_blocks
 
 TWO_RANKS = {
     "cuda": pytest.param(("--d", "0,1", "--cpu-tensors"), id="cuda", marks=pytest.mark.skipif(
