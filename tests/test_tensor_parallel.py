@@ -1,7 +1,8 @@
 """Tensor parallel over processes on CPU tensors: rank 0 here, ranks 1.. spawned (backends.cuda.tensor_parallel),
-gloo between them, the DSL's kernels on Triton's interpreter. Tiny llama, qwen3 and windowed mistral models give
-the greedy tokens of one process and first-step logits within 1e-5 of max|logit| (fp32). A worker killed in the
-middle of a request: test_tensor_parallel_server."""
+gloo between them, the DSL's kernels on Triton's interpreter. Tiny llama, qwen3, windowed mistral and qwen2_moe
+(routed experts split inside each expert, a gated shared expert, a dense layer) models over 2 processes, and llama
+over 4 (KV heads replicated), give the greedy tokens of one process and first-step logits within 1e-5 of
+max|logit| (fp32). A worker killed in the middle of a request: test_tensor_parallel_server."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def start(model, world: int):
     return tensor_parallel.start(model, ["cpu"] * world, dtype="f32", progress=False)
 
 
-# 4 ranks (KV heads replicated) are test_sharding's, on the interpreter: 4 processes here took 15 s of CI's time.
-@pytest.mark.parametrize("case, world", [("llama3_rope", 2), ("qwen3", 2), ("mistral_window", 2)])
+@pytest.mark.parametrize("case, world", [("llama3_rope", 2), ("qwen3", 2), ("mistral_window", 2), ("qwen2_moe", 2),
+                                         ("llama3_rope", 4)])
 def test_processes_match_one(case, world, saved):  # noqa: F811
     """Against the one-process reference (test_cuda_backend holds one process of this backend to it within 1e-4;
     here the ranks' backends, on the same kernels, are held to 1e-5)."""
@@ -44,6 +45,8 @@ def test_processes_match_one(case, world, saved):  # noqa: F811
     backend = start(model, world)
     try:
         assert backend.kv_layout().shapes[0].heads == max(1, 2 // world)  # the rank's share of the KV heads
+        if case == "qwen2_moe":  # every rank holds all 8 experts, each its share of the 32 rows
+            assert backend.rank_graph.params["layers.1.exp_gate"].shape == (8, 32 // world, 64)
         tp_tokens, tp_first = greedy(backend, model, prompts, new)
     finally:
         backend.workers.close()
