@@ -7,6 +7,8 @@ max|logit| (fp32). A worker killed in the middle of a request: test_tensor_paral
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from tiny_hf import assert_close
 
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
+from ir.sharding import shard
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 torch = pytest.importorskip("torch")
@@ -61,3 +64,38 @@ def test_heads_that_do_not_split_are_refused_before_any_process_starts(saved):  
     with pytest.raises(ValueError, match="power of two"):
         start(model, 3)
     np.testing.assert_equal(torch.distributed.is_initialized(), False)
+
+
+def children() -> set[int]:
+    """This process's child processes (from /proc; none where there is no /proc)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # a process that exited while we looked
+            continue
+        if ppid == os.getpid():
+            out.add(int(stat.parent.name))
+    return out
+
+
+def test_one_gpu_id_is_the_one_process_path(saved):  # noqa: F811
+    """`--d 0` (on CPU tensors here: --cpu-tensors) builds one CUDABackend over the whole graph: no worker spawned,
+    no group joined, no collective in the graph it runs. tools/bench_gpu --d 0 builds it the same way."""
+    from backends.base import create_backend
+    from backends.cuda.backend import CUDABackend
+    from frontend.cli import backend_options, parse_args
+    from tools.bench_gpu import cli_options
+
+    assert cli_options("0") == backend_options(parse_args(["--d", "0"])) == {"device": "cuda:0"}
+    with pytest.raises(SystemExit):
+        cli_options("0,1")
+    args = parse_args(["--d", "0", "--cpu-tensors"])
+    assert backend_options(args) == {"device": "cpu"}
+    model = load_model(saved("qwen3")[1], progress=False)
+    before = children()
+    backend = create_backend(args.backend, model, dtype="f32", progress=False, **backend_options(args))
+    assert type(backend) is CUDABackend and (backend.world, backend.workers, backend.mirror) == (1, None, None)
+    assert backend.rank_graph is model.graph and shard(model.graph, 0, 1) is model.graph  # the pass: a no-op
+    assert not {"all_reduce", "all_gather"} & {n.op for n in backend.graph.nodes}
+    assert children() == before and not torch.distributed.is_initialized()
