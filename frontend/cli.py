@@ -237,6 +237,10 @@ def _launched(ap: argparse.ArgumentParser, args: argparse.Namespace, markers: tu
         return None
     if refused:
         ap.error(refusal)
+    # refused by every rank here, before any joins a group that rank 0 would never join
+    _world(ap, "the launcher's world size", rank.world, "processes")
+    if not 0 <= rank.rank < rank.world:
+        ap.error(f"the launcher gave this process rank {rank.rank}, not one of 0..{rank.world - 1}")
     args.backend = backend
     return rank
 
