@@ -80,7 +80,7 @@ def test_a_killed_worker_fails_its_request_and_health(server):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_readme_two_host_torchrun_launch(tiny_chat):
+def test_readme_two_host_torchrun_launch(tiny_chat, tmp_path):
     """The README's command on each "host" (node rank 0 and 1, one process each, meeting at 127.0.0.1): rank 0
     answers --prompt with the one-process reference's greedy tokens, rank 1 runs its steps, both exit cleanly."""
     block = readme_blocks("sh", "torchrun --nnodes 2")
@@ -95,14 +95,21 @@ def test_readme_two_host_torchrun_launch(tiny_chat):
         given = {"--nproc-per-node": "1", "--node-rank": str(node_rank), "--master-addr": "127.0.0.1",
                  "--master-port": port}
         flags = [given.get(argv[i - 1], a) for i, a in enumerate(argv[:-4]) if i]
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *flags, *ours], cwd=ROOT,
-                                env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = (open(tmp_path / f"host{node_rank}.{x}", "w") for x in ("out", "err"))
+        with out, err:  # the child keeps its own copies
+            return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *flags, *ours], cwd=ROOT,
+                                    env=child_env(), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
 
-    hosts = [host(1), host(0)]
-    outs = [p.communicate(timeout=180) for p in hosts]
-    assert [p.returncode for p in hosts] == [0, 0], [err[-3000:] for _, err in outs]
-    assert "rank 1 of 2 on cpu, serving rank 0's steps" in outs[0][1]
+    hosts = [host(0), host(1)]
+    try:
+        codes = [p.wait(180) for p in hosts]
+    finally:
+        for p in hosts:
+            p.kill()
+    out, err = ([(tmp_path / f"host{r}.{x}").read_text() for r in (0, 1)] for x in ("out", "err"))
+    assert codes == [0, 0], [e[-3000:] for e in err]
+    assert "rank 1 of 2 on cpu, serving rank 0's steps" in err[1]
     model = load_model(tiny_chat, progress=False)
     ids = model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
     tokens, _ = ReferenceRunner(model, max_tokens=len(ids) + new + 8).greedy([ids], new)
-    assert outs[1][0] == model.tokenizer.decode(tokens[0]) + "\n"
+    assert out[0] == model.tokenizer.decode(tokens[0]) + "\n" and out[1] == ""
