@@ -146,3 +146,15 @@ def test_a_launch_that_does_not_fit_is_refused_by_every_rank(rank, world, words,
     with pytest.raises(SystemExit):
         parse_args(["--cpu-tensors"])
     assert words in capsys.readouterr().err
+
+
+def test_a_launch_refuses_restarting_the_engine(monkeypatch, capsys):
+    """A restarted engine would wait for ranks that the launcher ended with the first (rank 0 spawns its own)."""
+    from frontend.cli import parse_args
+
+    assert parse_args(["--d", "0,1", "--on-engine-death", "restart"]).on_engine_death == "restart"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        parse_args(["--on-engine-death", "restart"])
+    assert "could not rejoin them" in capsys.readouterr().err
