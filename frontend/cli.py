@@ -237,6 +237,13 @@ def _launched(ap: argparse.ArgumentParser, args: argparse.Namespace, markers: tu
         return None
     if refused:
         ap.error(refusal)
+    # refused by every rank here, before any joins a group that rank 0 would never join
+    _world(ap, "the launcher's world size", rank.world, "processes")
+    if not 0 <= rank.rank < rank.world:
+        ap.error(f"the launcher gave this process rank {rank.rank}, not one of 0..{rank.world - 1}")
+    if args.on_engine_death == "restart":  # the other ranks are the launcher's: a new engine could not rejoin them
+        ap.error("--on-engine-death restart: under a launcher the other ranks end with the engine and a new one "
+                 "could not rejoin them; leave it at exit and let the launcher start the job again")
     args.backend = backend
     return rank
 

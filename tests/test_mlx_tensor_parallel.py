@@ -1,7 +1,8 @@
 """Tensor parallel on MLX's CPU build: 2 processes joined by mx.distributed's ring (TCP on 127.0.0.1) give the
-greedy tokens of one MLX process and first-step logits within 1e-5 of max|logit| (fp32), on tiny llama and qwen3
-models (vocab-parallel embedding and head, KV heads split). MLX joins one ring a process, so each case's rank 0 is a
-process of its own (tests/mlx_tp_driver.py). A ring that cannot start fails with its reason, never a hang."""
+greedy tokens of one MLX process and first-step logits within 1e-5 of max|logit| (fp32), on tiny llama, qwen3 and
+qwen2_moe models (vocab-parallel embedding and head, KV heads split, each expert split inside). MLX joins one ring a
+process, so each case's rank 0 is a process of its own (tests/mlx_tp_driver.py). A ring that cannot start fails
+with its reason, never a hang."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def rank0(folder, tmp_path, prompts: list[list[int]], **spec) -> dict:
         return {k: got[k] for k in got.files}
 
 
-@pytest.mark.parametrize("case", ["llama3_rope", "qwen3"])
+@pytest.mark.parametrize("case", ["llama3_rope", "qwen3", "qwen2_moe"])
 def test_two_ring_processes_match_one(case, saved, tmp_path):  # noqa: F811
     folder = saved(case)[1]
     prompts = [prompt(1), prompt(2, 9)]

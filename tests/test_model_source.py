@@ -127,3 +127,34 @@ def test_tensor_parallel_flags_and_launcher_environment(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29400")
     args = parse_args([])
     assert backend_options(args) == {"device": ["cuda:1"], "rendezvous": Rendezvous(3, 4, "10.0.0.2", 29400, 1)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # Open MPI's mpirun names them its own way
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    assert backend_options(parse_args([]))["rendezvous"] == Rendezvous(1, 2, "10.0.0.2", 29400, 1)
+
+
+@pytest.mark.parametrize("rank, world, words", [(0, 3, "the launcher's world size: tensor parallel runs on a power "
+                                                       "of two from 1 to 8 processes, not 3"),
+                                                (5, 2, "the launcher gave this process rank 5, not one of 0..1")])
+def test_a_launch_that_does_not_fit_is_refused_by_every_rank(rank, world, words, monkeypatch, capsys):
+    from frontend.cli import parse_args
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-tensors"])
+    assert words in capsys.readouterr().err
+
+
+def test_a_launch_refuses_restarting_the_engine(monkeypatch, capsys):
+    """A restarted engine would wait for ranks that the launcher ended with the first (rank 0 spawns its own)."""
+    from frontend.cli import parse_args
+
+    assert parse_args(["--d", "0,1", "--on-engine-death", "restart"]).on_engine_death == "restart"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        parse_args(["--on-engine-death", "restart"])
+    assert "could not rejoin them" in capsys.readouterr().err

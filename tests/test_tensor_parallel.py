@@ -1,11 +1,14 @@
 """Tensor parallel over processes on CPU tensors: rank 0 here, ranks 1.. spawned (backends.cuda.tensor_parallel),
-gloo between them, the DSL's kernels on Triton's interpreter. Tiny llama, qwen3 and windowed mistral models give
-the greedy tokens of one process and first-step logits within 1e-5 of max|logit| (fp32). A worker killed in the
-middle of a request: test_tensor_parallel_server."""
+gloo between them, the DSL's kernels on Triton's interpreter. Tiny llama, qwen3, windowed mistral and qwen2_moe
+(routed experts split inside each expert, a gated shared expert, a dense layer) models over 2 processes, and llama
+over 4 (KV heads replicated), give the greedy tokens of one process and first-step logits within 1e-5 of
+max|logit| (fp32). A worker killed in the middle of a request: test_tensor_parallel_server."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from tiny_hf import assert_close
 
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
+from ir.sharding import shard
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 torch = pytest.importorskip("torch")
@@ -33,8 +37,8 @@ def start(model, world: int):
     return tensor_parallel.start(model, ["cpu"] * world, dtype="f32", progress=False)
 
 
-# 4 ranks (KV heads replicated) are test_sharding's, on the interpreter: 4 processes here took 15 s of CI's time.
-@pytest.mark.parametrize("case, world", [("llama3_rope", 2), ("qwen3", 2), ("mistral_window", 2)])
+@pytest.mark.parametrize("case, world", [("llama3_rope", 2), ("qwen3", 2), ("mistral_window", 2), ("qwen2_moe", 2),
+                                         ("llama3_rope", 4)])
 def test_processes_match_one(case, world, saved):  # noqa: F811
     """Against the one-process reference (test_cuda_backend holds one process of this backend to it within 1e-4;
     here the ranks' backends, on the same kernels, are held to 1e-5)."""
@@ -44,6 +48,8 @@ def test_processes_match_one(case, world, saved):  # noqa: F811
     backend = start(model, world)
     try:
         assert backend.kv_layout().shapes[0].heads == max(1, 2 // world)  # the rank's share of the KV heads
+        if case == "qwen2_moe":  # every rank holds all 8 experts, each its share of the 32 rows
+            assert backend.rank_graph.params["layers.1.exp_gate"].shape == (8, 32 // world, 64)
         tp_tokens, tp_first = greedy(backend, model, prompts, new)
     finally:
         backend.workers.close()
@@ -58,3 +64,38 @@ def test_heads_that_do_not_split_are_refused_before_any_process_starts(saved):  
     with pytest.raises(ValueError, match="power of two"):
         start(model, 3)
     np.testing.assert_equal(torch.distributed.is_initialized(), False)
+
+
+def children() -> set[int]:
+    """This process's child processes (from /proc; none where there is no /proc)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # a process that exited while we looked
+            continue
+        if ppid == os.getpid():
+            out.add(int(stat.parent.name))
+    return out
+
+
+def test_one_gpu_id_is_the_one_process_path(saved):  # noqa: F811
+    """`--d 0` (on CPU tensors here: --cpu-tensors) builds one CUDABackend over the whole graph: no worker spawned,
+    no group joined, no collective in the graph it runs. tools/bench_gpu --d 0 builds it the same way."""
+    from backends.base import create_backend
+    from backends.cuda.backend import CUDABackend
+    from frontend.cli import backend_options, parse_args
+    from tools.bench_gpu import cli_options
+
+    assert cli_options("0") == backend_options(parse_args(["--d", "0"])) == {"device": "cuda:0"}
+    with pytest.raises(SystemExit):
+        cli_options("0,1")
+    args = parse_args(["--d", "0", "--cpu-tensors"])
+    assert backend_options(args) == {"device": "cpu"}
+    model = load_model(saved("qwen3")[1], progress=False)
+    before = children()
+    backend = create_backend(args.backend, model, dtype="f32", progress=False, **backend_options(args))
+    assert type(backend) is CUDABackend and (backend.world, backend.workers, backend.mirror) == (1, None, None)
+    assert backend.rank_graph is model.graph and shard(model.graph, 0, 1) is model.graph  # the pass: a no-op
+    assert not {"all_reduce", "all_gather"} & {n.op for n in backend.graph.nodes}
+    assert children() == before and not torch.distributed.is_initialized()

@@ -2,7 +2,8 @@
 `--tp 2` on MLX (its ring): a tiny random qwen3 with SmolLM2's vocabulary and tokenizer, served under SmolLM2's
 name, answers the README's curl example (its max_tokens cut to 4: on CUDA every step runs under the interpreter in
 two processes); a worker killed in the middle of a request fails that request, and /health says 503 within a second
-(the engine is then restarted)."""
+(the engine is then restarted). The README's two-host torchrun launch, its hosts two local processes on CPU tensors,
+answers a prompt as the interpreter does."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -19,7 +22,9 @@ import pytest
 from test_engine_process import health
 from tiny_hf import save_tiny_chat_qwen3
 
-from tests.serving import ServerProcess, readme_blocks
+from ir.loader import load_model
+from ir.reference import ReferenceRunner
+from tests.serving import ROOT, ServerProcess, child_env, free_port, readme_blocks
 
 TWO_RANKS = {
     "cuda": pytest.param(("--d", "0,1", "--cpu-tensors"), id="cuda", marks=pytest.mark.skipif(
@@ -29,11 +34,16 @@ TWO_RANKS = {
 }
 
 
-@pytest.fixture(scope="module", params=TWO_RANKS.values())
-def server(request, tmp_path_factory, smollm_path):
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory, smollm_path):
     folder = tmp_path_factory.mktemp("tp") / "SmolLM2-135M-Instruct"  # the name the README's example asks for
     save_tiny_chat_qwen3(folder, smollm_path)
-    with ServerProcess("--w", str(folder), *request.param, "--dtype", "f32", "--mem", "8",
+    return folder
+
+
+@pytest.fixture(scope="module", params=TWO_RANKS.values())
+def server(request, tiny_chat):
+    with ServerProcess("--w", str(tiny_chat), *request.param, "--dtype", "f32", "--mem", "8",
                        "--on-engine-death", "restart") as s:
         yield s
 
@@ -66,3 +76,39 @@ def test_a_killed_worker_fails_its_request_and_health(server):
     request.join(30)
     error = json.loads(result["r"].stdout)["error"]
     assert "rank 1" in error["message"] and "exited" in error["message"], error
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_readme_two_host_torchrun_launch(tiny_chat, tmp_path):
+    """The README's command on each "host" (node rank 0 and 1, one process each, meeting at 127.0.0.1): rank 0
+    answers --prompt with the one-process reference's greedy tokens, rank 1 runs its steps, both exit cleanly."""
+    block = readme_blocks("sh", "torchrun --nnodes 2")
+    argv = shlex.split(" ".join(line for line in block.splitlines() if not line.startswith("#")).replace("\\", ""))
+    assert argv[:3] == ["torchrun", "--nnodes", "2"] and argv[-4:] == ["--m", "Qwen/Qwen3-8B", "--h", "0.0.0.0"]
+    text, new, port = "What is the capital of France?", 3, str(free_port())
+    ours = ["--w", str(tiny_chat), "--cpu-tensors", "--dtype", "f32", "--mem", "8", "--prompt", text, "--max-tokens",
+            str(new), "--temperature", "0"]
+
+    def host(node_rank: int) -> subprocess.Popen:
+        """torchrun's flags as the README gives them, but one process a host and the hosts this machine."""
+        given = {"--nproc-per-node": "1", "--node-rank": str(node_rank), "--master-addr": "127.0.0.1",
+                 "--master-port": port}
+        flags = [given.get(argv[i - 1], a) for i, a in enumerate(argv[:-4]) if i]
+        out, err = (open(tmp_path / f"host{node_rank}.{x}", "w") for x in ("out", "err"))
+        with out, err:  # the child keeps its own copies
+            return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *flags, *ours], cwd=ROOT,
+                                    env=child_env(), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+
+    hosts = [host(0), host(1)]
+    try:
+        codes = [p.wait(180) for p in hosts]
+    finally:
+        for p in hosts:
+            p.kill()
+    out, err = ([(tmp_path / f"host{r}.{x}").read_text() for r in (0, 1)] for x in ("out", "err"))
+    assert codes == [0, 0], [e[-3000:] for e in err]
+    assert "rank 1 of 2 on cpu, serving rank 0's steps" in err[1]
+    model = load_model(tiny_chat, progress=False)
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    tokens, _ = ReferenceRunner(model, max_tokens=len(ids) + new + 8).greedy([ids], new)
+    assert out[0] == model.tokenizer.decode(tokens[0]) + "\n" and out[1] == ""

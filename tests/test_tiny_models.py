@@ -21,6 +21,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
 )
 
@@ -46,6 +47,11 @@ CASES = {
     # Not in the main matrix (see test_qwen2_per_layer_window): transformers windows only layers
     # i >= max_window_layers (config.layer_types), here layer 1 of 2.
     "qwen2_swa": (Qwen2Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # Not in the main matrix (test_arch_moe holds the MoE families to transformers): the tensor-parallel tests' MoE,
+    # 8 experts of width 32, top 2, a sigmoid-gated shared expert, layer 0 dense (decoder_sparse_step 2).
+    "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=48, decoder_sparse_step=2,
+                                       norm_topk_prob=False)),
 }
 MAIN = ["llama3_rope", "llama_bias_tied", "mistral_window", "qwen2", "qwen3"]
 

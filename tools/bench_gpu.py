@@ -6,8 +6,10 @@ GGUF Q4_K/Q6_K blocks laid out as Q4_K_M. The ceilings (copy bandwidth, bf16 GEM
 
     python -m tools.bench_gpu [--shape llama3-8b|gemma2-9b|phi3-mini|qwen3-30b-a3b] [--batches 1,16,64] [--layers N]
         [--no-peer] [--no-quant | --quant q4km,int4,fp8] [--ablate 1,64] [--ablations NAMES|none]
-        [--decode-table SPEC] [--json FILE]
+        [--decode-table SPEC] [--d ID] [--json FILE]
 
+--d ID builds the backend as `python -m frontend --d ID` does (one process, no tensor-parallel workers): the figures
+of the path the server takes on one GPU.
 --decode-table adds an A/B to the ablations: decode again with another split-K table (backends/cuda/decode_table.py;
 tools/bench_decode_attention prints one) on the same backend, graphs captured again.
 """
@@ -70,13 +72,29 @@ def gemm_rate() -> float:
 
 # --- our engine ------------------------------------------------------------------------------------------------
 
-def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, backend=None, overlap: bool = True):
-    """An engine over a new backend for `params`, or over `backend` (its graphs are captured again)."""
-    from backends.cuda.backend import CUDABackend
+def cli_options(ids: str | None) -> dict:
+    """The backend options `python -m frontend --d IDS` gives (frontend.cli; {} without --d): one GPU id only."""
+    if ids is None:
+        return {}
+    from frontend.cli import backend_options, parse_args
+
+    options = backend_options(parse_args(["--d", ids]))
+    if isinstance(options["device"], list):  # the workers load the model from its file; this one is made here
+        raise SystemExit(f"bench_gpu --d takes one GPU id, not {ids!r}: tensor parallel's workers cannot load "
+                         "its random weights")
+    return options
+
+
+def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, backend=None, overlap: bool = True,
+               options: dict | None = None):
+    """An engine over a new backend for `params` (built as the server builds it, with `options`: cli_options), or
+    over `backend` (its graphs are captured again)."""
+    from backends.base import create_backend
     from frontend.engine.engine import EngineConfig, LLMEngine
     from frontend.engine.scheduler import SchedulerConfig
 
-    backend = backend or CUDABackend(model, dtype="bf16", params=params, cuda_graph=graphs, progress=False)
+    backend = backend or create_backend("cuda", model, dtype="bf16", params=params, cuda_graph=graphs,
+                                        progress=False, **(options or {}))
     blocks = max_batch * (-(-ctx // 16) + 1) + 64
     config = EngineConfig(num_kv_blocks=blocks, prefix_caching=False, async_scheduling=overlap,
                           scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
@@ -285,10 +303,15 @@ def main() -> None:
                     "decode_table.py)")
     ap.add_argument("--profile", default="1,64", help="batch sizes whose decode steps are profiled by kernel ('' for "
                     "none)")
+    ap.add_argument("--d", metavar="ID", help="the GPU, given as the server's --d (backends.base.create_backend, as "
+                    "`python -m frontend --d ID` builds the backend); default: CUDABackend's own")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_gpu.json")
     args = ap.parse_args()
+    options = cli_options(args.d)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
+    if options:
+        torch.cuda.set_device(options["device"])  # the ceilings and the random weights on that GPU too
     batches = [int(b) for b in args.batches.split(",")]
     entries = ablation_entries(args)  # a mistyped name or table fails before the model is built
     cfg = model_config(args.layers, args.shape)
@@ -296,7 +319,7 @@ def main() -> None:
         cfg = cfg.with_(max_position_embeddings=args.prompt + args.gen)
     args.layers = cfg.num_layers
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
-                 "shape": args.shape}
+                 "shape": args.shape, "d": args.d}
     res["copy_gbs"] = copy_bandwidth()
     res["gemm_tflops"] = gemm_rate()
     say(f"{res['gpu']}: copy {res['copy_gbs']:,.0f} GB/s, bf16 GEMM {res['gemm_tflops']:,.0f} TFLOP/s")
@@ -307,7 +330,8 @@ def main() -> None:
     model = loaded_model(cfg)
     params = dense_params(model.graph)
     res["bf16_bytes"] = active_bytes(model.graph, params)  # all of them, but for a MoE only the routed experts
-    engine = engine_for(model, params, max(batches), max(args.prompt + args.gen, args.prefill), not args.no_graphs)
+    engine = engine_for(model, params, max(batches), max(args.prompt + args.gen, args.prefill), not args.no_graphs,
+                        options=options)
     del params
     say(f"ours: bf16 model {res['bf16_bytes'] / GB:.2f} GB ready in {time.perf_counter() - t0:.1f} s")
     res["decode"] = {}
@@ -339,7 +363,7 @@ def main() -> None:
         nbytes = weight_bytes(qparams)
         qbatches = [b for b in batches if kind != "q4km" or b == 1]  # Q4_K_M: batch 1 alone, as before --quant
         engine = engine_for(model, qparams, max(qbatches), max(args.prompt + args.gen, args.prefill),
-                            not args.no_graphs)
+                            not args.no_graphs, options=options)
         del qparams
         fig = res["quant"][kind] = {"bytes": nbytes, "decode": {}}
         for b in qbatches:
