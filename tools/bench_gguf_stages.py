@@ -120,7 +120,7 @@ def seconds_needed(fig: Figure) -> float:
 def stage_ours(args: argparse.Namespace) -> None:
     import torch
 
-    from tools.bench_gpu import copy_bandwidth
+    from tools.bench_gpu_rates import copy_bandwidth
 
     if not torch.cuda.is_available():
         raise SystemExit("--stage ours needs a CUDA GPU")
@@ -195,7 +195,7 @@ def _room(st: Stage, fig: Figure) -> bool:
 
 
 def _measure(st: Stage, engine, fig: Figure, vocab: int, sizing: str) -> bool:
-    from tools.bench_gpu import decode_rate, prefill_rate
+    from tools.bench_gpu_rates import decode_rate, prefill_rate
 
     t = time.perf_counter()
     try:

@@ -23,51 +23,25 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from backends.cuda.decode_table import DecodeTable
 from ir.config import ModelConfig
 from tools.bench_gpu_model import SHAPES, active_bytes, dense_params, loaded_model, model_config, quant_params
-
-GB = 1e9
+from tools.bench_gpu_rates import (
+    GB,
+    copy_bandwidth,
+    decode_rate,
+    gemm_rate,
+    kernel_profile,
+    prefill_flops,
+    prefill_rate,
+    weight_bytes,
+)
 
 
 def say(*a) -> None:
     print(*a, flush=True)
-
-
-# --- ceilings --------------------------------------------------------------------------------------------------
-
-def _time_cuda(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a device-to-device copy of 2 GiB (bytes read + written)."""
-    a = torch.empty(2**30, dtype=torch.int16, device="cuda")
-    b = torch.empty_like(a)
-    t = _time_cuda(lambda: b.copy_(a), 10)
-    return 2 * a.numel() * a.element_size() / t / GB
-
-
-def gemm_rate() -> float:
-    """TFLOP/s of a bf16 8192^3 matmul."""
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    t = _time_cuda(lambda: a @ b, 10)
-    return 2 * n**3 / t / 1e12
 
 
 # --- our engine ------------------------------------------------------------------------------------------------
@@ -158,86 +132,6 @@ def ablation_entries(args) -> dict:
             raise SystemExit(f"--decode-table: {e}") from None
         entries[f"decode table {table.spec()}"] = ({"decode": table}, None, True)
     return entries
-
-
-def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int = 0) -> float:
-    """Generated tokens per second once every sequence has its first token (prefill untimed)."""
-    from core.sampling_params import SamplingParams
-
-    rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
-    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
-        engine.step()
-    torch.cuda.synchronize()
-    # Tokens of a step launched before the clock starts (overlapped steps: read back later) are not counted.
-    before = engine.stats["generation_tokens"] + sum(s.pending for s in engine.scheduler.running)
-    t = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    torch.cuda.synchronize()
-    return (engine.stats["generation_tokens"] - before) / (time.perf_counter() - t)
-
-
-def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, top: int = 12) -> list[tuple]:
-    """The GPU time of `steps` decode steps at `batch` by kernel (CUDA graph replays included): where the time goes.
-    Returns [(kernel, share of GPU time, us per step)], largest first, plus ("(all kernels)", 1, us) first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from core.sampling_params import SamplingParams
-
-    rng = np.random.default_rng(2)
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
-    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
-        engine.step()  # every prefill done (a long prompt takes several steps): the profile sees decode steps only
-    engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    while engine.has_unfinished():
-        engine.step()
-    rows = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(t for _, t in rows) or 1
-    rows.sort(key=lambda r: -r[1])
-    return [("(all kernels)", 1.0, total / steps)] + [(k[:60], t / total, t / steps) for k, t in rows[:top]]
-
-
-def prefill_seconds(engine, tokens: int, vocab: int, rng) -> float:
-    """Wall seconds of one prompt of random `tokens` ids prefilled to its first token (synchronized both ends)."""
-    from core.sampling_params import SamplingParams
-
-    engine.add_request(rng.integers(0, vocab, tokens).tolist(), SamplingParams(temperature=0, max_tokens=1))
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
-def prefill_rate(engine, tokens: int, vocab: int, reps: int = 3) -> float:
-    rng = np.random.default_rng(1)
-    return tokens / min(prefill_seconds(engine, tokens, vocab, rng) for _ in range(reps))
-
-
-def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
-    """2 flops per weight per token for every matrix but the embedding (the head runs for one row), plus the
-    causal attention's two products."""
-    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * f
-    attn = 4 * cfg.num_heads * d * tokens * (tokens + 1) / 2
-    return cfg.num_layers * (2 * per_layer * tokens + attn) + 2 * cfg.vocab_size * h
-
-
-def weight_bytes(params) -> int:
-    from backends.cuda.weights import nbytes
-
-    return sum(nbytes(p) for p in params.values())
 
 
 # --- the transformers peer -------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def step_ms(engine, steps: int, vocab: int, profile: bool = False) -> tuple[floa
 
 def prefill_steps(engine, vocab: int, sizes=(16, 128, 512), reps: int = 5) -> dict[str, float]:
     """ms of a step that prefills one prompt of n tokens, replayed in pieces (backends.cuda.piecewise) and eager."""
-    from tools.bench_gpu import prefill_seconds
+    from tools.bench_gpu_rates import prefill_seconds
 
     backend, pieces, out = engine.backend, engine.backend.pieces, {}
     rng = np.random.default_rng(1)
