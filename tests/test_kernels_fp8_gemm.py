@@ -198,3 +198,23 @@ def test_aot_sm90(tiles, tmp_path, monkeypatch):
         compiled = aot_compile(REGISTRY["fp8_gemm"].trace(**cfg), arch=90, num_warps=nw, num_stages=ns, aligned=True)
         assert ".f32.e4m3.e4m3" in compiled.asm["ptx"] and "wgmma.mma_async" in compiled.asm["ptx"]
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
+
+
+def test_the_sweeps_settings_and_check(monkeypatch):
+    """tools/sweep_fp8_gemm: the default tiles first, then its space; its check (the DSL's interpreter here) passes
+    a split-K setting and fails a wrong scale."""
+    from tools import sweep_fp8_gemm as sf
+    from tools.kernel_case_base import Dev
+    from tools.kernel_cases_fp8 import fp8_weights
+
+    quick, full = sf.settings(2048, 4096, 4096, 128, True), sf.settings(2048, 4096, 4096, 128, False)
+    assert full[0] == quick[0] and quick[0]["block_n"] == fg.TILES[128]["BLOCK_N"] and len(full) > 20
+    monkeypatch.setattr(sf, "TARGET", "numpy")
+    d = Dev(3, "cpu")
+    x = d.randn((9, 256), torch.bfloat16)
+    codes, scales = fp8_weights(d, 70, 256, 64)
+    s = dict(block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=2)
+    assert sf.check(torch, d, x, codes, scales, s) is None
+    real = fg.fp8_matmul  # planted: the kernel reads the next group's scales
+    monkeypatch.setattr(fg, "fp8_matmul", lambda x, c, s, **kw: real(x, c, s.roll(-1, dims=1).contiguous(), **kw))
+    assert "rel err" in sf.check(torch, d, x, codes, scales, s)
