@@ -33,6 +33,7 @@ from kernels_src.dequant_gemm import (
     split_k_tile,
 )
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.fp8_gemv import weight_group
 from kernels_src.paged_attention import empty
 
 MIN_GROUP = 32  # the FP8 MMA's K: smaller groups (16) keep backends/cuda/fp8_linear.py's dequantized path
@@ -133,12 +134,7 @@ def default_tiles(m: int, n: int, k: int, group: int, sms: int = 132) -> dict:
 def _check(x2, codes, scales) -> int:
     """The group of codes [N, K] with scales [N, K / group] for x [M, K]; ValueError naming what does not fit."""
     m, k = x2.shape
-    n = codes.shape[0]
-    g = scales.shape[1] if len(scales.shape) == 2 else 0
-    if len(codes.shape) != 2 or codes.shape[1] != k or g == 0 or k % g or tuple(scales.shape) != (n, g):
-        raise ValueError(f"e4m3 codes {tuple(codes.shape)} with scales {tuple(scales.shape)} are not W [N, {k}] "
-                         f"with a scale a group of inputs")
-    group = k // g
+    group = weight_group(codes, scales, k)
     if not step_of(group):
         raise ValueError(f"FP8 GEMM over groups of {group} inputs: a group must be a multiple of {MIN_GROUP} (the "
                          "FP8 MMA's K)")

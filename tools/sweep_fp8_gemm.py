@@ -16,10 +16,10 @@ import argparse
 import contextlib
 import itertools
 
-from tools.bench_int_group_gemm import L2_BYTES, SHAPES
+from tools.bench_int_group_gemm import SHAPES
+from tools.sweep_fp8_gemv import GAIN, print_tuned, shape_names, weight_copies
 
 TARGET = "triton"  # (a CPU test runs the sweep's check on the DSL interpreter)
-GAIN = 0.97  # a setting enters the printed table when it takes at most this fraction of the default's time
 KEYS = ("block_m", "block_n", "swap", "num_warps", "num_stages", "split_k")
 SPACE = {  # rows bucket -> (block_m, block_n, swap, warps) to try, each at stages 3 and 4 and split-K 1, 2, 4
     16: [(16, 64, True, 4), (16, 128, True, 4), (16, 128, True, 8), (16, 64, False, 4)],
@@ -85,14 +85,12 @@ def sweep(torch, shapes: dict, ms, group: int, quick: bool) -> dict:
     from kernels_src import fp8_gemm as fg
     from tools.bench_kernels import time_calls
     from tools.kernel_case_base import Dev
-    from tools.kernel_cases_fp8 import fp8_weights
 
     print(f"{torch.cuda.get_device_name()}; us per call (x's quantization included), TFLOP/s", flush=True)
     table = {}
     for name, (n, k) in shapes.items():
         d = Dev(n * 7 + k)
-        w_bytes = n * k * (1 + 4 / group)
-        ws = [fp8_weights(d, n, k, group) for _ in range(max(2, min(8, -(-3 * L2_BYTES // int(w_bytes)))))]
+        ws = weight_copies(d, n, k, group)
         for m in ms:
             x = d.randn((m, k), torch.bfloat16)
             y = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
@@ -137,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=128, help="inputs a scale (a multiple of 32 dividing K)")
     ap.add_argument("--quick", action="store_true", help="the default tiles only (against the baselines)")
     a = ap.parse_args(argv)
-    names = [s.strip() for s in a.shapes.split(",") if s.strip()]
-    if not names or any(s not in SHAPES for s in names):
-        ap.error(f"--shapes {a.shapes}: of {', '.join(SHAPES)}")
+    names = shape_names(ap, a)
     ms = [int(b) for b in a.ms.split(",") if b.strip()]
     if not ms or any(m < 9 for m in ms):
         ap.error(f"--ms {a.ms}: rows from 9 up (1-8 rows: tools/sweep_fp8_gemv)")
@@ -148,11 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     table = sweep(torch, {s: SHAPES[s] for s in names}, ms, a.group, a.quick)
-    print(f"\n# the best where it beats the default by {100 * (1 - GAIN):.0f}% or more: for fp8_gemm.TUNED (those not "
-          "listed take TILES and the split rule)\nTUNED = {")
-    for key, tiles in table.items():
-        print(f"    {key!r}: {tiles},")
-    print("}")
+    print_tuned(table, "fp8_gemm.TUNED", "TILES and the split rule")
     return 0
 
 
