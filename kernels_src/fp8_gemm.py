@@ -4,7 +4,8 @@ backend keeps them), on FP8 tensor cores: DSL kernels, launcher, numpy reference
 
 The checkpoints' own scheme (their activation_scheme "dynamic", what vLLM's w8a8 block GEMM runs):
 - fp8_quantize_x_kernel: x quantized per row and GROUP inputs to e4m3 with an f32 scale amax / 448 (x / scale
-  rounded to nearest even by e4m3.encode's bit operations); no host sync, so CUDA graphs capture it.
+  rounded to nearest even by e4m3.encode's bit operations); no host sync, so CUDA graphs capture it. On a GPU
+  Triton's fp32 `/` is div.full.f32 (2 ulp): a code may be its neighbour where x / scale lies that near a midpoint.
 - fp8_gemm_kernel: a program owns a [BLOCK_M, BLOCK_N] tile of y and walks K a step of BK inputs (a power of two
   of 32-128 dividing GROUP: one x scale and one W scale a row per step). Each step is one e4m3 x e4m3 `tl.dot` into
   a fresh fp32 tile, multiplied by x_scale[row] * w_scale[n] and added to the fp32 accumulator: sm_90's FP8 MMA
