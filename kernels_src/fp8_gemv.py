@@ -99,15 +99,20 @@ def default_tiles(k: int, m: int) -> dict:
                 num_warps=4)
 
 
-def _check(codes, scales, m: int, k: int, x) -> int:
-    """The group of codes [N, K] with scales [N, K / group]; ValueError naming what does not fit."""
+def weight_group(codes, scales, k: int) -> int:
+    """The group of codes [N, K] with scales [N, K / group] (a multiple of 16); ValueError naming what does not fit."""
     n = codes.shape[0]
     g = scales.shape[1] if len(scales.shape) == 2 else 0
     if len(codes.shape) != 2 or codes.shape[1] != k or g == 0 or k % g or tuple(scales.shape) != (n, g):
         raise ValueError(f"e4m3 codes {tuple(codes.shape)} with scales {tuple(scales.shape)} are not W [N, {k}] "
                          f"with a scale a group of inputs")
-    group = k // g
-    fp8_blocks.check(group)
+    fp8_blocks.check(k // g)
+    return k // g
+
+
+def _check(codes, scales, m: int, k: int, x) -> int:
+    """weight_group, and x [M, K] a GEMV's; ValueError naming what does not fit."""
+    group = weight_group(codes, scales, k)
     if not 1 <= m <= MAX_ROWS or elem_stride(x, 1) != 1 or elem_stride(codes, 1) != 1 or elem_stride(scales, 1) != 1:
         raise ValueError(f"x [{m}, {k}] (rows contiguous, as W's and the scales') does not make a GEMV of "
                          f"1-{MAX_ROWS} rows")

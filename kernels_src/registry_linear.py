@@ -17,6 +17,7 @@ from kernels_src import (
     dequant_gemv_i8,
     dequantize,
     e4m3,
+    fp8_gemm,
     fp8_gemv,
     gemv_loop,
     gguf_mmq,
@@ -195,3 +196,16 @@ register(KernelEntry(
     lambda m, n, k, group, dtype: n * k + n * k // group * 4 + (m * k + m * n) * ITEMSIZE[dtype],
     flops=lambda m, n, k, **_: 2 * m * n * k, launcher=fp8_gemv.fp8_gemv,
     notes="1-8 rows over e4m3 bytes and f32 group scales (backends/cuda/fp8_linear.py's decode path)"))
+
+_tiles = fp8_gemm.default_tiles(2048, 4096, 4096, 128)
+for _key in ("num_warps", "num_stages", "SPLIT"):
+    _tiles.pop(_key)
+register(KernelEntry(
+    "fp8_gemm", fp8_gemm.fp8_gemm_kernel, dict(GROUP=128, BK=128, PDL=True, **_tiles),
+    _ptrs(BF16, "y", xq="*u8", xs="*fp32", codes="*u8", scales="*fp32"),
+    dict(m=2048, n=4096, k=4096, group=128, dtype=BF16),
+    lambda m, n, k, group, dtype: n * k + n * k // group * 4 + m * k * ITEMSIZE[dtype] + m * n * ITEMSIZE[dtype],
+    flops=lambda m, n, k, **_: 2 * m * n * k, launcher=fp8_gemm.fp8_matmul, variants=(fp8_gemm.fp8_quantize_x_kernel,),
+    notes="9+ rows (decode batches, prefill) over e4m3 bytes and f32 group scales: the launcher runs "
+          "fp8_quantize_x_kernel (x to e4m3 per row and group) then this (one FP8 dot a step); split-K partials are "
+          "added by dequant_gemm_reduce_kernel. The bench times all of them"))

@@ -123,6 +123,31 @@ KEPT = [("blockwise", BLOCK_PATHS, 1e-4), ("ct_channel", {"scaled_mm"}, 0.25),
 KEPT_IDS = [name for name, _, _ in KEPT]
 
 
+def test_fp8_gemm_path_is_its_definition(monkeypatch):
+    """fp8_linear's FP8 GEMM (9+ rows on a GPU; here the DSL's numpy target on CPU tensors) against x rounded to e4m3
+    per row and group of 64 by torch's cast, times W decoded by the engine's e4m3 table, in float64."""
+    pytest.importorskip("triton")
+    from backends.cuda import fp8_linear
+
+    n, k, group, rows = 48, 192, 64, 11
+    cuda = torch.device("cuda")  # path() only reads its type here (fp32: no row-wise _scaled_mm to ask the GPU for)
+    assert [fp8_linear.path(g, (n, k), torch.float32, d, r) for g, d, r in
+            ((group, cuda, rows), (group, cuda, 8), (16, cuda, rows), (group, torch.device("cpu"), rows))] == [
+        "fp8_gemm", "gemv", "blockwise", "blockwise"]
+    monkeypatch.setattr(fp8_linear, "path", lambda *a: "fp8_gemm")
+    rng = np.random.default_rng(1)
+    codes = (torch.from_numpy(rng.standard_normal((n, k), np.float32)) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = rng.uniform(0.5, 2, (n, k // group)).astype(np.float32)
+    x = torch.from_numpy(rng.standard_normal((rows, k), np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32))
+    y = fp8_linear.fp8_linear(x, codes, torch.from_numpy(scales), chunk_bytes=0, target="numpy").numpy()
+    xg = x.view(rows, -1, group)
+    xs = xg.abs().amax(2, keepdim=True) / 448
+    xr = ((xg / xs).to(torch.float8_e4m3fn).double() * xs.double()).view(rows, k)
+    w = fp8_blocks.dequantize(fp8_blocks.pack(codes.numpy(), scales, group), (n, k), group).astype(np.float64)
+    want = xr.numpy() @ w.T
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("group,rows,path", [(64, 5, "gemv"), (64, 9, "blockwise"), (192, 5, "scaled_mm")])
 def test_fp8_linear_is_its_definition(group, rows, path):
     """fp8_linear on CPU tensors against W decoded by the engine's e4m3 table and x rounded to e4m3 row by row by
@@ -149,6 +174,12 @@ def test_fp8_linear_is_its_definition(group, rows, path):
     np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+# On a GPU the block cases' 9+ rows take the FP8 GEMM, x rounded to e4m3 per row and group (the checkpoints' dynamic
+# activation scheme, as the scaled_mm path's per-row one): 0.128 of these tiny random models' logits on CPU tensors,
+# the same to 1e-7 as torch's float8 cast of x times the dequantized W; the exact dequantized path keeps 1e-4
+GPU_BLOCK_PATHS, GEMM_RTOL = {"gemv", "fp8_gemm"}, 0.2
+
+
 def _check_kept(b, paths, model, path, rtol):
     ref = ReferenceRunner(model, max_tokens=64, block_size=8)
     for prompts in STEPS:
@@ -167,14 +198,27 @@ def test_kept_fp8_path_on_cpu_tensors(ckpt, monkeypatch, name, path, rtol):
     _check_kept(b, paths, model, path, rtol)
 
 
+def test_kept_fp8_gemm_on_cpu_tensors(ckpt, monkeypatch):
+    """The block-wise model with its 9+ row linears on the FP8 GEMM (the DSL's numpy target), as a GPU runs them."""
+    from backends.cuda import fp8_linear
+
+    real = fp8_linear.path
+    monkeypatch.setattr(fp8_linear, "path", lambda g, shape, dt, _dev, rows: real(g, shape, dt, torch.device("cuda"),
+                                                                                   rows))
+    _, folder = ckpt("blockwise")
+    model = load_model(folder, progress=False)
+    b, paths = _kept_cuda(model, monkeypatch, "cpu", "f32")
+    _check_kept(b, paths, model, GPU_BLOCK_PATHS, GEMM_RTOL)
+
+
 @pytest.mark.parametrize("name,path,rtol", KEPT, ids=KEPT_IDS)
 def test_gpu_fp8_path(ckpt, monkeypatch, name, path, rtol):
     """On a GPU of compute capability 8.9+ in bf16 (bf16's own rounding: 3e-2 at least); row-wise scales take
-    _scaled_mm on Hopper (9.0+), the GEMV and blockwise paths on Ada."""
+    _scaled_mm on Hopper (9.0+), the GEMV and FP8 GEMM paths on Ada."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU of compute capability 8.9 or higher")
-    if torch.cuda.get_device_capability() < (9, 0):
-        path = BLOCK_PATHS
+    if path == BLOCK_PATHS or torch.cuda.get_device_capability() < (9, 0):
+        path, rtol = GPU_BLOCK_PATHS, GEMM_RTOL
     _, folder = ckpt(name)
     model = load_model(folder, progress=False)
     b, paths = _kept_cuda(model, monkeypatch, "cuda", "bf16")

@@ -84,6 +84,12 @@ SIZES["int_group_dequantize"] = [("g128", dict(n=300, k=4096)), ("i8_g64", dict(
 # BLOCK_K (masked steps), 4 rows a program at 5 rows
 SIZES["fp8_gemv"] = [("m1", dict(m=1, n=300, k=4096)), ("m8_g16", dict(m=8, n=77, k=2048, group=16)),
                      ("m3_row", dict(m=3, n=130, k=1040, group=1040)), ("m5_rows4", dict(m=5, n=99, k=1024, rows=4))]
+# the FP8 GEMM: a 9-row batch on odd N (W's rows clamped; split-K), 64 rows of groups of 64 (a scale each step), the
+# bench's prefill shape cut to 512 rows on 64 x 256 tiles, x @ W.T (swap off) over 33 rows, groups of 256 (two steps
+# a scale), 300 rows off every tile
+SIZES["fp8_gemm"] = [("m9", dict(m=9, n=300, k=4096)), ("m64_g64", dict(m=64, n=520, k=2048, group=64)),
+                     ("m512", dict(m=512, n=1024, k=4096)), ("m33_noswap", dict(m=33, n=130, k=2048, swap=False)),
+                     ("m16_g256", dict(m=16, n=256, k=1024, group=256)), ("m300_odd", dict(m=300, n=77, k=1024))]
 SIZES["moe_route"] = [("t16", dict(tokens=16)), ("t300", dict(tokens=300))]
 SIZES["moe_gemm"] = [("t16", dict(tokens=16)), ("t1", dict(tokens=1)), ("t300", dict(tokens=300, experts=16))]
 # the same over GGUF stacks: Q4_K_M's (Q6_K down), then each format the issue names, a prefill, padded rows
@@ -122,7 +128,7 @@ SIZES |= {n: [("m1", dict(m=1, n=300, k=4096)), ("m3_odd", dict(m=3, n=77, k=100
               ("m8_phi3", dict(m=8, n=3072, k=8192))]
           for n in REGISTRY if n.startswith("dense_gemv")}
 # their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
-TRITON_ONLY = ("dense_gemm", "dequant_gemm_", "moe_gemm", "moe_gemv", "mmq_", "int_group_gemm")
+TRITON_ONLY = ("dense_gemm", "dequant_gemm_", "moe_gemm", "moe_gemv", "mmq_", "int_group_gemm", "fp8_gemm")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim"),

@@ -34,7 +34,7 @@ from tools.kernel_cases_attention import (
     paged_prefill_case,
 )
 from tools.kernel_cases_dense import dense_gemm_case, dense_gemv_case
-from tools.kernel_cases_fp8 import fp8_gemv_case
+from tools.kernel_cases_fp8 import fp8_gemm_case, fp8_gemv_case
 from tools.kernel_cases_int_group import int_group_dequantize_case, int_group_gemm_case, int_group_gemv_case
 
 # --- rows of a hidden state ---------------------------------------------------------------------------------------
@@ -372,6 +372,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "int_group_gemm": functools.partial(int_group_gemm_case, name="int_group_gemm"),
     "int_group_dequantize": functools.partial(int_group_dequantize_case, name="int_group_dequantize"),
     "fp8_gemv": functools.partial(fp8_gemv_case, name="fp8_gemv"),
+    "fp8_gemm": functools.partial(fp8_gemm_case, name="fp8_gemm"),
 }
 
 

@@ -46,13 +46,38 @@ def check(torch, d, x, codes, scales, s: dict) -> str | None:
     return compare("y", host(y[:, i]), fp8_gemv_ref(host(x), host(codes[i]), host(scales[i])), "bfloat16")[1]
 
 
+def weight_copies(d, n: int, k: int, group: int) -> list:
+    """Enough copies of random e4m3 W [n, k] with f32 group scales (2-8) that three times the L2 lies between two
+    reads of one."""
+    from tools.kernel_cases_fp8 import fp8_weights
+
+    w_bytes = n * k * (1 + 4 / group)
+    return [fp8_weights(d, n, k, group) for _ in range(max(2, min(8, -(-3 * L2_BYTES // int(w_bytes)))))]
+
+
+def shape_names(ap, a) -> list[str]:
+    """--shapes' names, each of SHAPES (ap.error otherwise)."""
+    names = [s.strip() for s in a.shapes.split(",") if s.strip()]
+    if not names or any(s not in SHAPES for s in names):
+        ap.error(f"--shapes {a.shapes}: of {', '.join(SHAPES)}")
+    return names
+
+
+def print_tuned(table: dict, where: str, others: str) -> None:
+    """The TUNED literal of a sweep's winners, for `where`; problems not listed take `others`."""
+    print(f"\n# the best where it beats the default by {100 * (1 - GAIN):.0f}% or more: for {where} (those not "
+          f"listed take {others})\nTUNED = {{")
+    for key, tiles in table.items():
+        print(f"    {key!r}: {tiles},")
+    print("}")
+
+
 def sweep(torch, shapes: dict, batches, group: int, quick: bool) -> dict:
     """Time every setting of each (shape, M); print rows as they come and return the TUNED entries."""
     from kernels_src import e4m3
     from kernels_src.fp8_gemv import fp8_gemv
     from tools.bench_kernels import copy_gbps, time_calls
     from tools.kernel_case_base import Dev
-    from tools.kernel_cases_fp8 import fp8_weights
 
     copy = copy_gbps(torch, 2**30)
     cvt = "the cvt" if e4m3.use_cvt(TARGET) else "integer ops (LLM_ENGINE_FP8_CVT=1: the cvt)"
@@ -63,7 +88,7 @@ def sweep(torch, shapes: dict, batches, group: int, quick: bool) -> dict:
     for name, (n, k) in shapes.items():
         d = Dev(n * 7 + k)
         w_bytes = n * k * (1 + 4 / group)
-        ws = [fp8_weights(d, n, k, group) for _ in range(max(2, min(8, -(-3 * L2_BYTES // int(w_bytes)))))]
+        ws = weight_copies(d, n, k, group)
         for m in batches:
             x = d.randn((m, k), torch.bfloat16)
             y = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
@@ -103,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=128, help="inputs a scale (a multiple of 16 dividing K)")
     ap.add_argument("--quick", action="store_true", help="the default tiles in each loop form only")
     a = ap.parse_args(argv)
-    names = [s.strip() for s in a.shapes.split(",") if s.strip()]
-    if not names or any(s not in SHAPES for s in names):
-        ap.error(f"--shapes {a.shapes}: of {', '.join(SHAPES)}")
+    names = shape_names(ap, a)
     batches = [int(b) for b in a.batches.split(",") if b.strip()]
     if not batches or any(not 1 <= m <= 8 for m in batches):
         ap.error(f"--batches {a.batches}: rows from 1 to 8")
@@ -114,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     table = sweep(torch, {s: SHAPES[s] for s in names}, batches, a.group, a.quick)
-    print(f"\n# the best where it beats the default by {100 * (1 - GAIN):.0f}% or more: for fp8_gemv.TUNED (those not "
-          "listed take default_tiles)\nTUNED = {")
-    for key, tiles in table.items():
-        print(f"    {key!r}: {tiles},")
-    print("}")
+    print_tuned(table, "fp8_gemv.TUNED", "default_tiles")
     return 0
 
 

@@ -5,9 +5,11 @@ capability 8.9 and up: Ada, Hopper), and the one place its path is chosen:
 - scales per block of inputs (DeepSeek-V3 / Qwen3-FP8's 128x128), 1-8 rows (decode): the DSL's GEMV over the bytes
   (kernels_src/fp8_gemv.py); also for one scale a row where _scaled_mm's row-wise scaling is not there. Per-channel
   weights keep _scaled_mm at decode: the GEMV against it is unmeasured;
-- scales per block of inputs, more rows: W dequantized to x's dtype a chunk of rows at a time (each value times its
-  block's scale in fp32, then rounded once), then one GEMM; a DSL fp8 `dot` that reads the bytes in the GEMM's loop
-  is what replaces it (docs/ARCHITECTURE.md).
+- scales per block of inputs (groups a multiple of 32), 9+ rows (decode batches, prefill) on a GPU: the DSL's FP8
+  GEMM (kernels_src/fp8_gemm.py): x quantized to e4m3 per row and group (the checkpoints' dynamic activation
+  scheme, as vLLM runs them), one FP8 tensor-core dot a group;
+- otherwise (groups of 16, CPU tensors): W dequantized to x's dtype a chunk of rows at a time (each value times its
+  block's scale in fp32, then rounded once), then one GEMM.
 Elsewhere (MLX, older GPUs, CPU tensors) the weights are dequantized at load: `no_fp8` says why, for the log."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 
 from backends.cuda.runtime import torch
 from backends.cuda.torch_ops import dequantized_matmul
+from kernels_src.fp8_gemm import fp8_matmul, step_of
 from kernels_src.fp8_gemv import MAX_ROWS, fp8_gemv
 
 MIN_CAPABILITY = (8, 9)
@@ -34,8 +37,8 @@ def no_fp8(device: torch.device) -> str | None:
 
 
 def path(group: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, rows: int) -> str:
-    """"scaled_mm", "gemv" or "blockwise" for `rows` rows of x times weights [N, K] with a scale a `group` inputs,
-    computed in `dtype`."""
+    """"scaled_mm", "gemv", "fp8_gemm" or "blockwise" for `rows` rows of x times weights [N, K] with a scale a
+    `group` inputs, computed in `dtype`."""
     n, k = shape
     # On a GPU, row-wise scaling writes bf16 only, and wants Hopper; on CPU tensors (tests) any float output, where
     # this torch's CPU kernel takes row-wise scales at all.
@@ -43,7 +46,10 @@ def path(group: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.d
         dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= ROWWISE_CAPABILITY)
     if group == k and k % 16 == 0 and n % 16 == 0 and rowwise:
         return "scaled_mm"
-    return "gemv" if rows <= MAX_ROWS else "blockwise"
+    if rows <= MAX_ROWS:
+        return "gemv"
+    # CPU tensors (tests with the device gate opened) keep the exact dequantized product
+    return "fp8_gemm" if device.type == "cuda" and step_of(group) else "blockwise"
 
 
 @functools.cache
@@ -74,6 +80,8 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, chunk
     how = path(k // scales.shape[1], (n, k), x.dtype, x.device, x2.shape[0])
     if how == "gemv":
         return fp8_gemv(x2.contiguous(), codes, scales, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
+    if how == "fp8_gemm":
+        return fp8_matmul(x2.contiguous(), codes, scales, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
     if how == "scaled_mm":
         xs = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp_min(1e-12)
         xq = (x2.float() / xs).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)

@@ -183,6 +183,8 @@ class _Program:
             if op.result.dtype.is_int:  # int8 pairs: exact in int64, wrapped to int32 as the MMA does
                 s = np.matmul(a[0].astype(np.int64), a[1].astype(np.int64))
                 return (s & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+            if op.args[0].dtype.name == "fp8e4nv":  # bytes: products exact in fp32, as the MMA's
+                a = [_convert(v, op.args[0].dtype, op.result.dtype, False) for v in a]
             return np.matmul(a[0].astype(np.float32), a[1].astype(np.float32))
         if code == "ptr_add":
             return Ptr(a[0].buf, np.asarray(a[0].off, np.int64) + np.asarray(a[1], np.int64), a[0].bf16)

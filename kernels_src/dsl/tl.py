@@ -238,16 +238,21 @@ def min(x, axis=None, keep_dims: bool = False) -> Tile:
 
 def dot(a: Tile, b: Tile, acc: Tile | None = None) -> Tile:
     """[M, K] @ [K, N] -> fp32 [M, N], every dim >= 16 (Triton's tensor-core minimum); fp32 inputs in full IEEE.
-    int8 @ int8 -> int32 [M, N] (exact, wrapping past 2**31), K >= 32 (the int8 MMA's K)."""
+    int8 @ int8 -> int32 [M, N] (exact, wrapping past 2**31), K >= 32 (the int8 MMA's K). float8e4nv @ float8e4nv
+    -> fp32 [M, N], K >= 32 (the FP8 MMA's K; products exact, sums in fp32, or fewer bits on sm_90: keep K a step
+    small and add the steps in fp32); targets without FP8 refuse it (ir.fp8_free)."""
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0]:
         raise TraceError(f"dot needs [M, K] @ [K, N], got {a.type} @ {b.type}")
     if builtins.min(*a.shape, b.shape[1]) < 16:
         raise TraceError(f"dot dims must be >= 16, got {a.shape} @ {b.shape}")
-    if a.dtype == int8 and b.dtype == int8:
+    if (a.dtype == int8 and b.dtype == int8) or (a.dtype == float8e4nv and b.dtype == float8e4nv):
         if a.shape[1] < 32:
-            raise TraceError(f"an int8 dot needs K >= 32, got {a.shape} @ {b.shape}")
-        out = _op("dot", [a, b], TileType(int32, (a.shape[0], b.shape[1])))
+            raise TraceError(f"an {a.dtype} dot needs K >= 32, got {a.shape} @ {b.shape}")
+        out = _op("dot", [a, b], TileType(int32 if a.dtype == int8 else float32, (a.shape[0], b.shape[1])))
         return out if acc is None else out + acc
+    if float8e4nv in (a.dtype, b.dtype):
+        raise TraceError(f"an fp8 dot takes two fp8e4nv tiles, got {a.dtype} and {b.dtype} (convert the fp8 one to "
+                         "the other's dtype first)")
     dtype = _promote(a.dtype, b.dtype)
     if not dtype.is_float:
         raise TraceError(f"dot is for floats or int8 pairs, got {a.dtype} and {b.dtype}")
