@@ -79,7 +79,9 @@ def host(t) -> np.ndarray:
     return (t.float() if t.is_floating_point() else t).cpu().numpy()
 
 
-def compare(what: str, got: np.ndarray, want: np.ndarray, dtype: str) -> Verdict:
+def compare(what: str, got: np.ndarray, want: np.ndarray, dtype: str,
+            tol: tuple[float, float] | None = None) -> Verdict:
+    """(rel err, None or what is wrong) of `got` against `want` within TOL[dtype] (or `tol`: (rel, max of max|ref|))."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if got.shape != want.shape:
         return np.inf, f"{what}: shape {got.shape} != reference {want.shape}"
@@ -88,7 +90,7 @@ def compare(what: str, got: np.ndarray, want: np.ndarray, dtype: str) -> Verdict
     scale = max(np.abs(want).max(), 1e-30)
     rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
     worst = float(np.abs(got - want).max() / scale)
-    tol_rel, tol_max = TOL[dtype]
+    tol_rel, tol_max = tol or TOL[dtype]
     if rel > tol_rel or worst > tol_max:
         return rel, f"{what}: rel err {rel:.2e} (tol {tol_rel:g}), max err {worst:.2e} of max|ref| (tol {tol_max:g})"
     return rel, None

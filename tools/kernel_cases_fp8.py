@@ -37,14 +37,18 @@ def fp8_gemv_case(d: Dev, p: dict, name: str) -> Case:
                 lambda target: y.fill_(float("nan")))
 
 
+FP8_MMA_TOL = {"float32": (1e-3, 5e-3)}  # y of fp32 x: the MMA's own rounding (fp16 / bf16 y: their TOL's covers it)
 GEMM_KEYS = ("block_m", "block_n", "split_k", "swap", "num_warps", "num_stages")
 
 
 def fp8_gemm_case(d: Dev, p: dict, name: str) -> Case:
-    """fp8_matmul at default tiles unless p names launcher keywords (GEMM_KEYS). The GPU divides by div.full.f32
-    (Triton's fp32 `/`), so x's codes are checked against quantize_x_ref allowing a code's neighbour in one in 10^4,
-    and y against the float64 product of the codes and scales the GPU's own quantize_x gives (the GEMM's: the same
-    kernel on the same x)."""
+    """fp8_matmul at default tiles unless p names launcher keywords (GEMM_KEYS). x's codes are checked against
+    quantize_x_ref allowing the next code up or down in at most 1% of them: on the H200 (Triton 3.6) 0.01-0.11% of
+    the GPU's codes differ from round-to-nearest-even (its approximate fp32 division, and a conversion to e4m3 that
+    may round twice), a rounding difference, where a wrong scale, sign or byte would move many codes far. y is checked
+    against the float64 product of the codes and scales the GPU's own quantize_x gives (the same kernel on the same
+    x), within FP8_MMA_TOL: Hopper's FP8 MMA adds a K step's products at less than fp32's precision (DeepSeek-V3's
+    report: ~14 bits; hence the fresh fp32 tile a step), 2.3e-4 of the output on the H200 at 128-input steps."""
     m, n, k, group, dt = p["m"], p["n"], p["k"], p["group"], d.dtype(p["dtype"])
     (codes, scales), x, y = fp8_weights(d, n, k, group), d.randn((m, k), dt), d.nan((m, n), dt)
     tiles = {key: p[key] for key in GEMM_KEYS if key in p}
@@ -57,13 +61,18 @@ def fp8_gemm_case(d: Dev, p: dict, name: str) -> Case:
     def check():
         xq, xs = (host(t) for t in gg.quantize_x(x, group, target=ran["target"]))
         want_q, want_s = gg.quantize_x_ref(host(x), group)
-        steps = np.abs(fp8_blocks.decode(xq) - fp8_blocks.decode(want_q)) > 0
-        if np.count_nonzero(steps) > max(1, xq.size // 10**4) or not np.allclose(xs, want_s, rtol=1e-6, atol=0):
-            return np.inf, f"x's e4m3 codes: {np.count_nonzero(steps)} of {xq.size} differ from quantize_x_ref"
+        differ = xq != want_q
+        mag, want_mag = (xq & 0x7F).astype(int), (want_q & 0x7F).astype(int)  # e4m3's magnitudes order as their codes
+        sign_flip = ((xq ^ want_q) & 0x80 != 0) & (np.maximum(mag, want_mag) > 1)  # +-0 and the least subnormal aside
+        far = differ & (sign_flip | (np.abs(mag - want_mag) > 1))
+        if far.any() or np.count_nonzero(differ) > max(1, xq.size // 100) or not np.allclose(xs, want_s, rtol=1e-6,
+                                                                                                   atol=0):
+            return np.inf, (f"x's e4m3 codes: {np.count_nonzero(differ)} of {xq.size} differ from quantize_x_ref, "
+                            f"{np.count_nonzero(far)} by more than the next code")
         i = d.sample(n)
         xv = fp8_blocks.decode(xq).astype(np.float64).reshape(m, -1, group) * xs[..., None]
         wv = fp8_blocks.decode(host(codes[i])).astype(np.float64).reshape(len(i), -1, group)
         want = xv.reshape(m, k) @ (wv * host(scales[i])[..., None]).reshape(len(i), k).T
-        return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
+        return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"], FP8_MMA_TOL.get(p["dtype"])))
 
     return Case(name, p, launch, check, lambda target: y.fill_(float("nan")))
