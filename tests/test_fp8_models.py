@@ -148,6 +148,49 @@ def test_fp8_gemm_path_is_its_definition(monkeypatch):
     np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_block_scales_are_found_where_every_128_rows_share_them():
+    """fp8_linear.block_scales: DeepSeek's [N / 128, K / 128] where each 128 rows' scales are one (then the blockwise
+    cuBLASLt GEMM may take the weight); None where a row differs, the rows do not divide, or groups are not 128."""
+    from backends.cuda import fp8_linear
+
+    rng = np.random.default_rng(3)
+    blocks = rng.uniform(0.5, 2, (3, 4)).astype(np.float32)
+    scales = np.repeat(blocks, 128, axis=0)
+    np.testing.assert_array_equal(fp8_linear.block_scales(scales, 512), blocks)
+    odd = scales.copy()
+    odd[200, 1] *= 1.5
+    assert fp8_linear.block_scales(odd, 512) is None  # one row of the second block differs
+    assert fp8_linear.block_scales(scales[:320], 512) is None  # 320 rows: not whole blocks
+    assert fp8_linear.block_scales(np.repeat(scales, 2, axis=1), 512) is None  # groups of 64
+    assert not fp8_linear.blockwise_mm(torch.device("cpu"), torch.float32)  # CPU tensors: the DSL's FP8 GEMM
+
+
+def test_gpu_block_scaled_mm_is_its_definition():
+    """On a Hopper GPU whose torch._scaled_mm takes DeepSeek's blockwise scales (cuBLASLt 12.9+): prefill rows of a
+    128 x 128-block weight take it, against x rounded to e4m3 per row and 128 inputs by torch's cast times W decoded
+    by the engine's table, in float64 (bf16 y: its rounding, and the FP8 MMA's own, ~1e-2 of max|y|)."""
+    from backends.cuda import fp8_linear
+
+    dev = torch.device("cuda")
+    if not torch.cuda.is_available() or not fp8_linear.blockwise_mm(dev, torch.bfloat16):
+        pytest.skip("needs a GPU whose torch._scaled_mm takes 1 x 128 and 128 x 128 scales (Hopper, CUDA 12.9+)")
+    rng = np.random.default_rng(4)
+    n, k, rows = 384, 512, 130  # rows: cuBLASLt's multiple of 4 padded
+    codes = (torch.from_numpy(rng.standard_normal((n, k), np.float32)) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
+    blocks = rng.uniform(0.5, 2, (n // 128, k // 128)).astype(np.float32)
+    scales = np.repeat(blocks, 128, axis=0)
+    x = torch.from_numpy(rng.standard_normal((rows, k), np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32))
+    assert fp8_linear.path(128, (n, k), torch.bfloat16, dev, rows, True) == "block_scaled_mm"
+    y = fp8_linear.fp8_linear(x.to(dev, torch.bfloat16), codes.to(dev), torch.from_numpy(scales).to(dev), 0,
+                              blocks=torch.from_numpy(blocks).to(dev))
+    xg = x.to(torch.bfloat16).float().view(rows, -1, 128)
+    xs = xg.abs().amax(2, keepdim=True) / 448
+    xr = ((xg / xs).to(torch.float8_e4m3fn).double() * xs.double()).view(rows, k)
+    w = fp8_blocks.dequantize(fp8_blocks.pack(codes.numpy(), scales, 128), (n, k), 128).astype(np.float64)
+    want = xr.numpy() @ w.T
+    np.testing.assert_allclose(y.float().cpu().numpy(), want, rtol=0, atol=1e-2 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("group,rows,path", [(64, 5, "gemv"), (64, 9, "blockwise"), (192, 5, "scaled_mm")])
 def test_fp8_linear_is_its_definition(group, rows, path):
     """fp8_linear on CPU tensors against W decoded by the engine's e4m3 table and x rounded to e4m3 row by row by
@@ -203,8 +246,8 @@ def test_kept_fp8_gemm_on_cpu_tensors(ckpt, monkeypatch):
     from backends.cuda import fp8_linear
 
     real = fp8_linear.path
-    monkeypatch.setattr(fp8_linear, "path", lambda g, shape, dt, _dev, rows: real(g, shape, dt, torch.device("cuda"),
-                                                                                   rows))
+    monkeypatch.setattr(fp8_linear, "path", lambda g, shape, dt, _dev, rows, *blocks: real(
+        g, shape, dt, torch.device("cuda"), rows))
     _, folder = ckpt("blockwise")
     model = load_model(folder, progress=False)
     b, paths = _kept_cuda(model, monkeypatch, "cpu", "f32")

@@ -129,16 +129,20 @@ def int4_params(graph, group: int = 128, device: str = "cuda") -> dict:
 
 
 def fp8_params(graph, group: int = 128, device: str = "cuda") -> dict:
-    """Every 2-D matrix as e4m3 bytes with an f32 scale a group of a row (what the block-wise FP8 checkpoints load
-    as); random finite codes (the exponent's top bit kept clear: never the NaN code); stacks and vectors bf16."""
+    """Every 2-D matrix as e4m3 bytes with an f32 scale a group of a row, the same over each 128 rows where they
+    divide (what DeepSeek-V3 / Qwen3-FP8's 128 x 128 blocks load as, with their block scales); random finite codes
+    (the exponent's top bit kept clear: never the NaN code); stacks and vectors bf16."""
+    from backends.cuda.fp8_linear import BLOCK
     from backends.cuda.weights import QuantWeight
     from ir.formats import fp8_blocks
 
     def quantize(name, shape, gen):
         rows, cols = shape
         codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, device=device, generator=gen) & 0xBF
-        scales = torch.rand((rows, cols // group), device=device, generator=gen) * 1e-3
-        return QuantWeight(codes, fp8_blocks.kind_name(group), shape, scales=scales)
+        blocked = group == BLOCK and rows % BLOCK == 0
+        blocks = torch.rand((-(-rows // BLOCK), cols // group), device=device, generator=gen) * 1e-3
+        scales = blocks.repeat_interleave(BLOCK, dim=0)[:rows].contiguous()
+        return QuantWeight(codes, fp8_blocks.kind_name(group), shape, scales=scales, blocks=blocks if blocked else None)
 
     # the FP8 checkpoints' embeddings stay 16-bit
     return _quantized(graph, device, lambda name, shape: len(shape) != 2 or name == "embed", quantize)

@@ -282,7 +282,7 @@ class Runner:
             return int_group_linear(x, w.data, w.qtype, w.shape, w.perm, self.target, DEQUANT_CHUNK_BYTES,
                                     pdl=self.pdl)
         if family == "fp8":
-            return fp8_linear(x, w.data, w.scales, DEQUANT_CHUNK_BYTES, self.target, pdl=self.pdl)
+            return fp8_linear(x, w.data, w.scales, DEQUANT_CHUNK_BYTES, self.target, pdl=self.pdl, blocks=w.blocks)
         n, k = w.shape
         x2 = x.reshape(-1, k)
         mmq_ok = w.qtype in MMQ_QTYPES and self.target in I8_TARGETS

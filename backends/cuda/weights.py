@@ -37,10 +37,11 @@ class QuantWeight:
     shape: tuple[int, ...]
     perm: torch.Tensor | None = None  # act-order integer groups: the input order of the stored columns (int64)
     scales: torch.Tensor | None = None  # FP8: data is the e4m3 bytes [N, K], these their f32 scales [N, K / group]
+    blocks: torch.Tensor | None = None  # FP8 in 128 x 128 blocks: the scales once a block, [N / 128, K / 128]
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() + (0 if self.scales is None else self.scales.numel() * 4)
+        return self.data.numel() + sum(0 if t is None else t.numel() * 4 for t in (self.scales, self.blocks))
 
 
 Param = torch.Tensor | QuantWeight
@@ -78,7 +79,9 @@ def to_device(graph: Graph, weights, dtype: str, device, quantized: bool = True,
             why = keep(t, device) if keep is not None else f"no CUDA kernel takes {t.format.family} weights"
             if why is None and t.format.family == "fp8":
                 codes, scales = fp8_blocks.split(t.data, t.format.block_elems, *p.shape)
-                params[name] = QuantWeight(_host(codes).to(device), t.kind, p.shape, None, _host(scales).to(device))
+                blocks = fp8_linear.block_scales(scales, p.shape[1])
+                params[name] = QuantWeight(_host(codes).to(device), t.kind, p.shape, None, _host(scales).to(device),
+                                           None if blocks is None else _host(blocks).to(device))
                 continue
             if why is None:
                 blocks = np.ascontiguousarray(t.data).reshape(t.format.stored_shape(p.shape))
@@ -120,5 +123,7 @@ def concat(parts: list[Param]) -> Param:
     if isinstance(parts[0], QuantWeight):
         data = torch.cat([p.data for p in parts], dim=0)
         scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts], dim=0)
-        return QuantWeight(data, parts[0].qtype, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), None, scales)
+        blocks = None if any(p.blocks is None for p in parts) else torch.cat([p.blocks for p in parts], dim=0)
+        return QuantWeight(data, parts[0].qtype, (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), None, scales,
+                           blocks)
     return torch.cat(parts, dim=0)
