@@ -10,15 +10,19 @@ sibling would need an abort of its own; the cost that saves is small here (docs/
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from frontend.engine.engine import LLMEngine
 from frontend.engine_errors import EngineDeadError
+from frontend.engine_proc import arrivals
 from frontend.engine_proc.spec import LOAD_ERRORS, EngineSpec
 from frontend.engine_proc.wire import Codec, Dead, Failure, LoadFailed, Ready, Step, delta_of, stats_of
 
@@ -79,10 +83,14 @@ def _serve(spec: EngineSpec, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: 
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent_pid: int):
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent_pid: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.inbox, self.outbox, self.codec = inbox, outbox, codec
         self.parent_pid = parent_pid
+        self.clock = clock
+        self.gather_arrivals = arrivals.enabled()
+        self.last_step_s: float | None = None  # the last step's wall time: how long a burst may be waited for
 
     def run(self) -> None:
         """Returns on a stop message or when the API process is gone."""
@@ -91,10 +99,14 @@ class EngineCore:
             if os.getppid() != self.parent_pid:
                 log.warning("the API process is gone; the engine stops")
                 return
-            if not engine.has_unfinished() and not self.inbox.poll(_IDLE_POLL_MS):
+            idle = not engine.has_unfinished()
+            if idle and not self.inbox.poll(_IDLE_POLL_MS):
                 continue
             failures: list[Failure] = []
             took, added, seqs, stop = self._take_inputs(failures)
+            if idle and added and self.gather_arrivals and not stop:  # the rest of a burst joins its first step
+                more, more_seqs, stop = self._gather(failures)
+                added, seqs = added + more, seqs + more_seqs
             if stop:
                 return
             outputs = []
@@ -103,6 +115,29 @@ class EngineCore:
                 outputs = self._step(failures)
             if took or stepped:
                 self._send(Step(outputs, failures, stats_of(engine), added, seqs))
+
+    def _gather(self, failures: list[Failure]) -> tuple[int, int, bool]:
+        """An idle engine's first arrivals: takes the rest of their burst (arrivals.py); (requests, sequences added,
+        stop)."""
+        added = seqs = 0
+        stop = False
+
+        def take() -> bool:
+            nonlocal added, seqs, stop
+            _, more, more_seqs, stop = self._take_inputs(failures)
+            added, seqs = added + more, seqs + more_seqs
+            return stop
+
+        sched = self.engine.scheduler
+        cfg = sched.config
+
+        def full() -> bool:  # a step's worth waits: more would only wait for the next step anyway
+            return (len(sched.waiting) >= cfg.max_num_seqs
+                    or sum(s.num_tokens for s in sched.waiting) >= cfg.max_num_batched_tokens)
+
+        gather = arrivals.ArrivalGather.for_step(self.last_step_s)
+        gather.gather(lambda s: bool(self.inbox.poll(max(1, math.ceil(s * 1e3)))), take, full, self.clock)
+        return added, seqs, stop
 
     def _take_inputs(self, failures: list[Failure]) -> tuple[bool, int, int, bool]:
         """Every message waiting, adds before aborts (an abort may name an add of the same message)."""
@@ -148,8 +183,11 @@ class EngineCore:
 
     def _step(self, failures: list[Failure]) -> list:
         engine = self.engine
+        start = self.clock()
         try:
-            return [delta_of(out) for out in engine.step()]
+            outputs = [delta_of(out) for out in engine.step()]
+            self.last_step_s = self.clock() - start
+            return outputs
         except Exception as e:  # a backend failure fails this step's requests; the engine goes on
             if engine.backend.is_fatal(e):  # e.g. a poisoned CUDA context: no later step can run
                 raise EngineDeadError(f"the backend cannot run another step after {e.__class__.__name__}: "
