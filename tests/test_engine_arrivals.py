@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from core.sampling_params import SamplingParams
-from frontend.engine_proc import arrivals
+from frontend.engine_proc import arrivals, step_log
 from frontend.engine_proc.arrivals import ArrivalGather
 from frontend.engine_proc.core import EngineCore
 from frontend.engine_proc.wire import Add, Codec, Inputs, Step
@@ -81,8 +81,9 @@ def _run(engine, script: list[tuple[float, list[str]]], max_tokens: int = 3) -> 
 BURST = [(0.0, ["a"]), (0.5 * MS, ["b", "c"]), (1.5 * MS, ["d"]), (2.0 * MS, ["e", "f", "g", "h"])]
 
 
-def test_a_burst_at_an_idle_engine_is_prefilled_in_one_step(make_engine, monkeypatch):
+def test_a_burst_at_an_idle_engine_is_prefilled_in_one_step(make_engine, monkeypatch, tmp_path):
     monkeypatch.delenv(arrivals.ENV, raising=False)
+    monkeypatch.setenv(step_log.ENV, str(tmp_path / "steps.jsonl"))
     steps = _run(make_engine(max_num_seqs=8), BURST)
     ids = "abcdefgh"
     # The first step prefills all eight (each gets its first token), the very next one gives each its second:
@@ -90,13 +91,20 @@ def test_a_burst_at_an_idle_engine_is_prefilled_in_one_step(make_engine, monkeyp
     assert steps[0] == dict.fromkeys(ids, 1)
     assert steps[1] == dict.fromkeys(ids, 2)
     assert steps[2] == dict.fromkeys(ids, 3)
+    got = step_log.summarize(str(tmp_path / "steps.jsonl"))
+    assert (got["steps"], got["steps_with_prompt_tokens"], got["new_streams"]) == (3, 1, 8)
+    assert got["first_gaps_with_prompt_tokens"] == 0
 
 
-def test_without_gathering_the_first_arrival_is_prefilled_alone(make_engine, monkeypatch):
+def test_without_gathering_the_first_arrival_is_prefilled_alone(make_engine, monkeypatch, tmp_path):
     monkeypatch.setenv(arrivals.ENV, "0")
+    monkeypatch.setenv(step_log.ENV, str(tmp_path / "steps.jsonl"))
     steps = _run(make_engine(max_num_seqs=8), BURST)
     assert steps[0] == {"a": 1}  # what the gathering is for: "a"'s second token waits for seven prefills
     assert steps[1] == {"a": 2, **dict.fromkeys("bcdefgh", 1)}
+    got = step_log.summarize(str(tmp_path / "steps.jsonl"))
+    assert (got["steps_with_prompt_tokens"], got["new_streams"], got["first_gaps_with_prompt_tokens"]) == (2, 8, 1)
+    assert got["first_gap_prompt_tokens_p50"] == 0  # seven of the eight first gaps carried no prompt
 
 
 def test_arrivals_after_a_silence_or_into_a_busy_engine_are_not_waited_for(make_engine, monkeypatch):

@@ -24,6 +24,7 @@ from frontend.engine.engine import LLMEngine
 from frontend.engine_errors import EngineDeadError
 from frontend.engine_proc import arrivals
 from frontend.engine_proc.spec import LOAD_ERRORS, EngineSpec
+from frontend.engine_proc.step_log import StepLog
 from frontend.engine_proc.wire import Codec, Dead, Failure, LoadFailed, Ready, Step, delta_of, stats_of
 
 log = logging.getLogger("frontend.engine")
@@ -91,6 +92,7 @@ class EngineCore:
         self.clock = clock
         self.gather_arrivals = arrivals.enabled()
         self.last_step_s: float | None = None  # the last step's wall time: how long a burst may be waited for
+        self.step_log = StepLog.from_env()
 
     def run(self) -> None:
         """Returns on a stop message or when the API process is gone."""
@@ -112,7 +114,7 @@ class EngineCore:
             outputs = []
             stepped = engine.has_unfinished()
             if stepped:
-                outputs = self._step(failures)
+                outputs = self._step(failures, added)
             if took or stepped:
                 self._send(Step(outputs, failures, stats_of(engine), added, seqs))
 
@@ -181,13 +183,15 @@ class EngineCore:
             self.engine.abort_request(add.request_id)
             failures.append(Failure(add.request_id, "failed", f"the engine could not add the request: {e}"))
 
-    def _step(self, failures: list[Failure]) -> list:
+    def _step(self, failures: list[Failure], added: int) -> list:
         engine = self.engine
         start = self.clock()
         try:
-            outputs = [delta_of(out) for out in engine.step()]
+            outputs = engine.step()
             self.last_step_s = self.clock() - start
-            return outputs
+            if self.step_log is not None:
+                self.step_log.write(start, start + self.last_step_s, engine, outputs, added)
+            return [delta_of(out) for out in outputs]
         except Exception as e:  # a backend failure fails this step's requests; the engine goes on
             if engine.backend.is_fatal(e):  # e.g. a poisoned CUDA context: no later step can run
                 raise EngineDeadError(f"the backend cannot run another step after {e.__class__.__name__}: "
