@@ -3,7 +3,7 @@
 Clients that start together (a closed loop's wave, a batch job's fan-out) reach the engine a few milliseconds apart.
 An idle engine that stepped on the first arrival at once prefilled it alone and the rest of the burst in the next
 step, so that request's second token waited for everyone else's prefill: on this CPU (SmolLM2, 8-16 streams) a
-first gap of 1.4-5.8 s against a 130-170 ms decode step. In a closed loop the request that went first also finishes
+first gap of 1.3-7.9 s against a 130-170 ms decode step. In a closed loop the request that went first also finishes
 a step early, comes back alone and goes first again, wave after wave (docs/BENCHMARKS.md, 2026-12-04). Nothing
 decodes while the engine is idle, so waiting costs no stream a gap: the engine keeps taking requests while they come
 within a quarter of a step of each other, for at most one step, and starts as soon as a step's worth of prompts waits.
