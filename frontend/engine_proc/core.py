@@ -96,6 +96,13 @@ class EngineCore:
 
     def run(self) -> None:
         """Returns on a stop message or when the API process is gone."""
+        try:
+            self._loop()
+        finally:
+            if self.step_log is not None:
+                self.step_log.close()
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             if os.getppid() != self.parent_pid:

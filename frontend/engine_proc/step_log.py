@@ -44,6 +44,10 @@ class StepLog:
         self.file.write(json.dumps(line) + "\n")
 
 
+    def close(self) -> None:
+        self.file.close()
+
+
 def summarize(path: str) -> dict:
     """What the step between each stream's first and second token held (its prompt tokens, and the wall time of the
     call that read it back), against the steps that carried no prompt tokens."""
