@@ -162,3 +162,33 @@ def test_steps_that_admit_and_prefill_prompts_are_chained(chat_model, device):
     assert len(long_prompt) > 2 * engines[1].scheduler.config.decode_step_tokens  # "b" took several steps to enter
     # only the first step (nothing to chain behind) and the last (every token in flight ends its sequence) are not
     assert stats["overlapped_steps"] >= stats["steps"] - 2, stats
+
+
+def test_a_new_stream_samples_its_second_token_in_the_very_next_step(chat_model):
+    """Overlapped steps read a step's tokens back during the next one; a prompt whose last chunk runs in step N (a
+    chained step, beside decoding streams and other prompts' chunks) is in step N+1's decode batch, so each request's
+    tokens are reported one a step, from its first to its last, never with a step skipped between them."""
+    from backends.cuda.backend import CUDABackend
+    from core.sampling_params import SamplingParams as P
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    tok = chat_model.tokenizer
+    engine = LLMEngine(CUDABackend(chat_model, device="cpu", dtype="f32", progress=False),
+                       EngineConfig(num_kv_blocks=64, block_size=8,
+                                    scheduler=SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8)))
+    greedy = P(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request(tok.encode("The weather today"), P(temperature=0, max_tokens=14, ignore_eos=True), "a")
+    arrivals = {2: [("b", "A list of fruit: apple, banana, cherry, damson")], 4: [("c", "Hello"), ("d", "Rain")]}
+    reported: dict[str, list[int]] = {}  # request -> the step that reported each of its tokens
+    step = 0
+    while engine.has_unfinished():
+        for rid, text in arrivals.get(step, ()):
+            engine.add_request(tok.encode(text), greedy, rid)
+        for out in engine.step():
+            reported.setdefault(out.request_id, []).extend([step] * len(out.outputs[0].delta_token_ids))
+        step += 1
+    assert engine.stats["overlapped_steps"] >= engine.stats["steps"] - 2
+    assert len(reported["b"]) == 6 and len(tok.encode("A list of fruit: apple, banana, cherry, damson")) > 8
+    for rid, steps in reported.items():
+        assert steps == list(range(steps[0], steps[0] + len(steps))), (rid, steps)

@@ -10,16 +10,21 @@ sibling would need an abort of its own; the cost that saves is small here (docs/
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from frontend.engine.engine import LLMEngine
 from frontend.engine_errors import EngineDeadError
+from frontend.engine_proc import arrivals
 from frontend.engine_proc.spec import LOAD_ERRORS, EngineSpec
+from frontend.engine_proc.step_log import StepLog
 from frontend.engine_proc.wire import Codec, Dead, Failure, LoadFailed, Ready, Step, delta_of, stats_of
 
 log = logging.getLogger("frontend.engine")
@@ -79,30 +84,69 @@ def _serve(spec: EngineSpec, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: 
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent_pid: int):
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent_pid: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.inbox, self.outbox, self.codec = inbox, outbox, codec
         self.parent_pid = parent_pid
+        self.clock = clock
+        self.gather_arrivals = arrivals.enabled()
+        self.last_step_s: float | None = None  # the last step's wall time: how long a burst may be waited for
+        self.step_log = StepLog.from_env()
 
     def run(self) -> None:
         """Returns on a stop message or when the API process is gone."""
+        try:
+            self._loop()
+        finally:
+            if self.step_log is not None:
+                self.step_log.close()
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             if os.getppid() != self.parent_pid:
                 log.warning("the API process is gone; the engine stops")
                 return
-            if not engine.has_unfinished() and not self.inbox.poll(_IDLE_POLL_MS):
+            idle = not engine.has_unfinished()
+            if idle and not self.inbox.poll(_IDLE_POLL_MS):
                 continue
             failures: list[Failure] = []
             took, added, seqs, stop = self._take_inputs(failures)
+            if idle and added and self.gather_arrivals and not stop:  # the rest of a burst joins its first step
+                more, more_seqs, stop = self._gather(failures)
+                added, seqs = added + more, seqs + more_seqs
             if stop:
                 return
             outputs = []
             stepped = engine.has_unfinished()
             if stepped:
-                outputs = self._step(failures)
+                outputs = self._step(failures, added)
             if took or stepped:
                 self._send(Step(outputs, failures, stats_of(engine), added, seqs))
+
+    def _gather(self, failures: list[Failure]) -> tuple[int, int, bool]:
+        """An idle engine's first arrivals: takes the rest of their burst (arrivals.py); (requests, sequences added,
+        stop)."""
+        added = seqs = 0
+        stop = False
+
+        def take() -> bool:
+            nonlocal added, seqs, stop
+            _, more, more_seqs, stop = self._take_inputs(failures)
+            added, seqs = added + more, seqs + more_seqs
+            return stop
+
+        sched = self.engine.scheduler
+        cfg = sched.config
+
+        def full() -> bool:  # a step's worth waits: more would only wait for the next step anyway
+            return (len(sched.waiting) >= cfg.max_num_seqs
+                    or sum(s.num_tokens for s in sched.waiting) >= cfg.max_num_batched_tokens)
+
+        gather = arrivals.ArrivalGather.for_step(self.last_step_s)
+        gather.gather(lambda s: bool(self.inbox.poll(max(1, math.ceil(s * 1e3)))), take, full, self.clock)
+        return added, seqs, stop
 
     def _take_inputs(self, failures: list[Failure]) -> tuple[bool, int, int, bool]:
         """Every message waiting, adds before aborts (an abort may name an add of the same message)."""
@@ -146,10 +190,15 @@ class EngineCore:
             self.engine.abort_request(add.request_id)
             failures.append(Failure(add.request_id, "failed", f"the engine could not add the request: {e}"))
 
-    def _step(self, failures: list[Failure]) -> list:
+    def _step(self, failures: list[Failure], added: int) -> list:
         engine = self.engine
+        start = self.clock()
         try:
-            return [delta_of(out) for out in engine.step()]
+            outputs = engine.step()
+            self.last_step_s = self.clock() - start
+            if self.step_log is not None:
+                self.step_log.write(start, start + self.last_step_s, engine, outputs, added)
+            return [delta_of(out) for out in outputs]
         except Exception as e:  # a backend failure fails this step's requests; the engine goes on
             if engine.backend.is_fatal(e):  # e.g. a poisoned CUDA context: no later step can run
                 raise EngineDeadError(f"the backend cannot run another step after {e.__class__.__name__}: "
