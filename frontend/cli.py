@@ -84,8 +84,8 @@ def parser() -> argparse.ArgumentParser:
                      help="while any stream waits for its next token, a step computes at most max(N, 1.5 x the "
                      "decoding streams, their count + 1/16 of the prompt tokens still to compute) tokens: new prompts "
                      "enter in pieces beside the decodes, each step costing about what a decode step does (bounds "
-                     "the inter-token latency's tail). Default: the backend's knee (128 on a GPU; off on a CPU); "
-                     "0: off (--max-num-batched-tokens always)")
+                     "the inter-token latency's tail). Default: off on every backend for now (no knee measured to pay "
+                     "off through the server; 128 is an H200's to try); 0: off (--max-num-batched-tokens always)")
     eng.add_argument("--prefill-spread-steps", metavar="N", type=_positive(), default=16,
                      help="with the decode-step budget on, a step also takes 1/N of the prompt tokens still to "
                      "compute: a burst of prompts is spread over about N steps, and a prompt waits about N steps")
