@@ -99,10 +99,35 @@ def test_plan_refuses_a_longrope_graph():
 
 def test_attention_warm_up_writes_nothing(saved, caplog):  # noqa: F811
     """The start-up steps that compile the eager attention for each table width (CUDABackend._warm_up_attention) run
-    through the pieces and leave the KV cache as it was (their slots are -1)."""
+    through the pieces, leave the KV cache as it was (their slots are -1) and are not sent to workers again."""
     model = load_model(saved("llama3_rope")[1], progress=False)
     pieced, _ = _backends(model, "cpu", 32)
     before = [t.clone() for layer in pieced.kv for t in layer]
+    sent = []
+    pieced.mirror = lambda *call, **kw: sent.append(call[0])  # each rank warms up inside the mirrored allocate_kv
     pieced._warm_up_attention(4)
-    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"] and sent == []
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in pieced.kv for t in layer), strict=True))
+
+
+@pytest.mark.parametrize("case", ["llama3_rope", "mistral_window"])
+def test_eager_step_warm_up_writes_nothing_and_mirrors_nothing(case, saved, caplog):  # noqa: F811
+    """The start-up steps past the graphs' tokens (CUDABackend._warm_up_eager_steps: decode rows beside a prompt, 3
+    and 16 sequences) run, leave the KV cache as it was, and are not sent to tensor-parallel workers again (each
+    rank runs its own inside the mirrored allocate_kv)."""
+    from backends.cuda.warm_batches import mixed_batch
+
+    batch = mixed_batch(16, 61, 4, 32, groups=2)  # what a step of 61 tokens over 16 sequences looks like
+    q = np.diff(batch.query_start)
+    assert batch.num_tokens == 61 and list(q) == [1] * 15 + [46] and (batch.context_lens >= q).all()
+    assert batch.block_tables.shape[1] * 4 >= batch.context_lens.max() and (batch.slot_mapping == -1).all()
+    assert batch.positions.max() < 32 and len(batch.group_tables) == 1
+    model = load_model(saved(case)[1], progress=False)
+    pieced, _ = _backends(model, "cpu", 32)
+    pieced.max_step_tokens = 61
+    before = [t.clone() for layer in pieced.kv for t in layer]
+    sent = []
+    pieced.mirror = lambda *call, **kw: sent.append(call[0])
+    pieced._warm_up_eager_steps(32)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"] and sent == []
     assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in pieced.kv for t in layer), strict=True))

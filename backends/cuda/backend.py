@@ -22,6 +22,7 @@ from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
 from backends.cuda.step_graphs import StepGraphs
 from backends.cuda.step_meta import StepMeta
+from backends.cuda.warm_batches import mixed_batch, one_sequence
 from core.batch import Batch
 from core.kv_layout import KVLayout
 from ir.fusion import Fusions, concat_parts, fuse
@@ -223,31 +224,42 @@ class CUDABackend(Backend):
         n = min(tokens, self.model.config.vocab_size)
         ids = np.arange(tokens, dtype=np.int32) % n
         positions = (np.arange(tokens) % min(tokens, self.max_model_len)).astype(np.int32)  # within the rope table
-        self.forward(self._one_sequence(ids, positions, np.arange(tokens, dtype=np.int32),
-                                        np.arange(blocks, dtype=np.int32)[None]))
+        self.forward(one_sequence(ids, positions, np.arange(tokens, dtype=np.int32),
+                                  np.arange(blocks, dtype=np.int32)[None], self.kv_layout().num_groups))
         torch.cuda.synchronize(self.device)
         self.kv = self.runner.kv = []
-
-    def _one_sequence(self, ids, positions, slots, tables) -> Batch:
-        """A prefill of one whole sequence (the warm-ups'), the same slots and table in every KV group's pool."""
-        n, more = len(ids), self.kv_layout().num_groups - 1
-        return Batch(ids, positions, slots, tables, np.array([n], np.int32), np.array([0, n], np.int32),
-                     np.array([n - 1], np.int32), group_slots=(slots,) * more, group_tables=(tables,) * more)
 
     def _warm_up_attention(self, block_size: int) -> None:
         """Steps through the pieces whose block tables are 1, 8 and 16 blocks wide: the eager attention between the
         pieces is compiled for the table widths Triton tells apart (an integer argument equal to 1, a multiple of
         16, or neither), which a first request otherwise waited ~1 s for (an H200, an 8B model). Slots of -1 write
-        nothing; the reads of block 0 are discarded. A failure is logged: those steps still run, compiling then."""
+        nothing; the reads of block 0 are discarded. A failure is logged: those steps still run, compiling then.
+        Each rank runs its own (allocate_kv is mirrored to the workers): none is mirrored again."""
         try:
             for width in (1, 8, 16):
                 n = min(width * block_size, self.pieces.buckets[-1])
-                self.forward(self._one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
-                                                np.full(n, -1, np.int32), np.zeros((1, width), np.int32)))
+                self._forward(one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                                           np.full(n, -1, np.int32), np.zeros((1, width), np.int32),
+                                           self.kv_layout().num_groups), mirror=False)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
             log.warning("warming up the attention of prefill steps failed: %s: %s", type(e).__name__, e)
+
+    def _warm_up_eager_steps(self, max_positions: int) -> None:
+        """The eager steps past the graphs' tokens (PIECEWISE_MAX_TOKENS up to max_step_tokens), with decode rows
+        beside a prompt, compiled at start-up: a first wave of requests otherwise waited for them (an H200, an 8B
+        model: a 2,048-token step of 48 sequences took 0.38 s to launch, docs/BENCHMARKS.md 2026-12-04). Sequence
+        counts and token counts of each class Triton tells apart (a multiple of 16, or neither); nothing is
+        written (slots of -1). Each rank runs its own, as _warm_up_attention."""
+        try:
+            for seqs, tokens in ((3, self.max_step_tokens), (16, self.max_step_tokens - 1)):
+                batch = mixed_batch(seqs, tokens, self.block_size, max_positions, self.kv_layout().num_groups)
+                self._forward(batch, mirror=False)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
+            log.warning("warming up the eager prefill steps failed: %s: %s", type(e).__name__, e)
 
     def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int, _graphs: bool = True) -> None:
         if self.mirror is not None:  # the workers capture their graphs as this rank does, collectives in step
@@ -296,6 +308,8 @@ class CUDABackend(Backend):
                 self.whole = StepGraphs(self.runner, self._chain, min(PIECEWISE_MAX_TOKENS, self.max_step_tokens),
                                         self.max_num_seqs, -(-longest // block_size))
                 self.whole.capture_all()
+            if self.device.type == "cuda" and self.max_step_tokens > PIECEWISE_MAX_TOKENS:
+                self._warm_up_eager_steps(longest)
         else:
             self._chain = torch.zeros(chain, dtype=torch.int32, device=self.device)
 
@@ -310,13 +324,13 @@ class CUDABackend(Backend):
             self.workers.explain(e)
             raise
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
+    def _forward(self, batch: Batch, mirror: bool = True) -> torch.Tensor:
         if not self.kv:
             raise RuntimeError("allocate_kv must be called before forward")
         groups = self.kv_layout().num_groups
         if batch.num_groups != groups:
             raise ValueError(f"this model has {groups} KV groups; the batch has {batch.num_groups}")
-        if self.mirror is not None:
+        if self.mirror is not None and mirror:
             self.mirror("forward", batch)
         if self.graphs is not None and self.graphs.applies(batch):
             logits = self.graphs(batch)
@@ -383,3 +397,4 @@ class CUDABackend(Backend):
         wbytes = sum(weights.nbytes(p) for p in self.params.values())
         kbytes = sum(t.numel() * t.element_size() for layer in self.kv for t in layer)
         return MemoryReport(wbytes, kbytes, str(self.device))
+
