@@ -87,11 +87,15 @@ class EngineCore:
     def run(self) -> None:
         """Returns on a stop message or when the API process is gone."""
         engine = self.engine
+        check_s = engine.backend.idle_check_s()  # None: nothing to watch between steps (one process)
+        idle_poll_ms = _IDLE_POLL_MS if check_s is None else int(check_s * 1000)
         while True:
             if os.getppid() != self.parent_pid:
                 log.warning("the API process is gone; the engine stops")
                 return
-            if not engine.has_unfinished() and not self.inbox.poll(_IDLE_POLL_MS):
+            if not engine.has_unfinished() and not self.inbox.poll(idle_poll_ms):
+                if check_s is not None:
+                    self._check_alive()
                 continue
             failures: list[Failure] = []
             took, added, seqs, stop = self._take_inputs(failures)
@@ -103,6 +107,13 @@ class EngineCore:
                 outputs = self._step(failures)
             if took or stepped:
                 self._send(Step(outputs, failures, stats_of(engine), added, seqs))
+
+    def _check_alive(self) -> None:
+        """An idle engine whose backend lost a worker dies now, as a failed step would, not at the next request."""
+        try:
+            self.engine.backend.check_alive()
+        except Exception as e:
+            raise EngineDeadError(f"{e} while the engine was idle") from e
 
     def _take_inputs(self, failures: list[Failure]) -> tuple[bool, int, int, bool]:
         """Every message waiting, adds before aborts (an abort may name an add of the same message)."""
