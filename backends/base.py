@@ -16,6 +16,7 @@ from ir.kv_groups import kv_layout
 from ir.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+IDLE_CHECK_S = 0.25  # an idle engine notices a dead tensor-parallel worker within this (and /health says 503)
 
 
 @dataclass
@@ -119,6 +120,17 @@ class Backend(ABC):
         """Start sampling; `.result()` gives sample's list. A backend with `chains_steps` keeps the tokens on the
         device for the next step's `prev_rows` and reads them back only when asked."""
         return Sampled(self.sample(logits, inputs))
+
+    def idle_check_s(self) -> float | None:
+        """How often an idle engine calls check_alive: while this backend has worker processes, else never."""
+        workers = getattr(self, "workers", None)  # backends.tp_processes.Workers, over several local processes
+        return IDLE_CHECK_S if workers is not None and workers.procs else None
+
+    def check_alive(self) -> None:
+        """Raises (WorkerDied) when a worker process this backend steps with has exited; cheap, no collective."""
+        workers = getattr(self, "workers", None)
+        if workers is not None:
+            workers.check()
 
     def is_fatal(self, error: BaseException) -> bool:
         """Whether `error`, raised by a step, left this backend unable to run another one: the engine then stops and

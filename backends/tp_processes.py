@@ -4,7 +4,7 @@ sends them every backend call that runs the graph; a worker replays them in orde
 a group is joined or left are the backend's (`Channel`).
 
 A worker that exits fails rank 0's next call, or the collective waiting for it (WorkerDied), and the engine stops
-(the backend's is_fatal): an error, never a hang."""
+(the backend's is_fatal): an error, never a hang. An idle engine polls `Workers.check` (Backend.check_alive)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 `--tp 2` on MLX (its ring): a tiny random qwen3 with SmolLM2's vocabulary and tokenizer, served under SmolLM2's
 name, answers the README's curl example (its max_tokens cut to 4: on CUDA every step runs under the interpreter in
 two processes); a worker killed in the middle of a request fails that request, and /health says 503 within a second
-(the engine is then restarted). The README's two-host torchrun launch, its hosts two local processes on CPU tensors,
-answers a prompt as the interpreter does."""
+(the engine is then restarted); one killed while no request runs turns /health 503 within a second too. The
+README's two-host torchrun launch, its hosts two local processes on CPU tensors, answers a prompt
+as the interpreter does."""
 
 from __future__ import annotations
 
@@ -76,6 +77,24 @@ def test_a_killed_worker_fails_its_request_and_health(server):
     request.join(30)
     error = json.loads(result["r"].stdout)["error"]
     assert "rank 1" in error["message"] and "exited" in error["message"], error
+
+
+def test_a_worker_killed_while_idle_is_noticed_at_once(server):
+    """No request running: the idle engine's watch (not the next request) ends it, and a request gets an error."""
+    deadline = time.monotonic() + 60
+    while health(server) != 200:  # the previous test's engine restarting
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    assert chat(server, 1).returncode == 0
+    pid = int(re.findall(r"tp-worker pid (\d+) .*rank 1 of 2", server.log())[-1])
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while health(server) != 503:
+        assert time.monotonic() - killed < 1.0, "/health did not say 503 within a second\n" + server.log()[-3000:]
+        time.sleep(0.02)
+    error = json.loads(chat(server, 4).stdout)["error"]
+    assert error["message"], error
+    assert re.search(rf"rank 1 \(pid {pid}\) exited .* while the engine was idle", server.log())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -104,12 +104,16 @@ class EngineCore:
 
     def _loop(self) -> None:
         engine = self.engine
+        check_s = engine.backend.idle_check_s()  # None: nothing to watch between steps (one process)
+        idle_poll_ms = _IDLE_POLL_MS if check_s is None else int(check_s * 1000)
         while True:
             if os.getppid() != self.parent_pid:
                 log.warning("the API process is gone; the engine stops")
                 return
             idle = not engine.has_unfinished()
-            if idle and not self.inbox.poll(_IDLE_POLL_MS):
+            if idle and not self.inbox.poll(idle_poll_ms):
+                if check_s is not None:
+                    self._check_alive()
                 continue
             failures: list[Failure] = []
             took, added, seqs, stop = self._take_inputs(failures)
@@ -147,6 +151,13 @@ class EngineCore:
         gather = arrivals.ArrivalGather.for_step(self.last_step_s)
         gather.gather(lambda s: bool(self.inbox.poll(max(1, math.ceil(s * 1e3)))), take, full, self.clock)
         return added, seqs, stop
+
+    def _check_alive(self) -> None:
+        """An idle engine whose backend lost a worker dies now, as a failed step would, not at the next request."""
+        try:
+            self.engine.backend.check_alive()
+        except Exception as e:
+            raise EngineDeadError(f"{e} while the engine was idle") from e
 
     def _take_inputs(self, failures: list[Failure]) -> tuple[bool, int, int, bool]:
         """Every message waiting, adds before aborts (an abort may name an add of the same message)."""
