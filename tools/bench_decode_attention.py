@@ -99,7 +99,7 @@ def fp8() -> bool:
 
 
 def fp8_label() -> str:
-    """The fp8 cache and how its kernel decodes e4m3 (LLM_ENGINE_FP8_CVT=1: the cvt)."""
+    """The fp8 cache and how its kernel decodes e4m3 (the cvt by default; integer ops with LLM_ENGINE_FP8_CVT=0)."""
     from kernels_src import e4m3
 
     return f"fp8 (e4m3 by {'the cvt' if e4m3.use_cvt('triton') else 'integer ops'})"

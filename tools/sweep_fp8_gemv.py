@@ -80,7 +80,7 @@ def sweep(torch, shapes: dict, batches, group: int, quick: bool) -> dict:
     from tools.kernel_case_base import Dev
 
     copy = copy_gbps(torch, 2**30)
-    cvt = "the cvt" if e4m3.use_cvt(TARGET) else "integer ops (LLM_ENGINE_FP8_CVT=1: the cvt)"
+    cvt = "the cvt" if e4m3.use_cvt(TARGET) else "integer ops (LLM_ENGINE_FP8_CVT=0, or a GPU without e4m3)"
     print(f"copy {copy:.0f} GB/s; {torch.cuda.get_device_name()}; e4m3 decoded by {cvt}", flush=True)
     print(f"{'shape':8} {'N x K':>12} {'M':>2} {'rows':>4} {'block_k':>7} {'warps':>5} {'pf':>2} {'st':>2} {'us':>8} "
           f"{'GB/s':>6} {'%copy':>5}  check", flush=True)

@@ -397,4 +397,3 @@ class CUDABackend(Backend):
         wbytes = sum(weights.nbytes(p) for p in self.params.values())
         kbytes = sum(t.numel() * t.element_size() for layer in self.kv for t in layer)
         return MemoryReport(wbytes, kbytes, str(self.device))
-

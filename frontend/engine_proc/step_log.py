@@ -43,7 +43,6 @@ class StepLog:
         self.prompt_tokens, self.generated = stats["prompt_tokens"], stats["generation_tokens"]
         self.file.write(json.dumps(line) + "\n")
 
-
     def close(self) -> None:
         self.file.close()
 
