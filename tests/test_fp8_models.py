@@ -123,6 +123,32 @@ KEPT = [("blockwise", BLOCK_PATHS, 1e-4), ("ct_channel", {"scaled_mm"}, 0.25),
 KEPT_IDS = [name for name, _, _ in KEPT]
 
 
+def _random_codes(rng, n: int, k: int) -> torch.Tensor:
+    """e4m3 bytes [n, k] of normal values times 40 (every exponent), by torch's cast."""
+    return (torch.from_numpy(rng.standard_normal((n, k), np.float32)) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _random_x(rng, rows: int, k: int) -> torch.Tensor:
+    """x [rows, k] with rows of different magnitudes (0.1-3)."""
+    values = rng.standard_normal((rows, k), np.float32)
+    return torch.from_numpy(values * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32))
+
+
+def _e4m3_rounded(x: torch.Tensor, group: int) -> np.ndarray:
+    """x rounded to e4m3 per row and `group` inputs (scale amax / 448) by torch's cast, in float64: the dynamic
+    activation scheme's x, independent of the engine's encoder."""
+    rows, k = x.shape
+    xg = x.view(rows, -1, group)
+    xs = xg.abs().amax(2, keepdim=True) / 448
+    return ((xg / xs).to(torch.float8_e4m3fn).double() * xs.double()).view(rows, k).numpy()
+
+
+def _decoded(codes: torch.Tensor, scales: np.ndarray, group: int) -> np.ndarray:
+    """W [n, k] in float64 from its e4m3 bytes and group scales, by the engine's e4m3 table."""
+    n, k = codes.shape
+    return fp8_blocks.dequantize(fp8_blocks.pack(codes.numpy(), scales, group), (n, k), group).astype(np.float64)
+
+
 def test_fp8_gemm_path_is_its_definition(monkeypatch):
     """fp8_linear's FP8 GEMM (9+ rows on a GPU; here the DSL's numpy target on CPU tensors) against x rounded to e4m3
     per row and group of 64 by torch's cast, times W decoded by the engine's e4m3 table, in float64."""
@@ -136,15 +162,11 @@ def test_fp8_gemm_path_is_its_definition(monkeypatch):
         "fp8_gemm", "gemv", "blockwise", "blockwise"]
     monkeypatch.setattr(fp8_linear, "path", lambda *a: "fp8_gemm")
     rng = np.random.default_rng(1)
-    codes = (torch.from_numpy(rng.standard_normal((n, k), np.float32)) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = _random_codes(rng, n, k)
     scales = rng.uniform(0.5, 2, (n, k // group)).astype(np.float32)
-    x = torch.from_numpy(rng.standard_normal((rows, k), np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32))
+    x = _random_x(rng, rows, k)
     y = fp8_linear.fp8_linear(x, codes, torch.from_numpy(scales), chunk_bytes=0, target="numpy").numpy()
-    xg = x.view(rows, -1, group)
-    xs = xg.abs().amax(2, keepdim=True) / 448
-    xr = ((xg / xs).to(torch.float8_e4m3fn).double() * xs.double()).view(rows, k)
-    w = fp8_blocks.dequantize(fp8_blocks.pack(codes.numpy(), scales, group), (n, k), group).astype(np.float64)
-    want = xr.numpy() @ w.T
+    want = _e4m3_rounded(x, group) @ _decoded(codes, scales, group).T
     np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -176,18 +198,14 @@ def test_gpu_block_scaled_mm_is_its_definition():
         pytest.skip("needs a GPU whose torch._scaled_mm takes 1 x 128 and 128 x 128 scales (Hopper, CUDA 12.9+)")
     rng = np.random.default_rng(4)
     n, k, rows = 384, 512, 130  # rows: cuBLASLt's multiple of 4 padded
-    codes = (torch.from_numpy(rng.standard_normal((n, k), np.float32)) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = _random_codes(rng, n, k)
     blocks = rng.uniform(0.5, 2, (n // 128, k // 128)).astype(np.float32)
     scales = np.repeat(blocks, 128, axis=0)
-    x = torch.from_numpy(rng.standard_normal((rows, k), np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32))
+    x = _random_x(rng, rows, k)
     assert fp8_linear.path(128, (n, k), torch.bfloat16, dev, rows, True) == "block_scaled_mm"
     y = fp8_linear.fp8_linear(x.to(dev, torch.bfloat16), codes.to(dev), torch.from_numpy(scales).to(dev), 0,
                               blocks=torch.from_numpy(blocks).to(dev))
-    xg = x.to(torch.bfloat16).float().view(rows, -1, 128)
-    xs = xg.abs().amax(2, keepdim=True) / 448
-    xr = ((xg / xs).to(torch.float8_e4m3fn).double() * xs.double()).view(rows, k)
-    w = fp8_blocks.dequantize(fp8_blocks.pack(codes.numpy(), scales, 128), (n, k), 128).astype(np.float64)
-    want = xr.numpy() @ w.T
+    want = _e4m3_rounded(x.to(torch.bfloat16).float(), 128) @ _decoded(codes, scales, 128).T
     np.testing.assert_allclose(y.float().cpu().numpy(), want, rtol=0, atol=1e-2 * np.abs(want).max())
 
 
@@ -201,19 +219,15 @@ def test_fp8_linear_is_its_definition(group, rows, path):
 
     rng = np.random.default_rng(0)
     n, k = 48, 192
-    codes = (torch.from_numpy(rng.standard_normal((n, k), np.float32)) * 40).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = _random_codes(rng, n, k)
     scales = rng.uniform(0.5, 2, (n, k // group)).astype(np.float32)
-    x = torch.from_numpy(rng.standard_normal((rows, k), np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32))
+    x = _random_x(rng, rows, k)
     if path == "scaled_mm" and not fp8_linear.cpu_rowwise():
         pytest.skip("this torch's CPU _scaled_mm takes one scale per operand only (2.11; 2.13 takes rows)")
     assert fp8_linear.path(group, (n, k), torch.float32, x.device, rows) == path
     y = fp8_linear.fp8_linear(x, codes, torch.from_numpy(scales), chunk_bytes=16 * k * 4, target="numpy").numpy()
-    w = fp8_blocks.dequantize(fp8_blocks.pack(codes.numpy(), scales, group), (n, k), group).astype(np.float64)
-    xr = x.double()
-    if path == "scaled_mm":
-        xs = x.abs().amax(1, keepdim=True) / 448
-        xr = (x / xs).to(torch.float8_e4m3fn).double() * xs.double()
-    want = xr.numpy() @ w.T
+    xr = _e4m3_rounded(x, k) if path == "scaled_mm" else x.double().numpy()
+    want = xr @ _decoded(codes, scales, group).T
     np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
