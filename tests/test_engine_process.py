@@ -35,6 +35,14 @@ def health(server: ServerProcess) -> int:
         return 0  # not listening (any more)
 
 
+def await_health(server: ServerProcess, status: int, within_s: float, what: str, poll_s: float = 0.1) -> None:
+    """Polls /health until it answers `status`; fails with `what` and the log's tail past `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while health(server) != status:
+        assert time.monotonic() < deadline, what + "\n" + server.log()[-3000:]
+        time.sleep(poll_s)
+
+
 def maps(pid: int) -> str:
     with open(f"/proc/{pid}/maps") as f:
         return f.read()
@@ -154,10 +162,7 @@ def test_a_killed_engine_is_restarted(faulty):
         assert isinstance(err, openai.APIError) and "SIGKILL" in err.message, err
     assert failed_in < 10, f"the streams took {failed_in:.1f} s to fail"
     assert status == 503 and refused.status_code == 503
-    deadline = time.monotonic() + 180
-    while health(faulty) != 200:
-        assert time.monotonic() < deadline, "the engine was not restarted\n" + faulty.log()[-3000:]
-        time.sleep(0.2)
+    await_health(faulty, 200, 180, "the engine was not restarted", poll_s=0.2)
     assert len(engine_pids(faulty)) == 2 and "engine process restarted" in faulty.log()
     sync = openai.OpenAI(base_url=faulty.url, api_key="unused", max_retries=0, timeout=120)
     r = sync.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)

@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from test_engine_process import health
+from test_engine_process import await_health
 from tiny_hf import save_tiny_chat_qwen3
 
 from ir.loader import load_model
@@ -70,10 +70,7 @@ def test_a_killed_worker_fails_its_request_and_health(server):
     request.start()
     time.sleep(2)  # into its decode steps
     os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    while health(server) != 503:
-        assert time.monotonic() - killed < 1.0, "/health did not say 503 within a second\n" + server.log()[-3000:]
-        time.sleep(0.02)
+    await_health(server, 503, 1.0, "/health did not say 503 within a second", poll_s=0.02)
     request.join(30)
     error = json.loads(result["r"].stdout)["error"]
     assert "rank 1" in error["message"] and "exited" in error["message"], error
@@ -81,17 +78,11 @@ def test_a_killed_worker_fails_its_request_and_health(server):
 
 def test_a_worker_killed_while_idle_is_noticed_at_once(server):
     """No request running: the idle engine's watch (not the next request) ends it, and a request gets an error."""
-    deadline = time.monotonic() + 60
-    while health(server) != 200:  # the previous test's engine restarting
-        assert time.monotonic() < deadline, server.log()[-3000:]
-        time.sleep(0.1)
+    await_health(server, 200, 60, "the previous test's engine was not restarted")
     assert chat(server, 1).returncode == 0
     pid = int(re.findall(r"tp-worker pid (\d+) .*rank 1 of 2", server.log())[-1])
     os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    while health(server) != 503:
-        assert time.monotonic() - killed < 1.0, "/health did not say 503 within a second\n" + server.log()[-3000:]
-        time.sleep(0.02)
+    await_health(server, 503, 1.0, "/health did not say 503 within a second", poll_s=0.02)
     error = json.loads(chat(server, 4).stdout)["error"]
     assert error["message"], error
     assert re.search(rf"rank 1 \(pid {pid}\) exited .* while the engine was idle", server.log())
