@@ -12,7 +12,7 @@ PIP=${PIP:-.venv/bin/pip}
 WANT=(gguf llguidance pydantic pydantic-core typing-inspection annotated-types msgspec pyzmq sanic sanic-routing
       tracerite html5tagger websockets httptools ujson)
 mkdir -p .whl
-"$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+$PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_31_x86_64 -d .whl "${WANT[@]}"
 du -sh .whl
