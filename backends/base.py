@@ -57,6 +57,10 @@ class Backend(ABC):
     # weighs its throughput against the ITL tail (spreading prompts makes more steps run in pieces); an Apple GPU's
     # near 32 by its FLOPs over bandwidth (not measured).
     step_knee_tokens: int = 0
+    # Prompt tokens waiting beside decoding streams that make the scheduler prefill them first, decodes paused
+    # (frontend/engine/scheduler.py's burst rule); 0: never, every step mixed, until a device's serving run has
+    # weighed it.
+    prefill_burst_tokens: int = 0
 
     def set_limits(self, max_num_seqs: int, max_model_len: int, max_step_tokens: int | None = None) -> None:
         """The engine's limits, given before the KV cache is sized: a backend may size per-step buffers by them

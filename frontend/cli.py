@@ -89,6 +89,11 @@ def parser() -> argparse.ArgumentParser:
     eng.add_argument("--prefill-spread-steps", metavar="N", type=_positive(), default=16,
                      help="with the decode-step budget on, a step also takes 1/N of the prompt tokens still to "
                      "compute: a burst of prompts is spread over about N steps, and a prompt waits about N steps")
+    eng.add_argument("--prefill-burst-tokens", metavar="N", type=_positive(zero=True), default=None,
+                     help="when at least N prompt tokens wait while streams decode, the steps that follow compute "
+                     "those prompts first, decodes paused until they are done (each running stream then waits one "
+                     "long gap per burst instead of one per step of it); smaller arrivals ride beside the decodes. "
+                     "Default: the backend's (off on every backend for now); 0: off")
     eng.add_argument("--disable-prefix-cache", action="store_true", help="no automatic prefix caching")
     eng.add_argument("--disable-cuda-graph", action="store_true", help="CUDA backend: run decode steps eagerly")
     eng.add_argument("--disable-async-scheduling", action="store_true", help="CUDA backend: read each step's "
@@ -335,7 +340,8 @@ def engine_config(args: argparse.Namespace):
                         async_scheduling=not args.disable_async_scheduling, seed=args.seed,
                         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                   args.prefill_chunk_size, args.decode_step_tokens,
-                                                  prefill_spread_steps=args.prefill_spread_steps))
+                                                  prefill_spread_steps=args.prefill_spread_steps,
+                                                  prefill_burst_tokens=args.prefill_burst_tokens))
 
 
 def backend_options(args: argparse.Namespace) -> dict:

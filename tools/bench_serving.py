@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="the offline engine's --decode-step-tokens (default: the engine's; give the server's value)")
     off.add_argument("--offline-prefill-spread-steps", type=int, default=16,
                      help="the offline engine's --prefill-spread-steps (give the server's value)")
+    off.add_argument("--offline-max-num-batched-tokens", type=int, default=2048,
+                     help="the offline engine's --max-num-batched-tokens (give the server's value)")
+    off.add_argument("--offline-prefill-burst-tokens", type=int, default=None,
+                     help="the offline engine's --prefill-burst-tokens (default: the engine's; give the server's)")
     out = ap.add_argument_group("output")
     out.add_argument("--result-file", type=Path, default=Path("bench_serving.json"),
                      help="the JSON result; a sweep's plots go beside it as <stem>_latency.png, <stem>_throughput.png")
@@ -122,6 +126,8 @@ class Offline:
         self.chat, self.temperature, self.ignore_eos = args.chat, args.temperature, args.ignore_eos
         self.decode_step_tokens = args.offline_decode_step_tokens
         self.prefill_spread_steps = args.offline_prefill_spread_steps
+        self.max_num_batched_tokens = args.offline_max_num_batched_tokens
+        self.prefill_burst_tokens = args.offline_prefill_burst_tokens
 
     def _ids(self, p: BenchPrompt) -> list[int]:
         tok = self.model.tokenizer
@@ -135,8 +141,10 @@ class Offline:
         from frontend.engine.llm import LLM
         from frontend.engine.scheduler import SchedulerConfig
 
-        sched = SchedulerConfig(max_num_seqs=max_num_seqs, decode_step_tokens=self.decode_step_tokens,
-                                prefill_spread_steps=self.prefill_spread_steps)
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                decode_step_tokens=self.decode_step_tokens,
+                                prefill_spread_steps=self.prefill_spread_steps,
+                                prefill_burst_tokens=self.prefill_burst_tokens)
         llm = LLM.from_backend(self.backend, EngineConfig(kv_cache_bytes=self.kv_bytes, scheduler=sched))
         ids = [self._ids(p) for p in prompts]
         params = [SamplingParams(temperature=self.temperature, max_tokens=p.output_len, ignore_eos=self.ignore_eos)

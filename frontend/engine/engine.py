@@ -82,6 +82,9 @@ class LLMEngine:
         if config.scheduler.decode_step_tokens is None:  # the default: the backend's knee (scheduler.py's cost model)
             sched = replace(config.scheduler, decode_step_tokens=backend.step_knee_tokens)
             self.config = config = replace(config, scheduler=sched)
+        if config.scheduler.prefill_burst_tokens is None:  # the default: the backend's (scheduler.py's burst rule)
+            sched = replace(config.scheduler, prefill_burst_tokens=backend.prefill_burst_tokens)
+            self.config = config = replace(config, scheduler=sched)
         self.blocks = self._make_blocks(backend, config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}

@@ -31,6 +31,16 @@ from frontend.engine.sequence import Sequence, Status
 DECODE_STEP_RATIO = 1.5  # below 2: a p99 gap within 2x the median, with room for a prefill step's overheads
 PREFILL_SPREAD_STEPS = 16
 
+# The other answer to a burst of prompts (many streams starting together, as a closed loop's waves or a client's
+# batch do): prefill the burst first, decodes paused (SGLang's default, vLLM's before chunked prefill). Mixed steps
+# of a full budget lengthen every running stream's gap once per step of the burst: a stream started in the first of
+# a burst's k steps waits k-1 long gaps; paused, it waits one gap as long as those k-1 steps together, and its next
+# token comes no later. The decodes lose no time and the prompts' first tokens come sooner (their steps carry no
+# decode rows), while a stream's long gaps fall from k-1 to one. Small arrivals (fewer prompt tokens than
+# prefill_burst_tokens) still ride beside the decodes. A pause covers the prompts there when it began (later arrivals
+# may fill a step's room but never extend it) and is followed by at least one step with every decode, so decodes
+# always progress; a burst whose next prompt cannot be admitted (blocks, max_num_seqs) ends at once.
+
 
 @dataclass
 class SchedulerConfig:
@@ -44,6 +54,10 @@ class SchedulerConfig:
     decode_step_tokens: int | None = None
     decode_step_ratio: float = DECODE_STEP_RATIO
     prefill_spread_steps: int = PREFILL_SPREAD_STEPS
+    # At least this many prompt tokens waiting (or part-computed) while streams decode make the steps that follow
+    # prompts only, decodes paused, until those prompts are computed (the comment above says why). None (the
+    # default): the backend's (backend.prefill_burst_tokens, filled in by LLMEngine); 0: off, every step mixed.
+    prefill_burst_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.decode_step_tokens is not None and self.decode_step_tokens < 0:
@@ -53,6 +67,8 @@ class SchedulerConfig:
                              f"{self.decode_step_ratio}")
         if self.prefill_spread_steps < 1:
             raise ValueError(f"prefill_spread_steps must be >= 1, not {self.prefill_spread_steps}")
+        if self.prefill_burst_tokens is not None and self.prefill_burst_tokens < 0:
+            raise ValueError(f"prefill_burst_tokens must be >= 0 (0: off), not {self.prefill_burst_tokens}")
 
     @property
     def step_tokens(self) -> int:
@@ -78,6 +94,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.burst: set[int] | None = None  # ids of the prompts a decode pause is prefilling (None: no pause)
+        self._burst_allowed = True  # False for the one full step after a pause ends
+        self.num_paused_steps = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -93,11 +112,10 @@ class Scheduler:
             return cfg.max_num_batched_tokens
         streams = left = 0
         for seq in self.running:
-            todo = seq.num_tokens - seq.num_computed_tokens
-            if todo == 1 and seq.output_token_ids:
-                streams += 1  # decoding: its last token (or the placeholder of one being sampled) is its input
+            if self._decoding(seq):
+                streams += 1
             else:
-                left += todo
+                left += seq.num_tokens - seq.num_computed_tokens
         if not streams:
             return cfg.max_num_batched_tokens
         budget = max(cfg.decode_step_tokens, math.ceil(cfg.decode_step_ratio * streams))
@@ -109,13 +127,48 @@ class Scheduler:
             left += seq.num_tokens - seq.num_computed_tokens
         return min(cap, max(budget, streams + -(-left // spread)))
 
+    @staticmethod
+    def _decoding(seq: Sequence) -> bool:
+        """Whether seq's next step is a decode: its last token (or the placeholder of one being sampled) its input."""
+        return seq.num_tokens - seq.num_computed_tokens == 1 and bool(seq.output_token_ids)
+
+    def _pending_prompts(self) -> list[Sequence]:
+        """Sequences with prompt tokens (or a preempted sequence's tokens) still to compute, oldest first."""
+        return [s for s in self.running if not self._decoding(s)] + list(self.waiting)
+
+    def _pause_decodes(self) -> bool:
+        """Whether this step is prompts only (the burst rule above); starts, continues or ends a pause."""
+        threshold = self.config.prefill_burst_tokens
+        if not threshold:
+            return False
+        if self.burst is not None:
+            pending = {id(s) for s in self._pending_prompts()}
+            if pending & self.burst:
+                return True
+            self.burst, self._burst_allowed = None, False  # the pause is over: one step with every decode first
+            return False
+        if not self._burst_allowed:
+            self._burst_allowed = True
+            return False
+        if not any(self._decoding(s) for s in self.running):
+            return False  # nothing to pause: a step of prompts is what the budget gives anyway
+        pending = self._pending_prompts()
+        if sum(s.num_tokens - s.num_computed_tokens for s in pending) < threshold:
+            return False
+        self.burst = {id(s) for s in pending}
+        return True
+
     def schedule(self) -> list[ScheduledSeq]:
-        budget = self.step_budget()
+        paused = self._pause_decodes()
+        budget = self.config.max_num_batched_tokens if paused else self.step_budget()
         out: list[ScheduledSeq] = []
         # Running sequences first, oldest first; they may preempt the newest ones.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if paused and self._decoding(seq):
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_size)
             while not self.blocks.can_append(seq, n):
                 victim = self.running[-1]
@@ -139,6 +192,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             if not self._admit(seq, parent):
+                self._end_burst()  # the rest waits for blocks that only decodes finishing can free
                 break
             self.waiting.popleft()
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.config.prefill_chunk_size)
@@ -147,7 +201,18 @@ class Scheduler:
             out.append(ScheduledSeq(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+        if paused:
+            if len(self.running) >= self.config.max_num_seqs and self.waiting:
+                self._end_burst()  # the rest waits for a stream to finish
+            if not out:  # nothing of the burst could run: a full step instead, decodes too
+                self._end_burst()
+                return self.schedule()
+            self.num_paused_steps += 1
         return out
+
+    def _end_burst(self) -> None:
+        if self.burst is not None:
+            self.burst, self._burst_allowed = None, False
 
     def _admit(self, seq: Sequence, parent: Sequence | None) -> bool:
         if parent is not None:
