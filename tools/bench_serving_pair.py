@@ -91,7 +91,8 @@ def load_args(a: argparse.Namespace, base: str, result: Path, offline: bool) -> 
 
 def run(a: argparse.Namespace) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
-    parts = Path(tempfile.mkdtemp(prefix="serving_pair-"))  # each side's own JSON: serving_pair.json holds both
+    parts = a.out / "parts"  # each side's own JSON (serving_pair.json holds both), kept should a later part fail
+    parts.mkdir(exist_ok=True)
     top = max(int(c) for c in a.concurrency.split(","))
     ours_cmd = [sys.executable, "-m", "frontend", "--f", str(a.gguf), "--backend", a.backend, "--h", "127.0.0.1",
                 "--p", str(a.port), "--max-num-seqs", str(top), "--mem", str(a.mem), "--disable-prefix-cache"]

@@ -309,7 +309,11 @@ class CUDABackend(Backend):
                                         self.max_num_seqs, -(-longest // block_size))
                 self.whole.capture_all()
             if self.device.type == "cuda" and self.max_step_tokens > PIECEWISE_MAX_TOKENS:
+                torch.cuda.reset_peak_memory_stats(self.device)
                 self._warm_up_eager_steps(longest)
+                log.info("eager steps of up to %d tokens warmed up: peak %s allocated", self.max_step_tokens,
+                         _mib(torch.cuda.max_memory_allocated(self.device)))
+                torch.cuda.empty_cache()  # its activations back to the device: the cache holds no more than a step's
         else:
             self._chain = torch.zeros(chain, dtype=torch.int32, device=self.device)
 
