@@ -48,6 +48,22 @@ GEMM_MAX_ROWS = 256  # its limit: above it (prefill) weights are dequantized in 
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
 
 
+def drop_plan(graph: Graph) -> dict[int, list[int]]:
+    """id(node) -> the values (ids) that node is the last to read, graph inputs and outputs aside: run_nodes lets go
+    of them there. An eager step otherwise held every layer's activations to its end (an 8B model's step of 8,192
+    tokens: ~1 GB a layer, tens of GB a step, kept by the caching allocator)."""
+    keep = {v.id for v in graph.outputs.values()} | {v.id for v in graph.inputs.values()}
+    last: dict[int, Node] = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            if v is not None and v.kind != "param" and v.id not in keep:
+                last[v.id] = node
+    drops: dict[int, list[int]] = {}
+    for vid, node in last.items():
+        drops.setdefault(id(node), []).append(vid)
+    return drops
+
+
 class Runner:
     def __init__(self, graph: Graph, params: dict[str, Param], dtype, device: torch.device):
         """`graph` is ir.fusion's output: its fused ops are this runner's fused kernels."""
@@ -56,6 +72,7 @@ class Runner:
         outputs = {v.id for v in graph.outputs.values()}
         # values one node reads and nothing else: a rope may rotate them in place
         self._sole = {vid for vid, readers in uses.items() if len(readers) == 1 and vid not in outputs}
+        self._drops = drop_plan(graph)
         self.target = kernel_target(device)
         self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), or (latent,)
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -155,6 +172,9 @@ class Runner:
                 out = self.run_node(node, self.args(node, env), meta)
                 for v, t in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
                     env[v.id] = t
+            for node in nodes[i:i + ran]:
+                for vid in self._drops.get(id(node), ()):
+                    env.pop(vid, None)
             i += ran
 
     def run_node(self, node: Node, args: list, meta: StepMeta, out=None):
