@@ -57,6 +57,8 @@ class Backend(ABC):
     # weighs its throughput against the ITL tail (spreading prompts makes more steps run in pieces); an Apple GPU's
     # near 32 by its FLOPs over bandwidth (not measured).
     step_knee_tokens: int = 0
+    # Tokens one step computes at most unless --max-num-batched-tokens says otherwise.
+    default_step_tokens: int = 2048
     # Prompt tokens waiting beside decoding streams that make the scheduler prefill them first, decodes paused
     # (frontend/engine/scheduler.py's burst rule); 0: never, every step mixed, until a device's serving run has
     # weighed it.

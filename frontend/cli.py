@@ -74,8 +74,9 @@ def parser() -> argparse.ArgumentParser:
                      "element: 1.94x the tokens at head_dim 128)")
     eng.add_argument("--block-size", metavar="N", type=_positive(), default=16, help="KV block size in tokens")
     eng.add_argument("--max-num-seqs", metavar="N", type=_positive(), default=64, help="sequences decoded together")
-    eng.add_argument("--max-num-batched-tokens", metavar="N", type=_positive(), default=2048,
-                     help="tokens in one engine step")
+    eng.add_argument("--max-num-batched-tokens", metavar="N", type=_positive(), default=None,
+                     help="tokens in one engine step (default: the backend's: 8192 on CUDA, as vLLM's server on a "
+                     "large GPU, so that a burst of prompts is prefilled in few steps; 2048 elsewhere)")
     eng.add_argument("--max-model-len", metavar="N", type=_positive(), help="context limit (default: the model's)")
     eng.add_argument("--max-gen-tokens", metavar="N", type=_positive(),
                      help="default cap on generated tokens when a request gives no max_tokens")

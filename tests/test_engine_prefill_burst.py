@@ -109,3 +109,14 @@ def test_small_arrivals_ride_beside_the_decodes(tiny_backend):
     assert engine.scheduler.num_paused_steps == 0
     _, _, _, default = _run(tiny_backend, None, {4: [24]})  # unset: the backend's own (off on a CPU)
     assert default.scheduler.config.prefill_burst_tokens == tiny_backend.prefill_burst_tokens == 0
+
+
+def test_the_step_size_defaults_to_the_backend_s(tiny_backend):
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    engine = LLMEngine(tiny_backend, EngineConfig(num_kv_blocks=64, scheduler=SchedulerConfig(
+        max_num_batched_tokens=None)))
+    assert engine.scheduler.config.max_num_batched_tokens == tiny_backend.default_step_tokens == 2048
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=0)

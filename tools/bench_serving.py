@@ -80,8 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="the offline engine's --decode-step-tokens (default: the engine's; give the server's value)")
     off.add_argument("--offline-prefill-spread-steps", type=int, default=16,
                      help="the offline engine's --prefill-spread-steps (give the server's value)")
-    off.add_argument("--offline-max-num-batched-tokens", type=int, default=2048,
-                     help="the offline engine's --max-num-batched-tokens (give the server's value)")
+    off.add_argument("--offline-max-num-batched-tokens", type=int, default=None,
+                     help="the offline engine's --max-num-batched-tokens (default: the engine's; give the server's)")
     off.add_argument("--offline-prefill-burst-tokens", type=int, default=None,
                      help="the offline engine's --prefill-burst-tokens (default: the engine's; give the server's)")
     out = ap.add_argument_group("output")

@@ -82,8 +82,9 @@ def load_args(a: argparse.Namespace, base: str, result: Path, offline: bool) -> 
                  "--offline-mem", str(a.mem)]
         if a.decode_step_tokens is not None:  # the offline engine schedules as our server does
             argv += ["--offline-decode-step-tokens", str(a.decode_step_tokens)]
-        argv += ["--offline-prefill-spread-steps", str(a.prefill_spread_steps),
-                 "--offline-max-num-batched-tokens", str(a.max_num_batched_tokens)]
+        argv += ["--offline-prefill-spread-steps", str(a.prefill_spread_steps)]
+        if a.max_num_batched_tokens is not None:
+            argv += ["--offline-max-num-batched-tokens", str(a.max_num_batched_tokens)]
         if a.prefill_burst_tokens is not None:
             argv += ["--offline-prefill-burst-tokens", str(a.prefill_burst_tokens)]
     return argv
@@ -98,8 +99,9 @@ def run(a: argparse.Namespace) -> dict:
                 "--p", str(a.port), "--max-num-seqs", str(top), "--mem", str(a.mem), "--disable-prefix-cache"]
     if a.decode_step_tokens is not None:
         ours_cmd += ["--decode-step-tokens", str(a.decode_step_tokens)]
-    ours_cmd += ["--prefill-spread-steps", str(a.prefill_spread_steps),
-                 "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+    ours_cmd += ["--prefill-spread-steps", str(a.prefill_spread_steps)]
+    if a.max_num_batched_tokens is not None:
+        ours_cmd += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     if a.prefill_burst_tokens is not None:
         ours_cmd += ["--prefill-burst-tokens", str(a.prefill_burst_tokens)]
     pair = {"gguf": str(a.gguf), "concurrency": a.concurrency, "num_prompts": a.num_prompts,
@@ -240,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-step-tokens", type=int, help="our server's and the offline engine's (default: theirs; "
                     "0: the budget off)")
     ap.add_argument("--prefill-spread-steps", type=int, default=16, help="our server's and the offline engine's")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our server's and the offline engine's")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="our server's and the offline engine's (default: "
+                    "theirs)")
     ap.add_argument("--prefill-burst-tokens", type=int, help="our server's and the offline engine's (default: "
                     "theirs; 0: off)")
     ap.add_argument("--no-peer", action="store_true", help="ours only (checking the tool without llama.cpp)")

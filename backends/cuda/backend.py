@@ -80,6 +80,9 @@ class CUDABackend(Backend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # as vLLM's server: a burst of 64 prompts of 128 tokens in one step (an H200, 8B F16, 64 streams: ITL p99
+            # 8.1 ms against 14.8 with the base's 2,048; docs/BENCHMARKS.md 2026-12-04). CPU tensors keep 2,048.
+            self.default_step_tokens = 8192
         self.dtype = dtype or self.default_dtype(model, self.device)
         self.quantized = True if quantized is None else quantized
         if params is None:

@@ -78,6 +78,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         if model.pooling is not None and model.pooling.mode != "last":  # a cached prefix's rows would be missed
             self.config = config = replace(config, prefix_caching=False)
+        if config.scheduler.max_num_batched_tokens is None:  # the default: the backend's step size
+            sched = replace(config.scheduler, max_num_batched_tokens=backend.default_step_tokens)
+            self.config = config = replace(config, scheduler=sched)
         backend.set_limits(config.scheduler.max_num_seqs, self.max_model_len, config.scheduler.max_num_batched_tokens)
         if config.scheduler.decode_step_tokens is None:  # the default: the backend's knee (scheduler.py's cost model)
             sched = replace(config.scheduler, decode_step_tokens=backend.step_knee_tokens)

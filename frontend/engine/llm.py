@@ -21,7 +21,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, backend: str = "auto", dtype: str | None = None,
                  quantized: bool | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_mb: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512,
+                 max_num_batched_tokens: int | None = None, prefill_chunk_size: int = 512,
                  decode_step_tokens: int | None = None, prefix_caching: bool = True, progress: bool = True,
                  isq: str | None = None,
                  kv_cache_dtype: str | None = None, task: str = "auto"):

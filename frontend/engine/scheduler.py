@@ -45,7 +45,7 @@ PREFILL_SPREAD_STEPS = 16
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = 2048  # None: the backend's (backend.default_step_tokens, by LLMEngine)
     prefill_chunk_size: int = 512
     # While any stream waits for its next token, a step computes at most max(this, decode_step_ratio x streams,
     # streams + prompt tokens left / prefill_spread_steps) tokens, and never fewer than its decodes (the comment above
@@ -67,6 +67,8 @@ class SchedulerConfig:
                              f"{self.decode_step_ratio}")
         if self.prefill_spread_steps < 1:
             raise ValueError(f"prefill_spread_steps must be >= 1, not {self.prefill_spread_steps}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, not {self.max_num_batched_tokens}")
         if self.prefill_burst_tokens is not None and self.prefill_burst_tokens < 0:
             raise ValueError(f"prefill_burst_tokens must be >= 0 (0: off), not {self.prefill_burst_tokens}")
 
