@@ -158,3 +158,64 @@ def test_aot_sm90(name, tmp_path, monkeypatch):
     stored = max(i for i, ln in enumerate(lines[:atom[0]]) if "st.global" in ln)  # the partials' last store
     assert any(ln.startswith("bar.sync") for ln in lines[stored:atom[0]])
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
+    # ptxas's release and acquire: a GPU-wide membar before the atomic, the SM's L1 invalidated after it (the
+    # combine's plain loads cannot hit lines cached before the other programs wrote)
+    sass = _sass(compiled.asm["cubin"], tmp_path)
+    at = next(i for i, ln in enumerate(sass) if "ATOMG.E.ADD" in ln and ".GPU" in ln)
+    assert any("MEMBAR" in ln and "GPU" in ln for ln in sass[at - 6:at]) and "CCTL.IVALL" in sass[at + 1]
+
+
+def _sass(cubin: bytes, tmp_path) -> list[str]:
+    """The cubin's SASS instructions, one a line (cuobjdump ships with triton)."""
+    import subprocess
+
+    import triton
+
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    out = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)", out)]
+
+
+def _has_cuda() -> bool:
+    if not HAS_TRITON:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 32, 96)], ids=["llama3-8b", "phi3-mini"])
+def test_gpu_graph_replays(heads):
+    """On the GPU, where programs race: a CUDA graph of the fused decode (batch 1's 64-partition grid, and three
+    sequences of 1 to 4,000 tokens) replayed 20 times on one counters buffer, against the reference each time."""
+    import torch
+
+    hq, hkv, d = heads
+    lens = [1, 700, 4000]
+    rng = np.random.default_rng(hq + d)
+    kc, vc, tables = paged_cache(rng, lens, hkv, d, 16, np.float32)
+    tables[tables < 0] = 0
+    kc, vc = (np.nan_to_num(c) for c in (kc, vc))
+    ctx, q = np.array(lens, np.int32), rng.standard_normal((3, hq, d)).astype(np.float32)
+    bf = lambda a: torch.from_numpy(a).to("cuda", torch.bfloat16)  # noqa: E731
+    r = lambda a: bf(a).float().cpu().numpy()  # noqa: E731
+    want = pa.paged_decode_ref(r(q), r(kc), r(vc), tables, ctx, 0.3)
+    dq, dk, dv = bf(q), bf(kc), bf(vc)
+    dt, dc = torch.from_numpy(tables).cuda(), torch.from_numpy(ctx).cuda()
+    out, counters = torch.empty_like(dq), pa.decode_counters(dq, 3 * hkv)
+    ws = pa.decode_workspace(dq, 64)
+    run = lambda: pa.paged_decode(dq, dk, dv, dt, dc, 0.3, out=out, max_context=64 * 64, partition=64,  # noqa: E731
+                                  max_parts=64, workspace=ws, target="triton", fused=True, counters=counters)
+    run()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        np.testing.assert_allclose(out.float().cpu().numpy(), want, rtol=2e-2, atol=2e-2)
+    assert not counters.any()
