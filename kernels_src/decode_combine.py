@@ -17,7 +17,10 @@ from kernels_src.dsl import tl
 
 NEG_BIG = -1.0e30  # running maxima start finite: rows with every key masked stay NaN-free
 FUSED_TARGETS = ("triton", "triton-interpret")
-COMBINE_TILE = 64 * 128  # fp32 partials one round of the combine holds (the reduce kernel's REDUCE_TILE)
+# fp32 partials one round of a combine loads: 64 partitions of a 128-wide head (the reduce kernel: 118 registers on
+# sm_90). A batch-1 decode at 4k has 64 partitions: one round instead of four dependent ones (Triton does not
+# pipeline these loops)
+COMBINE_TILE = 64 * 128
 
 
 def use_fused_reduce(target: str, fused: bool | None = None) -> bool:

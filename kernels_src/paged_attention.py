@@ -323,14 +323,10 @@ def num_partitions(max_context: int, partition: int) -> int:
     return max(1, tl.cdiv(int(max_context), partition))
 
 
-REDUCE_TILE = 64 * 128  # fp32 partials one round of the reduce holds: 64 partitions of 128 (118 registers on sm_90)
-
-
 def reduce_block(n_parts: int, block_d: int = 128) -> int:
-    """Partitions the reduce combines per round of loads: all of them up to REDUCE_TILE / block_d (64 of a 128-wide
-    head, 16 of MLA's 512-wide latent). A batch-1 decode at 4k has 64 partitions: one round instead of four
-    dependent ones, which Triton does not pipeline."""
-    return min(max(1, REDUCE_TILE // block_d), tl.next_power_of_2(max(1, n_parts)))
+    """Partitions the reduce combines per round of loads (decode_combine.combine_block for one head: 64 of a
+    128-wide head, 16 of MLA's 512-wide latent)."""
+    return combine_block(n_parts, 1, block_d)
 
 
 def decode_workspace(q, n_parts: int) -> tuple:
