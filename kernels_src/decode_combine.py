@@ -21,6 +21,10 @@ FUSED_TARGETS = ("triton", "triton-interpret")
 # sm_90). A batch-1 decode at 4k has 64 partitions: one round instead of four dependent ones (Triton does not
 # pipeline these loops)
 COMBINE_TILE = 64 * 128
+# The fused combine's (all of a program's heads a round): on sm_90 Llama-3-8B's batch-1 grid (4 heads of 128, 64
+# partitions) takes 2 rounds of 32 partitions in 118 registers, at most the 128 that keep 4 programs an SM resident
+# (decode_table.WAVES); rounds of 16 took 128, of 64 spilled
+FUSED_TILE = 128 * 128
 
 
 def use_fused_reduce(target: str, fused: bool | None = None) -> bool:
@@ -33,10 +37,10 @@ def use_fused_reduce(target: str, fused: bool | None = None) -> bool:
     return fused
 
 
-def combine_block(max_parts: int, heads: int, block_d: int) -> int:
-    """Partitions of each of `heads` heads of block_d that one round of the combine loads: all of the grid's, up to
-    COMBINE_TILE values in all."""
-    fit = 1 << max(0, (COMBINE_TILE // (heads * block_d)).bit_length() - 1)  # a power of two
+def combine_block(max_parts: int, heads: int, block_d: int, tile: int | None = None) -> int:
+    """Partitions of each of `heads` heads of block_d that one round of a combine loads: all of the grid's, up to
+    `tile` (COMBINE_TILE) values in all."""
+    fit = 1 << max(0, ((tile or COMBINE_TILE) // (heads * block_d)).bit_length() - 1)  # a power of two
     return min(fit, tl.next_power_of_2(max(1, max_parts)))
 
 

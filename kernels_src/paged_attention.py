@@ -22,6 +22,7 @@ import numpy as np
 from ir.interpreter import attend_cached
 from kernels_src import e4m3, kv_fp8, kv_int8
 from kernels_src.decode_combine import (
+    FUSED_TILE,
     NEG_BIG,
     combine_block,
     combine_if_last,
@@ -377,7 +378,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
                else (paged_decode_kernel, paged_decode_int8_kernel, paged_decode_fp8_kernel))
     caches, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
     if fused:
-        extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"])
+        extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"], FUSED_TILE)
     kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts, **extra)
     kern[n_seq, k_cache.shape[2], n_parts](
         q, *caches, block_tables, context_lens, out, m, den, acc, *([counters] if fused else []), float(scale),

@@ -63,7 +63,7 @@ def run_twice(target, q, caches, tables, ctx, hkv, scales=(), **kw):
 def test_fused_decode(target, case, rng, monkeypatch):
     hq, hkv, d, bs, lens, partition, block_n, window, cap, max_parts = CASES[case]
     if case == "gqa4_many_parts":  # 8 partitions a round of the combine: 4 rounds
-        monkeypatch.setattr(decode_combine, "COMBINE_TILE", 4 * 32 * 8)
+        monkeypatch.setattr(pa, "FUSED_TILE", 4 * 32 * 8)
     kc, vc, tables = paged_cache(rng, lens, hkv, d, bs, np.float32)
     tables[tables < 0] = 0  # an empty context's row reads nothing, but its table entries stay in range
     ctx = np.array(lens, np.int32)
@@ -127,7 +127,7 @@ def test_where_the_fused_form_runs(monkeypatch):
 
 
 LLAMA = dict(GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, BS=16, PARTITION=64, SPLIT=True,
-             SOFTCAP=False, BLOCK_P=16, PDL=True)  # batch 1: 64 partitions, 16 a round
+             SOFTCAP=False, BLOCK_P=32, PDL=True)  # batch 1: 64 partitions, 32 a round
 PHI3 = LLAMA | dict(GROUP=1, HEAD_DIM=96, BLOCK_P=32)  # batch 1: 32 partitions, one round
 ATT = {"q": "*bf16", "out": "*bf16", "block_tables": "*i32", "context_lens": "*i32", "counters": "*i32"} | \
     dict.fromkeys(("part_m", "part_l", "part_acc", "k_scales", "v_scales"), "*fp32")
@@ -160,13 +160,18 @@ def test_aot_sm90(name, tmp_path, monkeypatch):
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
     # ptxas's release and acquire: a GPU-wide membar before the atomic, the SM's L1 invalidated after it (the
     # combine's plain loads cannot hit lines cached before the other programs wrote)
-    sass = _sass(compiled.asm["cubin"], tmp_path)
+    sass = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)",
+                                                    _cuobjdump(compiled.asm["cubin"], tmp_path, "-sass"))]
     at = next(i for i, ln in enumerate(sass) if "ATOMG.E.ADD" in ln and ".GPU" in ln)
     assert any("MEMBAR" in ln and "GPU" in ln for ln in sass[at - 6:at]) and "CCTL.IVALL" in sass[at + 1]
+    # the 16-bit caches' kernels keep 4 programs an SM resident (decode_table.WAVES): 128 registers at most (the
+    # two-kernel form's: 96 and 104; the fp8 one's 168, fused ~200)
+    regs = int(re.search(r"REG:(\d+)", _cuobjdump(compiled.asm["cubin"], tmp_path, "--dump-resource-usage"))[1])
+    assert regs <= 128 or name.endswith("fp8"), regs
 
 
-def _sass(cubin: bytes, tmp_path) -> list[str]:
-    """The cubin's SASS instructions, one a line (cuobjdump ships with triton)."""
+def _cuobjdump(cubin: bytes, tmp_path, flag: str) -> str:
+    """cuobjdump's `flag` output for a cubin (cuobjdump ships with triton)."""
     import subprocess
 
     import triton
@@ -174,8 +179,7 @@ def _sass(cubin: bytes, tmp_path) -> list[str]:
     path = tmp_path / "k.cubin"
     path.write_bytes(cubin)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    out = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
-    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)", out)]
+    return subprocess.run([tool, flag, str(path)], capture_output=True, text=True, check=True).stdout
 
 
 def _has_cuda() -> bool:
