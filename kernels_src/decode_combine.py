@@ -16,7 +16,8 @@ import os
 from kernels_src.dsl import tl
 
 NEG_BIG = -1.0e30  # running maxima start finite: rows with every key masked stay NaN-free
-FUSED_TARGETS = ("triton", "triton-interpret")
+FUSED_TARGETS = ("triton", "triton-interpret")  # targets with atomics
+FUSED_DEFAULT = os.environ.get("LLM_ENGINE_FUSED_REDUCE", "1") != "0"  # read once: eager steps launch per layer
 # fp32 partials one round of a combine loads: 64 partitions of a 128-wide head (the reduce kernel: 118 registers on
 # sm_90). A batch-1 decode at 4k has 64 partitions: one round instead of four dependent ones (Triton does not
 # pipeline these loops)
@@ -31,7 +32,7 @@ def use_fused_reduce(target: str, fused: bool | None = None) -> bool:
     """Whether a split-K decode on `target` combines its partials in its last program (None: where the target has
     atomics, unless LLM_ENGINE_FUSED_REDUCE=0). True on a target without atomics is an error."""
     if fused is None:
-        return target in FUSED_TARGETS and os.environ.get("LLM_ENGINE_FUSED_REDUCE", "1") != "0"
+        return target in FUSED_TARGETS and FUSED_DEFAULT
     if fused and target not in FUSED_TARGETS and target != "numpy":
         raise ValueError(f"target {target!r} has no atomics: its decode keeps the separate reduce kernel")
     return fused

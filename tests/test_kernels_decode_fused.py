@@ -107,11 +107,13 @@ def test_fused_decode_quantized_caches(target, kind, rng):
 
 
 def test_where_the_fused_form_runs(monkeypatch):
-    monkeypatch.delenv("LLM_ENGINE_FUSED_REDUCE", raising=False)
+    assert decode_combine.FUSED_DEFAULT == (os.environ.get("LLM_ENGINE_FUSED_REDUCE", "1") != "0")
+    monkeypatch.setattr(decode_combine, "FUSED_DEFAULT", True)
     assert [decode_combine.use_fused_reduce(t) for t in ("triton", "triton-interpret", "numpy", "metal", "cuda")] == \
         [True, True, False, False, False]
-    monkeypatch.setenv("LLM_ENGINE_FUSED_REDUCE", "0")
-    assert not decode_combine.use_fused_reduce("triton") and decode_combine.use_fused_reduce("numpy", True)
+    monkeypatch.setattr(decode_combine, "FUSED_DEFAULT", False)  # LLM_ENGINE_FUSED_REDUCE=0
+    assert not decode_combine.use_fused_reduce("triton") and decode_combine.use_fused_reduce("triton", True)
+    assert decode_combine.use_fused_reduce("numpy", True)
     with pytest.raises(ValueError, match="no atomics"):
         decode_combine.use_fused_reduce("metal", True)
     e = REGISTRY["paged_decode"]
