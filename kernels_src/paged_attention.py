@@ -8,8 +8,9 @@ walked in tiles of BLOCK_N tokens (any multiple or fraction of the cache block s
 table, with an online softmax in the log2 domain. Split-K: the grid has `max_parts` partitions per (sequence, KV
 head); each sequence's context is cut into partitions of PARTITION tokens, or into max_parts equal ones (multiples of
 BLOCK_N) when it is longer than that, so one grid (one CUDA graph) serves every context. Each program writes its
-partial (max, sum, acc) to scratch and a small reduce kernel combines them (no atomics); programs past the context
-exit at once. A grid of one partition skips the scratch and the reduce.
+partial (max, sum, acc) to scratch; a small reduce kernel combines them, or (the *_fused kernels, on targets with
+atomics: decode_combine.py) the last program of each (sequence, KV head) to finish does. Programs past the context
+hold no keys. A grid of one partition skips the scratch and the reduce.
 """
 
 from __future__ import annotations
@@ -20,10 +21,18 @@ import numpy as np
 
 from ir.interpreter import attend_cached
 from kernels_src import e4m3, kv_fp8, kv_int8
+from kernels_src.decode_combine import (
+    FUSED_TILE,
+    NEG_BIG,
+    combine_block,
+    combine_if_last,
+    combine_rows,
+    decode_counters,
+    use_fused_reduce,
+)
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # running maxima start finite: rows with every key masked stay NaN-free
 NO_WINDOW = 1 << 30
 
 
@@ -161,11 +170,61 @@ def paged_decode_fp8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_table
                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL)
 
 
+# The same three with `counters` (int32, one a (sequence, KV head), zeroed once): the last partition of each pair to
+# finish combines the partials (decode_combine.py), so no reduce kernel follows; BLOCK_P partitions a round of it.
+
+def paged_decode_fused_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
+                              counters, scale, softcap, window, max_parts, q_stride, q_head_stride, out_stride,
+                              out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride,
+                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                              PARTITION: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+                              BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False):
+    decode_program(q, k_cache, v_cache, None, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
+                   softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
+                   kv_block_stride, kv_tok_stride, kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS,
+                   PARTITION, SPLIT, SOFTCAP, PDL, counters, BLOCK_P)
+
+
+def paged_decode_int8_fused_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, out, part_m,
+                                   part_l, part_acc, counters, scale, softcap, window, max_parts, q_stride,
+                                   q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride,
+                                   kv_tok_stride, kv_head_stride, sc_block_stride, sc_tok_stride, sc_head_stride,
+                                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                                   PARTITION: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+                                   BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False):
+    decode_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
+                                                    sc_head_stride),
+                   block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
+                   q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
+                   kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL,
+                   counters, BLOCK_P)
+
+
+def paged_decode_fp8_fused_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tables, context_lens, out, part_m,
+                                  part_l, part_acc, counters, scale, softcap, window, max_parts, q_stride,
+                                  q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride,
+                                  kv_tok_stride, kv_head_stride, sc_block_stride, sc_tok_stride, sc_head_stride,
+                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                                  PARTITION: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+                                  BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False,
+                                  FP8_CVT: tl.constexpr = False):
+    decode_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
+                                                    sc_head_stride, fp8=True, cvt=FP8_CVT),
+                   block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
+                   q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
+                   kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL,
+                   counters, BLOCK_P)
+
+
 def decode_program(q, k_cache, v_cache, scales, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
                    softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
                    kv_block_stride, kv_tok_stride, kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS,
-                   PARTITION, SPLIT, SOFTCAP, PDL):
-    """One (sequence, KV head, partition) program of the decode kernels (`scales` as attend takes them)."""
+                   PARTITION, SPLIT, SOFTCAP, PDL, counters=None, BLOCK_P=1):
+    """One (sequence, KV head, partition) program of the decode kernels (`scales` as attend takes them; `counters`:
+    the fused kernels')."""
     b, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     gmask, dmask = g < GROUP, d < HEAD_DIM
@@ -188,6 +247,14 @@ def decode_program(q, k_cache, v_cache, scales, block_tables, context_lens, out,
         tl.store(part_m + row, m, mask=gmask)
         tl.store(part_l + row, den, mask=gmask)
         tl.store(part_acc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+        if counters is not None:  # the (sequence, KV head)'s last program to finish combines: no reduce kernel
+            plen = partition_len(ctx, max_parts, PARTITION, BLOCK_N)
+            n_parts = tl.minimum(tl.maximum((ctx + plen - 1) // plen, 1), max_parts)  # an empty context: 1
+            head = kvh * GROUP
+            combine_if_last(counters + b * tl.num_programs(1) + kvh, part, n_parts,
+                            (b * (tl.num_programs(1) * GROUP) + head) * max_parts, part_m, part_l, part_acc,
+                            max_parts, out + b * out_stride + head * out_head_stride, out_head_stride, d, dmask,
+                            GROUP, HEAD_DIM, BLOCK_P)
     else:
         den = tl.where(den == 0.0, 1.0, den)  # an empty context gives zeros, not 0/0
         tl.store(out + b * out_stride + heads[:, None] * out_head_stride + d[None, :], acc / den[:, None], mask=mask)
@@ -196,11 +263,9 @@ def decode_program(q, k_cache, v_cache, scales, block_tables, context_lens, out,
 def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_parts, out_stride, out_head_stride,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """Combines a row's partials BLOCK_P partitions at a time: one round of loads covers a short context (a loop
-    of one partition per load waited on each load in turn, the slowest part of a batch-1 decode)."""
+    """Combines a row's partials BLOCK_P partitions at a time (decode_combine.combine_rows)."""
     b, h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
-    p = tl.arange(0, BLOCK_P)
     dmask = d < HEAD_DIM
     base = (b * tl.num_programs(1) + h) * max_parts
     if PDL:  # the partials are paged_decode_kernel's output
@@ -209,22 +274,9 @@ def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_
     ctx = tl.load(context_lens + b)
     plen = partition_len(ctx, max_parts, PARTITION, BLOCK_N)
     n_parts = tl.minimum((ctx + plen - 1) // plen, max_parts)
-
-    def body(it, m, den, acc):
-        parts = it * BLOCK_P + p
-        pmask = parts < n_parts
-        mp = tl.load(part_m + base + parts, mask=pmask, other=NEG_BIG)
-        lp = tl.load(part_l + base + parts, mask=pmask, other=0.0)
-        ap = tl.load(part_acc + (base + parts)[:, None] * HEAD_DIM + d[None, :], mask=pmask[:, None] & dmask[None, :],
-                     other=0.0)
-        m_new = tl.maximum(m, tl.max(mp, axis=0))
-        alpha, beta = tl.exp2(m - m_new), tl.exp2(mp - m_new)
-        return m_new, den * alpha + tl.sum(lp * beta, axis=0), acc * alpha + tl.sum(ap * beta[:, None], axis=0)
-
-    init = (tl.full((), NEG_BIG, tl.float32), tl.zeros((), tl.float32), tl.zeros([BLOCK_D], tl.float32))
-    m, den, acc = tl.fori_loop(0, (n_parts + BLOCK_P - 1) // BLOCK_P, body, init)
-    den = tl.where(den == 0.0, 1.0, den)
-    tl.store(out + b * out_stride + h * out_head_stride + d, acc / den, mask=dmask)
+    [o] = combine_rows(part_m, part_l, part_acc, base, 0, n_parts, (n_parts + BLOCK_P - 1) // BLOCK_P, d, dmask,
+                       HEAD_DIM, 1, BLOCK_P)
+    tl.store(out + b * out_stride + h * out_head_stride + d, o, mask=dmask)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
@@ -272,14 +324,10 @@ def num_partitions(max_context: int, partition: int) -> int:
     return max(1, tl.cdiv(int(max_context), partition))
 
 
-REDUCE_TILE = 64 * 128  # fp32 partials one round of the reduce holds: 64 partitions of 128 (118 registers on sm_90)
-
-
 def reduce_block(n_parts: int, block_d: int = 128) -> int:
-    """Partitions the reduce combines per round of loads: all of them up to REDUCE_TILE / block_d (64 of a 128-wide
-    head, 16 of MLA's 512-wide latent). A batch-1 decode at 4k has 64 partitions: one round instead of four
-    dependent ones, which Triton does not pipeline."""
-    return min(max(1, REDUCE_TILE // block_d), tl.next_power_of_2(max(1, n_parts)))
+    """Partitions the reduce combines per round of loads (decode_combine.combine_block for one head: 64 of a
+    128-wide head, 16 of MLA's 512-wide latent)."""
+    return combine_block(n_parts, 1, block_d)
 
 
 def decode_workspace(q, n_parts: int) -> tuple:
@@ -292,7 +340,8 @@ def decode_workspace(q, n_parts: int) -> tuple:
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, *, sliding_window: int | None = None,
                  softcap: float | None = None, out=None, max_context: int | None = None, partition: int = 512,
                  max_parts: int | None = None, block_n: int = 64, workspace=None, num_warps: int = 4,
-                 k_scales=None, v_scales=None, target: str = "numpy", pdl: bool | None = None):
+                 k_scales=None, v_scales=None, target: str = "numpy", pdl: bool | None = None,
+                 fused: bool | None = None, counters=None):
     """Attention of q [B, Hq, D] (one token per sequence, the last of its context) over the paged caches.
 
     The grid has cdiv(max_context, partition) partitions (max_context: context_lens' maximum unless given, e.g. to
@@ -300,7 +349,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     `partition` tokens is cut into that many longer ones, so any context is served by any grid.
     `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D]. `k_scales`, `v_scales`: the caches
     are int8 codes with these group scales (kernels_src.kv_int8's layout) or e4m3 bytes (uint8) with these token
-    scales (kernels_src.kv_fp8's).
+    scales (kernels_src.kv_fp8's). `fused` (None: decode_combine.use_fused_reduce): a split grid's last program of
+    each (sequence, KV head) combines the partials, on `counters` (int32, B * Hkv at least, zero; None: made here).
     """
     group, bs = check_cache(q, k_cache, v_cache)
     n_seq, hq, d = q.shape
@@ -310,22 +360,32 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     n_parts = num_partitions(int(context_lens.max()) if max_context is None else max_context, partition)
     n_parts = min(n_parts, max_parts or n_parts)
     split = n_parts > 1
+    fused = split and use_fused_reduce(target, fused)
     if split:
         m, den, acc = workspace or decode_workspace(q, n_parts)
     else:
         m = den = acc = out  # unused
+    if fused:
+        counters = decode_counters(q, n_seq * k_cache.shape[2]) if counters is None else counters
+        if counters.shape[0] < n_seq * k_cache.shape[2] or len(counters.shape) != 1:
+            raise ValueError(f"counters {tuple(counters.shape)}: one flat int32 a (sequence, KV head), "
+                             f"{n_seq * k_cache.shape[2]} at least")
     consts = dict(GROUP=group, HEAD_DIM=d, BLOCK_G=max(16, tl.next_power_of_2(group)),
                   BLOCK_D=max(16, tl.next_power_of_2(d)), BLOCK_N=block_n, BS=bs, PARTITION=partition,
                   SPLIT=split, SOFTCAP=bool(softcap))
     pdl = use_pdl(target, pdl)
-    caches, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, paged_decode_kernel,
-                                               paged_decode_int8_kernel, paged_decode_fp8_kernel, target)
+    kernels = ((paged_decode_fused_kernel, paged_decode_int8_fused_kernel, paged_decode_fp8_fused_kernel) if fused
+               else (paged_decode_kernel, paged_decode_int8_kernel, paged_decode_fp8_kernel))
+    caches, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
+    if fused:
+        extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"], FUSED_TILE)
     kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts, **extra)
     kern[n_seq, k_cache.shape[2], n_parts](
-        q, *caches, block_tables, context_lens, out, m, den, acc, float(scale), float(softcap or 0.0),
+        q, *caches, block_tables, context_lens, out, m, den, acc, *([counters] if fused else []), float(scale),
+        float(softcap or 0.0),
         int(sliding_window or NO_WINDOW), n_parts, elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),
         elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache), *sc_strides)
-    if split:
+    if split and not fused:
         red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=d,
                       BLOCK_D=consts["BLOCK_D"], PARTITION=partition, BLOCK_N=block_n,
                       BLOCK_P=reduce_block(n_parts, consts["BLOCK_D"]),

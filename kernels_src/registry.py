@@ -146,9 +146,13 @@ register(KernelEntry(
     _ATT_PTRS | dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32"), _DECODE, decode_bytes,
     floats=("scale", "softcap"), flops=lambda batch, context, q_heads, head_dim, **_: 4 * batch * context * q_heads
     * head_dim, launcher=paged_attention.paged_decode,
-    variants=(paged_attention.paged_decode_int8_kernel, paged_attention.paged_decode_fp8_kernel),
+    variants=(paged_attention.paged_decode_int8_kernel, paged_attention.paged_decode_fp8_kernel,
+              paged_attention.paged_decode_fused_kernel, paged_attention.paged_decode_int8_fused_kernel,
+              paged_attention.paged_decode_fp8_fused_kernel),
     notes="grid (B, Hkv, partitions); the bench time is this kernel plus paged_decode_reduce; variants: the int8 "
-    "cache's (codes and scales, dequantized in registers) and the fp8 cache's (e4m3 decoded, scaled per token)"))
+    "cache's (codes and scales, dequantized in registers) and the fp8 cache's (e4m3 decoded, scaled per token), and "
+    "the three *_fused ones that Triton targets run (the last partition combines: no paged_decode_reduce; "
+    "LLM_ENGINE_FUSED_REDUCE=0 keeps it)"))
 register(KernelEntry(
     "paged_decode_reduce", paged_attention.paged_decode_reduce_kernel,
     dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, BLOCK_N=64, BLOCK_P=8, PDL=True),

@@ -93,8 +93,8 @@ def test_decode_table_spec():
 
 def test_decode_past_the_capped_grid_matches_reference(saved):  # noqa: F811
     """CPU tensors, eager steps: a two-SM "GPU" caps the grid at 2 partitions, so 150-token contexts are cut into
-    longer partitions than the batch's partition size (64); logits match the reference interpreter, and under a
-    swapped decode table."""
+    longer partitions than the batch's partition size (64); logits match the reference interpreter, with the partials
+    combined in the decode's last partition or by the reduce kernel, and under a swapped decode table."""
     from backends.cuda.decode_table import DecodeTable
 
     model = load_model(saved("llama3_rope")[1], progress=False)
@@ -112,6 +112,12 @@ def test_decode_past_the_capped_grid_matches_reference(saved):  # noqa: F811
     tables = [ref._table(i) for i in range(2)]
     step = make_batch([[t[0]] for t in tokens], [len(p) for p in prompts], tables, 8)
     capped = host(backend.forward(step))
+    # the partials combined by the decode's last partition (the default on Triton's targets), its counters left at 0,
+    # or by the reduce kernel (LLM_ENGINE_FUSED_REDUCE=0)
+    assert backend.runner._counters and not any(c.any() for c in backend.runner._counters)
+    backend.runner.fused_reduce = False
+    np.testing.assert_allclose(capped, host(backend.forward(step)), rtol=1e-5, atol=1e-5)
+    backend.runner.fused_reduce = None
     backend.runner.sms = 132
     np.testing.assert_allclose(capped, host(backend.forward(step)), rtol=1e-5, atol=1e-5)
     # A swapped table (bench_gpu --decode-table): 32-key tiles of 8 warps, 2 partitions of 96 and 64 keys.

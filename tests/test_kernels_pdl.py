@@ -186,12 +186,12 @@ def _cache(rng, t, ctx, bs=4):
     return t(_f32(rng, *shape)), t(_f32(rng, *shape)), t(tables), t(np.array(ctx, np.int32))
 
 
-def run_paged_decode(t, target, pdl, partition=16):
+def run_paged_decode(t, target, pdl, partition=16, fused=False):
     rng = np.random.default_rng(6)
     kc, vc, tables, ctx = _cache(rng, t, [9, 37])
     out = t(_nan(2, 4, 16))
     paged_attention.paged_decode(t(_f32(rng, 2, 4, 16)), kc, vc, tables, ctx, 0.3, out=out, partition=partition,
-                                 block_n=16, target=target, pdl=pdl)
+                                 block_n=16, target=target, pdl=pdl, fused=fused)
     return [out]
 
 
@@ -265,6 +265,7 @@ def run_int_group_gemv(t, target, pdl):
 RUNS = {
     "rms_norm": run_rms_norm, "add_rms_norm": run_add_rms_norm, "gated_act": run_gated_act, "rope": run_rope,
     "kv_write": run_kv_write, "paged_decode_split": run_paged_decode,
+    "paged_decode_fused": lambda t, target, pdl: run_paged_decode(t, target, pdl, fused=True),
     "paged_decode_single": lambda t, target, pdl: run_paged_decode(t, target, pdl, partition=512),
     "paged_prefill": run_paged_prefill,
     **{f"dequantize_{q}": lambda t, target, pdl, q=q: run_dequantize(t, target, pdl, q) for q in dequantize.QTYPES},

@@ -13,7 +13,9 @@ timing pass only replays. The last lines give the best setting per (batch, conte
 DecodeTable rows, and the tools/bench_gpu --decode-table that A/Bs it in the engine.
 
 `--kv-cache-dtype fp8` times the fp8 cache's kernel (e4m3 bytes and a scale a token and head, kernels_src/kv_fp8.py)
-on the same problems, its copy share counted on the bytes it reads.
+on the same problems, its copy share counted on the bytes it reads. Split grids combine their partials in the
+decode's last partition (kernels_src/decode_combine.py); LLM_ENGINE_FUSED_REDUCE=0 times the decode kernel plus the
+reduce kernel instead, for an A/B.
 
     python -m tools.bench_decode_attention [--shape llama3-8b|phi3-mini|gemma2-9b] [--batches 1,16,64]
         [--contexts 4096,16384,32768] [--kv-cache-dtype auto|fp8] [--hot] [--budget 100] [--json FILE]
@@ -105,6 +107,13 @@ def fp8_label() -> str:
     return f"fp8 (e4m3 by {'the cvt' if e4m3.use_cvt('triton') else 'integer ops'})"
 
 
+def combine_label() -> str:
+    """How the timed kernels combine split-K partials (kernels_src/decode_combine.py)."""
+    if pa.use_fused_reduce("triton"):
+        return "in the decode's last partition (LLM_ENGINE_FUSED_REDUCE=0: the reduce kernel)"
+    return "by the reduce kernel (LLM_ENGINE_FUSED_REDUCE=0)"
+
+
 def kv_bytes(batch: int, context: int) -> int:
     """K and V read once: bf16, or (fp8) a byte an element and an fp32 scale a token and head."""
     return 2 * batch * context * KV_HEADS * (HEAD_DIM + 4 if fp8() else HEAD_DIM * 2)
@@ -138,21 +147,24 @@ def problem(torch, batch: int, context: int, copies: int, seed: int = 0):
     return q, ctx, [caches(torch, batch, context, gen) for _ in range(copies)]
 
 
-def launch(prob, s: Setting, n: int, out, ws, turn) -> None:
+def launch(prob, s: Setting, n: int, out, ws, turn, counters=None) -> None:
     q, ctx, _ = prob
     kc, vc, tables, scales = next(turn)  # each captured call its own copy
     kw = dict(k_scales=scales[0], v_scales=scales[1]) if scales else {}
     pa.paged_decode(q, kc, vc, tables, ctx, SCALE, out=out, max_context=n * s.partition, partition=s.partition,
-                    max_parts=n, block_n=s.block_n, num_warps=s.num_warps, workspace=ws, target="triton", **kw)
+                    max_parts=n, block_n=s.block_n, num_warps=s.num_warps, workspace=ws, target="triton",
+                    counters=counters, **kw)
 
 
 def time_setting(torch, triton, prob, s: Setting, context: int) -> float:
-    """Seconds per call (decode + reduce), from CUDA-graph replays cycling over the problem's copies."""
+    """Seconds per call (decode + reduce, or the decode that combines in its last partition), from CUDA-graph
+    replays cycling over the problem's copies."""
     n, _ = s.grid(context)
     out = torch.empty_like(prob[0])
     ws = pa.decode_workspace(prob[0], n) if n > 1 else None
+    counters = pa.decode_counters(prob[0], prob[0].shape[0] * KV_HEADS)  # zeroed once, outside the graph
     turn = itertools.cycle(prob[2])
-    ms = triton.testing.do_bench_cudagraph(lambda: launch(prob, s, n, out, ws, turn), rep=REP_MS,
+    ms = triton.testing.do_bench_cudagraph(lambda: launch(prob, s, n, out, ws, turn, counters), rep=REP_MS,
                                            return_mode="median")
     return ms / 1e3
 
@@ -266,7 +278,7 @@ def main() -> None:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     print(f"{os.environ.get(SHAPE_ENV, 'llama3-8b')} layer ({Q_HEADS} q heads, {KV_HEADS} KV heads of {HEAD_DIM}, "
           f"{fp8_label() if fp8() else 'bf16'} cache); copy {bw / 1e9:,.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB; "
-          f"{'hot' if args.hot else 'cold'} caches", flush=True)
+          f"{'hot' if args.hot else 'cold'} caches; split-K partials combined {combine_label()}", flush=True)
     rows, skipped = [], 0
     for (batch, context), runs_at in plans.items():
         copies = 1 if args.hot else max(2, -(-COLD_L2S * l2 // kv_bytes(batch, context)))

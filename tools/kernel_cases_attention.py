@@ -67,10 +67,11 @@ def _decode_check(d, p, ctxs, kc, vc, tables, q, out, scale) -> Verdict:
 def paged_decode_case(d: Dev, p: dict) -> Case:
     ctxs, kc, vc, tables, q, out, ws, _, scale = _decode_setup(d, p)
     ctx_dev = d.torch.from_numpy(ctxs).to(d.dev)
+    counters = pa.decode_counters(q, len(ctxs) * p["kv_heads"])  # Triton's: the last partition combines
 
     def launch(target):
         pa.paged_decode(q, kc, vc, tables, ctx_dev, scale, out=out, max_context=p["context"], workspace=ws,
-                        target=target)
+                        target=target, counters=counters)
 
     return Case("paged_decode", p, launch, lambda: _decode_check(d, p, ctxs, kc, vc, tables, q, out, scale),
                 lambda target: out.fill_(float("nan")))

@@ -123,6 +123,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed: dict[tuple[int, int], str] = {}  # keys whose capture failed: their steps run eagerly
         self.pool = torch.cuda.graph_pool_handle()
+        runner.decode_counters(b * runner.kv_heads)  # before any capture (Runner.decode_counters)
 
     def applies(self, batch: Batch) -> bool:
         width = self._host[0]["tables"][1].shape[1]

@@ -82,6 +82,10 @@ class Runner:
         self.pdl: bool | None = None  # kernels as programmatic dependent launches (None: wherever the target can)
         self.attention_pdl: bool | None = None  # the attention kernels' (None: as self.pdl)
         self.decode = DecodeTable()  # split-K partitions, grid cap and tile by batch size (a benchmark may swap it)
+        # split-K decode partials combined by the decode's last partition, no reduce kernel (kernels_src/
+        # decode_combine.py; None: where the target has atomics unless LLM_ENGINE_FUSED_REDUCE=0)
+        self.fused_reduce: bool | None = None
+        self._counters: list[torch.Tensor] = []  # its counters, smallest first (decode_counters)
         # Dense fp16/bf16 linears of up to `gemv_max_rows` rows through kernels_src/dense_gemv instead of cuBLAS, with
         # the norm or gated activation before them (and a residual add after) fused in where `gemv_prologues`
         # (backends/cuda/gemv_fusion.py). Measured on an H200 (docs/BENCHMARKS.md, 2026-12-03): one-row steps gain
@@ -137,6 +141,18 @@ class Runner:
 
     def max_partitions(self, rows: int) -> int:
         return self.decode.grid_cap(rows * self.kv_heads, self.sms)
+
+    def decode_counters(self, n: int) -> torch.Tensor:
+        """At least n int32 counters for the split-K decode whose last partition combines (kernels_src/
+        decode_combine.py): zeroed once, left at 0 by every launch, so every layer and graph shares them (they run
+        one after another). The decode graphs reserve their largest batch's before capturing; growing inside a
+        capture would record a memset into the graph, so it is refused (that graph's steps run eagerly). A larger
+        eager batch gets a larger buffer; the old ones stay allocated, as graphs captured on them replay them."""
+        if not self._counters or self._counters[-1].numel() < n:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"decode counters: {n} needed inside a CUDA graph capture; reserve them before")
+            self._counters.append(torch.zeros(n, dtype=torch.int32, device=self.device))
+        return self._counters[-1]
 
     @property
     def _attend_pdl(self) -> bool | None:
@@ -275,7 +291,8 @@ class Runner:
             return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
                                                 max_context=meta.max_context, partition=self.decode_partition(rows),
                                                 max_parts=self.max_partitions(rows), block_n=block_n,
-                                                num_warps=num_warps, **kw)
+                                                num_warps=num_warps, fused=self.fused_reduce,
+                                                counters=self.decode_counters(rows * kc.shape[2]), **kw)
         if meta.tile_maps is not None:
             kw["tile_map"] = meta.tile_maps[paged_prefill.tile_key(q.shape[1], kc.shape[2], q.shape[2])]
         return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],

@@ -194,9 +194,20 @@ class _Program:
             return _load(*a, dtype=op.result.dtype)
         if code == "store":
             return _store(*a)
-        if code in ("grid_dep_wait", "grid_dep_launch"):  # programs of one launch run after the last launch's
+        if code in ("grid_dep_wait", "grid_dep_launch", "barrier"):  # one program at a time, each in program order
             return None
+        if code == "atomic_add":  # programs run one after another: a read, an add and a write are atomic here
+            return _atomic_add(*a)
         raise NotImplementedError(f"interpreter: no rule for {code}")
+
+
+def _atomic_add(p: Ptr, val, mask=None):
+    """The value at scalar pointer p before adding val (masked off: nothing changes, 0 comes back)."""
+    if mask is not None and not mask:
+        return np.zeros((), p.buf.dtype)
+    old = _load(p)
+    _store(p, old + val)
+    return old
 
 
 def _dot4(a, b, acc, signed_a: bool, signed_b: bool):

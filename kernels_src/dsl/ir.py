@@ -112,8 +112,15 @@ ELEMENTWISE = UNARY | BINARY | COMPARE | {"where", "cast", "bitcast", "dot4"}
 # while the kernel before it runs; `grid_dep_wait` blocks until that one finished and its writes are visible,
 # `grid_dep_launch` lets the next kernel start early). No results; no-ops wherever kernels run one after another.
 GRID_DEP = frozenset({"grid_dep_wait", "grid_dep_launch"})
+# atomic_add(ptr, value[, mask]) -> the old value: scalars only (one program, one address), attrs sem ("acq_rel",
+# "acquire", "release", "relaxed") and scope ("gpu", "cta", "sys") as Triton's; masked off, it does nothing and its
+# result is undefined. barrier: every thread of the program reaches it before any goes on, its earlier writes seen
+# by the others (Triton's debug_barrier, CUDA's __syncthreads). Targets without atomics refuse them (atomics_free).
+ATOMICS = frozenset({"atomic_add"})
+SEMANTICS = ("acq_rel", "acquire", "release", "relaxed")
+SCOPES = ("gpu", "cta", "sys")
 # Others: const, param, program_id, num_programs, arange, broadcast, expand_dims, reshape (row-major, attr shape),
-# trans, reduce, dot, ptr_add, ptr_cast, load, store, for.
+# trans, reduce, dot, ptr_add, ptr_cast, load, store, barrier, for.
 REDUCE_KINDS = ("sum", "max", "min")
 
 
@@ -198,3 +205,12 @@ def fp8_free(k: KernelIR, target: str) -> None:
         if any(v.dtype == fp8e4nv for v in (*op.args, *op.results)):
             raise ValueError(f"kernel {k.name}: target {target!r} has no FP8 type (op {op.opcode} on fp8e4nv); decode "
                              "e4m3 bytes with kernels_src.e4m3's integer path on it")
+
+
+def atomics_free(k: KernelIR, target: str) -> None:
+    """ValueError when kernel `k` holds atomics: `target` (the SIMT ones: C, CUDA C, Metal) does not lower them
+    (a kernel that needs one keeps a form without, chosen by its launcher for such targets)."""
+    for op in k.walk():
+        if op.opcode in ATOMICS:
+            raise ValueError(f"kernel {k.name}: target {target!r} does not support atomics (op {op.opcode}); launch "
+                             "the form without them there")

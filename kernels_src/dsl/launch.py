@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .interpreter import run
-from .ir import KernelIR, dtype_of, fp8_free
+from .ir import KernelIR, atomics_free, dtype_of, fp8_free
 from .printer import format_kernel
 from .tracer import split_params, trace
 from .triton_target import direct_key, direct_launcher  # triton itself is imported only when a kernel is built
@@ -105,6 +105,7 @@ class Kernel:
             return format_kernel(k)
         if self.target in TARGET_HOOKS:
             fp8_free(k, self.target)  # the SIMT targets (C, CUDA C, Metal) have no FP8 type
+            atomics_free(k, self.target)  # nor atomics
             return TARGET_HOOKS[self.target][0](k, self.num_warps)
         from .triton_target import TritonRenderer
 

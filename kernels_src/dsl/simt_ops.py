@@ -165,6 +165,12 @@ class OpLowering(LoopLowering):
 
     op_grid_dep_launch = op_grid_dep_wait
 
+    def op_barrier(self, op: Op, args):
+        self.barrier()
+
+    def op_atomic_add(self, op: Op, args):  # launch.source refuses these first (ir.atomics_free)
+        raise ValueError(f"kernel {self.k.name}: the SIMT targets do not support atomics (op {op.opcode})")
+
     def op_store(self, op: Op, args):
         p, val, mask = (args + [None])[:3]
         shape = op.args[0].shape

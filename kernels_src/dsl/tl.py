@@ -6,7 +6,7 @@ import builtins
 
 import numpy as np
 
-from .ir import PtrType, TileType
+from .ir import SCOPES, SEMANTICS, PtrType, TileType
 from .tile import (  # noqa: F401  (re-exported names of the language)
     Tile,
     _axis,
@@ -156,6 +156,27 @@ def wait_prior_grid() -> None:
 def launch_dependents() -> None:
     """Let a kernel launched after this one with `launch_pdl` start now (it waits with wait_prior_grid)."""
     current().emit("grid_dep_launch", [], {}, [])
+
+
+def atomic_add(ptr: Tile, val, mask=None, sem: str = "acq_rel", scope: str = "gpu") -> Tile:
+    """Add `val` at the scalar pointer `ptr` atomically (`sem`, `scope` as Triton's) and return the value before.
+    One per program, not per element: a release orders only this thread's writes, so a program whose threads all
+    wrote calls debug_barrier() first (and after, before its threads read what an acquire made visible)."""
+    ptr = _check_ptr(ptr, "atomic_add")
+    elem = ptr.dtype.elem
+    if ptr.shape or (isinstance(val, Tile) and val.shape) or (mask is not None and _lift(mask).shape):
+        raise TraceError("atomic_add takes a scalar pointer, value and mask (one atomic a program)")
+    if not (elem.is_int and elem.bits in (32, 64)) and elem.name != "fp32":
+        raise TraceError(f"atomic_add on {elem}: 32- or 64-bit integers or fp32")
+    if sem not in SEMANTICS or scope not in SCOPES:
+        raise TraceError(f"atomic_add sem {sem!r} / scope {scope!r}: one of {SEMANTICS} / {SCOPES}")
+    args = [ptr, _cast(_lift(val, elem), elem)] + ([] if mask is None else [_check_mask(mask)])
+    return _op("atomic_add", args, TileType(elem), sem=sem, scope=scope)
+
+
+def debug_barrier() -> None:
+    """Every thread of the program waits here for the others; their writes before it are seen after it."""
+    current().emit("barrier", [], {}, [])
 
 
 # --- elementwise math ------------------------------------------------------------------------------------------

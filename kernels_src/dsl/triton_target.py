@@ -42,6 +42,11 @@ def _load(r: Renderer, op: Op, p: str, mask: str | None = None, other: str | Non
     return f"tl.load({p}" + (f", mask={mask}" if mask else "") + (f", other={other}" if other else "") + ")"
 
 
+def _atomic_add(r: Renderer, op: Op, p: str, v: str, mask: str | None = None) -> str:
+    m = f", mask={mask}" if mask else ""
+    return f'tl.atomic_add({p}, {v}{m}, sem="{op.attrs["sem"]}", scope="{op.attrs["scope"]}")'
+
+
 def _dot4(r: TritonRenderer, op: Op, a: str, b: str, acc: str) -> str:
     """PTX dp4a through inline assembly; under Triton's interpreter (which runs no assembly) 4 byte products."""
     sa, sb = op.attrs["signed_a"], op.attrs["signed_b"]
@@ -91,6 +96,7 @@ class TritonRenderer(Renderer):
         "abs": lambda r, op, x: f"tl.abs({x})",
         "tanh": lambda r, op, x: f"(2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",  # no tl.tanh in Triton 3.x
         "load": _load,
+        "atomic_add": _atomic_add,
         "dot4": _dot4,
         **{m: _call(f"tl.{m}") for m in ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sin", "cos", "erf",
                                           "floor", "ceil")},
@@ -109,6 +115,9 @@ class TritonRenderer(Renderer):
 
     def render_grid_dep_launch(self, op: Op, depth: int) -> list[str]:
         return [] if self.interpret else [self.indent * depth + "tlc.gdc_launch_dependents()"]
+
+    def render_barrier(self, op: Op, depth: int) -> list[str]:
+        return [self.indent * depth + "tl.debug_barrier()"]
 
     def render_store(self, op: Op, depth: int) -> list[str]:
         p, v, *m = (self.name(a) for a in op.args)
