@@ -151,8 +151,8 @@ register(KernelEntry(
               paged_attention.paged_decode_fp8_fused_kernel),
     notes="grid (B, Hkv, partitions); the bench time is this kernel plus paged_decode_reduce; variants: the int8 "
     "cache's (codes and scales, dequantized in registers) and the fp8 cache's (e4m3 decoded, scaled per token), and "
-    "the three *_fused ones that Triton targets run (the last partition combines: no paged_decode_reduce; "
-    "LLM_ENGINE_FUSED_REDUCE=0 keeps it)"))
+    "the three *_fused ones that Triton targets run with LLM_ENGINE_FUSED_REDUCE=1 (the last partition combines: no "
+    "paged_decode_reduce)"))
 register(KernelEntry(
     "paged_decode_reduce", paged_attention.paged_decode_reduce_kernel,
     dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, BLOCK_N=64, BLOCK_P=8, PDL=True),

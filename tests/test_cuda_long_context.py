@@ -112,11 +112,11 @@ def test_decode_past_the_capped_grid_matches_reference(saved):  # noqa: F811
     tables = [ref._table(i) for i in range(2)]
     step = make_batch([[t[0]] for t in tokens], [len(p) for p in prompts], tables, 8)
     capped = host(backend.forward(step))
-    # the partials combined by the decode's last partition (the default on Triton's targets), its counters left at 0,
-    # or by the reduce kernel (LLM_ENGINE_FUSED_REDUCE=0)
-    assert backend.runner._counters and not any(c.any() for c in backend.runner._counters)
-    backend.runner.fused_reduce = False
+    # the partials combined by the decode's last partition (LLM_ENGINE_FUSED_REDUCE=1), its counters left at 0, as
+    # by the reduce kernel (the default)
+    backend.runner.fused_reduce = True
     np.testing.assert_allclose(capped, host(backend.forward(step)), rtol=1e-5, atol=1e-5)
+    assert backend.runner._counters and not any(c.any() for c in backend.runner._counters)
     backend.runner.fused_reduce = None
     backend.runner.sms = 132
     np.testing.assert_allclose(capped, host(backend.forward(step)), rtol=1e-5, atol=1e-5)

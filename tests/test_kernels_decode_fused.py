@@ -107,11 +107,11 @@ def test_fused_decode_quantized_caches(target, kind, rng):
 
 
 def test_where_the_fused_form_runs(monkeypatch):
-    assert decode_combine.FUSED_DEFAULT == (os.environ.get("LLM_ENGINE_FUSED_REDUCE", "1") != "0")
-    monkeypatch.setattr(decode_combine, "FUSED_DEFAULT", True)
+    assert decode_combine.FUSED_DEFAULT == (os.environ.get("LLM_ENGINE_FUSED_REDUCE", "0") == "1")
+    monkeypatch.setattr(decode_combine, "FUSED_DEFAULT", True)  # LLM_ENGINE_FUSED_REDUCE=1
     assert [decode_combine.use_fused_reduce(t) for t in ("triton", "triton-interpret", "numpy", "metal", "cuda")] == \
         [True, True, False, False, False]
-    monkeypatch.setattr(decode_combine, "FUSED_DEFAULT", False)  # LLM_ENGINE_FUSED_REDUCE=0
+    monkeypatch.setattr(decode_combine, "FUSED_DEFAULT", False)  # the default
     assert not decode_combine.use_fused_reduce("triton") and decode_combine.use_fused_reduce("triton", True)
     assert decode_combine.use_fused_reduce("numpy", True)
     with pytest.raises(ValueError, match="no atomics"):

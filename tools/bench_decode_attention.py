@@ -14,8 +14,8 @@ DecodeTable rows, and the tools/bench_gpu --decode-table that A/Bs it in the eng
 
 `--kv-cache-dtype fp8` times the fp8 cache's kernel (e4m3 bytes and a scale a token and head, kernels_src/kv_fp8.py)
 on the same problems, its copy share counted on the bytes it reads. Split grids combine their partials in the
-decode's last partition (kernels_src/decode_combine.py); LLM_ENGINE_FUSED_REDUCE=0 times the decode kernel plus the
-reduce kernel instead, for an A/B.
+decode's last partition (kernels_src/decode_combine.py) with LLM_ENGINE_FUSED_REDUCE=1, and by the reduce kernel
+without it (the default), for an A/B.
 
     python -m tools.bench_decode_attention [--shape llama3-8b|phi3-mini|gemma2-9b] [--batches 1,16,64]
         [--contexts 4096,16384,32768] [--kv-cache-dtype auto|fp8] [--hot] [--budget 100] [--json FILE]
@@ -110,8 +110,8 @@ def fp8_label() -> str:
 def combine_label() -> str:
     """How the timed kernels combine split-K partials (kernels_src/decode_combine.py)."""
     if pa.use_fused_reduce("triton"):
-        return "in the decode's last partition (LLM_ENGINE_FUSED_REDUCE=0: the reduce kernel)"
-    return "by the reduce kernel (LLM_ENGINE_FUSED_REDUCE=0)"
+        return "in the decode's last partition (LLM_ENGINE_FUSED_REDUCE=1)"
+    return "by the reduce kernel (LLM_ENGINE_FUSED_REDUCE=1: in the decode's last partition)"
 
 
 def kv_bytes(batch: int, context: int) -> int:

@@ -82,8 +82,8 @@ ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): ea
     "no PDL on attention": ({"attention_pdl": False}, None, True),  # the decode/reduce (or prefill) launches only
     "no fused rope+KV write": ({}, {"rope_attention": False}, True),
     "no small decode partitions": ({"decode": DecodeTable(partitions=())}, None, True),
-    # split-K partials combined by the reduce kernel, not the decode's last partition (LLM_ENGINE_FUSED_REDUCE=0)
-    "no fused decode reduce": ({"fused_reduce": False}, None, True),
+    # split-K partials combined by the decode's last partition, not the reduce kernel (LLM_ENGINE_FUSED_REDUCE=1)
+    "fused decode reduce": ({"fused_reduce": True}, None, True),
     # the runner's default: one-row steps through kernels_src/dense_gemv; against cuBLAS throughout, the GEMV up to
     # 8 rows, and with the norms and gated activation before the projections fused in (backends/cuda/gemv_fusion.py)
     "no dense GEMV": ({"dense_gemv": False}, None, True),

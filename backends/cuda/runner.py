@@ -83,7 +83,7 @@ class Runner:
         self.attention_pdl: bool | None = None  # the attention kernels' (None: as self.pdl)
         self.decode = DecodeTable()  # split-K partitions, grid cap and tile by batch size (a benchmark may swap it)
         # split-K decode partials combined by the decode's last partition, no reduce kernel (kernels_src/
-        # decode_combine.py; None: where the target has atomics unless LLM_ENGINE_FUSED_REDUCE=0)
+        # decode_combine.py; None: where the target has atomics when LLM_ENGINE_FUSED_REDUCE=1)
         self.fused_reduce: bool | None = None
         self._counters: list[torch.Tensor] = []  # its counters, smallest first (decode_counters)
         # Dense fp16/bf16 linears of up to `gemv_max_rows` rows through kernels_src/dense_gemv instead of cuBLAS, with
