@@ -146,6 +146,20 @@ class Graph:
                     out.setdefault(v.id, []).append(node)
         return out
 
+    def last_reads(self) -> dict[int, list[int]]:
+        """id(node) -> the values (ids) that node is the last to read, params and the graph's inputs and outputs
+        aside: where a runner may let go of them (an eager step otherwise holds every layer's activations)."""
+        keep = {v.id for v in self.outputs.values()} | {v.id for v in self.inputs.values()}
+        last: dict[int, Node] = {}
+        for node in self.nodes:
+            for v in node.inputs:
+                if v is not None and v.kind != "param" and v.id not in keep:
+                    last[v.id] = node
+        out: dict[int, list[int]] = {}
+        for vid, node in last.items():
+            out.setdefault(id(node), []).append(vid)
+        return out
+
     def attention_nodes(self) -> list[Node]:
         """The nodes that read and write a layer's KV cache, in layer order."""
         return [n for n in self.nodes if OPS[n.op].kv_cache]

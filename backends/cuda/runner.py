@@ -48,22 +48,6 @@ GEMM_MAX_ROWS = 256  # its limit: above it (prefill) weights are dequantized in 
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
 
 
-def drop_plan(graph: Graph) -> dict[int, list[int]]:
-    """id(node) -> the values (ids) that node is the last to read, graph inputs and outputs aside: run_nodes lets go
-    of them there. An eager step otherwise held every layer's activations to its end (an 8B model's step of 8,192
-    tokens: ~1 GB a layer, tens of GB a step, kept by the caching allocator)."""
-    keep = {v.id for v in graph.outputs.values()} | {v.id for v in graph.inputs.values()}
-    last: dict[int, Node] = {}
-    for node in graph.nodes:
-        for v in node.inputs:
-            if v is not None and v.kind != "param" and v.id not in keep:
-                last[v.id] = node
-    drops: dict[int, list[int]] = {}
-    for vid, node in last.items():
-        drops.setdefault(id(node), []).append(vid)
-    return drops
-
-
 class Runner:
     def __init__(self, graph: Graph, params: dict[str, Param], dtype, device: torch.device):
         """`graph` is ir.fusion's output: its fused ops are this runner's fused kernels."""
@@ -72,7 +56,9 @@ class Runner:
         outputs = {v.id for v in graph.outputs.values()}
         # values one node reads and nothing else: a rope may rotate them in place
         self._sole = {vid for vid, readers in uses.items() if len(readers) == 1 and vid not in outputs}
-        self._drops = drop_plan(graph)
+        # run_nodes lets go of a value after its last reader: an eager step held every layer's activations to its
+        # end (an 8B model's 8,192-token step: ~1 GB a layer, tens of GB, then kept by torch's caching allocator)
+        self._drops = graph.last_reads()
         self.target = kernel_target(device)
         self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), or (latent,)
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -288,11 +274,12 @@ class Runner:
         if meta.decode:
             rows = q.shape[0]
             block_n, num_warps = self.decode.tile(rows * self.kv_heads)
+            fused = paged_attention.use_fused_reduce(self.target, self.fused_reduce)
+            counters = self.decode_counters(rows * kc.shape[2]) if fused else None
             return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
                                                 max_context=meta.max_context, partition=self.decode_partition(rows),
                                                 max_parts=self.max_partitions(rows), block_n=block_n,
-                                                num_warps=num_warps, fused=self.fused_reduce,
-                                                counters=self.decode_counters(rows * kc.shape[2]), **kw)
+                                                num_warps=num_warps, fused=fused, counters=counters, **kw)
         if meta.tile_maps is not None:
             kw["tile_map"] = meta.tile_maps[paged_prefill.tile_key(q.shape[1], kc.shape[2], q.shape[2])]
         return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],
