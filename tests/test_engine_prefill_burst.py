@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from step_tokens import counted_steps
 
 from core.sampling_params import SamplingParams
 
@@ -30,21 +31,13 @@ def _run(backend, burst_tokens: int, arrivals: dict[int, list[int]], max_num_seq
 
     engine = LLMEngine(backend, EngineConfig(num_kv_blocks=128, block_size=16, scheduler=SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=64, prefill_burst_tokens=burst_tokens)))
-    computed: list[int] = []
-    forward = backend.forward
-
-    def counting_forward(batch):  # the real forward; only its size is written down
-        computed.append(batch.num_tokens)
-        return forward(batch)
-
     rng = np.random.default_rng(0)
     streams = [engine.add_request(rng.integers(300, 9000, 8).tolist(), SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0))
                for _ in range(4)]
     at: dict[str, list[int]] = {rid: [] for rid in streams}
     first: dict[str, int] = {}
     tokens: dict[str, list[int]] = {rid: [] for rid in streams}  # in the order of submission
-    backend.forward = counting_forward
-    try:
+    with counted_steps(backend) as computed:
         step = 0
         while engine.has_unfinished():
             for n in arrivals.get(step, ()):
@@ -59,8 +52,6 @@ def _run(backend, burst_tokens: int, arrivals: dict[int, list[int]], max_num_seq
                 elif new and first[out.request_id] < 0:
                     first[out.request_id] = step
             step += 1
-    finally:
-        del backend.forward
     assert engine.all_blocks_free()
     assert all(len(tokens[r]) == 30 for r in streams) and all(len(tokens[r]) == 4 for r in first)
     return [np.diff(v) for v in at.values()], first, tokens, engine

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from step_tokens import counted_steps
 
 from core.sampling_params import SamplingParams
 
@@ -28,19 +29,11 @@ def _gaps(backend, decode_step_tokens: int | None) -> tuple[list[np.ndarray], ob
 
     engine = LLMEngine(backend, EngineConfig(num_kv_blocks=128, block_size=16, scheduler=SchedulerConfig(
         max_num_seqs=32, max_num_batched_tokens=512, decode_step_tokens=decode_step_tokens)))
-    computed: list[int] = []
-    forward = backend.forward
-
-    def counting_forward(batch):  # the real forward; only its size is written down
-        computed.append(batch.num_tokens)
-        return forward(batch)
-
     rng = np.random.default_rng(0)
     streams = [engine.add_request(rng.integers(300, 9000, 8).tolist(), SamplingParams(max_tokens=40, ignore_eos=True))
                for _ in range(4)]
     at: dict[str, list[int]] = {rid: [] for rid in streams}  # tokens computed when each new token was reported
-    backend.forward = counting_forward
-    try:
+    with counted_steps(backend) as computed:
         step = 0
         while engine.has_unfinished():
             if 3 <= step < 36 and step % 3 == 0:
@@ -51,8 +44,6 @@ def _gaps(backend, decode_step_tokens: int | None) -> tuple[list[np.ndarray], ob
                 if out.request_id in at:
                     at[out.request_id] += [sum(computed)] * len(out.outputs[0].delta_token_ids)
             step += 1
-    finally:
-        del backend.forward
     assert engine.all_blocks_free()
     return [np.diff(v) for v in at.values()], engine
 
