@@ -32,8 +32,8 @@ def _run(backend, burst_tokens: int, arrivals: dict[int, list[int]], max_num_seq
     engine = LLMEngine(backend, EngineConfig(num_kv_blocks=128, block_size=16, scheduler=SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=64, prefill_burst_tokens=burst_tokens)))
     rng = np.random.default_rng(0)
-    streams = [engine.add_request(rng.integers(300, 9000, 8).tolist(), SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0))
-               for _ in range(4)]
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    streams = [engine.add_request(rng.integers(300, 9000, 8).tolist(), greedy) for _ in range(4)]
     at: dict[str, list[int]] = {rid: [] for rid in streams}
     first: dict[str, int] = {}
     tokens: dict[str, list[int]] = {rid: [] for rid in streams}  # in the order of submission
