@@ -39,7 +39,10 @@ PREFILL_SPREAD_STEPS = 16
 # decode rows), while a stream's long gaps fall from k-1 to one. Small arrivals (fewer prompt tokens than
 # prefill_burst_tokens) still ride beside the decodes. A pause covers the prompts there when it began (later arrivals
 # may fill a step's room but never extend it) and is followed by at least one step with every decode, so decodes
-# always progress; a burst whose next prompt cannot be admitted (blocks, max_num_seqs) ends at once.
+# always progress; a burst whose next prompt cannot be admitted (blocks, max_num_seqs) ends at once. Measured on an
+# H200 (docs/BENCHMARKS.md, 2026-12-04) it lost to plain mixed steps: a pause also stops the previous wave's streams,
+# and the p99 counts gaps, not streams. Larger steps (Backend.default_step_tokens) were the answer there; the rule
+# stays off by default.
 
 
 @dataclass
