@@ -73,6 +73,19 @@ class Served:
             print(f"--- {self.name}'s log, last lines:\n{self.tail()}", flush=True)
 
 
+SCHEDULER_FLAGS = ("decode_step_tokens", "prefill_spread_steps", "max_num_batched_tokens", "prefill_burst_tokens")
+
+
+def scheduler_flags(a: argparse.Namespace, prefix: str) -> list[str]:
+    """The scheduler settings given (None: the engine's own), as our server's flags (prefix "--") or
+    bench_serving's for its offline engine ("--offline-")."""
+    out = []
+    for name in SCHEDULER_FLAGS:
+        if getattr(a, name) is not None:
+            out += [prefix + name.replace("_", "-"), str(getattr(a, name))]
+    return out
+
+
 def load_args(a: argparse.Namespace, base: str, result: Path, offline: bool) -> list[str]:
     argv = ["--base-url", base, "--concurrency", a.concurrency, "--num-prompts", a.num_prompts,
             "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--tokenizer", str(a.gguf),
@@ -80,13 +93,7 @@ def load_args(a: argparse.Namespace, base: str, result: Path, offline: bool) -> 
     if offline:
         argv += ["--offline", "--offline-model", str(a.gguf), "--offline-backend", a.backend,
                  "--offline-mem", str(a.mem)]
-        if a.decode_step_tokens is not None:  # the offline engine schedules as our server does
-            argv += ["--offline-decode-step-tokens", str(a.decode_step_tokens)]
-        argv += ["--offline-prefill-spread-steps", str(a.prefill_spread_steps)]
-        if a.max_num_batched_tokens is not None:
-            argv += ["--offline-max-num-batched-tokens", str(a.max_num_batched_tokens)]
-        if a.prefill_burst_tokens is not None:
-            argv += ["--offline-prefill-burst-tokens", str(a.prefill_burst_tokens)]
+        argv += scheduler_flags(a, "--offline-")  # the offline engine schedules as our server does
     return argv
 
 
@@ -97,13 +104,7 @@ def run(a: argparse.Namespace) -> dict:
     top = max(int(c) for c in a.concurrency.split(","))
     ours_cmd = [sys.executable, "-m", "frontend", "--f", str(a.gguf), "--backend", a.backend, "--h", "127.0.0.1",
                 "--p", str(a.port), "--max-num-seqs", str(top), "--mem", str(a.mem), "--disable-prefix-cache"]
-    if a.decode_step_tokens is not None:
-        ours_cmd += ["--decode-step-tokens", str(a.decode_step_tokens)]
-    ours_cmd += ["--prefill-spread-steps", str(a.prefill_spread_steps)]
-    if a.max_num_batched_tokens is not None:
-        ours_cmd += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-    if a.prefill_burst_tokens is not None:
-        ours_cmd += ["--prefill-burst-tokens", str(a.prefill_burst_tokens)]
+    ours_cmd += scheduler_flags(a, "--")
     pair = {"gguf": str(a.gguf), "concurrency": a.concurrency, "num_prompts": a.num_prompts,
             "input_len": a.input_len, "output_len": a.output_len, "ours_cmd": ours_cmd[1:]}
     with Served("ours", ours_cmd, a.port) as s:

@@ -78,16 +78,15 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         if model.pooling is not None and model.pooling.mode != "last":  # a cached prefix's rows would be missed
             self.config = config = replace(config, prefix_caching=False)
-        if config.scheduler.max_num_batched_tokens is None:  # the default: the backend's step size
-            sched = replace(config.scheduler, max_num_batched_tokens=backend.default_step_tokens)
-            self.config = config = replace(config, scheduler=sched)
+        # Scheduler settings left unset take the backend's: its step size, its knee (scheduler.py's cost model) and
+        # its burst threshold (scheduler.py's burst rule).
+        defaults = {"max_num_batched_tokens": backend.default_step_tokens,
+                    "decode_step_tokens": backend.step_knee_tokens,
+                    "prefill_burst_tokens": backend.prefill_burst_tokens}
+        unset = {k: v for k, v in defaults.items() if getattr(config.scheduler, k) is None}
+        if unset:
+            self.config = config = replace(config, scheduler=replace(config.scheduler, **unset))
         backend.set_limits(config.scheduler.max_num_seqs, self.max_model_len, config.scheduler.max_num_batched_tokens)
-        if config.scheduler.decode_step_tokens is None:  # the default: the backend's knee (scheduler.py's cost model)
-            sched = replace(config.scheduler, decode_step_tokens=backend.step_knee_tokens)
-            self.config = config = replace(config, scheduler=sched)
-        if config.scheduler.prefill_burst_tokens is None:  # the default: the backend's (scheduler.py's burst rule)
-            sched = replace(config.scheduler, prefill_burst_tokens=backend.prefill_burst_tokens)
-            self.config = config = replace(config, scheduler=sched)
         self.blocks = self._make_blocks(backend, config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}
