@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,6 +137,13 @@ class Backend(ABC):
         workers = getattr(self, "workers", None)
         if workers is not None:
             workers.check()
+
+    def on_worker_death(self, callback: Callable[[BaseException], None]) -> None:
+        """callback(error) runs on a watch thread when a worker process exits (tp_processes.Workers.watch), after
+        the group is aborted; never for a backend without workers."""
+        workers = getattr(self, "workers", None)
+        if workers is not None:
+            workers.on_death = callback
 
     def is_fatal(self, error: BaseException) -> bool:
         """Whether `error`, raised by a step, left this backend unable to run another one: the engine then stops and

@@ -54,6 +54,7 @@ class Workers:
         self.procs = procs
         self.channel = channel
         self.stopped = self.closing = False
+        self.on_death: Callable[[WorkerDied], None] | None = None  # the engine's (Backend.on_worker_death)
 
     def check(self) -> None:
         for rank, p in self.procs.items():
@@ -70,6 +71,8 @@ class Workers:
                     if not self.closing:
                         log.error("%s; aborting the tensor-parallel group", e)
                         self.channel.abort()
+                        if self.on_death is not None:  # a collective the abort could not fail still waits
+                            self.on_death(e)
                     return
                 time.sleep(every_s)
 

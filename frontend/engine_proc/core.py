@@ -29,6 +29,7 @@ from frontend.engine_proc.wire import Codec, Dead, Failure, LoadFailed, Ready, S
 
 log = logging.getLogger("frontend.engine")
 _IDLE_POLL_MS = 1000  # how often an idle engine looks whether the API process is still there
+_STUCK_STEP_S = 0.3  # how long a step may go on after a worker died before the process ends itself (worker_died)
 
 
 def main(spec: EngineSpec, inputs_addr: str, outputs_addr: str, parent_pid: int) -> None:
@@ -45,7 +46,7 @@ def main(spec: EngineSpec, inputs_addr: str, outputs_addr: str, parent_pid: int)
     outbox.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
     outbox.connect(outputs_addr)
     try:
-        code = _serve(spec, inbox, outbox, parent_pid)
+        code = _serve(spec, inbox, outbox, parent_pid, lambda reason: _die_now(outputs_addr, reason))
     finally:
         inbox.close(linger=0)
         outbox.close(linger=2000)  # the last message (LoadFailed, Dead) must leave before the process does
@@ -57,7 +58,22 @@ def main(spec: EngineSpec, inputs_addr: str, outputs_addr: str, parent_pid: int)
     sys.exit(code)
 
 
-def _serve(spec: EngineSpec, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> int:
+def _die_now(outputs_addr: str, reason: str) -> None:
+    """Tells the API process why, on a socket of its own (another thread may hold the outbox), and ends the process
+    whatever its other threads are doing."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(outputs_addr)
+    sock.send(Codec().encode(Dead(f"the engine process died: {reason}")))
+    sock.close(linger=2000)
+    ctx.term()  # returns once the message has left (or after the linger)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _serve(spec: EngineSpec, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int,
+           die_now: Callable[[str], None]) -> int:
     """Loads, says ready, runs the loop; the exit code: 0 stopped, 1 died, 2 could not load."""
     codec = Codec()
     try:
@@ -74,7 +90,9 @@ def _serve(spec: EngineSpec, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: 
                                    blocks.num_blocks, blocks.block_size, blocks.token_capacity,
                                    engine.backend.model.pooling)))
     try:
-        EngineCore(engine, inbox, outbox, codec, parent_pid).run()
+        core = EngineCore(engine, inbox, outbox, codec, parent_pid)
+        engine.backend.on_worker_death(lambda error: core.worker_died(error, die_now))
+        core.run()
     except BaseException as e:  # noqa: BLE001 - whatever ends the loop, the API process hears why at once
         log.critical("the engine process died", exc_info=True)
         reason = str(e) if isinstance(e, EngineDeadError) else f"{e.__class__.__name__}: {e}"
@@ -93,6 +111,7 @@ class EngineCore:
         self.gather_arrivals = arrivals.enabled()
         self.last_step_s: float | None = None  # the last step's wall time: how long a burst may be waited for
         self.step_log = StepLog.from_env()
+        self.in_step = False
 
     def run(self) -> None:
         """Returns on a stop message or when the API process is gone."""
@@ -152,6 +171,19 @@ class EngineCore:
         gather.gather(lambda s: bool(self.inbox.poll(max(1, math.ceil(s * 1e3)))), take, full, self.clock)
         return added, seqs, stop
 
+    def worker_died(self, error: BaseException, die_now: Callable[[str], None]) -> None:
+        """From the backend's watch thread, when a tensor-parallel worker exits. The loop notices by itself (a failed
+        step, the idle check), except in a step waiting on a collective that its transport cannot fail: MLX's ring
+        can wait for a dead peer for ever. A step still running after _STUCK_STEP_S ends the process (die_now)."""
+        deadline = self.clock() + _STUCK_STEP_S
+        while self.clock() < deadline:
+            if not self.in_step:
+                return  # idle, or the step failed: the loop's own path says why
+            time.sleep(0.02)
+        if self.in_step:
+            log.critical("%s during a step that cannot end; the engine process ends", error)
+            die_now(f"{error} during a step")
+
     def _check_alive(self) -> None:
         """An idle engine whose backend lost a worker dies now, as a failed step would, not at the next request."""
         try:
@@ -204,6 +236,7 @@ class EngineCore:
     def _step(self, failures: list[Failure], added: int) -> list:
         engine = self.engine
         start = self.clock()
+        self.in_step = True
         try:
             outputs = engine.step()
             self.last_step_s = self.clock() - start
@@ -223,6 +256,8 @@ class EngineCore:
                 except Exception:
                     log.exception("engine: aborting %s failed", rid)
             return []
+        finally:
+            self.in_step = False
 
     def _send(self, msg: Step) -> None:
         try:
