@@ -88,8 +88,7 @@ def test_one_gpu_id_is_the_one_process_path(saved):  # noqa: F811
     from tools.bench_gpu import cli_options
 
     assert cli_options("0") == backend_options(parse_args(["--d", "0"])) == {"device": "cuda:0"}
-    with pytest.raises(SystemExit):
-        cli_options("0,1")
+    assert cli_options("0,1") == {"device": ["cuda:0", "cuda:1"]}  # tensor parallel (tests/test_bench_gpu_tp.py)
     args = parse_args(["--d", "0", "--cpu-tensors"])
     assert backend_options(args) == {"device": "cpu"}
     model = load_model(saved("qwen3")[1], progress=False)
