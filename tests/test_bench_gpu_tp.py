@@ -1,11 +1,13 @@
 """tools/bench_gpu's tensor-parallel path (`--d 0,1`) on CPU tensors (gloo, Triton's interpreter): a tiny
 Llama-3-shaped model whose random weights each rank makes itself (backends/cuda/synthetic) gives over two processes
-the greedy tokens one process gives: the ranks' slices are consistent slices of one model. The GPU run is
-tools/gpu_check.sh's bench_tp step."""
+the greedy tokens one process gives: the ranks' slices are consistent slices of one model. TEST_TP_DEVICE=cuda
+(tools/gpu_check.sh's tests_tp step) runs the same on GPUs 0 and 1 (NCCL, CUDA graphs); the benchmark itself is its
+bench_tp step."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -15,6 +17,7 @@ from tools.bench_gpu_model import loaded_model, model_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 torch = pytest.importorskip("torch")
+ON_CUDA = os.environ.get("TEST_TP_DEVICE") == "cuda"
 
 
 def tiny():
@@ -52,7 +55,7 @@ def greedy(options: dict, prompts: list[list[int]], new: int) -> list[list[int]]
     from core.sampling_params import SamplingParams
     from tools.bench_gpu import engine_for
 
-    engine = engine_for(tiny(), None, len(prompts), 32, graphs=False, overlap=False, options=options, dtype="f32")
+    engine = engine_for(tiny(), None, len(prompts), 32, graphs=ON_CUDA, overlap=False, options=options, dtype="f32")
     try:
         ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)) for p in prompts]
         out: dict[str, list[int]] = {i: [] for i in ids}
@@ -67,7 +70,9 @@ def greedy(options: dict, prompts: list[list[int]], new: int) -> list[list[int]]
 
 def test_two_ranks_give_one_rank_tokens():
     prompts, new = [[1, 5, 9, 200, 17], [42, 7]], 4
-    one = greedy({"device": "cpu"}, prompts, new)
-    two = greedy({"device": ["cpu", "cpu"]}, prompts, new)
+    if ON_CUDA and torch.cuda.device_count() < 2:
+        pytest.skip("two GPUs needed")
+    one = greedy({"device": "cuda:0" if ON_CUDA else "cpu"}, prompts, new)
+    two = greedy({"device": ["cuda:0", "cuda:1"] if ON_CUDA else ["cpu", "cpu"]}, prompts, new)
     assert two == one and all(len(t) == new for t in one)
     assert len({t for ts in one for t in ts}) > 1  # not a degenerate model repeating one token
