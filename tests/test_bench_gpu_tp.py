@@ -76,3 +76,26 @@ def test_two_ranks_give_one_rank_tokens():
     two = greedy({"device": ["cuda:0", "cuda:1"] if ON_CUDA else ["cpu", "cpu"]}, prompts, new)
     assert two == one and all(len(t) == new for t in one)
     assert len({t for ts in one for t in ts}) > 1  # not a degenerate model repeating one token
+
+
+def test_report_holds_the_runs_to_the_issue_targets(tmp_path):
+    """tools/bench_tp_report on bench_gpu-shaped JSON: TP 2 / TP 1 ratios, 70B's fraction of the summed copy
+    roofline, each with its target; a missing run leaves its figures out rather than failing."""
+    import json
+
+    from tools.bench_tp_report import figures, load
+
+    def run(decode: dict, copy: float, nbytes: float) -> dict:
+        return {"decode": {str(b): v for b, v in decode.items()}, "copy_gbs": copy, "bf16_bytes": nbytes,
+                "prefill_tps": 40000.0}
+
+    for name, res in {"tp1.json": run({1: 250.0, 64: 11000.0}, 4000.0, 16e9),
+                      "tp2.json": run({1: 400.0, 64: 16500.0}, 8000.0, 16.1e9),
+                      "tp2_70b.json": run({1: 40.0}, 8000.0, 141e9)}.items():
+        (tmp_path / name).write_text(json.dumps(res))
+    rows = {name: (v, target) for name, v, target in figures(load(tmp_path))}
+    assert rows["8B TP 2 / TP 1 decode b1"] == (pytest.approx(1.6), 1.5)
+    assert rows["8B TP 2 / TP 1 decode b64"] == (pytest.approx(1.5), 1.6)
+    assert rows["8B TP 1 decode b1 of roofline"][0] == pytest.approx(250 / (4000 / 16))
+    assert rows["70B TP 2 decode b1 of roofline"] == (pytest.approx(40 / (8000 / 141)), 0.7)
+    assert "8B TP 2 / TP 1 decode b16" not in rows and not any(n.startswith("all-reduce") for n in rows)
