@@ -244,6 +244,8 @@ def main() -> None:
         f" GB/s, bf16 GEMM {res['gemm_tflops_gpu']:,.0f} TFLOP/s a GPU")
     # The transformers peer is built as a llama, on one GPU: only for llama's shape, and where one GPU holds it.
     one_gpu = world == 1 and args.shape != "llama3-70b"
+    if world > 1:
+        say(f"tensor parallel over {devices}: no transformers peer, quantized variants or ablations (one GPU's)")
     res["peer"] = {} if args.no_peer or cfg.arch != "llama" or not one_gpu else peer_rates(cfg, batches, args.prompt,
                                                                                             args.gen)
 
@@ -277,6 +279,8 @@ def main() -> None:
     say(f"  prefill {args.prefill}: {res['prefill_tps']:,.0f} tok/s, {res['prefill_tflops']:.0f} TFLOP/s")
     ablate = [int(x) for x in args.ablate.split(",") if x] if world == 1 else []  # last: graphs captured again
     res["ablations"] = ablations(engine, ablate, args.prompt, args.gen, cfg.vocab_size, entries) if ablate else {}
+    if engine.backend.workers is not None:  # tensor parallel: the workers' GPUs freed now, not at exit
+        engine.backend.workers.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()

@@ -91,7 +91,7 @@ step() {  # step NAME any|gpu TIMEOUT_S COMMAND...
         return
     fi
     if [[ $needs == gpu2 && $HAVE_GPU2 != 1 ]]; then
-        SUMMARY+=("$name|SKIP (fewer than 2 GPUs)|0|")
+        SUMMARY+=("$name|SKIP (< 2 GPUs)|0|")
         return
     fi
     if [[ $needs == smol && ($HAVE_GPU != 1 || $HAVE_SMOL != 1) ]]; then
