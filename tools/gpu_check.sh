@@ -11,10 +11,11 @@
 #
 # To add a step, add one line at the bottom: `step NAME any|gpu|gpu2 TIMEOUT_S COMMAND...` ("gpu": skipped without
 # one; "gpu2": skipped with fewer than two, as on the one-GPU kind).
-# On two GPUs (issue 19: tensor parallel), in two calls of under 10 minutes each:
-#   GPU_CHECK_STEPS=tests_tp bash tools/gpu_check.sh        (the TP tests over NCCL; SmolLM2's server cases if carried)
-#   GPU_CHECK_STEPS="bench_tp bench_tp70" bash tools/gpu_check.sh   (all-reduce, 8B TP 1 and 2, 70B TP 2, the report;
-#                                                                   one step a call if they run past 9 minutes)
+# On two GPUs (issue 19: tensor parallel), a call each (each well under 10 minutes; /tmp/bench_tp is kept between
+# calls while the machine stays warm, so the last call's report has all three runs):
+#   GPU_CHECK_STEPS=tests_tp bash tools/gpu_check.sh     (the TP tests over NCCL; SmolLM2's server cases if carried)
+#   GPU_CHECK_STEPS=bench_tp bash tools/gpu_check.sh     (all-reduce and copy bandwidth, 8B at TP 1 and TP 2)
+#   GPU_CHECK_STEPS=bench_tp70 bash tools/gpu_check.sh   (70B at TP 2, then the report over all of them)
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
