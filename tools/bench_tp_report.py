@@ -32,8 +32,7 @@ def figures(res: dict) -> list[tuple[str, float | None, float | None]]:
     rows: list[tuple[str, float | None, float | None]] = []
     ar = res.get("allreduce")
     if ar:
-        for i, c in enumerate(ar["copy_gbs"]):
-            rows.append((f"copy GB/s, GPU {ar['devices'][i]}", c, None))
+        rows += [(f"copy GB/s, {d}", c, None) for d, c in zip(ar["devices"], ar["copy_gbs"], strict=True) if c]
         for r in ar["rows"]:
             if r["bytes"] in (8192, 16 * 8192, 64 * 8192):  # 1, 16 and 64 rows of 4096 in bf16
                 rows.append((f"all-reduce {r['bytes'] // 8192} x 4096 bf16 us", r["us"], None))
