@@ -59,6 +59,13 @@ def load_model(path: str | Path, dtype: str = "f32", progress: bool = True, isq:
     return _load_gguf(path, dtype, progress, isq, task)
 
 
+def synthetic_model(cfg: ModelConfig, dtype: str = "bf16") -> LoadedModel:
+    """A model of `cfg`'s architecture and shape with no file and no weights: a benchmark's, whose backend makes
+    random parameters (CUDABackend's random_weights; each tensor-parallel rank its own slice, from the same cfg)."""
+    arch = models.by_name(cfg.arch)
+    return LoadedModel(Path(f"synthetic-{cfg.arch}"), arch, cfg, arch.build(cfg, dtype), WeightStore(), None, {})
+
+
 def load_tokenizer(path: str | Path):
     """The tokenizer (with its chat template) alone, no weight bound: what a process that serves HTTP needs."""
     path = Path(path).expanduser()

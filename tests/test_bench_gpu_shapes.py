@@ -7,8 +7,9 @@ import pytest
 
 from tools.bench_gpu_model import SHAPES, loaded_model, model_config
 
-FULL = {"llama3-8b": ("llama", 32, 4096, 128, None), "gemma2-9b": ("gemma2", 42, 3584, 256, 4096),
-        "phi3-mini": ("phi3", 32, 3072, 96, 2047), "qwen3-30b-a3b": ("qwen3_moe", 48, 2048, 128, None)}
+FULL = {"llama3-8b": ("llama", 32, 4096, 128, None), "llama3-70b": ("llama", 80, 8192, 128, None),
+        "gemma2-9b": ("gemma2", 42, 3584, 256, 4096), "phi3-mini": ("phi3", 32, 3072, 96, 2047),
+        "qwen3-30b-a3b": ("qwen3_moe", 48, 2048, 128, None)}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -2,7 +2,11 @@
 gloo between them, the DSL's kernels on Triton's interpreter. Tiny llama, qwen3, windowed mistral and qwen2_moe
 (routed experts split inside each expert, a gated shared expert, a dense layer) models over 2 and 4 processes (at 4
 the 2 KV heads replicated), give the greedy tokens of one process and first-step logits within 1e-5 of
-max|logit| (fp32). A worker killed in the middle of a request: test_tensor_parallel_server."""
+max|logit| (fp32). A worker killed in the middle of a request: test_tensor_parallel_server.
+
+TEST_TP_DEVICE=cuda (tools/gpu_check.sh's tests_tp step) puts the ranks on GPUs cuda:0.. over NCCL, CUDA graphs
+captured with the all-reduces inside, and holds them to one GPU's backend (the one-process reference is then
+test_cuda_backend's); a world past the GPUs present is skipped."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from ir.sharding import shard
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 torch = pytest.importorskip("torch")
 
+ON_CUDA = os.environ.get("TEST_TP_DEVICE") == "cuda"
 TP_TOL = 1e-5  # of max|logit|: sums over ranks in another order; a wrong shard moves logits by whole units
 NEW = 2  # a prefill of both prompts, then a decode step over their cached tokens
 
@@ -34,7 +39,17 @@ def greedy(backend, model, prompts, new: int):
 def start(model, world: int):
     from backends.cuda import tensor_parallel
 
-    return tensor_parallel.start(model, ["cpu"] * world, dtype="f32", progress=False)
+    devices = [f"cuda:{r}" for r in range(world)] if ON_CUDA else ["cpu"] * world
+    return tensor_parallel.start(model, devices, dtype="f32", progress=False)
+
+
+def one_process(model, prompts, new: int):
+    """The tokens and first-step logits TP must give: the reference's on CPU, one GPU's backend on GPUs."""
+    if not ON_CUDA:
+        return ReferenceRunner(model, max_tokens=48, block_size=4).greedy(prompts, new)
+    from backends.cuda.backend import CUDABackend
+
+    return greedy(CUDABackend(model, dtype="f32", device="cuda:0", progress=False), model, prompts, new)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -42,9 +57,11 @@ def start(model, world: int):
 def test_processes_match_one(case, world, saved):  # noqa: F811
     """Against the one-process reference (test_cuda_backend holds one process of this backend to it within 1e-4;
     here the ranks' backends, on the same kernels, are held to 1e-5)."""
+    if ON_CUDA and world > torch.cuda.device_count():
+        pytest.skip(f"{world} ranks need {world} GPUs; {torch.cuda.device_count()} here")
     model = load_model(saved(case)[1], progress=False)
     prompts, new = [prompt(1), prompt(2, 9)], NEW
-    tokens, first = ReferenceRunner(model, max_tokens=48, block_size=4).greedy(prompts, new)
+    tokens, first = one_process(model, prompts, new)
     backend = start(model, world)
     try:
         assert backend.kv_layout().shapes[0].heads == max(1, 2 // world)  # the rank's share of the KV heads
@@ -88,8 +105,7 @@ def test_one_gpu_id_is_the_one_process_path(saved):  # noqa: F811
     from tools.bench_gpu import cli_options
 
     assert cli_options("0") == backend_options(parse_args(["--d", "0"])) == {"device": "cuda:0"}
-    with pytest.raises(SystemExit):
-        cli_options("0,1")
+    assert cli_options("0,1") == {"device": ["cuda:0", "cuda:1"]}  # tensor parallel (tests/test_bench_gpu_tp.py)
     args = parse_args(["--d", "0", "--cpu-tensors"])
     assert backend_options(args) == {"device": "cpu"}
     model = load_model(saved("qwen3")[1], progress=False)

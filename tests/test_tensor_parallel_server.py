@@ -27,8 +27,10 @@ from ir.loader import load_model
 from ir.reference import ReferenceRunner
 from tests.serving import ROOT, ServerProcess, child_env, free_port, readme_blocks
 
+# TEST_TP_DEVICE=cuda (tools/gpu_check.sh's tests_tp step): the CUDA case on GPUs 0 and 1 over NCCL instead
+ON_CUDA = os.environ.get("TEST_TP_DEVICE") == "cuda"
 TWO_RANKS = {
-    "cuda": pytest.param(("--d", "0,1", "--cpu-tensors"), id="cuda", marks=pytest.mark.skipif(
+    "cuda": pytest.param(("--d", "0,1", *(() if ON_CUDA else ("--cpu-tensors",))), id="cuda", marks=pytest.mark.skipif(
         importlib.util.find_spec("triton") is None, reason="triton is not installed")),
     "mlx": pytest.param(("--backend", "mlx", "--tp", "2"), id="mlx", marks=pytest.mark.skipif(
         importlib.util.find_spec("mlx") is None, reason="mlx is not installed")),

@@ -1,15 +1,19 @@
-"""The CUDA backend on a synthetic Llama-3-8B (or gemma2-9b / phi3-mini / qwen3-30b-a3b with --shape; random
-weights made on the GPU by tools/bench_gpu_model: nothing to download), through the engine: decode tok/s at several
-batch sizes (128-token prompts, 128 new tokens, EOS ignored), prefill tok/s at 2048 tokens, and the same decode with
-GGUF Q4_K/Q6_K blocks laid out as Q4_K_M. The ceilings (copy bandwidth, bf16 GEMM rate) and the transformers peer
-(llama's shape) are measured in the same run; every figure is printed with its ratios.
+"""The CUDA backend on a synthetic Llama-3-8B (or llama3-70b / gemma2-9b / phi3-mini / qwen3-30b-a3b with --shape;
+random weights made on the GPU, backends/cuda/synthetic: nothing to download), through the engine: decode tok/s at
+several batch sizes (128-token prompts, 128 new tokens, EOS ignored), prefill tok/s at 2048 tokens, and the same
+decode with GGUF Q4_K/Q6_K blocks laid out as Q4_K_M. The ceilings (copy bandwidth, bf16 GEMM rate) and the
+transformers peer (llama's shape) are measured in the same run; every figure is printed with its ratios.
 
-    python -m tools.bench_gpu [--shape llama3-8b|gemma2-9b|phi3-mini|qwen3-30b-a3b] [--batches 1,16,64] [--layers N]
-        [--no-peer] [--no-quant | --quant q4km,int4,fp8] [--ablate 1,64] [--ablations NAMES|none]
-        [--decode-table SPEC] [--d ID] [--json FILE]
+    python -m tools.bench_gpu [--shape llama3-8b|llama3-70b|gemma2-9b|phi3-mini|qwen3-30b-a3b] [--batches 1,16,64]
+        [--layers N] [--no-peer] [--no-quant | --quant q4km,int4,fp8] [--ablate 1,64] [--ablations NAMES|none]
+        [--decode-table SPEC] [--d ID[,ID..]] [--json FILE]
 
 --d ID builds the backend as `python -m frontend --d ID` does (one process, no tensor-parallel workers): the figures
-of the path the server takes on one GPU.
+of the path the server takes on one GPU. --d 0,1 is tensor parallel over those GPUs, as the server's `--d 0,1`: a
+worker process a GPU, each making its own slice of the same seeded random weights (no file; a Llama-3-70B at TP 2
+holds 70 GB a GPU); decode and prefill are measured as on one GPU, the roofline being the GPUs' summed copy bandwidth
+over the bytes all ranks read. The transformers peer, the quantized variants and the ablations (rank 0's runner
+alone would change) are one GPU's.
 --decode-table adds an A/B to the ablations: decode again with another split-K table (backends/cuda/decode_table.py;
 tools/bench_decode_attention prints one) on the same backend, graphs captured again.
 """
@@ -27,7 +31,8 @@ import torch
 
 from backends.cuda.decode_table import DecodeTable
 from ir.config import ModelConfig
-from tools.bench_gpu_model import SHAPES, active_bytes, dense_params, loaded_model, model_config, quant_params
+from ir.sharding import shard
+from tools.bench_gpu_model import SHAPES, active_bytes, loaded_model, meta_params, model_config, quant_params
 from tools.bench_gpu_rates import (
     GB,
     copy_bandwidth,
@@ -46,29 +51,37 @@ def say(*a) -> None:
 
 # --- our engine ------------------------------------------------------------------------------------------------
 
+SEED = 0  # the random weights' (backends/cuda/synthetic): every run and every rank the same model
+
+
 def cli_options(ids: str | None) -> dict:
-    """The backend options `python -m frontend --d IDS` gives (frontend.cli; {} without --d): one GPU id only."""
+    """The backend options `python -m frontend --d IDS` gives (frontend.cli; {} without --d): one GPU, or a list of
+    them (tensor parallel)."""
     if ids is None:
         return {}
     from frontend.cli import backend_options, parse_args
 
-    options = backend_options(parse_args(["--d", ids]))
-    if isinstance(options["device"], list):  # the workers load the model from its file; this one is made here
-        raise SystemExit(f"bench_gpu --d takes one GPU id, not {ids!r}: tensor parallel's workers cannot load "
-                         "its random weights")
-    return options
+    return backend_options(parse_args(["--d", ids]))
+
+
+def devices_of(options: dict) -> list[str]:
+    """The GPUs (tensor parallel's ranks, in order) `options` put the model on."""
+    device = options.get("device", "cuda")
+    return list(device) if isinstance(device, list | tuple) else [device]
 
 
 def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, backend=None, overlap: bool = True,
-               options: dict | None = None):
-    """An engine over a new backend for `params` (built as the server builds it, with `options`: cli_options), or
-    over `backend` (its graphs are captured again)."""
+               options: dict | None = None, dtype: str = "bf16"):
+    """An engine over a new backend for `params` (None: the backend's random weights of SEED, each rank making its
+    slice), built as the server builds it with `options` (cli_options), or over `backend` (its graphs captured
+    again)."""
     from backends.base import create_backend
     from frontend.engine.engine import EngineConfig, LLMEngine
     from frontend.engine.scheduler import SchedulerConfig
 
-    backend = backend or create_backend("cuda", model, dtype="bf16", params=params, cuda_graph=graphs,
-                                        progress=False, **(options or {}))
+    weights = {"params": params} if params is not None else {"random_weights": SEED}
+    backend = backend or create_backend("cuda", model, dtype=dtype, cuda_graph=graphs, progress=False, **weights,
+                                        **(options or {}))
     blocks = max_batch * (-(-ctx // 16) + 1) + 64
     config = EngineConfig(num_kv_blocks=blocks, prefix_caching=False, async_scheduling=overlap,
                           scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
@@ -204,10 +217,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_gpu.json")
     args = ap.parse_args()
     options = cli_options(args.d)
+    devices = devices_of(options)
+    world = len(devices)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
     if options:
-        torch.cuda.set_device(options["device"])  # the ceilings and the random weights on that GPU too
+        torch.cuda.set_device(devices[0])  # the ceilings and the peer on that GPU too
     batches = [int(b) for b in args.batches.split(",")]
     entries = ablation_entries(args)  # a mistyped name or table fails before the model is built
     cfg = model_config(args.layers, args.shape)
@@ -215,21 +230,36 @@ def main() -> None:
         cfg = cfg.with_(max_position_embeddings=args.prompt + args.gen)
     args.layers = cfg.num_layers
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
-                 "shape": args.shape, "d": args.d}
-    res["copy_gbs"] = copy_bandwidth()
-    res["gemm_tflops"] = gemm_rate()
-    say(f"{res['gpu']}: copy {res['copy_gbs']:,.0f} GB/s, bf16 GEMM {res['gemm_tflops']:,.0f} TFLOP/s")
-    # The transformers peer is built as a llama: only for llama's shape.
-    res["peer"] = {} if args.no_peer or cfg.arch != "llama" else peer_rates(cfg, batches, args.prompt, args.gen)
+                 "shape": args.shape, "d": args.d, "world": world}
+    res["copy_gbs_each"] = []
+    for d in devices:  # each rank's GPU: the roofline is their sum
+        with torch.cuda.device(d):
+            res["copy_gbs_each"].append(copy_bandwidth())
+            torch.cuda.empty_cache()  # the 4 GiB of buffers, before the model needs the room
+    res["copy_gbs"] = sum(res["copy_gbs_each"])
+    res["gemm_tflops_gpu"] = gemm_rate()
+    res["gemm_tflops"] = world * res["gemm_tflops_gpu"]  # prefill's ceiling: every rank's GEMMs at once
+    torch.cuda.empty_cache()
+    say(f"{res['gpu']} x{world}: copy " + " + ".join(f"{c:,.0f}" for c in res["copy_gbs_each"]) +
+        f" GB/s, bf16 GEMM {res['gemm_tflops_gpu']:,.0f} TFLOP/s a GPU")
+    # The transformers peer is built as a llama, on one GPU: only for llama's shape, and where one GPU holds it.
+    one_gpu = world == 1 and args.shape != "llama3-70b"
+    if world > 1:
+        say(f"tensor parallel over {devices}: no transformers peer, quantized variants or ablations (one GPU's)")
+    res["peer"] = {} if args.no_peer or cfg.arch != "llama" or not one_gpu else peer_rates(cfg, batches, args.prompt,
+                                                                                            args.gen)
 
     t0 = time.perf_counter()
     model = loaded_model(cfg)
-    params = dense_params(model.graph)
-    res["bf16_bytes"] = active_bytes(model.graph, params)  # all of them, but for a MoE only the routed experts
-    engine = engine_for(model, params, max(batches), max(args.prompt + args.gen, args.prefill), not args.no_graphs,
+    rank_graph = shard(model.graph, 0, world)  # rank 0's share (the graph itself on one GPU)
+    # all of a rank's parameters, but for a MoE only the routed experts; every rank reads as many (KV heads
+    # replicated where fewer than ranks: each rank its copy)
+    res["rank_bytes"] = active_bytes(rank_graph, meta_params(rank_graph))
+    res["bf16_bytes"] = world * res["rank_bytes"]
+    engine = engine_for(model, None, max(batches), max(args.prompt + args.gen, args.prefill), not args.no_graphs,
                         options=options)
-    del params
-    say(f"ours: bf16 model {res['bf16_bytes'] / GB:.2f} GB ready in {time.perf_counter() - t0:.1f} s")
+    say(f"ours: bf16 model {res['bf16_bytes'] / GB:.2f} GB ({res['rank_bytes'] / GB:.2f} GB a rank) ready in "
+        f"{time.perf_counter() - t0:.1f} s")
     res["decode"] = {}
     for b in batches:
         res["decode"][b] = decode_rate(engine, b, args.prompt, args.gen, cfg.vocab_size)
@@ -247,14 +277,16 @@ def main() -> None:
     res["prefill_tps"] = prefill_rate(engine, args.prefill, cfg.vocab_size)
     res["prefill_tflops"] = prefill_flops(cfg, args.prefill) * res["prefill_tps"] / args.prefill / 1e12
     say(f"  prefill {args.prefill}: {res['prefill_tps']:,.0f} tok/s, {res['prefill_tflops']:.0f} TFLOP/s")
-    ablate = [int(x) for x in args.ablate.split(",") if x]  # last: it recaptures the backend's graphs
+    ablate = [int(x) for x in args.ablate.split(",") if x] if world == 1 else []  # last: graphs captured again
     res["ablations"] = ablations(engine, ablate, args.prompt, args.gen, cfg.vocab_size, entries) if ablate else {}
+    if engine.backend.workers is not None:  # tensor parallel: the workers' GPUs freed now, not at exit
+        engine.backend.workers.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
 
     res["quant"] = {}
-    for kind in [] if args.no_quant else [q for q in args.quant.split(",") if q]:
+    for kind in [] if args.no_quant or world > 1 else [q for q in args.quant.split(",") if q]:
         qparams = quant_params(kind, model.graph, args.layers)
         nbytes = weight_bytes(qparams)
         qbatches = [b for b in batches if kind != "q4km" or b == 1]  # Q4_K_M: batch 1 alone, as before --quant
@@ -299,14 +331,16 @@ def report(res: dict, args) -> None:
     res["json_rows"] = rows
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(res, indent=1, default=str))
-    say(f"\nsynthetic {res['shape']} ({res['layers']} layers) on {res['gpu']}, torch {res['torch']}: copy "
+    tp = f" x{res['world']} (tensor parallel, --d {res['d']})" if res["world"] > 1 else ""
+    say(f"\nsynthetic {res['shape']} ({res['layers']} layers) on {res['gpu']}{tp}, torch {res['torch']}: copy "
         f"{res['copy_gbs']:,.0f} GB/s -> bf16 batch-1 roofline {roof:.0f} tok/s; bf16 GEMM {res['gemm_tflops']:.0f} "
         "TFLOP/s")
     say(f"{'figure':<26}{'ours':>10}{'of ceiling':>12}{'peer':>10}{'vs peer':>9}")
     for name, v, ceil, peer in rows:
         say(f"{name:<26}{v:>10,.0f}{f'{ceil:.1%}' if ceil else '':>12}{f'{peer:,.0f}' if peer else '':>10}"
             f"{f'{v / peer:.2f}x' if peer else '':>9}")
-    say("(ceiling: batch 1 = copy bandwidth / weight bytes; prefill = model TFLOP/s / bf16 GEMM rate)")
+    say("(ceiling: batch 1 = copy bandwidth / weight bytes; prefill = model TFLOP/s / bf16 GEMM rate; tensor "
+        "parallel: the GPUs' sums over the bytes all ranks read)")
     for name, rates in res["ablations"].items():
         say(f"{name:<26}" + "".join(f"  b{b} {v:,.0f} ({v / res['decode'][b] - 1:+.1%})" for b, v in rates.items()
                                     if b in res["decode"]))

@@ -1,6 +1,7 @@
-"""tools/bench_gpu's synthetic models: the shapes (Llama-3-8B, or a checkpoint's config.json read by its
-architecture's config class), the graph, random weights made on the GPU (bf16, or GGUF Q4_K/Q6_K blocks laid out as
-Q4_K_M), and the bytes a decode step must read (a MoE's routed experts only)."""
+"""tools/bench_gpu's synthetic models: the shapes (Llama-3-8B and -70B, or a checkpoint's config.json read by its
+architecture's config class), the graph, random weights made on the GPU (bf16: the backend's own, backends/cuda/
+synthetic, each tensor-parallel rank its slice; GGUF Q4_K/Q6_K blocks laid out as Q4_K_M, int4, fp8 here), and the
+bytes a decode step must read (a MoE's routed experts only)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,24 @@ import torch
 from ir.config import ModelConfig
 from ir.rope import RopeSpec
 
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
-                 head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=8192)
+LLAMA3 = dict(vocab_size=128256, head_dim=128, num_kv_heads=8, rms_norm_eps=1e-5, max_position_embeddings=8192)
+LLAMA3_SHAPES = {  # Meta's config.json: Llama-3-8B (16 GB in bf16), Llama-3-70B (141 GB: no single H200 holds it)
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_heads=32, num_layers=32),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_heads=64, num_layers=80),
+}
 
 # Other shapes, from their checkpoints' config.json (tests/data/hf_configs), read by their architecture's config
 # class: the issue's check that a new architecture decodes at the same fraction of the roofline as llama's.
-SHAPES = {"llama3-8b": None, "gemma2-9b": "gemma-2-9b-it.json", "phi3-mini": "phi-3-mini-4k-instruct.json",
-          "qwen3-30b-a3b": "qwen3-30b-a3b.json"}
+SHAPES = {"llama3-8b": None, "llama3-70b": None, "gemma2-9b": "gemma-2-9b-it.json",
+          "phi3-mini": "phi-3-mini-4k-instruct.json", "qwen3-30b-a3b": "qwen3-30b-a3b.json"}
 CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "hf_configs"
 
 
 def model_config(layers: int | None, shape: str = "llama3-8b") -> ModelConfig:
-    if SHAPES[shape] is None:
-        return ModelConfig(arch="llama", num_layers=layers or 32, rope=RopeSpec(theta=500000.0, rotary_dim=128),
-                           **LLAMA3_8B)
+    if shape in LLAMA3_SHAPES:
+        dims = {**LLAMA3, **LLAMA3_SHAPES[shape]}
+        dims["num_layers"] = layers or dims["num_layers"]
+        return ModelConfig(arch="llama", rope=RopeSpec(theta=500000.0, rotary_dim=128), **dims)
     from ir.models import for_hf
 
     hf = json.loads((CONFIGS / SHAPES[shape]).read_text())
@@ -35,12 +40,14 @@ def model_config(layers: int | None, shape: str = "llama3-8b") -> ModelConfig:
 
 
 def loaded_model(cfg: ModelConfig):
-    from ir.loader import LoadedModel
-    from ir.models import by_name
-    from ir.weights import WeightStore
+    from ir.loader import synthetic_model
 
-    arch = by_name(cfg.arch)
-    return LoadedModel(Path(f"synthetic-{cfg.arch}"), arch, cfg, arch.build(cfg, "bf16"), WeightStore(), None, {})
+    return synthetic_model(cfg)
+
+
+def meta_params(graph) -> dict:
+    """The graph's parameters as bf16 tensors with no storage (device "meta"): their bytes, for active_bytes."""
+    return {name: torch.empty(p.shape, dtype=torch.bfloat16, device="meta") for name, p in graph.params.items()}
 
 
 def active_bytes(graph, params, tokens: int = 1) -> int:

@@ -9,7 +9,13 @@
 #                                       GPU_CHECK_K="rope or decode" to pick the kernel suite's cases; default:
 #                                       the Triton ones, "not cuda]")
 #
-# To add a step, add one line at the bottom: `step NAME any|gpu TIMEOUT_S COMMAND...` ("gpu": skipped without one).
+# To add a step, add one line at the bottom: `step NAME any|gpu|gpu2 TIMEOUT_S COMMAND...` ("gpu": skipped without
+# one; "gpu2": skipped with fewer than two, as on the one-GPU kind).
+# On two GPUs (issue 19: tensor parallel), a call each (each well under 10 minutes; /tmp/bench_tp is kept between
+# calls while the machine stays warm, so the last call's report has all three runs):
+#   GPU_CHECK_STEPS=tests_tp bash tools/gpu_check.sh     (the TP tests over NCCL; SmolLM2's server cases if carried)
+#   GPU_CHECK_STEPS=bench_tp bash tools/gpu_check.sh     (all-reduce and copy bandwidth, 8B at TP 1 and TP 2)
+#   GPU_CHECK_STEPS=bench_tp70 bash tools/gpu_check.sh   (70B at TP 2, then the report over all of them)
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -46,6 +52,8 @@ CUDA_K="not cpu and not mlx"  # the MLX cases are CI's (the GPU image has no mlx
 
 HAVE_GPU=0
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null && HAVE_GPU=1
+HAVE_GPU2=0
+"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" 2> /dev/null && HAVE_GPU2=1
 
 env_info() {
     nvidia-smi -L 2>&1 || echo "(nvidia-smi not available)"
@@ -83,6 +91,10 @@ step() {  # step NAME any|gpu TIMEOUT_S COMMAND...
         SUMMARY+=("$name|SKIP (no CUDA GPU)|0|")
         return
     fi
+    if [[ $needs == gpu2 && $HAVE_GPU2 != 1 ]]; then
+        SUMMARY+=("$name|SKIP (< 2 GPUs)|0|")
+        return
+    fi
     if [[ $needs == smol && ($HAVE_GPU != 1 || $HAVE_SMOL != 1) ]]; then
         SUMMARY+=("$name|SKIP (no GPU or no SmolLM2)|0|")
         return
@@ -94,8 +106,8 @@ step() {  # step NAME any|gpu TIMEOUT_S COMMAND...
         return
     fi
     echo "=== $name ($needs, limit ${limit}s): $*" | tee -a "$LOG"
-    if declare -F "$1" > /dev/null; then
-        "$@" 2>&1 | tee -a "$LOG" "$STEPLOG"
+    if declare -F "$1" > /dev/null; then  # a function times its own commands, within STEP_LIMIT
+        STEP_LIMIT=$limit "$@" 2>&1 | tee -a "$LOG" "$STEPLOG"
     else
         timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" "$STEPLOG"
     fi
@@ -123,8 +135,42 @@ CUDA_TESTS=(tests/test_cuda_backend.py tests/test_cuda_long_context.py tests/tes
 SERVER_TESTS=(tests/test_server.py tests/test_server_guarded.py tests/test_chat_client.py tests/test_server_long_context.py
     tests/test_structured_server.py)
 
+# Tensor parallel on GPUs 0 and 1 (NCCL, CUDA graphs with the all-reduces inside): the TP tests on GPUs, the server's
+# --d 0,1 with SmolLM2's tokenizer where the GGUF is here (a killed worker's NCCL group must fail, not hang).
+TP_TESTS=(tests/test_tensor_parallel.py tests/test_bench_gpu_tp.py)
+((HAVE_SMOL)) && TP_TESTS+=(tests/test_tensor_parallel_server.py)
+# Issue 19's measurements (JSON under /tmp/bench_tp, merged into $OUT/bench_tp.json by tools/bench_tp_report, which
+# holds them to the issue's targets). bench_tp: all-reduce and copy bandwidth, Llama-3-8B bf16 at TP 1 and TP 2
+# (decode 1/16/64, prefill 2,048); bench_tp70: Llama-3-70B bf16 at TP 2 (141 GB: 70 GB a GPU, random weights made on
+# each; decode 1 and 16, prefill 2,048), then the report over both steps' files.
+TP_DIR=/tmp/bench_tp
+TP_BENCH=(--no-peer --no-quant --ablate "" --prefill 2048)
+bench_tp() {
+    local rc=0
+    rm -rf "$TP_DIR" && mkdir -p "$TP_DIR"
+    timeout 90 "$PY" -m tools.bench_allreduce --d 0,1 --json $TP_DIR/allreduce.json || rc=1
+    timeout 200 "$PY" -m tools.bench_gpu --d 0 --batches 1,16,64 --profile "" "${TP_BENCH[@]}" \
+        --json $TP_DIR/tp1.json || rc=1
+    timeout 240 "$PY" -m tools.bench_gpu --d 0,1 --batches 1,16,64 --profile 1 "${TP_BENCH[@]}" \
+        --json $TP_DIR/tp2.json || rc=1
+    "$PY" -m tools.bench_tp_report --dir $TP_DIR --json "$OUT"/bench_tp.json
+    return $rc
+}
+bench_tp70() {
+    local rc=0
+    mkdir -p "$TP_DIR"
+    timeout $((STEP_LIMIT - 15)) "$PY" -m tools.bench_gpu --d 0,1 --shape llama3-70b --batches 1,16 --profile 1 "${TP_BENCH[@]}" \
+        --json $TP_DIR/tp2_70b.json || rc=1
+    "$PY" -m tools.bench_tp_report --dir $TP_DIR --json "$OUT"/bench_tp.json
+    return $rc
+}
+
 # In order of what a change to the backend needs first; the kernel suite (~4 min) and its benchmark come last.
 step env any 60 env_info
+step tests_tp gpu2 420 env TEST_TP_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider --tb=short \
+    -k "not mlx and not torchrun" "${TP_TESTS[@]}"
+step bench_tp gpu2 540 bench_tp
+step bench_tp70 gpu2 420 bench_tp70
 step tests_cuda gpu 300 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" "${CUDA_TESTS[@]}"
 step server_cuda smol 420 env TEST_SERVER_BACKEND=cuda "$PY" -m pytest -q -p no:cacheprovider --tb=short \
     "${SERVER_TESTS[@]}"

@@ -22,6 +22,7 @@ from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
 from backends.cuda.step_graphs import StepGraphs
 from backends.cuda.step_meta import StepMeta
+from backends.cuda.synthetic import random_params
 from backends.cuda.warm_batches import mixed_batch, one_sequence
 from core.batch import Batch
 from core.kv_layout import KVLayout
@@ -50,11 +51,12 @@ class CUDABackend(Backend):
     def __init__(self, model: LoadedModel, dtype: str | None = None, quantized: bool | None = None,
                  device: str | torch.device | None = None, cuda_graph: bool = True, params: dict | None = None,
                  progress: bool = True, fusions: Fusions | None = None, rank: int = 0, world: int = 1,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", random_weights: int | None = None):
         """`rank` of `world`: this process runs that rank's graph (ir.sharding) in a torch.distributed group already
         joined (backends.cuda.tensor_parallel starts them); `mirror`, when set, is told each call that runs it.
         `kv_cache_dtype`: "auto" (the activations' dtype), "int8" (kernels_src.kv_int8's codes and scales) or "fp8"
-        (kernels_src.kv_fp8's e4m3 bytes and scales)."""
+        (kernels_src.kv_fp8's e4m3 bytes and scales). `random_weights`: a seed; the rank's parameters are then made
+        on the device (backends.cuda.synthetic: a model with no file), not read from model.weights."""
         self.kv_quant = kv_cache_quant(kv_cache_dtype, "cuda")  # None, "int8" or "fp8"
         self.model = model
         self.rank, self.world = rank, world
@@ -85,6 +87,8 @@ class CUDABackend(Backend):
             self.default_step_tokens = 8192
         self.dtype = dtype or self.default_dtype(model, self.device)
         self.quantized = True if quantized is None else quantized
+        if params is None and random_weights is not None:
+            params = random_params(self.rank_graph, self.dtype, self.device, random_weights)
         if params is None:
             stored = ShardedWeights(self.rank_graph, model.weights) if world > 1 else model.weights
             params, fallbacks = weights.to_device(self.rank_graph, stored, self.dtype, self.device, self.quantized,

@@ -20,7 +20,7 @@ from backends.cuda.backend import CUDABackend
 from backends.cuda.distributed import Rendezvous, dist
 from backends.cuda.runtime import torch
 from backends.tp_processes import Channel, WorkerDied, Workers
-from ir.loader import LoadedModel, load_model
+from ir.loader import LoadedModel, load_model, synthetic_model
 from ir.sharding import check_world, shard
 
 __all__ = ["WorkerDied", "Workers", "start", "worker_main"]
@@ -49,8 +49,11 @@ def start(model: LoadedModel, devices: Sequence[str], rendezvous: Rendezvous | N
     shard(model.graph, 0, world)  # heads that do not split: refused before any process starts
     if rendezvous is None:
         rendezvous = Rendezvous(0, world, "127.0.0.1", tp_processes.free_port())
+        # random weights have no file: each worker builds the graph from the config and makes its own slice
+        source = {"config": model.config} if options.get("random_weights") is not None else {
+            "model": str(model.path), "isq": model.isq, "task": model.task}
         procs = {r: tp_processes.spawn("backends.cuda.tensor_parallel", {
-            "model": str(model.path), "isq": model.isq, "task": model.task, "device": devices[r], "options": options,
+            **source, "device": devices[r], "options": options,
             "rendezvous": Rendezvous(r, world, rendezvous.addr, rendezvous.port, r)}) for r in range(1, world)}
     else:
         procs = {}
@@ -71,8 +74,10 @@ def start(model: LoadedModel, devices: Sequence[str], rendezvous: Rendezvous | N
 def worker_main(spec: dict) -> None:
     rv, device = spec["rendezvous"], torch.device(spec["device"])
     distributed.init(rv, device)
-    # rank 0's --isq and --task: the same bytes, the same graph
-    model = load_model(spec["model"], progress=False, isq=spec.get("isq"), task=spec.get("task", "auto"))
+    if "config" in spec:  # a synthetic model (random_weights): the same graph, no file
+        model = synthetic_model(spec["config"])
+    else:  # rank 0's --isq and --task: the same bytes, the same graph
+        model = load_model(spec["model"], progress=False, isq=spec.get("isq"), task=spec.get("task", "auto"))
     tp_processes.serve(CUDABackend(model, device=device, rank=rv.rank, world=rv.world,
                                    **{"progress": False, **spec["options"]}), _receive)
     distributed.shutdown()
