@@ -33,13 +33,13 @@ __all__ = ["DEQUANT", "DEQUANT_SLOTS_PER_EXPERT", "SCRATCH_BYTES", "WIDE_WARPS",
            "chunks", "use_dequant", "warps"]
 
 # Off by default: built and checked on a CPU, never timed. LLM_ENGINE_MOE_DEQUANT=1 turns it on, and
-# `tools/sweep_moe --dequant-tokens ...` times it against the grouped GGUF kernel on one GPU command; the H200's
-# figures then set the default and DEQUANT_SLOTS_PER_EXPERT.
+# `tools/sweep_moe --dequant` times it against the grouped GGUF kernel in one GPU command; the H200's figures then set
+# the default and DEQUANT_SLOTS_PER_EXPERT.
 DEQUANT = os.environ.get("LLM_ENGINE_MOE_DEQUANT", "0") == "1"
 # A step of at least this many slots an expert on average (tokens * top_k >= 16 * experts: 256 tokens at Qwen3-30B-
 # A3B's 128 experts, top 8) takes this path. Guessed from the H200's figures: dequantizing Q4_K_M's 128 experts to
-# fp16 writes ~1.2 GB a layer (~0.3 ms), while at 1,024 slots the grouped GGUF kernel took 1,403 us against the dense
-# one's 399 (docs/BENCHMARKS.md, 2026-12-03), so the crossover is likely lower; the sweep decides.
+# fp16 writes ~1.2 GB a layer (~0.3 ms at ~4 TB/s), while at 1,024 slots the grouped GGUF kernel took 1,403 us
+# against the dense one's 399 (docs/BENCHMARKS.md, 2026-12-03), so the crossover is likely lower; the sweep decides.
 DEQUANT_SLOTS_PER_EXPERT = 16
 # The scratch a pass's chunk of dequantized experts may take (gate and up together, or down): Qwen3-30B-A3B's 128
 # experts in fp16 are 4 chunks of 32 for gate/up (6.3 MB an expert) and 2 of 64 for down. It is held inside the step
