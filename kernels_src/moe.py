@@ -9,7 +9,9 @@ cdiv(S, BLOCK_M) + E, whatever the routing; blocks past the used ones hold paddi
 - moe_gemm_kernel(not GATED): h's rows through down[e], each scaled by its slot's routing weight: y [S, H].
 The tokens' outputs are the sums of their top_k rows of y (an array op after the launch).
 Either pass may read GGUF blocks instead (kernels_src/moe_gguf.py: the same grid, each weight tile dequantized in
-registers before the dot), so gate/up and down may each be dense or quantized, in any format of their own.
+registers before the dot), so gate/up and down may each be dense or quantized, in any format of their own. At
+prefill sizes a GGUF pass may instead dequantize its experts a chunk at a time to x's dtype and run this dense kernel
+on each chunk (kernels_src/moe_dequant.py: LLM_ENGINE_MOE_DEQUANT=1, or moe_experts(dequant=True)).
 Small batches (at most moe_gemv.GEMV_SLOTS slots and no more than the experts, or four times that over GGUF stacks:
 moe_gemv.use_gemv) group nothing:
 kernels_src/moe_gemv.py runs each slot's expert as GEMVs, its id read in the kernel, over dense rows or through
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels_src import moe_gemv, moe_gguf
+from kernels_src import moe_dequant, moe_gemv, moe_gguf
 from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.moe_slots import block_slots
@@ -144,13 +146,15 @@ def _check_stacks(t: int, h: int, w_gate, w_up, w_down) -> None:
 
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out=None, target: str = "numpy",
-                pdl: bool | None = None, gemv: bool | None = None, block_m: int | None = None,
-                block_n: int | None = None, block_k: int | None = None):
+                pdl: bool | None = None, gemv: bool | None = None, dequant: bool | None = None,
+                block_m: int | None = None, block_n: int | None = None, block_k: int | None = None):
     """sum over k of weights[t, k] * w_down[e] @ (act(w_gate[e] @ x[t]) * (w_up[e] @ x[t])), e = ids[t, k], for x
     [T, H] (rows contiguous), weights [T, k] fp32, ids [T, k], stacks [E, I, H] / [E, H, I]: dense with contiguous
     rows, or GGUF blocks (moe_gguf.GGUFStack; gate and up both or neither); out [T, H] (made in x's dtype when not
     given). gemv: the per-slot GEMVs of kernels_src/moe_gemv.py (None: where moe_gemv.use_gemv says) or the grouped
-    kernels; block_n, block_k: their dense tiles (a GGUF pass steps by whole blocks)."""
+    kernels; dequant: the grouped path's GGUF passes through experts dequantized a chunk at a time and the dense
+    kernel (None: where moe_dequant.use_dequant says); block_n, block_k: the dense tiles (a GGUF pass steps by whole
+    blocks)."""
     t, h = x.shape
     k = ids.shape[1]
     e, inner = _shape(w_gate)[:2]
@@ -166,8 +170,10 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
         moe_gemv.run(x, flat_w, ids.reshape(-1), w_gate, w_up, w_down, hidden, y, top_k=k, act=act, target=target,
                      pdl=pdl, block_n=block_n, block_k=block_k)
     else:
+        if dequant is None:
+            dequant = moe_dequant.use_dequant(s, e, (w_gate, w_up, w_down))
         _grouped(x, flat_w, ids, w_gate, w_up, w_down, hidden, y, k, act, target, pdl, block_m, block_n,
-                 block_k or BLOCK_K)
+                 block_k or BLOCK_K, dequant)
     out = empty(x, (t, h)) if out is None else out
     if isinstance(y, np.ndarray):
         np.sum(y.reshape(t, k, h), axis=1, out=out)
@@ -179,8 +185,9 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
 
 
 def _grouped(x, flat_w, ids, w_gate, w_up, w_down, hidden, y, k: int, act: str, target: str, pdl: bool,
-             block_m: int | None, block_n: int | None, block_k: int) -> None:
-    """The two grouped passes: slots aligned by expert (moe_align), then a program a block of one expert's slots."""
+             block_m: int | None, block_n: int | None, block_k: int, dequant: bool = False) -> None:
+    """The two grouped passes: slots aligned by expert (moe_align), then a program a block of one expert's slots;
+    dequant: GGUF passes as chunks of dequantized experts through the dense kernel (moe_dequant.chunks)."""
     s, (e, inner), h = y.shape[0], _shape(w_gate)[:2], y.shape[1]
     tiles = default_tiles(s, e)
     block_m, default_n = block_m or tiles[0], tiles[1]
@@ -188,17 +195,23 @@ def _grouped(x, flat_w, ids, w_gate, w_up, w_down, hidden, y, k: int, act: str, 
     nblocks = block_expert.shape[0]
     for gated, (a, b, src, dst, n_cols, k_dim) in ((True, (w_gate, w_up, x, hidden, inner, h)),
                                                   (False, (w_down, w_down, hidden, y, h, inner))):
-        if moe_gguf.is_blocks(a):
+        if moe_gguf.is_blocks(a) and not dequant:
             n_tile, warps = moe_gguf.pass_tiles((a.qtype, b.qtype), gated, block_m, default_n)
             moe_gguf.launch(src, a, b, dst, rows, block_expert, flat_w, s, k_dim, gated=gated, top_k=k, act=act,
                             block_m=block_m, block_n=block_n or n_tile, target=target, pdl=pdl, num_warps=warps)
             continue
         n_tile = block_n or default_n
-        kern = compile(moe_gemm_kernel, target, launch_pdl=pdl, TOP_K=k, GATED=gated, ACT=act, BLOCK_M=block_m,
-                       BLOCK_N=n_tile, BLOCK_K=block_k, PDL=pdl)
-        kern[nblocks, tl.cdiv(n_cols, n_tile)](src, a, b, dst, rows, block_expert, flat_w, s, n_cols, k_dim,
-                                                 tl.cdiv(k_dim, block_k), elem_stride(src, 0), elem_stride(a, 0),
-                                                 elem_stride(a, 1), elem_stride(dst, 0))
+        warps = moe_dequant.warps(gated, block_m, n_tile) if moe_gguf.is_blocks(a) else 4
+        kern = compile(moe_gemm_kernel, target, num_warps=warps, launch_pdl=pdl, TOP_K=k, GATED=gated, ACT=act,
+                       BLOCK_M=block_m, BLOCK_N=n_tile, BLOCK_K=block_k, PDL=pdl)
+        # dense stacks as they are; GGUF ones a chunk of dequantized experts a launch, the other chunks' blocks
+        # padding in that launch's rows
+        parts = [(a, b, rows, block_expert)] if not moe_gguf.is_blocks(a) else moe_dequant.chunks(
+            src, a, b, rows, block_expert, s, gated=gated, block_m=block_m, target=target, pdl=pdl)
+        for wa, wb, r, be in parts:
+            kern[nblocks, tl.cdiv(n_cols, n_tile)](src, wa, wb, dst, r, be, flat_w, s, n_cols, k_dim,
+                                                     tl.cdiv(k_dim, block_k), elem_stride(src, 0), elem_stride(wa, 0),
+                                                     elem_stride(wa, 1), elem_stride(dst, 0))
 
 
 def moe_experts_ref(x, weights, ids, w_gate, w_up, w_down, act: str = "silu") -> np.ndarray:

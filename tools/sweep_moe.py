@@ -7,7 +7,10 @@ pick, timed with do_bench_cudagraph over `layers` copies of the stacks so that n
 launcher's own choice end to end, against the per-expert loop it replaced (tokens grouped on the host, each
 expert's rows through dequant_gemv / mmq / dequant_matmul as Runner._quant_linear picks) and the dense bf16 fused
 MoE; up to GEMV_TOKENS tokens, both paths of the launcher forced (grouped, and a GEMV a slot: kernels_src/moe_gemv.py),
-GGUF and dense, to place moe_gemv.GEMV_SLOTS. GB/s counts the routed experts' blocks (or bf16 rows) once."""
+GGUF and dense, to place moe_gemv.GEMV_SLOTS. GB/s counts the routed experts' blocks (or bf16 rows) once.
+--dequant times only the grouped path over GGUF stacks two ways, at --tokens (default 64,256,2048): the grouped GGUF
+kernel against experts dequantized a chunk at a time and the dense kernel (kernels_src/moe_dequant.py), beside the
+dequantization alone and the dense bf16 grouped kernel, to place moe_dequant.DEQUANT_SLOTS_PER_EXPERT."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from types import SimpleNamespace
 
 H, INNER, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B's MoE layer
 GEMV_TOKENS = 32  # both paths timed up to this batch (256 slots: moe_gemv.GGUF_GEMV_SLOTS)
+DEQUANT_TOKENS = "64,256,2048"  # --dequant's batches: 512, 2,048 and 16,384 slots (a prefill of 2,048 tokens)
 
 
 def _bench(fn, graph: bool = True) -> float:
@@ -158,20 +162,62 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
             res[f"{path}_us"] = _bench(lambda gemv=gemv: fused(layers, gemv)) / n * 1e6
             res[f"dense_{path}_us"] = _bench(lambda gemv=gemv: fused(dense, gemv)) / len(dense) * 1e6
     if "words" in variants:  # the launcher with moe_gguf.WORDS on: its choice, and the grouped path forced
-        moe_gguf.WORDS = True
+        was, moe_gguf.WORDS = moe_gguf.WORDS, True
         try:
             words = moe.moe_experts(x, layers[0][2], layers[0][1], *layers[0][0], target="triton", gemv=False)
             res["words_max_rel_diff"] = float((words.float() - want).abs().max() / want.abs().max())
             res["words_us"] = _bench(lambda: fused(layers)) / n * 1e6
             res["words_grouped_us"] = _bench(lambda: fused(layers, False)) / n * 1e6
         finally:
-            moe_gguf.WORDS = False
+            moe_gguf.WORDS = was  # the default (on since 2026-12-03) for the next batch's runs
+    return res
+
+
+def dequant_ab(torch, layers, dense, tokens: int) -> dict:
+    """The grouped path over the GGUF layers, us a layer: grouped GGUF (moe_gguf) against dequantize + grouped dense
+    (moe_dequant, at its warps and at 4), the dequantization of all three stacks alone, and the dense bf16 stacks;
+    the two GGUF paths' outputs compared."""
+    from kernels_src import moe, moe_dequant
+    from kernels_src.dequantize import dequantize_rows
+
+    x = torch.randn((tokens, H), device="cuda").bfloat16()
+
+    def fused(ls, **kw):
+        for stacks, ids, w in ls:
+            moe.moe_experts(x, w, ids, *stacks, target="triton", gemv=False, **kw)
+
+    bufs = [torch.empty(st.shape, dtype=x.dtype, device="cuda") for st in layers[0][0]]
+    row_ids = [torch.arange(st.data.shape[0], dtype=torch.int32, device="cuda") for st in layers[0][0]]
+
+    def dequantize_only():
+        for stacks, _, _ in layers:
+            for st, buf, r in zip(stacks, bufs, row_ids, strict=True):
+                dequantize_rows(st.data, r, st.qtype, st.shape[2], out=buf.view(-1, st.shape[2]), target="triton")
+
+    stacks, ids, w = layers[0]
+    want = moe.moe_experts(x, w, ids, *stacks, target="triton", gemv=False, dequant=False).float()
+    got = moe.moe_experts(x, w, ids, *stacks, target="triton", gemv=False, dequant=True).float()
+    n = len(layers)
+    res = dict(tokens=tokens, slots=tokens * K, max_rel_diff=float((got - want).abs().max() / want.abs().max()),
+               grouped_gguf_us=_bench(lambda: fused(layers, dequant=False)) / n * 1e6,
+               dequant_us=_bench(lambda: fused(layers, dequant=True)) / n * 1e6,
+               dequantize_only_us=_bench(dequantize_only) / n * 1e6,
+               dense_us=_bench(lambda: fused(dense)) / len(dense) * 1e6)
+    wide = moe_dequant.WIDE_WARPS
+    moe_dequant.WIDE_WARPS = 4  # the gated pass at 64 x 64 tiles as the dense stacks' pass runs it (spills)
+    try:
+        res["dequant_w4_us"] = _bench(lambda: fused(layers, dequant=True)) / n * 1e6
+    finally:
+        moe_dequant.WIDE_WARPS = wide
     return res
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
+    ap.add_argument("--tokens", help="batches (default 1,4,16,64,256,1024,4096; with --dequant "
+                    f"{DEQUANT_TOKENS})")
+    ap.add_argument("--dequant", action="store_true", help="only the grouped GGUF kernel against dequantize + "
+                    "grouped dense (moe_dequant), at each batch")
     ap.add_argument("--layers", type=int, default=8, help="copies of the stacks cycled through (Q4_K_M: ~0.4 GB each)")
     ap.add_argument("--no-sweep", action="store_true", help="end to end only")
     ap.add_argument("--gemv-tokens", type=int, default=GEMV_TOKENS, help="both paths timed up to this batch "
@@ -185,10 +231,21 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--variants: blocked and/or words, not {args.variants!r}")
     import torch
 
-    res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": []}
-    for tokens in [int(t) for t in args.tokens.split(",")]:
+    res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": [], "dequant": []}
+    tokens_list = args.tokens or (DEQUANT_TOKENS if args.dequant else "1,4,16,64,256,1024,4096")
+    for tokens in [int(t) for t in tokens_list.split(",")]:
         layers = _layers(torch, args.layers, tokens, True)
         dense = _layers(torch, 2, tokens, False)
+        if args.dequant:
+            r = dequant_ab(torch, layers, dense, tokens)
+            res["dequant"].append(r)
+            print(f"T={tokens:5d} ({r['slots']} slots) grouped GGUF {r['grouped_gguf_us']:.1f} us, dequantize + "
+                  f"grouped dense {r['dequant_us']:.1f} us ({r['dequant_w4_us']:.1f} at 4 warps; the dequantization "
+                  f"alone {r['dequantize_only_us']:.1f}), dense bf16 grouped {r['dense_us']:.1f} us, max diff "
+                  f"{r['max_rel_diff']:.1e}", flush=True)
+            del layers, dense
+            torch.cuda.empty_cache()
+            continue
         if not args.no_sweep:
             rows = sweep_passes(torch, layers, tokens, variants)
             res["passes"] += rows
