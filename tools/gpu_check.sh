@@ -255,6 +255,19 @@ pending() {
     "$PY" -m tools.sweep_moe --dequant --layers 4
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending "* ]] && step pending gpu 480 pending
+# Issue 13's "eager within 1.5x of graphs at 128 and 4k contexts" (by name: GPU_CHECK_STEPS=eager, ~200 s): bf16
+# Llama-3-8B decode at batch 1 and 16 after a 128- and a 4,000-token prompt, with CUDA graphs and without.
+eager() {
+    local ctx g
+    for ctx in 128 4000; do
+        for g in "" --no-graphs; do
+            echo "== decode after a $ctx-token prompt ${g:-with graphs}"
+            "$PY" -m tools.bench_gpu --batches 1,16 --prompt $ctx --gen 64 --prefill 256 --no-quant --no-peer \
+                --profile '' --ablate '' $g --json "$OUT"/eager_${ctx}${g:+_eager}.json || return 1
+        done
+    done
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" eager "* ]] && step eager gpu 300 eager
 # Issue-scale serving: the 8B F16 file (written by bench_gguf's prepare if /tmp/bench_gguf lacks it, ~30 s) through
 # our server (with the offline engine on the same prompts) and llama-server, streaming at 1-256 concurrent requests;
 # then a 4,000- and a 30,000-token prompt alone on our server (past every start-up decode graph), and /health.
