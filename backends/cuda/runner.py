@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.cuda import distributed, gemv_fusion, torch_ops
+from backends.cuda import distributed, gemv_fusion, torch_ops, x_int8_fusion
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.fp8_linear import dequantize as fp8_dequantize
 from backends.cuda.fp8_linear import fp8_linear
@@ -88,6 +88,8 @@ class Runner:
         self.mmq_variant: str | None = None
         self.mmq_max_rows = MMQ_MAX_ROWS
         self._gemv_chains = gemv_fusion.plan(graph, params)
+        # add_rms_norm / gated writing x's int8 form for the GGUF int8 GEMV after them (x_int8_fusion)
+        self._x_int8 = x_int8_fusion.plan(graph, params) if x_int8_fusion.enabled() else set()
         self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -188,6 +190,11 @@ class Runner:
             return _into(out, self._latent_attention(node, args, meta))
         if op in ("rope", "rope_pair"):
             return self._rope_op(node, args, meta)
+        if id(node) in self._x_int8:
+            gemv_rows = min(MMQ_MIN_ROWS.values()) if self.target in I8_TARGETS else 0  # the int8 GEMV's
+            out = x_int8_fusion.produce(self, node, args, gemv_rows)
+            if out is not None:
+                return out
         if op == "add_rms_norm":
             return self._add_rms_norm(node, args)
         if op == "gated":
@@ -311,7 +318,8 @@ class Runner:
         x2 = x.reshape(-1, k)
         mmq_ok = w.qtype in MMQ_QTYPES and self.target in I8_TARGETS
         if x2.shape[0] < (MMQ_MIN_ROWS[w.qtype] if mmq_ok else GEMV_MAX_ROWS + 1):
-            y = dequant_gemv(x2, w.data, w.qtype, target=self.target, pdl=self.pdl)
+            y = dequant_gemv(x2, w.data, w.qtype, target=self.target, pdl=self.pdl,
+                             xq_d=x_int8_fusion.prequantized(self, x))
             return y.reshape(*x.shape[:-1], n)
         if x2.shape[0] <= self.mmq_max_rows and mmq_ok:
             # int8 MMAs (Q4_K: 1.1-1.3x the GEMV at 4-8 rows, 1.1-1.9x dequant_gemm at 9-32 on an H200)
