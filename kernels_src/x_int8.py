@@ -5,10 +5,10 @@ dtype first), so the GEMV after them needs no quantize_x launch. K a multiple of
 
 from __future__ import annotations
 
+from kernels_src.activations import _act
 from kernels_src.dequant_gemv_i8 import _MAGIC
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.rms_norm import _empty_like, _norm_row, _weight
-from kernels_src.activations import _act
 
 
 def _store_q8(v, xq, xd, row, first, n_cols, xq_stride, xd_stride, BLOCK):

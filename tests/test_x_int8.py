@@ -1,44 +1,80 @@
 """x's int8 pass fused into add_rms_norm and the gated activation (kernels_src/x_int8, backends/cuda/x_int8_fusion):
-the codes exactly and the scales as quantize_x_ref gives them for the kernels' own (rounded) outputs, on the DSL
-interpreter (the engine with and without it: test_cuda_kquant_gguf)."""
+the codes and scales exactly as quantize_x_ref and quantize_x (on the same target) give them for the kernels' own
+(rounded) outputs, on both interpreters; the sm_90 builds spill nothing (the engine with and without the fusion:
+test_cuda_x_int8)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_kernels_basic import TARGETS, _sig, dev, host
+from test_kernels_gemv import _stack_bytes, needs_aot
 
 from kernels_src import activations, rms_norm, x_int8
-from kernels_src.dequant_gemv_i8 import quantize_x_ref
+from kernels_src.dequant_gemv_i8 import quantize_x, quantize_x_ref
 
 
+def _check_codes(out, xq, xd, target):
+    """xq, xd against quantize_x_ref of out as written, and against quantize_x run on it on the same target."""
+    q_ref, d_ref = quantize_x_ref(host(out))
+    np.testing.assert_array_equal(host(xq), q_ref)
+    np.testing.assert_allclose(host(xd), d_ref, rtol=2e-7, atol=0)
+    q, d = quantize_x(out, target=target)
+    np.testing.assert_array_equal(host(xq), host(q))
+    np.testing.assert_array_equal(host(xd), host(d))
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("rows,n,offset", [(1, 64, False), (3, 160, True)])
-def test_add_rms_norm_q8(rows, n, offset):
+def test_add_rms_norm_q8(rows, n, offset, target):
     rng = np.random.default_rng(rows * n)
     x, r = (rng.standard_normal((rows, n)).astype(np.float32) for _ in range(2))
     x[0, :32] = 0.0  # an all-zero block of x + r: code 0, scale 0
     r[0, :32] = 0.0
     w = rng.standard_normal(n).astype(np.float32)
-    s, out, xq, xd = x_int8.add_rms_norm_q8(x, r, w, 1e-5, offset=offset)
+    s, out, xq, xd = x_int8.add_rms_norm_q8(dev(x, target), dev(r, target), dev(w, target), 1e-5, offset=offset,
+                                            target=target)
     s_ref, out_ref = rms_norm.add_rms_norm_ref(x, r, w, 1e-5, offset)
-    np.testing.assert_array_equal(s, s_ref)
-    np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-6)
-    q_ref, d_ref = quantize_x_ref(out)  # of the output as written: what quantize_x would read
-    np.testing.assert_array_equal(xq, q_ref)
-    np.testing.assert_allclose(xd, d_ref, rtol=2e-7, atol=0)
-    assert xd[0, 0] == 0 and not xq[0, :32].any()
+    np.testing.assert_array_equal(host(s), s_ref)
+    np.testing.assert_allclose(host(out), out_ref, rtol=1e-5, atol=1e-6)
+    _check_codes(out, xq, xd, target)
+    assert host(xd)[0, 0] == 0 and not host(xq)[0, :32].any()
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("rows,n,block", [(2, 96, 32), (1, 256, 1024)])
-def test_gated_act_q8(rows, n, block):
+def test_gated_act_q8(rows, n, block, target):
     rng = np.random.default_rng(n)
     g, u = (rng.standard_normal((rows, n)).astype(np.float32) for _ in range(2))
-    out, xq, xd = x_int8.gated_act_q8(g, u, "silu", block=block)
-    np.testing.assert_allclose(out, activations.gated_act_ref(g, u, "silu"), rtol=1e-5, atol=1e-6)
-    q_ref, d_ref = quantize_x_ref(out)
-    np.testing.assert_array_equal(xq, q_ref)
-    np.testing.assert_allclose(xd, d_ref, rtol=2e-7, atol=0)
+    out, xq, xd = x_int8.gated_act_q8(dev(g, target), dev(u, target), "silu", block=block, target=target)
+    np.testing.assert_allclose(host(out), activations.gated_act_ref(g, u, "silu"), rtol=1e-5, atol=1e-6)
+    _check_codes(out, xq, xd, target)
 
 
 def test_k_not_a_multiple_of_32():
     with pytest.raises(ValueError, match="multiple of 32"):
         x_int8.gated_act_q8(np.ones((1, 40), np.float32), np.ones((1, 40), np.float32))
+
+
+_Q8 = {"xq": "*i8", "xd": "*fp32"}
+AOT = {  # Llama-3-8B's: hidden 4096 (one row a program), the gated activation's 1024-wide tiles of 14336
+    "add_rms_norm_q8": (x_int8.add_rms_norm_q8_kernel, dict(BLOCK=4096, OFFSET=False, PDL=True),
+                        dict.fromkeys(("x", "residual", "w", "sum_out", "out"), "*bf16") | _Q8),
+    "gated_act_q8": (x_int8.gated_act_q8_kernel, dict(BLOCK=1024, ACT="silu", PDL=True),
+                     dict.fromkeys(("gate", "up", "out"), "*bf16") | _Q8),
+}
+
+
+@needs_aot
+@pytest.mark.parametrize("name", list(AOT))
+def test_aot_sm90_q8(name, tmp_path, monkeypatch):
+    """sm_90, bf16 x: a grid-dependency wait, nothing spilled (add_rms_norm_q8 64 registers as add_rms_norm,
+    gated_act_q8 30 against 28, Triton 3.7)."""
+    from kernels_src.dsl import compile
+    from kernels_src.dsl.triton_target import aot_compile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn, consts, ptrs = AOT[name]
+    compiled = aot_compile(compile(fn, "triton", **consts).trace(signature=_sig(fn, ptrs)), arch=90, aligned=True)
+    assert "griddepcontrol.wait" in compiled.asm["ptx"]
+    assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
