@@ -17,8 +17,8 @@ import pytest
 from backend_greedy import host
 from test_gguf_quants import random_raw
 
+from core.batch import make_batch
 from ir.loader import load_model
-from ir.reference import ReferenceRunner
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 torch = pytest.importorskip("torch")
@@ -63,35 +63,41 @@ def model_file(tmp_path_factory):
     return path
 
 
-def _count(monkeypatch, module, name: str, calls: list) -> None:
+def _count(monkeypatch, module, name: str, given_at: int, calls: list) -> None:
+    """Count module.name's calls as (name, whether its argument `given_at` (x's int8 form) was given)."""
     real = getattr(module, name)
 
     def counted(*a, **kw):
-        calls.append((name, kw.get("xq_d", a[11] if len(a) > 11 else None) is not None))
+        calls.append((name, kw.get("x_int8", a[given_at] if len(a) > given_at else None) is not None))
         return real(*a, **kw)
 
     monkeypatch.setattr(module, name, counted)
 
 
-def _decode(model, fusion: bool, device: str, graphs: bool, monkeypatch) -> tuple[np.ndarray, list]:
+def _gguf_counted():
+    from kernels_src import dequant_gemv_i8, x_int8
+
+    return [(dequant_gemv_i8, "quantize_x", 99), (dequant_gemv_i8, "gemv_i8", 11), (x_int8, "add_rms_norm_q8", 99),
+            (x_int8, "gated_act_q8", 99)]
+
+
+def _decode(model, fusion: bool, device: str, graphs: bool, monkeypatch, counted=None,
+            params=None) -> tuple[np.ndarray, list]:
     """Each step's logits [STEPS, vocab] of one greedy sequence, and the counted launches (as Python launched them:
     with CUDA graphs, those of the captures)."""
     from backends.cuda.backend import CUDABackend
-    from kernels_src import dequant_gemv_i8, x_int8
 
     calls: list = []
-    for module, name in ((dequant_gemv_i8, "quantize_x"), (dequant_gemv_i8, "gemv_i8"),
-                         (x_int8, "add_rms_norm_q8"), (x_int8, "gated_act_q8")):
-        _count(monkeypatch, module, name, calls)
-    ref = ReferenceRunner(model, max_tokens=16, block_size=8)
-    backend = CUDABackend(model, device=device, dtype="f32", cuda_graph=graphs, progress=False)
+    for module, name, given_at in counted or _gguf_counted():
+        _count(monkeypatch, module, name, given_at, calls)
+    backend = CUDABackend(model, device=device, dtype="f32", cuda_graph=graphs, progress=False, params=params)
     backend.runner.x_int8_fusion = fusion  # before allocate_kv, which captures the graphs
     if device == "cpu":
         backend.runner.target = "numpy"
-    backend.allocate_kv(ref.blocks_per_seq, 8)
+    backend.allocate_kv(2, 8)
     chunk, cached, logits = [3], 0, []
     for _ in range(STEPS):
-        step = host(backend.forward(ref.batch([chunk], [cached])))[0]
+        step = host(backend.forward(make_batch([chunk], [cached], [[1, 0]], 8)))[0]  # blocks in reverse order
         logits.append(step)
         cached += len(chunk)
         chunk = [int(step.argmax())]
@@ -140,3 +146,36 @@ def test_fusion_feeds_the_int8_gemv_the_same_codes(device, graphs, model_file, m
     if device == "cpu":
         np.testing.assert_array_equal(on, off)
     assert x_int8_fusion.enabled(None) == x_int8_fusion.DEFAULT
+
+
+def test_fusion_feeds_the_int_group_gemv_the_same_arrays(monkeypatch):
+    """The same for 4-bit integer groups of 128 (GPTQ / AWQ once loaded; bench_gpu's random int4 weights): the
+    norm and activation kernels write quantize_x_i8's arrays, the GEMVs take them, the logits stay equal."""
+    from ir.rope import RopeSpec
+    from kernels_src import int_group_gemv_i8, x_int8_groups
+    from tools.bench_gpu_model import int4_params, loaded_model, model_config
+
+    cfg = model_config(LAYERS).with_(hidden_size=HIDDEN, intermediate_size=FFN, vocab_size=VOCAB, num_heads=HEADS,
+                                     num_kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS, max_position_embeddings=64,
+                                     rope=RopeSpec(theta=10000.0, rotary_dim=HIDDEN // HEADS))
+    model = loaded_model(cfg)
+    params = int4_params(model.graph, device="cpu")  # 16-bit tensors all ones there: x would repeat one value
+    gen = torch.Generator().manual_seed(5)
+    for name, p in params.items():
+        if not hasattr(p, "qtype"):
+            params[name] = (p + 0.5 * torch.randn(p.shape, generator=gen)).to(p.dtype)
+    counted = [(int_group_gemv_i8, "quantize_x_i8", 99), (int_group_gemv_i8, "gemv_i8", 12),
+               (x_int8_groups, "add_rms_norm_i8g", 99), (x_int8_groups, "gated_act_i8g", 99)]
+    runs = {}
+    for fusion in (False, True):
+        monkeypatch.setattr(int_group_gemv_i8, "I8_TARGETS", ("triton", "numpy"))  # the interpreter's int8 GEMV
+        runs[fusion] = _decode(model, fusion, "cpu", False, monkeypatch, counted, dict(params))
+    (off, off_calls), (on, on_calls) = runs[False], runs[True]
+    gemvs = sum(n == "gemv_i8" for n, _ in off_calls)
+    assert gemvs == sum(n == "gemv_i8" for n, _ in on_calls) >= STEPS * (LAYERS * 4 + 1)
+    assert sum(n == "quantize_x_i8" for n, _ in off_calls) == gemvs and not any(g for _, g in off_calls)
+    fused = sum(n == "gemv_i8" and given for n, given in on_calls)
+    # ffn norms, gated activations and later layers' attention norms
+    assert sum(n.endswith("_i8g") for n, _ in on_calls) == STEPS * (3 * LAYERS - 1)
+    assert fused >= STEPS * 2 and sum(n == "quantize_x_i8" for n, _ in on_calls) == gemvs - fused
+    np.testing.assert_array_equal(on, off)

@@ -305,7 +305,7 @@ class Runner:
         family = weight_format(w.qtype).family
         if family == "intgroup":
             return int_group_linear(x, w.data, w.qtype, w.shape, w.perm, self.target, DEQUANT_CHUNK_BYTES,
-                                    pdl=self.pdl)
+                                    pdl=self.pdl, x_i8=x_int8_fusion.prequantized(self, x))
         if family == "fp8":
             return fp8_linear(x, w.data, w.scales, DEQUANT_CHUNK_BYTES, self.target, pdl=self.pdl, blocks=w.blocks)
         return gguf_linear(x, w, self.target, pdl=self.pdl, mmq_variant=self.mmq_variant,
