@@ -264,7 +264,7 @@ def aligned_x(x2):
 def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: int | None = None,
                  parts: int | None = None, num_warps: int | None = None, target: str = "numpy",
                  int8_x: bool | None = None, pdl: bool | None = None, words: bool | None = None,
-                 prefetch: bool | None = None, stages: int | None = None):
+                 prefetch: bool | None = None, stages: int | None = None, xq_d: tuple | None = None):
     """y [M, N] = x [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, row_bytes]); M <= 8; x may be 1-d.
 
     int8_x (default: dequant_gemv_i8.uses_int8): x quantized to int8 per 32 elements first, then integer dot
@@ -272,7 +272,8 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     pdl (default: dsl.use_pdl) applies to the fp32 path; the int8 path's GEMV is a PDL launch wherever use_pdl says.
     words (int8 path, dequant_gemv_i8.WORD_LOADS' formats; default: TUNED's words, else dequant_gemv_i8.WORDS, where
     the rows allow it): W read as 32-bit words. prefetch, stages (both paths; default: TUNED's, else
-    gemv_loop.PREFETCH / STAGES): the K loop's form (kernels_src/gemv_loop.py)."""
+    gemv_loop.PREFETCH / STAGES): the K loop's form (kernels_src/gemv_loop.py). xq_d: x already quantized as
+    quantize_x does (kernels_src/x_int8), used where the int8 path runs, ignored on the fp32 path."""
     qtype = qtype.upper()
     if qtype not in FORMATS:
         raise ValueError(f"unsupported qtype {qtype!r} (supported: {', '.join(QTYPES)})")
@@ -304,7 +305,7 @@ def dequant_gemv(x, w, qtype: str, *, out=None, rows: int | None = None, step: i
     nw = cfg.pop("num_warps")
     grid = tl.cdiv(n, cfg["ROWS"])
     if int8_x:
-        i8.gemv_i8(x2, w, out2, qtype, cfg["ROWS"], cfg["STEP"], nw, target, words, prefetch, stages)
+        i8.gemv_i8(x2, w, out2, qtype, cfg["ROWS"], cfg["STEP"], nw, target, words, prefetch, stages, xq_d)
         return out[0] if vec and len(out.shape) == 2 else out
     pdl = use_pdl(target, pdl)
     kern = compile(dequant_gemv_kernel, target, num_warps=nw, launch_pdl=pdl, QTYPE=qtype, M=m,

@@ -276,9 +276,10 @@ def word_rows(w, qtype: str, k: int) -> bool:
 
 
 def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, target: str,
-            words: bool = False, prefetch: bool = False, stages: int = 0) -> None:
+            words: bool = False, prefetch: bool = False, stages: int = 0, xq_d: tuple | None = None) -> None:
     """dequant_gemv's int8 path: quantize_x, then the integer GEMV (one lane part whatever PARTS says); words: W
-    through WORD_LOADS' loader (word_rows must hold); prefetch, stages: the loop's form (gemv_loop.k_loop)."""
+    through WORD_LOADS' loader (word_rows must hold); prefetch, stages: the loop's form (gemv_loop.k_loop); xq_d:
+    x already quantized (x_int8's fused norm / activation wrote it), so no quantize_x launch."""
     m, k = x2.shape
     n = w.shape[0]
     if words and qtype not in WORD_LOADS:
@@ -286,7 +287,7 @@ def gemv_i8(x2, w, out2, qtype: str, rows: int, step: int, num_warps: int, targe
     if words and not word_rows(w, qtype, k):
         raise ValueError(f"words: {qtype} rows {tuple(w.shape)} (stride {elem_stride(w, 0)}, {k} inputs) must start "
                          f"4-byte aligned and hold an even number of blocks")
-    xq, xd = quantize_x(x2, target=target)
+    xq, xd = quantize_x(x2, target=target) if xq_d is None else xq_d
     pdl = use_pdl(target)
     kern = compile(dequant_gemv_i8_kernel, target, num_warps=num_warps, launch_pdl=pdl, QTYPE=qtype, M=m, ROWS=rows,
                    STEP=step, PDL=pdl, WORDS=bool(words), PREFETCH=prefetch, STAGES=stages)

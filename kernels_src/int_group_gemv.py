@@ -197,7 +197,8 @@ def _vec(w, n_groups: int) -> int:
 
 def int_group_gemv(x, w, bits: int, group: int, *, out=None, rows: int | None = None, lanes: int | None = None,
                    num_warps: int | None = None, target: str = "numpy", pdl: bool | None = None,
-                   int8_x: bool | None = None, prefetch: bool | None = None, stages: int | None = None):
+                   int8_x: bool | None = None, prefetch: bool | None = None, stages: int | None = None,
+                   x_i8: tuple | None = None):
     """y [M, N] = x [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); M <= 8. rows,
     lanes (a power of two) and num_warps default to default_tiles (tools/bench_int_group_gemm --gemv-sweep times
     others); pdl (default: dsl.use_pdl) makes the GEMV a programmatic dependent launch.
@@ -205,7 +206,8 @@ def int_group_gemv(x, w, bits: int, group: int, *, out=None, rows: int | None = 
     int8_x (default: int_group_gemv_i8.uses_int8, the Triton target): x quantized to int8 per q word's inputs first,
     then dp4a (kernels_src/int_group_gemv_i8.py); y then differs from the fp32 path by that quantization (within
     int_group_gemv_i8.int8_error_bound). prefetch, stages (int8 path; default: TUNED's, else gemv_loop's defaults):
-    the K loop's form (kernels_src/gemv_loop.py)."""
+    the K loop's form (kernels_src/gemv_loop.py). x_i8: x already quantized as quantize_x_i8 does (kernels_src/
+    x_int8_groups), used where the int8 path runs, ignored on the fp32 path."""
     from kernels_src.gemv_loop import loop_form
     from kernels_src.int_group_gemv_i8 import gemv_i8, uses_int8  # the int8 path builds on this module
 
@@ -227,7 +229,7 @@ def int_group_gemv(x, w, bits: int, group: int, *, out=None, rows: int | None = 
     nw = cfg.pop("num_warps")
     vec = _vec(w, k // group)
     if uses_int8(target, int8_x):
-        gemv_i8(x, w, out, bits, group, vec, cfg, nw, target, pdl, *loop_form(form, prefetch, stages))
+        gemv_i8(x, w, out, bits, group, vec, cfg, nw, target, pdl, *loop_form(form, prefetch, stages), x_i8)
         return out
     if prefetch or stages:
         raise ValueError("prefetch, stages: only the int8-activation path's loop takes them")

@@ -43,22 +43,29 @@ def quantize_x_i8_kernel(x, xq, xd, xs, xr, n_groups, x_stride, xq_stride, xd_st
     (row words RW = n_groups * block words; the planes' words at p * RW + place; headers' places hold 0), so the
     GEMV reads them like W (grid: cdiv(K / chunk, CHUNKS), M)."""
     tl.launch_dependents()  # the GEMV after this may start now: it loads weights until it needs x
+    m = tl.program_id(1)
+    _quantize_chunks(x + m * x_stride, xq.to(tl.pointer_type(tl.uint32)) + m * (xq_stride // 4), xd + m * xd_stride,
+                     xs + m * xd_stride, xr + m * xd_stride, tl.program_id(0) * CHUNKS + tl.arange(0, CHUNKS),
+                     n_groups, BITS, GROUP)
+
+
+def _quantize_chunks(xm, words, xd, xs, xr, c, n_groups, BITS: int, GROUP: int):
+    """quantize_x_i8_kernel's work on chunks c (a 1-d tile; those past the row's end skipped) of one row: xm the
+    row of x, words its uint32 xq row, xd, xs, xr its rows of those arrays (x_int8_groups runs it on a norm's or
+    activation's output, so the arrays are these, bit for bit)."""
     QW, _, BW = _words(BITS, GROUP)
     EPW, RW = 32 // BITS, n_groups * BW  # inputs a chunk (a q word's), words a row
-    m = tl.program_id(1)
-    c = tl.program_id(0) * CHUNKS + tl.arange(0, CHUNKS)
     ok = c < n_groups * QW
     c = tl.minimum(c, n_groups * QW - 1)
     g = c // QW
     place = c + 2 * g + 2  # g * BW + 2 + (c - g * QW)
-    xm = x + m * x_stride + c * EPW
+    xm = xm + c * EPW
     # byte k of plane p: input 2k + p (4 bits: the nibble order of the masked words), k (8 bits)
     vals = [[tl.load(xm + (2 * k + p if BITS == 4 else k)).to(tl.float32) for k in range(4)]
             for p in range(_planes(BITS))]
     flat = [v for plane in vals for v in plane]
     amax = _absmax(flat, ())
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    words = xq.to(tl.pointer_type(tl.uint32)) + m * (xq_stride // 4)
     first = ok & (c == g * QW)  # a block's first chunk writes its header's zeros
     for p, plane in enumerate(vals):
         word, d = _quantize(plane, amax)
@@ -67,9 +74,9 @@ def quantize_x_i8_kernel(x, xq, xd, xs, xr, n_groups, x_stride, xq_stride, xd_st
             tl.store(words + p * RW + place - h, 0, mask=first)
     rest = _add([v - ((v * inv + _MAGIC) - _MAGIC) * d for v in flat])  # what the q d of _quantize left
     for arr, val in ((xd, d), (xs, _add(flat)), (xr, rest * float(1 << (BITS - 1)))):
-        tl.store(arr + m * xd_stride + place, val, mask=ok)
+        tl.store(arr + place, val, mask=ok)
         for h in (1, 2):
-            tl.store(arr + m * xd_stride + place - h, 0.0, mask=first)
+            tl.store(arr + place - h, 0.0, mask=first)
 
 
 def int_group_gemv_i8_kernel(w, xq, xd, xs, xr, y, n_rows, n_groups, w_stride, xq_stride, xd_stride, y_stride,
@@ -151,11 +158,12 @@ def quantize_x_i8(x, bits: int, group: int, target: str = "numpy"):
 
 
 def gemv_i8(x, w, out, bits: int, group: int, vec: int, cfg: dict, num_warps: int, target: str,
-            pdl: bool | None = None, prefetch: bool = False, stages: int = 0) -> None:
+            pdl: bool | None = None, prefetch: bool = False, stages: int = 0, x_i8: tuple | None = None) -> None:
     """int_group_gemv's int8 path: quantize_x_i8, then the dp4a GEMV (a PDL launch as use_pdl(target, pdl) says;
-    prefetch, stages: its loop's form, gemv_loop.k_loop)."""
+    prefetch, stages: its loop's form, gemv_loop.k_loop); x_i8: quantize_x_i8's arrays of x already made
+    (kernels_src/x_int8_groups' fused norm / activation wrote them), so no quantize_x_i8 launch."""
     m, k = x.shape
-    xq, xd, xs, xr = quantize_x_i8(x, bits, group, target)
+    xq, xd, xs, xr = quantize_x_i8(x, bits, group, target) if x_i8 is None else x_i8
     pdl = use_pdl(target, pdl)
     kern = compile(int_group_gemv_i8_kernel, target, num_warps=num_warps, launch_pdl=pdl, BITS=bits, GROUP=group,
                    M=m, VEC=vec, PDL=pdl, PREFETCH=prefetch, STAGES=stages, **cfg)

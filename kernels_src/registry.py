@@ -26,6 +26,8 @@ from kernels_src import (
     rms_norm,
     rope,
     rope_kv_write,
+    x_int8,
+    x_int8_groups,
 )
 from kernels_src.dsl import KernelIR, compile
 from kernels_src.dsl.tracer import split_params
@@ -92,7 +94,10 @@ register(KernelEntry(
     "add_rms_norm", rms_norm.add_rms_norm_kernel, dict(BLOCK=4096, OFFSET=False, PDL=True),
     _ptrs(BF16, "x", "residual", "w", "sum_out", "out"), _ROWS,
     lambda rows, hidden, dtype: (4 * rows * hidden + hidden) * ITEMSIZE[dtype], floats=("eps",),
-    launcher=rms_norm.add_rms_norm))
+    launcher=rms_norm.add_rms_norm, variants=(x_int8.add_rms_norm_q8_kernel, x_int8_groups.add_rms_norm_i8g_kernel),
+    notes="x_int8.add_rms_norm_q8_kernel also writes out's int8 codes and per-32 scales (quantize_x's) for the GGUF "
+          "int8 GEMV after it, x_int8_groups.add_rms_norm_i8g_kernel quantize_x_i8's arrays for the integer-group "
+          "one (backends/cuda/x_int8_fusion.py)"))
 register(KernelEntry(
     "rope", rope.rope_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_R=64, INTERLEAVED=False, PDL=True),
     _ptrs(BF16, "q", "k", positions="*i32", cos="*fp32", sin="*fp32"),
@@ -104,7 +109,9 @@ register(KernelEntry(
     "silu_mul", activations.gated_act_kernel, dict(BLOCK=1024, ACT="silu", PDL=True),
     _ptrs(BF16, "gate", "up", "out"),
     dict(tokens=4096, inner=14336, dtype=BF16),
-    lambda tokens, inner, dtype: 3 * tokens * inner * ITEMSIZE[dtype], launcher=activations.gated_act))
+    lambda tokens, inner, dtype: 3 * tokens * inner * ITEMSIZE[dtype], launcher=activations.gated_act,
+    variants=(x_int8.gated_act_q8_kernel, x_int8_groups.gated_act_i8g_kernel), notes="x_int8.gated_act_q8_kernel "
+    "and x_int8_groups.gated_act_i8g_kernel also write out's int8 form (as add_rms_norm's variants)"))
 register(KernelEntry(
     "kv_write", kv_write.kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128, PDL=True),
     _ptrs(BF16, "k", "v", "k_cache", "v_cache", slots="*i64"), dict(tokens=4096, kv_heads=8, head_dim=128, dtype=BF16),

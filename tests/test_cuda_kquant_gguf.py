@@ -2,7 +2,7 @@
 CUDA backend against the IR reference interpreter, at batch sizes that take each quantized path: 2 rows the GEMV, 6
 and 12 the int8 MMQ GEMM (kernels_src/gguf_mmq.py), 40 the dequantizing GEMM (as do prefills of 33-256 rows).
 Without a GPU the int8 paths run under Triton's interpreter (the runner takes them on the "triton" target only:
-I8_TARGETS is widened here for that); x's int8 quantization moves the logits by ~0.5%."""
+gguf_linear.I8_TARGETS is widened here for that); x's int8 quantization moves the logits by ~0.5%."""
 
 from __future__ import annotations
 
@@ -73,15 +73,15 @@ CASES = [("cpu", 6)] + [pytest.param("cuda", b, marks=DEVICES[1].marks) for b in
 def test_kquant_model_at_every_path(device, batch, kquant_file, monkeypatch):
     """On the CPU one case (a minute under Triton's interpreter): 6 rows decode through the MMQ, the prefill's
     ~40 through dequant_gemm. On a GPU every path."""
-    from backends.cuda import runner
+    from backends.cuda import gguf_linear
     from backends.cuda.backend import CUDABackend
     from backends.cuda.weights import QuantWeight
     from kernels_src import gguf_mmq
 
     if device == "cpu":
-        monkeypatch.setattr(runner, "I8_TARGETS", (*runner.I8_TARGETS, "triton-interpret"))
+        monkeypatch.setattr(gguf_linear, "I8_TARGETS", (*gguf_linear.I8_TARGETS, "triton-interpret"))
     calls, real = [], gguf_mmq.mmq
-    monkeypatch.setattr(runner, "mmq", lambda x2, w, qtype, **kw: calls.append((x2.shape[0], qtype)) or
+    monkeypatch.setattr(gguf_linear, "mmq", lambda x2, w, qtype, **kw: calls.append((x2.shape[0], qtype)) or
                         real(x2, w, qtype, **kw))
     model = load_model(kquant_file, progress=False)
     rng = np.random.default_rng(batch)
@@ -95,7 +95,7 @@ def test_kquant_model_at_every_path(device, batch, kquant_file, monkeypatch):
     tol = VARIANT_TOL.get(gguf_mmq.MMQ_VARIANT, TOL)  # where the MMQ computes the first logits, its x error
     assert err <= tol * float(np.abs(ref_first).max()), err
     decode_rows = {m for m, _ in calls}
-    if runner.MMQ_MIN_ROWS["Q4_K"] <= batch <= runner.MMQ_MAX_ROWS:
+    if gguf_linear.MMQ_MIN_ROWS["Q4_K"] <= batch <= gguf_mmq.MAX_ROWS:
         assert batch in decode_rows and {q for _, q in calls} == {"Q4_K", "Q6_K"}
     else:
         assert batch not in decode_rows

@@ -105,7 +105,11 @@ ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): ea
     # 9+ row linears through kernels_src/dense_gemm where its table lists them (LLM_ENGINE_DENSE_GEMM_TUNED=FILE of
     # tools/sweep_dense_gemm --json, or dense_gemm.TUNED): off, every one on cuBLAS
     "no dense GEMM": ({"dense_gemm": False}, None, True),
+    # x's int8 form written by the norm / gated activation before a GGUF or int4 GEMV, no quantize_x(_i8) launch
+    # (backends/cuda/x_int8_fusion.py; LLM_ENGINE_X_INT8_FUSION=1): quantized weights only, so on --quant's engines
+    "x int8 fusion": ({"x_int8_fusion": True}, None, True),
 }
+QUANT_ABLATIONS = {"x int8 fusion": ("q4km", "int4")}  # those that change quantized linears only: on these kinds
 
 
 def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int,
@@ -278,7 +282,8 @@ def main() -> None:
     res["prefill_tflops"] = prefill_flops(cfg, args.prefill) * res["prefill_tps"] / args.prefill / 1e12
     say(f"  prefill {args.prefill}: {res['prefill_tps']:,.0f} tok/s, {res['prefill_tflops']:.0f} TFLOP/s")
     ablate = [int(x) for x in args.ablate.split(",") if x] if world == 1 else []  # last: graphs captured again
-    res["ablations"] = ablations(engine, ablate, args.prompt, args.gen, cfg.vocab_size, entries) if ablate else {}
+    dense = {n: e for n, e in entries.items() if n not in QUANT_ABLATIONS}
+    res["ablations"] = ablations(engine, ablate, args.prompt, args.gen, cfg.vocab_size, dense) if ablate else {}
     if engine.backend.workers is not None:  # tensor parallel: the workers' GPUs freed now, not at exit
         engine.backend.workers.close()
     del engine
@@ -310,6 +315,10 @@ def main() -> None:
         if kind != "q4km":
             fig["prefill_tps"] = prefill_rate(engine, args.prefill, cfg.vocab_size)
             say(f"  {kind} prefill {args.prefill}: {fig['prefill_tps']:,.0f} tok/s")
+        quant_entries = {n: e for n, e in entries.items() if kind in QUANT_ABLATIONS.get(n, ())}
+        qablate = [b for b in ablate if b in qbatches]  # last: it recaptures the engine's graphs
+        fig["ablations"] = ablations(engine, qablate, args.prompt, args.gen, cfg.vocab_size, quant_entries) if (
+            qablate and quant_entries) else {}
         del engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -341,9 +350,11 @@ def report(res: dict, args) -> None:
             f"{f'{v / peer:.2f}x' if peer else '':>9}")
     say("(ceiling: batch 1 = copy bandwidth / weight bytes; prefill = model TFLOP/s / bf16 GEMM rate; tensor "
         "parallel: the GPUs' sums over the bytes all ranks read)")
-    for name, rates in res["ablations"].items():
-        say(f"{name:<26}" + "".join(f"  b{b} {v:,.0f} ({v / res['decode'][b] - 1:+.1%})" for b, v in rates.items()
-                                    if b in res["decode"]))
+    for prefix, decode, ablated in [("", res["decode"], res["ablations"])] + [
+            (f"{kind} ", fig["decode"], fig.get("ablations", {})) for kind, fig in res["quant"].items()]:
+        for name, rates in ablated.items():
+            say(f"{prefix + name:<26}" + "".join(f"  b{b} {v:,.0f} ({v / decode[b] - 1:+.1%})"
+                                                 for b, v in rates.items() if b in decode))
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ CUDA_TESTS=(tests/test_cuda_backend.py tests/test_cuda_long_context.py tests/tes
     tests/test_arch_deepseek.py tests/test_fusion.py tests/test_cuda_piecewise.py tests/test_isq.py
     tests/test_fp8_models.py tests/test_sharding.py tests/test_embeddings.py tests/test_cuda_kv_int8.py
     tests/test_cuda_kv_fp8.py tests/test_cuda_step_graphs.py tests/test_cuda_dense_gemm.py tests/test_cuda_dense_gemv.py
-    tests/test_kernels_decode_fused.py)
+    tests/test_kernels_decode_fused.py tests/test_cuda_x_int8.py)
 SERVER_TESTS=(tests/test_server.py tests/test_server_guarded.py tests/test_chat_client.py tests/test_server_long_context.py
     tests/test_structured_server.py)
 

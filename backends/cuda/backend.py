@@ -146,7 +146,7 @@ class CUDABackend(Backend):
         self.graph, old = graph, self.runner
         self.runner = Runner(graph, self.params, weights.DTYPES[self.dtype], self.device)
         for attr in ("pdl", "attention_pdl", "decode", "dense_gemv", "gemv_prologues", "gemv_max_rows", "dense_gemm",
-                     "mmq_variant", "mmq_max_rows"):
+                     "mmq_variant", "mmq_max_rows", "x_int8_fusion"):
             setattr(self.runner, attr, getattr(old, attr))
         if self.kv:
             self.runner.set_cache(self.kv, self.runner._rope_rows)

@@ -18,9 +18,10 @@ GEMM_ROWS = 64
 
 
 def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tuple[int, int],
-                     perm: torch.Tensor | None, target: str, chunk_bytes: int, pdl: bool | None = None) -> torch.Tensor:
+                     perm: torch.Tensor | None, target: str, chunk_bytes: int, pdl: bool | None = None,
+                     x_i8: tuple | None = None) -> torch.Tensor:
     """y = x @ W.T for W [N, K] stored as intgroup blocks `data` (uint8 [N, row_bytes]) of format `qtype`; `pdl` as
-    the runner's (None: wherever the target can)."""
+    the runner's (None: wherever the target can); x_i8: x's int8 arrays (backends/cuda/x_int8_fusion), no perm."""
     bits, group = weight_format(qtype).int_group
     n, k = shape
     x2 = x.reshape(-1, k)
@@ -28,7 +29,8 @@ def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tup
         x2 = x2.index_select(1, perm)
     x2 = x2.contiguous()
     if x2.shape[0] <= MAX_ROWS:
-        return int_group_gemv(x2, data, bits, group, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
+        return int_group_gemv(x2, data, bits, group, target=target, pdl=pdl,
+                              x_i8=x_i8 if perm is None else None).reshape(*x.shape[:-1], n)
     if x2.shape[0] <= GEMM_ROWS:
         return int_group_matmul(x2, data, bits, group, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
     dtype = str(x.dtype).removeprefix("torch.")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.cuda import distributed, gemv_fusion, torch_ops
+from backends.cuda import distributed, gemv_fusion, torch_ops, x_int8_fusion
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.fp8_linear import dequantize as fp8_dequantize
 from backends.cuda.fp8_linear import fp8_linear
+from backends.cuda.gguf_linear import GEMM_MAX_ROWS, GEMV_MAX_ROWS, gguf_linear  # noqa: F401  (tests read the limits)
 from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.step_meta import StepMeta, decode_programs
@@ -35,16 +36,10 @@ from kernels_src import (
 )
 from kernels_src.dense_gemm import dense_matmul
 from kernels_src.dense_gemv import dense_gemv
-from kernels_src.dequant_gemv import dequant_gemv
-from kernels_src.dequant_gemv_i8 import I8_TARGETS
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
-from kernels_src.gguf_mmq import MIN_ROWS as MMQ_MIN_ROWS
-from kernels_src.gguf_mmq import MMQ_QTYPES, mmq
 from kernels_src.mla_decode import mla_decode
 
 F = torch.nn.functional
-GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it the dequantizing GEMM (kernels_src/dequant_gemm.py)
-GEMM_MAX_ROWS = 256  # its limit: above it (prefill) weights are dequantized in chunks for a cuBLAS GEMM
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
 
 
@@ -88,6 +83,10 @@ class Runner:
         self.mmq_variant: str | None = None
         self.mmq_max_rows = MMQ_MAX_ROWS
         self._gemv_chains = gemv_fusion.plan(graph, params)
+        # add_rms_norm / gated also writing x's int8 form for the GGUF int8 GEMVs after them, no quantize_x launch
+        # (backends/cuda/x_int8_fusion.py; None: LLM_ENGINE_X_INT8_FUSION=1 turns it on; untimed, so off)
+        self.x_int8_fusion: bool | None = None
+        self.x_int8_plan = x_int8_fusion.plan(graph, params)
         self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -188,6 +187,8 @@ class Runner:
             return _into(out, self._latent_attention(node, args, meta))
         if op in ("rope", "rope_pair"):
             return self._rope_op(node, args, meta)
+        if id(node) in self.x_int8_plan and (fused := x_int8_fusion.produce(self, node, args)) is not None:
+            return fused
         if op == "add_rms_norm":
             return self._add_rms_norm(node, args)
         if op == "gated":
@@ -304,31 +305,12 @@ class Runner:
         family = weight_format(w.qtype).family
         if family == "intgroup":
             return int_group_linear(x, w.data, w.qtype, w.shape, w.perm, self.target, DEQUANT_CHUNK_BYTES,
-                                    pdl=self.pdl)
+                                    pdl=self.pdl, x_i8=x_int8_fusion.prequantized(self, x))
         if family == "fp8":
             return fp8_linear(x, w.data, w.scales, DEQUANT_CHUNK_BYTES, self.target, pdl=self.pdl, blocks=w.blocks)
-        n, k = w.shape
-        x2 = x.reshape(-1, k)
-        mmq_ok = w.qtype in MMQ_QTYPES and self.target in I8_TARGETS
-        if x2.shape[0] < (MMQ_MIN_ROWS[w.qtype] if mmq_ok else GEMV_MAX_ROWS + 1):
-            y = dequant_gemv(x2, w.data, w.qtype, target=self.target, pdl=self.pdl)
-            return y.reshape(*x.shape[:-1], n)
-        if x2.shape[0] <= self.mmq_max_rows and mmq_ok:
-            # int8 MMAs (Q4_K: 1.1-1.3x the GEMV at 4-8 rows, 1.1-1.9x dequant_gemm at 9-32 on an H200)
-            return mmq(x2, w.data, w.qtype, target=self.target, pdl=self.pdl,
-                       variant=self.mmq_variant).reshape(*x.shape[:-1], n)
-        if x2.shape[0] <= GEMM_MAX_ROWS:  # W's blocks read once per 16-64 rows, no fp16 copy of W written
-            from kernels_src.dequant_gemm import dequant_matmul
-
-            return dequant_matmul(x2, w.data, w.qtype, target=self.target, pdl=self.pdl).reshape(*x.shape[:-1], n)
-        from kernels_src.dequantize import dequantize_rows
-
-        def rows(r0: int, r1: int):
-            return dequantize_rows(w.data, self._row_ids(r0, r1), w.qtype, k, dtype=x.dtype, target=self.target,
-                                   pdl=self.pdl)
-
-        y = torch_ops.dequantized_matmul(x2, n, k * x.element_size(), DEQUANT_CHUNK_BYTES, rows)
-        return y.reshape(*x.shape[:-1], n)
+        return gguf_linear(x, w, self.target, pdl=self.pdl, mmq_variant=self.mmq_variant,
+                           mmq_max_rows=self.mmq_max_rows, chunk_bytes=DEQUANT_CHUNK_BYTES, row_ids=self._row_ids,
+                           xq_d=x_int8_fusion.prequantized(self, x))
 
     def _moe_experts(self, x, weights, ids, w_gate, w_up, w_down, *, act: str):
         """The DSL's fused MoE (kernels_src/moe.py): a GEMV a slot at small batches, else grouped by expert on the

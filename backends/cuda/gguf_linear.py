@@ -1,0 +1,50 @@
+"""A linear over GGUF blocks kept quantized on the device, by its rows: the dequantizing GEMV (kernels_src/
+dequant_gemv, int8 x on I8_TARGETS) for few, the int8 MMQ GEMM (kernels_src/gguf_mmq) for Q4_K / Q6_K from
+MMQ_MIN_ROWS, the dequantizing GEMM (kernels_src/dequant_gemm) to GEMM_MAX_ROWS, and past that (prefill) W
+dequantized in chunks for a cuBLAS GEMM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from backends.cuda import torch_ops
+from backends.cuda.runtime import torch
+from backends.cuda.weights import QuantWeight
+from kernels_src.dequant_gemv import dequant_gemv
+from kernels_src.dequant_gemv_i8 import I8_TARGETS
+from kernels_src.gguf_mmq import MIN_ROWS as MMQ_MIN_ROWS
+from kernels_src.gguf_mmq import MMQ_QTYPES, mmq
+
+GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it the dequantizing GEMM (kernels_src/dequant_gemm.py)
+GEMM_MAX_ROWS = 256  # its limit: above it (prefill) weights are dequantized in chunks for a cuBLAS GEMM
+
+
+def takes_gemv(rows: int, qtype: str, target: str) -> bool:
+    """Whether a linear of `rows` rows over qtype's blocks runs the dequantizing GEMV on `target`."""
+    mmq_ok = qtype in MMQ_QTYPES and target in I8_TARGETS
+    return rows < (MMQ_MIN_ROWS[qtype] if mmq_ok else GEMV_MAX_ROWS + 1)
+
+
+def gguf_linear(x: torch.Tensor, w: QuantWeight, target: str, *, pdl: bool | None, mmq_variant: str | None,
+                mmq_max_rows: int, chunk_bytes: int, row_ids: Callable[[int, int], torch.Tensor],
+                xq_d: tuple | None = None) -> torch.Tensor:
+    """y = x @ W.T; mmq_variant, mmq_max_rows, pdl: the runner's; row_ids(r0, r1): int32 row indices on the device;
+    xq_d: x already quantized as quantize_x would (backends/cuda/x_int8_fusion), for the GEMV's int8 path."""
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    mmq_ok = w.qtype in MMQ_QTYPES and target in I8_TARGETS
+    if takes_gemv(x2.shape[0], w.qtype, target):
+        return dequant_gemv(x2, w.data, w.qtype, target=target, pdl=pdl, xq_d=xq_d).reshape(*x.shape[:-1], n)
+    if x2.shape[0] <= mmq_max_rows and mmq_ok:
+        # int8 MMAs (Q4_K: 1.1-1.3x the GEMV at 4-8 rows, 1.1-1.9x dequant_gemm at 9-32 on an H200)
+        return mmq(x2, w.data, w.qtype, target=target, pdl=pdl, variant=mmq_variant).reshape(*x.shape[:-1], n)
+    if x2.shape[0] <= GEMM_MAX_ROWS:  # W's blocks read once per 16-64 rows, no fp16 copy of W written
+        from kernels_src.dequant_gemm import dequant_matmul
+
+        return dequant_matmul(x2, w.data, w.qtype, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
+    from kernels_src.dequantize import dequantize_rows
+
+    def rows(r0: int, r1: int):
+        return dequantize_rows(w.data, row_ids(r0, r1), w.qtype, k, dtype=x.dtype, target=target, pdl=pdl)
+
+    return torch_ops.dequantized_matmul(x2, n, k * x.element_size(), chunk_bytes, rows).reshape(*x.shape[:-1], n)

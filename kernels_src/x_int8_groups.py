@@ -1,0 +1,102 @@
+"""add_rms_norm and gated_act that also write their output as the integer-group GEMV's int8 x (GPTQ / AWQ;
+kernels_src/int_group_gemv_i8's quantize_x_i8 layout: per q word's inputs, int8 words, d, sums and z0 sum(x - q d),
+each at its q word's place in a row of blocks). That layout's chunks (8 inputs at 4 bits, in two planes) and sums do
+not follow the norm's register tile, so each program stores its output, waits at a barrier (its threads' writes are
+then visible to all of them) and runs quantize_x_i8's own chunk code over what it wrote: the same arrays, bit for
+bit, without a launch of their own. K a multiple of the group.
+"""
+
+from __future__ import annotations
+
+from kernels_src.activations import _act
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.int_group_gemv import _words
+from kernels_src.int_group_gemv_i8 import _planes, _quantize_chunks
+from kernels_src.rms_norm import _empty_like, _norm_row, _weight
+
+
+def _requantize(out_row, xq, xd, xs, xr, row, first, n_cols, xq_stride, xd_stride, BLOCK: int, BITS: int,
+                GROUP: int):
+    """quantize_x_i8 of this program's inputs first .. first + BLOCK (a multiple of a chunk) of out's row."""
+    tl.debug_barrier()  # out's row as every thread of the program wrote it
+    epw, chunks = 32 // BITS, BLOCK * BITS // 32
+    tile = min(chunks, 128)
+    for i in range(chunks // tile):
+        c = first // epw + i * tile + tl.arange(0, tile)  # those past the row (BLOCK's padding): skipped
+        _quantize_chunks(out_row, xq.to(tl.pointer_type(tl.uint32)) + row * (xq_stride // 4), xd + row * xd_stride,
+                         xs + row * xd_stride, xr + row * xd_stride, c, n_cols // GROUP, BITS, GROUP)
+
+
+def add_rms_norm_i8g_kernel(x, residual, w, sum_out, out, xq, xd, xs, xr, n_cols, x_stride, r_stride, s_stride,
+                            out_stride, xq_stride, xd_stride, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr,
+                            BITS: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr = False):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    wv = _weight(w, cols, mask, OFFSET)
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    xv = tl.load(x + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rv = tl.load(residual + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (xv + rv).to(sum_out.dtype.element_ty)
+    tl.store(sum_out + row * s_stride + cols, s, mask=mask)
+    tl.store(out + row * out_stride + cols, _norm_row(s.to(tl.float32), wv, n_cols, eps), mask=mask)
+    _requantize(out + row * out_stride, xq, xd, xs, xr, row, 0, n_cols, xq_stride, xd_stride, BLOCK, BITS, GROUP)
+
+
+def gated_act_i8g_kernel(gate, up, out, xq, xd, xs, xr, n_cols, gate_stride, up_stride, out_stride, xq_stride,
+                         xd_stride, BLOCK: tl.constexpr, ACT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    row = tl.program_id(0)
+    first = tl.program_id(1) * BLOCK
+    cols = first + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    if PDL:
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    g = tl.load(gate + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * out_stride + cols, _act(g, ACT) * u, mask=mask)
+    _requantize(out + row * out_stride, xq, xd, xs, xr, row, first, n_cols, xq_stride, xd_stride, BLOCK, BITS, GROUP)
+
+
+# --- host side -------------------------------------------------------------------------------------------------
+
+def _i8_bufs(x, bits: int, group: int):
+    from kernels_src.paged_attention import empty
+
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"int8 x: {k} inputs are not a multiple of the group ({group})")
+    rw = k // group * _words(bits, group)[2]
+    return (empty(x, (m, _planes(bits) * rw * 4), "int8"), *(empty(x, (m, rw), "float32") for _ in range(3)))
+
+
+def add_rms_norm_i8g(x, residual, w, eps: float, bits: int, group: int, *, offset: bool = False,
+                     target: str = "numpy", pdl: bool | None = None):
+    """rms_norm.add_rms_norm, plus quantize_x_i8 of its output: (sum, out, (xq, xd, xs, xr))."""
+    sum_out, out = _empty_like(x), _empty_like(x)
+    arrays = _i8_bufs(x, bits, group)
+    n = x.shape[-1]
+    pdl = use_pdl(target, pdl)
+    k = compile(add_rms_norm_i8g_kernel, target, launch_pdl=pdl, BLOCK=max(32, tl.next_power_of_2(n)),
+                OFFSET=bool(offset), BITS=bits, GROUP=group, PDL=pdl)
+    k[x.shape[0]](x, residual, w, sum_out, out, *arrays, n, elem_stride(x, 0), elem_stride(residual, 0),
+                  elem_stride(sum_out, 0), elem_stride(out, 0), elem_stride(arrays[0], 0), elem_stride(arrays[1], 0),
+                  float(eps))
+    return sum_out, out, arrays
+
+
+def gated_act_i8g(gate, up, act: str, bits: int, group: int, *, block: int = 1024, target: str = "numpy",
+                  pdl: bool | None = None):
+    """activations.gated_act, plus quantize_x_i8 of its output: (out, (xq, xd, xs, xr))."""
+    out = _empty_like(gate)
+    arrays = _i8_bufs(gate, bits, group)
+    n = gate.shape[1]
+    block = max(32, min(block, tl.next_power_of_2(n)))
+    pdl = use_pdl(target, pdl)
+    k = compile(gated_act_i8g_kernel, target, launch_pdl=pdl, BLOCK=block, ACT=act, BITS=bits, GROUP=group, PDL=pdl)
+    k[gate.shape[0], tl.cdiv(n, block)](gate, up, out, *arrays, n, elem_stride(gate, 0), elem_stride(up, 0),
+                                         elem_stride(out, 0), elem_stride(arrays[0], 0), elem_stride(arrays[1], 0))
+    return out, arrays
