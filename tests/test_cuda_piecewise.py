@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_tiny_models import saved  # noqa: F401  (saved is a fixture)
 
+from backends.cuda.warm_batches import warm_up_attention, warm_up_eager_steps
 from core.batch import make_batch
 from ir.loader import load_model
 from tools.tiny_hf import random_prompt
@@ -98,21 +99,21 @@ def test_plan_refuses_a_longrope_graph():
 
 
 def test_attention_warm_up_writes_nothing(saved, caplog):  # noqa: F811
-    """The start-up steps that compile the eager attention for each table width (CUDABackend._warm_up_attention) run
+    """The start-up steps that compile the eager attention for each table width (warm_batches.warm_up_attention) run
     through the pieces, leave the KV cache as it was (their slots are -1) and are not sent to workers again."""
     model = load_model(saved("llama3_rope")[1], progress=False)
     pieced, _ = _backends(model, "cpu", 32)
     before = [t.clone() for layer in pieced.kv for t in layer]
     sent = []
     pieced.mirror = lambda *call, **kw: sent.append(call[0])  # each rank warms up inside the mirrored allocate_kv
-    pieced._warm_up_attention(4)
+    warm_up_attention(pieced, 4)
     assert not [r for r in caplog.records if r.levelname == "WARNING"] and sent == []
     assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in pieced.kv for t in layer), strict=True))
 
 
 @pytest.mark.parametrize("case", ["llama3_rope", "mistral_window"])
 def test_eager_step_warm_up_writes_nothing_and_mirrors_nothing(case, saved, caplog):  # noqa: F811
-    """The start-up steps past the graphs' tokens (CUDABackend._warm_up_eager_steps: decode rows beside a prompt, 3
+    """The start-up steps past the graphs' tokens (warm_batches.warm_up_eager_steps: decode rows beside a prompt, 3
     and 16 sequences) run, leave the KV cache as it was, and are not sent to tensor-parallel workers again (each
     rank runs its own inside the mirrored allocate_kv)."""
     from backends.cuda.warm_batches import mixed_batch
@@ -128,6 +129,6 @@ def test_eager_step_warm_up_writes_nothing_and_mirrors_nothing(case, saved, capl
     before = [t.clone() for layer in pieced.kv for t in layer]
     sent = []
     pieced.mirror = lambda *call, **kw: sent.append(call[0])
-    pieced._warm_up_eager_steps(32)
+    warm_up_eager_steps(pieced, 32)
     assert not [r for r in caplog.records if r.levelname == "WARNING"] and sent == []
     assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in pieced.kv for t in layer), strict=True))

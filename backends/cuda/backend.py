@@ -23,7 +23,7 @@ from backends.cuda.runtime import torch
 from backends.cuda.step_graphs import StepGraphs
 from backends.cuda.step_meta import StepMeta
 from backends.cuda.synthetic import random_params
-from backends.cuda.warm_batches import mixed_batch, one_sequence
+from backends.cuda.warm_batches import one_sequence, warm_up_attention, warm_up_eager_steps
 from core.batch import Batch
 from core.kv_layout import KVLayout
 from ir.fusion import Fusions, concat_parts, fuse
@@ -236,38 +236,6 @@ class CUDABackend(Backend):
         torch.cuda.synchronize(self.device)
         self.kv = self.runner.kv = []
 
-    def _warm_up_attention(self, block_size: int) -> None:
-        """Steps through the pieces whose block tables are 1, 8 and 16 blocks wide: the eager attention between the
-        pieces is compiled for the table widths Triton tells apart (an integer argument equal to 1, a multiple of
-        16, or neither), which a first request otherwise waited ~1 s for (an H200, an 8B model). Slots of -1 write
-        nothing; the reads of block 0 are discarded. A failure is logged: those steps still run, compiling then.
-        Each rank runs its own (allocate_kv is mirrored to the workers): none is mirrored again."""
-        try:
-            for width in (1, 8, 16):
-                n = min(width * block_size, self.pieces.buckets[-1])
-                self._forward(one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
-                                           np.full(n, -1, np.int32), np.zeros((1, width), np.int32),
-                                           self.kv_layout().num_groups), mirror=False)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
-            log.warning("warming up the attention of prefill steps failed: %s: %s", type(e).__name__, e)
-
-    def _warm_up_eager_steps(self, max_positions: int) -> None:
-        """The eager steps past the graphs' tokens (PIECEWISE_MAX_TOKENS up to max_step_tokens), with decode rows
-        beside a prompt, compiled at start-up: a first wave of requests otherwise waited for them (an H200, an 8B
-        model: a 2,048-token step of 48 sequences took 0.38 s to launch, docs/BENCHMARKS.md 2026-12-04). Sequence
-        counts and token counts of each class Triton tells apart (a multiple of 16, or neither); nothing is
-        written (slots of -1). Each rank runs its own, as _warm_up_attention."""
-        try:
-            for seqs, tokens in ((3, self.max_step_tokens), (16, self.max_step_tokens - 1)):
-                batch = mixed_batch(seqs, tokens, self.block_size, max_positions, self.kv_layout().num_groups)
-                self._forward(batch, mirror=False)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
-            log.warning("warming up the eager prefill steps failed: %s: %s", type(e).__name__, e)
-
     def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int, _graphs: bool = True) -> None:
         if self.mirror is not None:  # the workers capture their graphs as this rank does, collectives in step
             self.mirror("allocate_kv", num_blocks, block_size, _graphs=_graphs)
@@ -310,14 +278,14 @@ class CUDABackend(Backend):
             if self.piecewise:
                 self.pieces = PiecewiseGraphs(self.runner, min(PIECEWISE_MAX_TOKENS, self.max_step_tokens))
                 self.pieces.capture_all()
-                self._warm_up_attention(block_size)
+                warm_up_attention(self, block_size)
             if self.whole_steps:
                 self.whole = StepGraphs(self.runner, self._chain, min(PIECEWISE_MAX_TOKENS, self.max_step_tokens),
                                         self.max_num_seqs, -(-longest // block_size))
                 self.whole.capture_all()
             if self.device.type == "cuda" and self.max_step_tokens > PIECEWISE_MAX_TOKENS:
                 torch.cuda.reset_peak_memory_stats(self.device)
-                self._warm_up_eager_steps(longest)
+                warm_up_eager_steps(self, longest)
                 log.info("eager steps of up to %d tokens warmed up: peak %s allocated", self.max_step_tokens,
                          _mib(torch.cuda.max_memory_allocated(self.device)))
                 torch.cuda.empty_cache()  # its activations back to the device: the cache holds no more than a step's

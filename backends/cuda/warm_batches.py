@@ -1,11 +1,16 @@
-"""The batches of CUDABackend's start-up warm-ups: steps that write nothing (slots of -1) and read block 0, shaped
+"""CUDABackend's start-up warm-ups and their batches: steps that write nothing (slots of -1) and read block 0, shaped
 as the steps a first request would otherwise wait for Triton to compile."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from backends.cuda.runtime import torch
 from core.batch import Batch
+
+log = logging.getLogger(__name__)
 
 
 def one_sequence(ids, positions, slots, tables, groups: int = 1) -> Batch:
@@ -27,3 +32,37 @@ def mixed_batch(seqs: int, tokens: int, block_size: int, max_positions: int, gro
     return Batch(np.zeros(tokens, np.int32), positions, slots, tables, context,
                  np.concatenate([[0], np.cumsum(lens)]).astype(np.int32), (np.cumsum(lens) - 1).astype(np.int32),
                  group_slots=(slots,) * (groups - 1), group_tables=(tables,) * (groups - 1))
+
+
+def warm_up_attention(backend, block_size: int) -> None:
+    """Steps through the pieces whose block tables are 1, 8 and 16 blocks wide: the eager attention between the
+    pieces is compiled for the table widths Triton tells apart (an integer argument equal to 1, a multiple of
+    16, or neither), which a first request otherwise waited ~1 s for (an H200, an 8B model). Slots of -1 write
+    nothing; the reads of block 0 are discarded. A failure is logged: those steps still run, compiling then.
+    Each rank runs its own (allocate_kv is mirrored to the workers): none is mirrored again."""
+    try:
+        for width in (1, 8, 16):
+            n = min(width * block_size, backend.pieces.buckets[-1])
+            backend._forward(one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                                          np.full(n, -1, np.int32), np.zeros((1, width), np.int32),
+                                          backend.kv_layout().num_groups), mirror=False)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
+        log.warning("warming up the attention of prefill steps failed: %s: %s", type(e).__name__, e)
+
+
+def warm_up_eager_steps(backend, max_positions: int) -> None:
+    """The eager steps past the graphs' tokens (PIECEWISE_MAX_TOKENS up to max_step_tokens), with decode rows
+    beside a prompt, compiled at start-up: a first wave of requests otherwise waited for them (an H200, an 8B
+    model: a 2,048-token step of 48 sequences took 0.38 s to launch, docs/BENCHMARKS.md 2026-12-04). Sequence
+    counts and token counts of each class Triton tells apart (a multiple of 16, or neither); nothing is
+    written (slots of -1). Each rank runs its own, as warm_up_attention."""
+    try:
+        for seqs, tokens in ((3, backend.max_step_tokens), (16, backend.max_step_tokens - 1)):
+            batch = mixed_batch(seqs, tokens, backend.block_size, max_positions, backend.kv_layout().num_groups)
+            backend._forward(batch, mirror=False)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
+        log.warning("warming up the eager prefill steps failed: %s: %s", type(e).__name__, e)
