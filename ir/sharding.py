@@ -12,7 +12,9 @@ Attention splits by whole KV groups (a KV head and the query heads that read it)
 the KV groups, the ranges' sizes differing by one at most (the first kv_heads % world ranks one more), so each rank
 keeps the model's GQA group and only its head counts differ (9 query / 3 KV heads over 2 ranks: 6 / 2 and 3 / 1);
 o's input columns follow its query heads. KV heads fewer than the ranks are replicated: rank r holds KV head
-r * kv_heads // world, the one its query heads read. A value split unevenly is only ever all-reduced, never gathered.
+r * kv_heads // world, and the ranks sharing a KV head split its group of query heads the same uneven way
+(Qwen2.5-7B's 28 / 4 over 8 ranks: 4 and 3 query heads beside one KV head). A value split unevenly is only ever
+all-reduced, never gathered.
 The pass runs before ir.fusion, so both backends fuse the same rank's graph; a fused parameter's parts are each cut
 here, so their concatenation is that rank's rows of the fused matrix.
 """
@@ -138,12 +140,16 @@ def _out_projections(graph: Graph, uses: dict[int, list[Node]]) -> dict[str, Hea
 def _head_span(heads: Heads, rank: int, world: int) -> tuple[int, int] | None:
     """(first head, count) of rank's heads, or None where they do not split (ValueError raised by the caller)."""
     n, kv, counts = heads
-    if counts is not None:
+    if counts is not None and counts[0] % counts[1] == 0 and n in counts:
         q, groups = counts
-        if groups >= world and q % groups == 0 and n in (q, groups):
+        if groups >= world:
             start, stop = kv_group_range(groups, world, rank)
             per = n // groups  # 1 for KV heads, the GQA group for query heads (and o's columns)
             return start * per, (stop - start) * per
+        share, group = world // groups, q // groups
+        if world % groups == 0 and group >= share:  # each KV head replicated on `share` ranks, its group split
+            g, (start, stop) = rank // share, kv_group_range(group, share, rank % share)
+            return (g, 1) if kv else (g * group + start, stop - start)
     if n % world == 0:
         return rank * (n // world), n // world
     if kv and world % n == 0:
@@ -210,7 +216,7 @@ def _refusal(name: str, shape: tuple, heads: Heads, size: int, axis: int, kind: 
     why = "which do not split evenly"
     if counts is not None:
         why = (f"of {counts[1]} KV groups: each rank needs a whole KV group at least, or, with fewer KV heads than "
-               f"ranks, a world size that is a multiple of the KV heads and divides the query heads ({counts[0]})")
+               f"ranks, a world size that is a multiple of the KV heads and at most the query heads ({counts[0]})")
     return f"tensor parallel over {world} ranks: {name} {list(shape)} has {n} heads, {why}"
 
 

@@ -127,6 +127,21 @@ def test_kv_groups_split_unevenly_over_four_and_eight_ranks():
     assert [kv_group_range(8, 8, r) for r in range(8)] == [(r, r + 1) for r in range(8)]
 
 
+def test_replicated_kv_heads_split_their_query_group_unevenly(saved):  # noqa: F811
+    """6 query / 2 KV heads over 4 ranks: ranks 0, 1 hold KV head 0 and query heads 0-1 and 2; ranks 2, 3 KV head 1
+    and query heads 3-4 and 5 (o's columns alike); the ranks give one process's tokens and logits."""
+    model = load_model(saved("gqa6_2")[1], progress=False)
+    cuts = [param_cuts(model.graph, r, 4) for r in range(4)]
+    assert [c["layers.0.wk"] for c in cuts] == [(0, 0, 8), (0, 0, 8), (0, 8, 16), (0, 8, 16)]
+    assert [c["layers.0.wq"] for c in cuts] == [(0, 0, 16), (0, 16, 24), (0, 24, 40), (0, 40, 48)]
+    assert [c["layers.0.wo"] for c in cuts] == [(1, 0, 16), (1, 16, 24), (1, 24, 40), (1, 40, 48)]
+    prompts = [prompt(1), prompt(2, 9)]
+    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 3)
+    tp_tokens, tp_first = ShardedReference(model, 4, max_tokens=64, block_size=4, fused=True).greedy(prompts, 3)
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+
+
 def test_kv_groups_fewer_than_ranks_and_not_a_divisor_are_refused(saved):  # noqa: F811
     """3 KV groups over 4 ranks: one rank would hold none, and 4 is no multiple of 3 to replicate them."""
     graph = load_model(saved("gqa9_3")[1], progress=False).graph
