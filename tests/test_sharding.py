@@ -147,3 +147,14 @@ def test_kv_groups_fewer_than_ranks_and_not_a_divisor_are_refused(saved):  # noq
     graph = load_model(saved("gqa9_3")[1], progress=False).graph
     with pytest.raises(ValueError, match=r"layers.0.wq \[72, 72\] has 9 heads, of 3 KV groups: each rank needs"):
         shard(graph, 0, 4)
+
+
+def test_smollm2_over_two_ranks(smollm):
+    """SmolLM2-135M's GGUF (9 query / 3 KV heads, Q4_1 blocks, o's columns cut at a block boundary, 384 of 576) over
+    2 ranks: one process's greedy tokens and logits."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1562, 25, 8, 44, 99, 1005, 23, 32, 3000]]
+    tokens, first = ReferenceRunner(smollm, max_tokens=48, block_size=4).greedy(prompts, 4)
+    tp_tokens, tp_first = ShardedReference(smollm, 2, max_tokens=48, block_size=4, fused=True).greedy(prompts, 4)
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+    assert param_cuts(smollm.graph, 1, 2)["layers.0.wo"] == (1, 384, 576)
