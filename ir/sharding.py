@@ -74,7 +74,8 @@ def _axis(shard_kind: str, ndim: int) -> int:
 
 def kv_group_range(groups: int, world: int, rank: int) -> tuple[int, int]:
     """Rank's contiguous range [start, stop) of `groups` KV groups: sizes differ by one at most, the first
-    groups % world ranks holding one more (so rank 0 holds the most and its KV budget binds: core's allocate_kv)."""
+    groups % world ranks holding one more: rank 0 holds the most, so the KV block count it sizes from its own cache's
+    bytes per block fits every rank's."""
     base, extra = divmod(groups, world)
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
