@@ -8,9 +8,15 @@
 - the embedding and LM head are vocab-parallel: a rank holds a slice of the vocabulary's rows; its lookups read
   zeros outside it and are all-reduced, its logits gathered. A vocabulary the ranks do not divide stays whole.
 
-KV heads fewer than the ranks are replicated: rank r holds KV head r * kv_heads // world, the one its query heads
-read. The pass runs before ir.fusion, so both backends fuse the same rank's graph; a fused parameter's parts are
-each cut here, so their concatenation is that rank's rows of the fused matrix.
+Attention splits by whole KV groups (a KV head and the query heads that read it): rank r holds a contiguous range of
+the KV groups, the ranges' sizes differing by one at most (the first kv_heads % world ranks one more), so each rank
+keeps the model's GQA group and only its head counts differ (9 query / 3 KV heads over 2 ranks: 6 / 2 and 3 / 1);
+o's input columns follow its query heads. KV heads fewer than the ranks are replicated: rank r holds KV head
+r * kv_heads // world, and the ranks sharing a KV head split its group of query heads the same uneven way
+(Qwen2.5-7B's 28 / 4 over 8 ranks: 4 and 3 query heads beside one KV head). A value split unevenly is only ever
+all-reduced, never gathered.
+The pass runs before ir.fusion, so both backends fuse the same rank's graph; a fused parameter's parts are each cut
+here, so their concatenation is that rank's rows of the fused matrix.
 """
 
 from __future__ import annotations
@@ -49,7 +55,11 @@ def shard(graph: Graph, rank: int, world: int) -> Graph:
     fused = sorted({n.op for n in graph.nodes if OPS[n.op].fused})
     if fused:
         raise ValueError(f"ir.sharding runs before ir.fusion, but the graph has fused ops {fused}")
-    return _Rewriter(graph, param_cuts(graph, rank, world), rank, world).run()
+    cuts = param_cuts(graph, rank, world)
+    last = param_cuts(graph, world - 1, world) if rank != world - 1 else cuts
+    width = {k: c[2] - c[1] for k, c in cuts.items()}
+    uneven = {k for k, c in last.items() if c[2] - c[1] != width[k]}  # rank 0 holds the most, the last the least
+    return _Rewriter(graph, cuts, rank, world, uneven).run()
 
 
 # -- which slice of each parameter a rank holds --------------------------------------------------------------------
@@ -62,26 +72,89 @@ def _axis(shard_kind: str, ndim: int) -> int:
     return ndim - 2  # column: the rows of each matrix (of a stack too)
 
 
-def _feeds_kv(uses: dict[int, list[Node]], value: Value) -> bool:
-    """Whether `value` reaches an attention's k or v (or a latent) through per-head ops only."""
+def kv_group_range(groups: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank's contiguous range [start, stop) of `groups` KV groups: sizes differ by one at most, the first
+    groups % world ranks holding one more: rank 0 holds the most, so the KV block count it sizes from its own cache's
+    bytes per block fits every rank's."""
+    base, extra = divmod(groups, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+# A parameter's heads: (heads along its split axis, KV heads, the (query heads, KV heads) of the attention they reach)
+Heads = tuple[int, bool, "tuple[int, int] | None"]
+
+
+def _reaches(uses: dict[int, list[Node]], value: Value) -> tuple[Node, int] | None:
+    """The KV-cache op `value` reaches through per-head ops only, and the operand it is there."""
     todo = [value]
     while todo:
         v = todo.pop()
         for n in uses.get(v.id, []):
             at = [i for i, x in enumerate(n.inputs) if x is not None and x.id == v.id]
-            if OPS[n.op].kv_cache and any(i in (1, 2) for i in at):
-                return True
+            if OPS[n.op].kv_cache and at:
+                return n, at[0]
             if n.op in _PER_HEAD and at == [0]:
                 todo.extend(n.outs)
-    return False
+    return None
 
 
-def _heads(uses: dict[int, list[Node]], out: Value) -> tuple[int, bool] | None:
-    """(heads, whether they are KV heads) of a linear's output that a reshape makes [T, heads, head_dim]."""
+def _head_info(uses: dict[int, list[Node]], value: Value, heads: int) -> Heads:
+    """(heads, whether KV, the attention's (query, KV) heads where a plain attention reads them at q, k or v)."""
+    reached = _reaches(uses, value)
+    if reached is None:
+        return heads, False, None
+    node, at = reached
+    counts = (node.inputs[0].shape[1], node.inputs[1].shape[1]) if node.op in ("attention", "rope_attention") else None
+    return heads, at in (1, 2), counts
+
+
+def _heads(uses: dict[int, list[Node]], out: Value) -> Heads | None:
+    """The heads of a linear's output that a reshape makes [T, heads, head_dim]."""
     for n in uses.get(out.id, []):
         shape = n.attrs.get("shape", ()) if n.op == "reshape" else ()
         if len(shape) == 3 and all(isinstance(d, int) for d in shape[1:]) and shape[1] * shape[2] == out.shape[-1]:
-            return shape[1], _feeds_kv(uses, n.out)
+            return _head_info(uses, n.out, shape[1])
+    return None
+
+
+def _out_projections(graph: Graph, uses: dict[int, list[Node]]) -> dict[str, Heads]:
+    """o's weight (row-split) -> the heads of the attention whose output its input columns are, reached from that
+    output through reshapes and elementwise products (an output gate)."""
+    out = {}
+    for node in graph.attention_nodes():
+        if node.op not in ("attention", "rope_attention"):
+            continue
+        counts = (node.inputs[0].shape[1], node.inputs[1].shape[1])
+        todo = [node.out]
+        while todo:
+            v = todo.pop()
+            for n in uses.get(v.id, []):
+                w = n.inputs[1] if n.op == "linear" and n.inputs[0].id == v.id else None
+                if w is not None and w.kind == "param" and graph.params[w.name].shard == "row":
+                    out[w.name] = (counts[0], False, counts)
+                elif n.op in ("reshape", "mul"):
+                    todo.extend(n.outs)
+    return out
+
+
+def _head_span(heads: Heads, rank: int, world: int) -> tuple[int, int] | None:
+    """(first head, count) of rank's heads, or None where they do not split (ValueError raised by the caller)."""
+    n, kv, counts = heads
+    if counts is not None and counts[0] % counts[1] == 0 and n in counts:
+        q, groups = counts
+        if groups >= world:
+            start, stop = kv_group_range(groups, world, rank)
+            per = n // groups  # 1 for KV heads, the GQA group for query heads (and o's columns)
+            return start * per, (stop - start) * per
+        share, group = world // groups, q // groups
+        if world % groups == 0 and group >= share:  # each KV head replicated on `share` ranks, its group split
+            g, (start, stop) = rank // share, kv_group_range(group, share, rank % share)
+            return (g, 1) if kv else (g * group + start, stop - start)
+    if n % world == 0:
+        return rank * (n // world), n // world
+    if kv and world % n == 0:
+        return rank * n // world, 1
     return None
 
 
@@ -102,7 +175,7 @@ def _vocab_params(graph: Graph) -> set[str]:
 def param_cuts(graph: Graph, rank: int, world: int) -> dict[str, tuple[int, int, int]]:
     """Parameter -> (axis, start, stop) of rank's slice; parameters absent are held whole."""
     uses = graph.uses()
-    groups: dict[str, tuple[int, bool]] = {}  # column parameter -> (heads along its axis, KV heads)
+    groups: dict[str, Heads] = _out_projections(graph, uses)  # split parameter -> its heads along its axis
     for node in graph.nodes:
         w = node.inputs[1] if len(node.inputs) > 1 else None
         if w is None or w.kind != "param" or graph.params[w.name].shard != "column":
@@ -113,7 +186,7 @@ def param_cuts(graph: Graph, rank: int, world: int) -> dict[str, tuple[int, int,
                 if heads is not None and p is not None and p.kind == "param":
                     groups[p.name] = heads
         elif node.op in ("rms_norm", "layer_norm") and len(w.shape) == 2:  # a per-head norm [heads, head_dim]
-            groups[w.name] = (w.shape[0], _feeds_kv(uses, node.out))
+            groups[w.name] = _head_info(uses, node.out, w.shape[0])
     vocab = _vocab_params(graph)
     cuts = {}
     for name, p in graph.params.items():
@@ -121,22 +194,31 @@ def param_cuts(graph: Graph, rank: int, world: int) -> dict[str, tuple[int, int,
             continue
         axis = _axis(p.shard, len(p.shape))
         size = p.shape[axis]
-        n, kv = groups.get(name, (size, False))
-        if n % world == 0:
-            start, count = rank * (n // world), n // world
-        elif kv and world % n == 0:
-            start, count = rank * n // world, 1
+        heads = groups.get(name, (size, False, None))
+        span, n = _head_span(heads, rank, world), heads[0]
+        if span is not None:
+            start, count = span
         elif name in vocab:
             log.info("%s: a vocabulary of %d rows does not split across %d ranks; each holds all of it", name, size,
                      world)
             continue
         else:
-            what = "heads" if n != size else f"{'rows' if axis == 0 else 'columns'} along its {p.shard} split"
-            raise ValueError(f"tensor parallel over {world} ranks: {name} {list(p.shape)} has {n} {what}, which do "
-                             f"not split evenly; use a world size that divides {n}")
+            raise ValueError(_refusal(name, p.shape, heads, size, axis, p.shard, world))
         unit = size // n
         cuts[name] = (axis, start * unit, (start + count) * unit)
     return cuts
+
+
+def _refusal(name: str, shape: tuple, heads: Heads, size: int, axis: int, kind: str, world: int) -> str:
+    n, _, counts = heads
+    if n == size:
+        return (f"tensor parallel over {world} ranks: {name} {list(shape)} has {n} {'rows' if axis == 0 else 'columns'}"
+                f" along its {kind} split, which do not split evenly; use a world size that divides {n}")
+    why = "which do not split evenly"
+    if counts is not None:
+        why = (f"of {counts[1]} KV groups: each rank needs a whole KV group at least, or, with fewer KV heads than "
+               f"ranks, a world size that is a multiple of the KV heads and at most the query heads ({counts[0]})")
+    return f"tensor parallel over {world} ranks: {name} {list(shape)} has {n} heads, {why}"
 
 
 # -- the rank's graph ------------------------------------------------------------------------------------------------
@@ -144,11 +226,13 @@ def param_cuts(graph: Graph, rank: int, world: int) -> dict[str, tuple[int, int,
 class _Rewriter:
     """The nodes again on the rank's parameters, each value's split dim tracked (None: every rank has all of it)."""
 
-    def __init__(self, graph: Graph, cuts: dict[str, tuple[int, int, int]], rank: int, world: int):
-        self.src, self.cuts, self.rank, self.world = graph, cuts, rank, world
+    def __init__(self, graph: Graph, cuts: dict[str, tuple[int, int, int]], rank: int, world: int,
+                 uneven: set[str] = frozenset()):
+        self.src, self.cuts, self.rank, self.world, self.uneven = graph, cuts, rank, world, uneven
         self.g = Graph(graph.name, graph.dtype)
         self.vmap: dict[int, Value] = {}
         self.split: dict[int, int] = {}  # value id of the new graph -> the dim it is split along
+        self.ragged: set[int] = set()  # split values whose width differs between ranks: all_gather cannot join them
 
     def run(self) -> Graph:
         for name, v in self.src.inputs.items():
@@ -187,14 +271,22 @@ class _Rewriter:
         if dim != len(v.shape) - 1:
             raise NotImplementedError(f"tensor parallel: a value {v.type} split along dim {dim} would need a gather "
                                       "there, which the pass does not make")
+        if v.id in self.ragged:
+            raise NotImplementedError(f"tensor parallel over {self.world} ranks: a value {v.type} split unevenly "
+                                      "(heads by whole KV groups) would need a gather, which the pass does not make; "
+                                      "use a world size that divides the KV heads")
         return self.g.all_gather(v, world=self.world)
 
-    def _set(self, node: Node, out: Value | tuple[Value, ...], dim: int | None) -> None:
+    def _set(self, node: Node, out: Value | tuple[Value, ...], dim: int | None, ins: list = ()) -> None:
         outs = out if isinstance(out, tuple) else (out,)
+        ragged = dim is not None and any(
+            v is not None and (v.id in self.ragged or (v.kind == "param" and v.name in self.uneven)) for v in ins)
         for old, new in zip(node.outs, outs, strict=True):
             self.vmap[old.id] = new
             if dim is not None:
                 self.split[new.id] = dim
+            if ragged:
+                self.ragged.add(new.id)
 
     def _node(self, node: Node) -> None:
         ins, op, attrs, g = [self._get(v) for v in node.inputs], node.op, dict(node.attrs), self.g
@@ -210,7 +302,7 @@ class _Rewriter:
                                               f"input {x.type} is not split along its last dim")
                 return self._set(node, g.all_reduce(g.linear(x, w, b if self.rank == 0 else None)), None)
             y = g.linear(self._whole(x), w, b)
-            return self._set(node, y, len(y.shape) - 1 if cut is not None else None)
+            return self._set(node, y, len(y.shape) - 1 if cut is not None else None, [w])
         if op == "moe_experts":  # each expert split inside: its gate/up rows and down columns
             y = g.moe_experts(*(self._whole(v) for v in ins[:3]), *ins[3:], **attrs)
             split = any(self._cut(v) is not None for v in node.inputs[3:])
@@ -221,15 +313,15 @@ class _Rewriter:
             x = ins[0]
             if self.split.get(x.id) == len(x.shape) - 1:
                 x = self._whole(x)
-            return self._set(node, g.op(op, x, *ins[1:], **attrs), self.split.get(x.id))
+            return self._set(node, g.op(op, x, *ins[1:], **attrs), self.split.get(x.id), [x])
         if OPS[op].kv_cache:  # heads split as q's (a latent, one head for all, is whole)
-            return self._set(node, g.op(op, *ins, **attrs), self.split.get(ins[0].id))
+            return self._set(node, g.op(op, *ins, **attrs), self.split.get(ins[0].id), ins[:1])
         data = [i for i, v in enumerate(ins) if v is not None and v.kind != "param" and v.dtype != "i32"]
         dims = {self.split.get(ins[i].id) for i in data if not self._broadcasts(ins[i])}
         if len(dims) > 1:
             ins = [self._whole(v) if i in data else v for i, v in enumerate(ins)]
             dims = {None}
-        return self._set(node, g.op(op, *ins, **attrs), dims.pop() if dims else None)
+        return self._set(node, g.op(op, *ins, **attrs), dims.pop() if dims else None, [ins[i] for i in data])
 
     def _broadcasts(self, v: Value) -> bool:
         """A whole value of size 1 along another operand's split dim (one rope key for every head)."""
@@ -244,12 +336,13 @@ class _Rewriter:
             x, dim = self._whole(x), None
         shape = list(attrs.pop("shape"))
         if dim is not None:
-            ratio = prod(d for d in old if isinstance(d, int)) // prod(d for d in x.shape if isinstance(d, int))
+            local = prod(d for d in x.shape if isinstance(d, int))  # this rank's share, uneven ones too
             dim = next(i for i, d in enumerate(shape) if isinstance(d, int))
-            if shape[dim] % ratio:
+            rest = prod(d for i, d in enumerate(shape) if isinstance(d, int) and i != dim)
+            if local % rest:
                 raise NotImplementedError(f"tensor parallel: reshape of {x.type} to {tuple(shape)} splits a head")
-            shape[dim] //= ratio
-        self._set(node, self.g.reshape(x, shape=tuple(shape), **attrs), dim)
+            shape[dim] = local // rest
+        self._set(node, self.g.reshape(x, shape=tuple(shape), **attrs), dim, [x])
 
 
 # -- the rank's weights ----------------------------------------------------------------------------------------------

@@ -63,6 +63,30 @@ def test_two_ring_processes_match_one(case, saved, tmp_path):  # noqa: F811
         assert bool(got["fatal"])
 
 
+@pytest.mark.parametrize("case", ["gqa9_3", "mha3"])
+def test_heads_split_unevenly_over_the_ring(case, saved, tmp_path):  # noqa: F811
+    """3 KV groups over 2 ranks (9 / 3 and 3 / 3 heads): rank 0 holds two, rank 1 one (ir.sharding's KV groups)."""
+    folder = saved(case)[1]
+    prompts = [prompt(1), prompt(2, 9)]
+    got = rank0(folder, tmp_path, prompts)
+    tokens, first = one_process(load_model(folder, progress=False), prompts)
+    assert int(got["kv_heads"]) == 2
+    assert got["tokens"].tolist() == tokens
+    assert_close(got["first"], first, TP_TOL)
+
+
+SMOL_PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 1562, 25, 8, 44, 99, 1005, 23, 32, 3000]]
+
+
+def test_smollm2_over_two_ring_processes(smollm_path, tmp_path):
+    """SmolLM2-135M (9 query / 3 KV heads, Q4_1 blocks cut per rank) over 2 ranks: one process's greedy tokens."""
+    got = rank0(smollm_path, tmp_path, SMOL_PROMPTS)
+    tokens, first = one_process(load_model(smollm_path, progress=False), SMOL_PROMPTS)
+    assert int(got["kv_heads"]) == 2
+    assert got["tokens"].tolist() == tokens
+    assert_close(got["first"], first, TP_TOL)
+
+
 def test_a_ring_that_cannot_start_says_why(saved):  # noqa: F811
     """Rank 0's port already taken: start fails at once with MLX's reason, and its worker is stopped."""
     from backends.mlx import distributed, tensor_parallel

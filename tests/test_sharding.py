@@ -89,3 +89,72 @@ def test_quantized_cuts_keep_their_blocks():
         assert cut.kind == kind
         np.testing.assert_array_equal(cut.dequantize().reshape(cut.shape),
                                       np.take(whole, np.arange(start, stop), axis=axis))
+
+
+@pytest.mark.parametrize("case", ["gqa9_3", "gqa6_3", "mha3"])
+def test_heads_split_unevenly_by_kv_group(case, saved):  # noqa: F811
+    """3 KV groups over 2 ranks: rank 0 holds groups 0-1, rank 1 group 2, each with its query heads and o's columns;
+    the ranks still give one process's tokens and logits (llama with biases, qwen3 with q/k norms)."""
+    model = load_model(saved(case)[1], progress=False)
+    graph = model.graph
+    q_heads, kv_heads = (9, 3) if case == "gqa9_3" else (6, 3) if case == "gqa6_3" else (3, 3)
+    d = graph.params["layers.0.wq"].shape[0] // q_heads
+    group = q_heads // kv_heads
+    for name, heads, axis in [("layers.0.wq", q_heads, 0), ("layers.0.wk", kv_heads, 0), ("layers.0.wv", kv_heads, 0),
+                              ("layers.0.wo", q_heads, 1)] + [(f"layers.0.b{x}", h, 0) for x, h in
+                                                              [("q", q_heads), ("k", kv_heads)] if case == "mha3"]:
+        per = d * (group if heads == q_heads else 1)  # rows (columns) of one KV group
+        cuts = [param_cuts(graph, r, 2)[name] for r in range(2)]
+        assert cuts == [(axis, 0, 2 * per), (axis, 2 * per, 3 * per)], (name, cuts)
+        assert cuts[0][2] == cuts[1][1] and cuts[1][2] == graph.params[name].shape[axis]  # the whole, no overlap
+    ranks = [shard(graph, r, 2) for r in range(2)]
+    assert [g.attention_nodes()[0].inputs[1].shape[1] for g in ranks] == [2, 1]
+    assert [g.attention_nodes()[0].inputs[0].shape[1] for g in ranks] == [2 * group, group]
+    prompts = [prompt(1), prompt(2, 9)]
+    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 3)
+    tp_tokens, tp_first = ShardedReference(model, 2, max_tokens=64, block_size=4, fused=True).greedy(prompts, 3)
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+
+
+def test_kv_groups_split_unevenly_over_four_and_eight_ranks():
+    """Contiguous ranges, the first groups % world ranks one more: 3 of 2, 10 of 4 (Phi-3-medium's 40 / 10 at TP 4),
+    and 4 of 8 falls to replication (fewer groups than ranks) rather than a range."""
+    from ir.sharding import kv_group_range
+
+    assert [kv_group_range(3, 2, r) for r in range(2)] == [(0, 2), (2, 3)]
+    assert [kv_group_range(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [kv_group_range(8, 8, r) for r in range(8)] == [(r, r + 1) for r in range(8)]
+
+
+def test_replicated_kv_heads_split_their_query_group_unevenly(saved):  # noqa: F811
+    """6 query / 2 KV heads over 4 ranks: ranks 0, 1 hold KV head 0 and query heads 0-1 and 2; ranks 2, 3 KV head 1
+    and query heads 3-4 and 5 (o's columns alike); the ranks give one process's tokens and logits."""
+    model = load_model(saved("gqa6_2")[1], progress=False)
+    cuts = [param_cuts(model.graph, r, 4) for r in range(4)]
+    assert [c["layers.0.wk"] for c in cuts] == [(0, 0, 8), (0, 0, 8), (0, 8, 16), (0, 8, 16)]
+    assert [c["layers.0.wq"] for c in cuts] == [(0, 0, 16), (0, 16, 24), (0, 24, 40), (0, 40, 48)]
+    assert [c["layers.0.wo"] for c in cuts] == [(1, 0, 16), (1, 16, 24), (1, 24, 40), (1, 40, 48)]
+    prompts = [prompt(1), prompt(2, 9)]
+    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 3)
+    tp_tokens, tp_first = ShardedReference(model, 4, max_tokens=64, block_size=4, fused=True).greedy(prompts, 3)
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+
+
+def test_kv_groups_fewer_than_ranks_and_not_a_divisor_are_refused(saved):  # noqa: F811
+    """3 KV groups over 4 ranks: one rank would hold none, and 4 is no multiple of 3 to replicate them."""
+    graph = load_model(saved("gqa9_3")[1], progress=False).graph
+    with pytest.raises(ValueError, match=r"layers.0.wq \[72, 72\] has 9 heads, of 3 KV groups: each rank needs"):
+        shard(graph, 0, 4)
+
+
+def test_smollm2_over_two_ranks(smollm):
+    """SmolLM2-135M's GGUF (9 query / 3 KV heads, Q4_1 blocks, o's columns cut at a block boundary, 384 of 576) over
+    2 ranks: one process's greedy tokens and logits."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1562, 25, 8, 44, 99, 1005, 23, 32, 3000]]
+    tokens, first = ReferenceRunner(smollm, max_tokens=48, block_size=4).greedy(prompts, 4)
+    tp_tokens, tp_first = ShardedReference(smollm, 2, max_tokens=48, block_size=4, fused=True).greedy(prompts, 4)
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+    assert param_cuts(smollm.graph, 1, 2)["layers.0.wo"] == (1, 384, 576)

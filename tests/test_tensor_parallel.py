@@ -74,6 +74,50 @@ def test_processes_match_one(case, world, saved):  # noqa: F811
     assert_close(tp_first, first, TP_TOL)
 
 
+@pytest.mark.parametrize("case, world, kv_heads", [("gqa9_3", 2, 2), ("gqa6_3", 2, 2), ("mha3", 2, 2),
+                                                   ("gqa6_2", 4, 1)])
+def test_heads_split_unevenly_match_one(case, world, kv_heads, saved):  # noqa: F811
+    """3 KV groups over 2 processes (9 / 3, 6 / 3 and 3 / 3 heads): rank 0 holds two groups, rank 1 one, each with
+    its GQA group of query heads; rank 0's cache, the larger, is the one it sizes. 6 / 2 over 4: each KV head on 2
+    ranks that split its 3 query heads 2 / 1 (test_sharding checks the cuts)."""
+    if ON_CUDA and world > torch.cuda.device_count():
+        pytest.skip(f"{world} ranks need {world} GPUs; {torch.cuda.device_count()} here")
+    model = load_model(saved(case)[1], progress=False)
+    prompts, new = [prompt(1), prompt(2, 9)], NEW
+    tokens, first = one_process(model, prompts, new)
+    backend = start(model, world)
+    try:
+        assert backend.kv_layout().shapes[0].heads == kv_heads
+        tp_tokens, tp_first = greedy(backend, model, prompts, new)
+    finally:
+        backend.workers.close()
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="SmolLM2 on Triton's interpreter takes minutes; tests_tp runs it on GPUs")
+def test_smollm2_over_two_processes():
+    """SmolLM2-135M (9 query / 3 KV heads, Q4_1 blocks cut per rank) over 2 GPUs: one GPU's greedy tokens in fp32."""
+    from ir.default_model import default_model_path
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"2 ranks need 2 GPUs; {torch.cuda.device_count()} here")
+    try:
+        smollm = load_model(default_model_path(), progress=False)
+    except FileNotFoundError as e:  # gpu_check's image may lack the GGUF
+        pytest.skip(str(e))
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1562, 25, 8, 44, 99, 1005, 23, 32, 3000]]
+    tokens, first = one_process(smollm, prompts, 8)
+    backend = start(smollm, 2)
+    try:
+        assert backend.kv_layout().shapes[0].heads == 2
+        tp_tokens, tp_first = greedy(backend, smollm, prompts, 8)
+    finally:
+        backend.workers.close()
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+
+
 def test_heads_that_do_not_split_are_refused_before_any_process_starts(saved):  # noqa: F811
     model = load_model(saved("qwen3")[1], progress=False)
     with pytest.raises(ValueError, match=r"layers.0.wq \[64, 64\] has 4 heads"):

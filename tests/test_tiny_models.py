@@ -52,6 +52,15 @@ CASES = {
     "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                        shared_expert_intermediate_size=48, decoder_sparse_step=2,
                                        norm_topk_prob=False)),
+    # Not in the main matrix (test_sharding, test_tensor_parallel): head counts the ranks do not divide, split by
+    # whole KV groups: 9 query / 3 KV heads (GQA 3, SmolLM2's), 6 / 3 (GQA 2), and MHA with 3 heads, over 2 ranks.
+    "gqa9_3": (LlamaConfig, dict(num_attention_heads=9, num_key_value_heads=3, head_dim=8, hidden_size=72)),
+    "gqa6_3": (Qwen3Config, dict(num_attention_heads=6, num_key_value_heads=3, head_dim=8, hidden_size=48,
+                                 tie_word_embeddings=False)),
+    # 6 / 2 over 4 ranks: each KV head replicated on 2 ranks that split its 3 query heads 2 / 1 (Qwen2.5-7B at TP 8)
+    "gqa6_2": (LlamaConfig, dict(num_attention_heads=6, num_key_value_heads=2, head_dim=8, hidden_size=48)),
+    "mha3": (LlamaConfig, dict(num_attention_heads=3, num_key_value_heads=3, head_dim=16, hidden_size=48,
+                               attention_bias=True)),
 }
 MAIN = ["llama3_rope", "llama_bias_tied", "mistral_window", "qwen2", "qwen3"]
 

@@ -257,7 +257,8 @@ def main() -> None:
     model = loaded_model(cfg)
     rank_graph = shard(model.graph, 0, world)  # rank 0's share (the graph itself on one GPU)
     # all of a rank's parameters, but for a MoE only the routed experts; every rank reads as many (KV heads
-    # replicated where fewer than ranks: each rank its copy)
+    # replicated where fewer than ranks: each rank its copy), or fewer where heads split unevenly by KV group: rank 0
+    # holds the most, so world times its bytes is the bound of the slowest rank's step
     res["rank_bytes"] = active_bytes(rank_graph, meta_params(rank_graph))
     res["bf16_bytes"] = world * res["rank_bytes"]
     engine = engine_for(model, None, max(batches), max(args.prompt + args.gen, args.prefill), not args.no_graphs,
