@@ -25,17 +25,25 @@ def _act(x, ACT):
     raise ValueError(f"unknown activation {ACT!r} (known: {', '.join(ACTIVATIONS)})")
 
 
-def gated_act_kernel(gate, up, out, n_cols, gate_stride, up_stride, out_stride, BLOCK: tl.constexpr,
-                     ACT: tl.constexpr, PDL: tl.constexpr = False):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def gated_row(gate, up, row, first, n_cols, gate_stride, up_stride, BLOCK, ACT, PDL):
+    """act(gate) * up for columns first.. of row `row` in fp32, with the columns and their mask; shared by the
+    kernels that also quantize it (x_int8, x_int8_groups)."""
+    cols = first + tl.arange(0, BLOCK)
     mask = cols < n_cols
     if PDL:  # gate and up come from the kernel before
         tl.wait_prior_grid()
         tl.launch_dependents()
     g = tl.load(gate + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + row * out_stride + cols, _act(g, ACT) * u, mask=mask)
+    return _act(g, ACT) * u, cols, mask
+
+
+def gated_act_kernel(gate, up, out, n_cols, gate_stride, up_stride, out_stride, BLOCK: tl.constexpr,
+                     ACT: tl.constexpr, PDL: tl.constexpr = False):
+    row = tl.program_id(0)
+    y, cols, mask = gated_row(gate, up, row, tl.program_id(1) * BLOCK, n_cols, gate_stride, up_stride, BLOCK, ACT,
+                              PDL)
+    tl.store(out + row * out_stride + cols, y, mask=mask)
 
 
 def gated_act(gate, up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy",

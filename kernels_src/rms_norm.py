@@ -36,9 +36,9 @@ def rms_norm_kernel(x, w, out, n_cols, x_stride, out_stride, eps, BLOCK: tl.cons
     tl.store(out + row * out_stride + cols, _norm_row(xv, wv, n_cols, eps), mask=mask)
 
 
-def add_rms_norm_kernel(x, residual, w, sum_out, out, n_cols, x_stride, r_stride, s_stride, out_stride, eps,
-                        BLOCK: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr = False):
-    row = tl.program_id(0)
+def add_norm_row(x, residual, w, sum_out, row, n_cols, x_stride, r_stride, s_stride, eps, BLOCK, OFFSET, PDL):
+    """Row `row` of add_rms_norm, shared by the kernels that also quantize it (x_int8, x_int8_groups): stores
+    x + residual in sum_out's dtype and returns (its RMS norm in fp32, the columns, their mask)."""
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     wv = _weight(w, cols, mask, OFFSET)
@@ -49,7 +49,15 @@ def add_rms_norm_kernel(x, residual, w, sum_out, out, n_cols, x_stride, r_stride
     rv = tl.load(residual + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
     s = (xv + rv).to(sum_out.dtype.element_ty)
     tl.store(sum_out + row * s_stride + cols, s, mask=mask)
-    tl.store(out + row * out_stride + cols, _norm_row(s.to(tl.float32), wv, n_cols, eps), mask=mask)
+    return _norm_row(s.to(tl.float32), wv, n_cols, eps), cols, mask
+
+
+def add_rms_norm_kernel(x, residual, w, sum_out, out, n_cols, x_stride, r_stride, s_stride, out_stride, eps,
+                        BLOCK: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr = False):
+    row = tl.program_id(0)
+    y, cols, mask = add_norm_row(x, residual, w, sum_out, row, n_cols, x_stride, r_stride, s_stride, eps, BLOCK,
+                                 OFFSET, PDL)
+    tl.store(out + row * out_stride + cols, y, mask=mask)
 
 
 # --- host side -------------------------------------------------------------------------------------------------

@@ -5,10 +5,10 @@ dtype first), so the GEMV after them needs no quantize_x launch. K a multiple of
 
 from __future__ import annotations
 
-from kernels_src.activations import _act
+from kernels_src.activations import gated_row
 from kernels_src.dequant_gemv_i8 import _MAGIC
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
-from kernels_src.rms_norm import _empty_like, _norm_row, _weight
+from kernels_src.rms_norm import _empty_like, add_norm_row
 
 
 def _store_q8(v, xq, xd, row, first, n_cols, xq_stride, xd_stride, BLOCK):
@@ -27,17 +27,9 @@ def add_rms_norm_q8_kernel(x, residual, w, sum_out, out, xq, xd, n_cols, x_strid
                            xq_stride, xd_stride, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr,
                            PDL: tl.constexpr = False):
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    wv = _weight(w, cols, mask, OFFSET)
-    if PDL:
-        tl.wait_prior_grid()
-        tl.launch_dependents()
-    xv = tl.load(x + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    rv = tl.load(residual + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    s = (xv + rv).to(sum_out.dtype.element_ty)
-    tl.store(sum_out + row * s_stride + cols, s, mask=mask)
-    y = _norm_row(s.to(tl.float32), wv, n_cols, eps).to(out.dtype.element_ty)
+    y, cols, mask = add_norm_row(x, residual, w, sum_out, row, n_cols, x_stride, r_stride, s_stride, eps, BLOCK,
+                                 OFFSET, PDL)
+    y = y.to(out.dtype.element_ty)  # the codes are the stored output's
     tl.store(out + row * out_stride + cols, y, mask=mask)
     _store_q8(tl.where(mask, y.to(tl.float32), 0.0), xq, xd, row, 0, n_cols, xq_stride, xd_stride, BLOCK)
 
@@ -46,14 +38,8 @@ def gated_act_q8_kernel(gate, up, out, xq, xd, n_cols, gate_stride, up_stride, o
                         BLOCK: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     first = tl.program_id(1) * BLOCK
-    cols = first + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    if PDL:
-        tl.wait_prior_grid()
-        tl.launch_dependents()
-    g = tl.load(gate + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (_act(g, ACT) * u).to(out.dtype.element_ty)
+    y, cols, mask = gated_row(gate, up, row, first, n_cols, gate_stride, up_stride, BLOCK, ACT, PDL)
+    y = y.to(out.dtype.element_ty)
     tl.store(out + row * out_stride + cols, y, mask=mask)
     _store_q8(tl.where(mask, y.to(tl.float32), 0.0), xq, xd, row, first, n_cols, xq_stride, xd_stride, BLOCK)
 

@@ -8,11 +8,11 @@ bit, without a launch of their own. K a multiple of the group.
 
 from __future__ import annotations
 
-from kernels_src.activations import _act
+from kernels_src.activations import gated_row
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.int_group_gemv import _words
 from kernels_src.int_group_gemv_i8 import _planes, _quantize_chunks
-from kernels_src.rms_norm import _empty_like, _norm_row, _weight
+from kernels_src.rms_norm import _empty_like, add_norm_row
 
 
 def _requantize(out_row, xq, xd, xs, xr, row, first, n_cols, xq_stride, xd_stride, BLOCK: int, BITS: int,
@@ -31,17 +31,9 @@ def add_rms_norm_i8g_kernel(x, residual, w, sum_out, out, xq, xd, xs, xr, n_cols
                             out_stride, xq_stride, xd_stride, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr,
                             BITS: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    wv = _weight(w, cols, mask, OFFSET)
-    if PDL:
-        tl.wait_prior_grid()
-        tl.launch_dependents()
-    xv = tl.load(x + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    rv = tl.load(residual + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    s = (xv + rv).to(sum_out.dtype.element_ty)
-    tl.store(sum_out + row * s_stride + cols, s, mask=mask)
-    tl.store(out + row * out_stride + cols, _norm_row(s.to(tl.float32), wv, n_cols, eps), mask=mask)
+    y, cols, mask = add_norm_row(x, residual, w, sum_out, row, n_cols, x_stride, r_stride, s_stride, eps, BLOCK,
+                                 OFFSET, PDL)
+    tl.store(out + row * out_stride + cols, y, mask=mask)
     _requantize(out + row * out_stride, xq, xd, xs, xr, row, 0, n_cols, xq_stride, xd_stride, BLOCK, BITS, GROUP)
 
 
@@ -50,14 +42,8 @@ def gated_act_i8g_kernel(gate, up, out, xq, xd, xs, xr, n_cols, gate_stride, up_
                          PDL: tl.constexpr = False):
     row = tl.program_id(0)
     first = tl.program_id(1) * BLOCK
-    cols = first + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    if PDL:
-        tl.wait_prior_grid()
-        tl.launch_dependents()
-    g = tl.load(gate + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + row * out_stride + cols, _act(g, ACT) * u, mask=mask)
+    y, cols, mask = gated_row(gate, up, row, first, n_cols, gate_stride, up_stride, BLOCK, ACT, PDL)
+    tl.store(out + row * out_stride + cols, y, mask=mask)
     _requantize(out + row * out_stride, xq, xd, xs, xr, row, first, n_cols, xq_stride, xd_stride, BLOCK, BITS, GROUP)
 
 
