@@ -56,3 +56,36 @@ def finish(w: gguf.GGUFWriter) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_kquant_llama(path, rng: np.random.Generator, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
+                       vocab: int, context: int, norm) -> None:
+    """A llama GGUF of random valid Q4_K and Q6_K blocks where llama-quantize's Q4_K_M puts them (Q6_K for v, down
+    and the head), an F32 embedding and norms of `norm(width)`."""
+    from test_gguf_quants import random_raw
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, layers), (w.add_context_length, context), (w.add_embedding_length, hidden),
+                   (w.add_feed_forward_length, ffn), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0),
+                   (w.add_rope_dimension_count, hidden // heads), (w.add_vocab_size, vocab)):
+        add(v)
+    kv = hidden // heads * kv_heads
+
+    def mat(name, rows, cols, qtype):
+        raw = random_raw(qtype, (rows, cols), rng, 2e-3).reshape(rows, -1)
+        w.add_tensor(name, raw, raw_dtype=getattr(Q, qtype))
+
+    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, hidden)) * 0.5).astype(np.float32))
+    w.add_tensor("output_norm.weight", norm(hidden))
+    mat("output.weight", vocab, hidden, "Q6_K")
+    for i in range(layers):
+        b = f"blk.{i}."
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(b + name + ".weight", norm(hidden))
+        for name, rows, cols, qtype in (("attn_q", hidden, hidden, "Q4_K"), ("attn_k", kv, hidden, "Q4_K"),
+                                        ("attn_v", kv, hidden, "Q6_K"), ("attn_output", hidden, hidden, "Q4_K"),
+                                        ("ffn_gate", ffn, hidden, "Q4_K"), ("ffn_up", ffn, hidden, "Q4_K"),
+                                        ("ffn_down", hidden, ffn, "Q6_K")):
+            mat(b + name + ".weight", rows, cols, qtype)
+    finish(w)

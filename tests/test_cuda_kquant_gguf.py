@@ -11,14 +11,13 @@ import importlib.util
 import numpy as np
 import pytest
 from backend_greedy import backend_greedy
-from test_gguf_quants import random_raw
+from gguf_write import write_kquant_llama
 
 from ir.loader import load_model
 from ir.reference import ReferenceRunner
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 torch = pytest.importorskip("torch")
-gguf = pytest.importorskip("gguf")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 320
 # of max |logit|: x quantized to int8 per 32 elements (llama.cpp's q8_1), twice a layer. Batch 2's 23-row prefill is
@@ -33,36 +32,9 @@ VARIANT_TOL = {"per256": 0.08}
 @pytest.fixture(scope="module")
 def kquant_file(tmp_path_factory):
     """Q4_K for q, k, o, gate, up; Q6_K for v, down and the head (as llama-quantize's Q4_K_M does, roughly)."""
-    rng = np.random.default_rng(7)
     path = tmp_path_factory.mktemp("kq") / "kq.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    for add, v in ((w.add_block_count, LAYERS), (w.add_context_length, 256), (w.add_embedding_length, HIDDEN),
-                   (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),
-                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0),
-                   (w.add_rope_dimension_count, HIDDEN // HEADS), (w.add_vocab_size, VOCAB)):
-        add(v)
-    kv = HIDDEN // HEADS * KV_HEADS
-
-    def mat(name, rows, cols, qtype):
-        raw = random_raw(qtype, (rows, cols), rng, 2e-3).reshape(rows, -1)
-        w.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
-
-    w.add_tensor("token_embd.weight", (rng.standard_normal((VOCAB, HIDDEN)) * 0.5).astype(np.float32))
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    mat("output.weight", VOCAB, HIDDEN, "Q6_K")
-    for i in range(LAYERS):
-        b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", np.ones(HIDDEN, np.float32))
-        w.add_tensor(b + "ffn_norm.weight", np.ones(HIDDEN, np.float32))
-        for name, rows, cols, qtype in (("attn_q", HIDDEN, HIDDEN, "Q4_K"), ("attn_k", kv, HIDDEN, "Q4_K"),
-                                        ("attn_v", kv, HIDDEN, "Q6_K"), ("attn_output", HIDDEN, HIDDEN, "Q4_K"),
-                                        ("ffn_gate", FFN, HIDDEN, "Q4_K"), ("ffn_up", FFN, HIDDEN, "Q4_K"),
-                                        ("ffn_down", HIDDEN, FFN, "Q6_K")):
-            mat(b + name + ".weight", rows, cols, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_kquant_llama(path, np.random.default_rng(7), HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB, 256,
+                       lambda n: np.ones(n, np.float32))
     return path
 
 

@@ -16,14 +16,13 @@ import importlib.util
 import numpy as np
 import pytest
 from backend_greedy import host
-from test_gguf_quants import random_raw
+from gguf_write import write_kquant_llama
 
 from core.batch import make_batch
 from ir.loader import load_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 torch = pytest.importorskip("torch")
-gguf = pytest.importorskip("gguf")
 # the smallest k-quant shapes: K a multiple of 256 (one super-block a row)
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 256, 1, 4, 2, 96
 STEPS = 2  # one token, then a decode step reading its keys and values: one row each
@@ -33,34 +32,8 @@ STEPS = 2  # one token, then a decode step reading its keys and values: one row 
 def model_file(tmp_path_factory):
     rng = np.random.default_rng(13)
     path = tmp_path_factory.mktemp("xq") / "xq.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    for add, v in ((w.add_block_count, LAYERS), (w.add_context_length, 64), (w.add_embedding_length, HIDDEN),
-                   (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),
-                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0),
-                   (w.add_rope_dimension_count, HIDDEN // HEADS), (w.add_vocab_size, VOCAB)):
-        add(v)
-
-    def mat(name, rows, cols, qtype):
-        raw = random_raw(qtype, (rows, cols), rng, 2e-3).reshape(rows, -1)
-        w.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
-
-    w.add_tensor("token_embd.weight", (rng.standard_normal((VOCAB, HIDDEN)) * 0.5).astype(np.float32))
-    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-    mat("output.weight", VOCAB, HIDDEN, "Q6_K")
-    kv = HIDDEN // HEADS * KV_HEADS
-    for i in range(LAYERS):
-        b = f"blk.{i}."
-        for norm in ("attn_norm", "ffn_norm"):
-            w.add_tensor(b + norm + ".weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-        for name, rows, cols, qtype in (("attn_q", HIDDEN, HIDDEN, "Q4_K"), ("attn_k", kv, HIDDEN, "Q4_K"),
-                                        ("attn_v", kv, HIDDEN, "Q6_K"), ("attn_output", HIDDEN, HIDDEN, "Q4_K"),
-                                        ("ffn_gate", FFN, HIDDEN, "Q4_K"), ("ffn_up", FFN, HIDDEN, "Q4_K"),
-                                        ("ffn_down", HIDDEN, FFN, "Q6_K")):
-            mat(b + name + ".weight", rows, cols, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_kquant_llama(path, rng, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB, 64,
+                       lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
     return path
 
 

@@ -52,26 +52,36 @@ def one_process(model, prompts, new: int):
     return greedy(CUDABackend(model, dtype="f32", device="cuda:0", progress=False), model, prompts, new)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", ["llama3_rope", "qwen3", "mistral_window", "qwen2_moe"])
-def test_processes_match_one(case, world, saved):  # noqa: F811
-    """Against the one-process reference (test_cuda_backend holds one process of this backend to it within 1e-4;
-    here the ranks' backends, on the same kernels, are held to 1e-5)."""
+def assert_ranks_match_one(path, world: int, kv_heads: int, check=None) -> None:
+    """`world` processes against the one-process reference on two prompts: identical greedy tokens, first logits
+    within TP_TOL; rank 0 holds `kv_heads` KV heads, and `check(backend)` whatever else the case asks."""
     if ON_CUDA and world > torch.cuda.device_count():
         pytest.skip(f"{world} ranks need {world} GPUs; {torch.cuda.device_count()} here")
-    model = load_model(saved(case)[1], progress=False)
+    model = load_model(path, progress=False)
     prompts, new = [prompt(1), prompt(2, 9)], NEW
     tokens, first = one_process(model, prompts, new)
     backend = start(model, world)
     try:
-        assert backend.kv_layout().shapes[0].heads == max(1, 2 // world)  # the rank's share of the KV heads
-        if case == "qwen2_moe":  # every rank holds all 8 experts, each its share of the 32 rows
-            assert backend.rank_graph.params["layers.1.exp_gate"].shape == (8, 32 // world, 64)
+        assert backend.kv_layout().shapes[0].heads == kv_heads
+        if check is not None:
+            check(backend)
         tp_tokens, tp_first = greedy(backend, model, prompts, new)
     finally:
         backend.workers.close()
     assert tp_tokens == tokens
     assert_close(tp_first, first, TP_TOL)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["llama3_rope", "qwen3", "mistral_window", "qwen2_moe"])
+def test_processes_match_one(case, world, saved):  # noqa: F811
+    """Against the one-process reference (test_cuda_backend holds one process of this backend to it within 1e-4;
+    here the ranks' backends, on the same kernels, are held to 1e-5)."""
+    def check(backend):
+        if case == "qwen2_moe":  # every rank holds all 8 experts, each its share of the 32 rows
+            assert backend.rank_graph.params["layers.1.exp_gate"].shape == (8, 32 // world, 64)
+
+    assert_ranks_match_one(saved(case)[1], world, max(1, 2 // world), check)  # the rank's share of the KV heads
 
 
 @pytest.mark.parametrize("case, world, kv_heads", [("gqa9_3", 2, 2), ("gqa6_3", 2, 2), ("mha3", 2, 2),
@@ -80,19 +90,7 @@ def test_heads_split_unevenly_match_one(case, world, kv_heads, saved):  # noqa: 
     """3 KV groups over 2 processes (9 / 3, 6 / 3 and 3 / 3 heads): rank 0 holds two groups, rank 1 one, each with
     its GQA group of query heads; rank 0's cache, the larger, is the one it sizes. 6 / 2 over 4: each KV head on 2
     ranks that split its 3 query heads 2 / 1 (test_sharding checks the cuts)."""
-    if ON_CUDA and world > torch.cuda.device_count():
-        pytest.skip(f"{world} ranks need {world} GPUs; {torch.cuda.device_count()} here")
-    model = load_model(saved(case)[1], progress=False)
-    prompts, new = [prompt(1), prompt(2, 9)], NEW
-    tokens, first = one_process(model, prompts, new)
-    backend = start(model, world)
-    try:
-        assert backend.kv_layout().shapes[0].heads == kv_heads
-        tp_tokens, tp_first = greedy(backend, model, prompts, new)
-    finally:
-        backend.workers.close()
-    assert tp_tokens == tokens
-    assert_close(tp_first, first, TP_TOL)
+    assert_ranks_match_one(saved(case)[1], world, kv_heads)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="SmolLM2 on Triton's interpreter takes minutes; tests_tp runs it on GPUs")
