@@ -22,16 +22,21 @@ from tools import check_arch
 TP_TOL = 1e-5  # of max|logit|: fp32 sums in another order; a wrong shard moves logits by whole units
 
 
+def assert_ranks_match_one(model, world: int, prompts, new: int, max_tokens: int = 64) -> None:
+    """`world` ranks of the sharded reference against one process: identical greedy tokens, first logits within
+    TP_TOL."""
+    tokens, first = ReferenceRunner(model, max_tokens=max_tokens, block_size=4).greedy(prompts, new)
+    ranks = ShardedReference(model, world, max_tokens=max_tokens, block_size=4, fused=True)
+    tp_tokens, tp_first = ranks.greedy(prompts, new)
+    assert tp_tokens == tokens
+    assert_close(tp_first, first, TP_TOL)
+
+
 @pytest.mark.parametrize("case", ["llama3_rope", "llama_bias_tied", "qwen3", "mistral_window"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_match_one_process(case, world, saved):  # noqa: F811
     model = load_model(saved(case)[1], progress=False)
-    prompts = [prompt(1), prompt(2, 9), prompt(3, 17)]
-    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 4)
-    ranks = ShardedReference(model, world, max_tokens=64, block_size=4, fused=True)
-    tp_tokens, tp_first = ranks.greedy(prompts, 4)
-    assert tp_tokens == tokens
-    assert_close(tp_first, first, TP_TOL)
+    assert_ranks_match_one(model, world, [prompt(1), prompt(2, 9), prompt(3, 17)], 4)
     # each rank holds its share: a quarter (a half) of the query heads, and of the KV heads or one of them
     graph = shard(model.graph, 1, world)
     assert graph.params["layers.0.wq"].shape[0] == model.graph.params["layers.0.wq"].shape[0] // world
@@ -45,11 +50,7 @@ def test_gguf_blocks_cut_per_rank(case, files):  # noqa: F811
     path, kinds, _ = files(case)
     assert len({k.name for k in kinds.values()}) > 2
     model = load_model(path, progress=False)
-    prompts = [gguf_prompt(1), gguf_prompt(2, 9)]
-    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 3)
-    tp_tokens, tp_first = ShardedReference(model, 2, max_tokens=64, block_size=4, fused=True).greedy(prompts, 3)
-    assert tp_tokens == tokens
-    assert_close(tp_first, first, TP_TOL)
+    assert_ranks_match_one(model, 2, [gguf_prompt(1), gguf_prompt(2, 9)], 3)
 
 
 def test_kv_heads_replicated_where_fewer_than_ranks(saved):  # noqa: F811
@@ -110,11 +111,7 @@ def test_heads_split_unevenly_by_kv_group(case, saved):  # noqa: F811
     ranks = [shard(graph, r, 2) for r in range(2)]
     assert [g.attention_nodes()[0].inputs[1].shape[1] for g in ranks] == [2, 1]
     assert [g.attention_nodes()[0].inputs[0].shape[1] for g in ranks] == [2 * group, group]
-    prompts = [prompt(1), prompt(2, 9)]
-    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 3)
-    tp_tokens, tp_first = ShardedReference(model, 2, max_tokens=64, block_size=4, fused=True).greedy(prompts, 3)
-    assert tp_tokens == tokens
-    assert_close(tp_first, first, TP_TOL)
+    assert_ranks_match_one(model, 2, [prompt(1), prompt(2, 9)], 3)
 
 
 def test_kv_groups_split_unevenly_over_four_and_eight_ranks():
@@ -135,11 +132,7 @@ def test_replicated_kv_heads_split_their_query_group_unevenly(saved):  # noqa: F
     assert [c["layers.0.wk"] for c in cuts] == [(0, 0, 8), (0, 0, 8), (0, 8, 16), (0, 8, 16)]
     assert [c["layers.0.wq"] for c in cuts] == [(0, 0, 16), (0, 16, 24), (0, 24, 40), (0, 40, 48)]
     assert [c["layers.0.wo"] for c in cuts] == [(1, 0, 16), (1, 16, 24), (1, 24, 40), (1, 40, 48)]
-    prompts = [prompt(1), prompt(2, 9)]
-    tokens, first = ReferenceRunner(model, max_tokens=64, block_size=4).greedy(prompts, 3)
-    tp_tokens, tp_first = ShardedReference(model, 4, max_tokens=64, block_size=4, fused=True).greedy(prompts, 3)
-    assert tp_tokens == tokens
-    assert_close(tp_first, first, TP_TOL)
+    assert_ranks_match_one(model, 4, [prompt(1), prompt(2, 9)], 3)
 
 
 def test_kv_groups_fewer_than_ranks_and_not_a_divisor_are_refused(saved):  # noqa: F811
@@ -153,8 +146,5 @@ def test_smollm2_over_two_ranks(smollm):
     """SmolLM2-135M's GGUF (9 query / 3 KV heads, Q4_1 blocks, o's columns cut at a block boundary, 384 of 576) over
     2 ranks: one process's greedy tokens and logits."""
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1562, 25, 8, 44, 99, 1005, 23, 32, 3000]]
-    tokens, first = ReferenceRunner(smollm, max_tokens=48, block_size=4).greedy(prompts, 4)
-    tp_tokens, tp_first = ShardedReference(smollm, 2, max_tokens=48, block_size=4, fused=True).greedy(prompts, 4)
-    assert tp_tokens == tokens
-    assert_close(tp_first, first, TP_TOL)
+    assert_ranks_match_one(smollm, 2, prompts, 4, max_tokens=48)
     assert param_cuts(smollm.graph, 1, 2)["layers.0.wo"] == (1, 384, 576)
