@@ -20,17 +20,28 @@ row stride; gate and up of one format share each step's x (each row of the progr
 half of dequant_gemv's ROWS keeps its loads a step and its registers); of two formats they take two loops.
 Every program loads its expert id first, so under PDL it waits before any load (the routing comes from the kernel
 before): unlike dequant_gemv, no weight load can overlap the previous kernel.
+On int8 x (I8, LLM_ENGINE_MOE_I8=1; Triton only, Q4_K / Q5_K / Q6_K passes: uses_i8) a pass runs quantize_x over
+its input first (x [T, H] once per token; h [S, I]) and the kernel reads codes and per-32 scales through
+dequant_gemv_i8's loads and dp4a dots (I8_FAMILY) in the same _gemv_loop, grid and tiles. h is quantized by that
+launch, not in the gated pass's epilogue: a block's scale is the max over 32 rows of h, which a program of 1-2 rows
+does not hold (32-row programs would carry 64 accumulators and leave 192 programs at one token). So five launches a
+layer instead of three; quantize_x is a plain launch, so the pass after it may load its expert id and weights before
+its grid-dependency wait, as dequant_gemv_i8_kernel does, which hides some of that.
 """
 
 from __future__ import annotations
 
+import os
+
 from kernels_src import dequant_gemv as dg
+from kernels_src import dequant_gemv_i8 as i8
 from kernels_src import moe_gguf
 from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.gguf_gemv_common import _Decode
 
-__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "moe_gemv_kernel", "moe_qgemv_kernel", "run", "stack_fits", "use_gemv"]
+__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "I8", "moe_gemv_kernel", "moe_qgemv_kernel", "run", "stack_fits",
+           "use_gemv", "uses_i8"]
 
 # At most this many slots (tokens * top_k) take the GEMV path, dense and GGUF, and no more slots than experts
 # (dense) or four times as many (GGUF). The GEMV reads an expert once per slot that routes to it, the grouped
@@ -49,6 +60,10 @@ GGUF_GEMV_SLOTS = 512
 # (16 KB) in flight together: ~48 KB an SM, above the ~36 KB an H200 needs (4.8 TB/s x ~1 us / 132 SMs). Triton does
 # not pipeline loads that feed no dot across steps, so BLOCK_K sets the bytes in flight, BLOCK_N the program count.
 DENSE_TILES = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
+# The GGUF passes on int8 x (uses_i8): off by default, built and checked on a CPU, not yet timed. LLM_ENGINE_MOE_I8=1
+# turns it on (read once, as LLM_ENGINE_MOE_DEQUANT); `tools/sweep_moe --no-sweep --variants blocked,i8` times it
+# against the fp-x GEMV.
+I8 = os.environ.get("LLM_ENGINE_MOE_I8", "0") == "1"
 
 
 def moe_gemv_kernel(x, w_a, w_b, y, ids, weights, n_rows, n_cols, n_steps, x_stride, w_e_stride, w_stride, y_stride,
@@ -85,27 +100,42 @@ def moe_gemv_kernel(x, w_a, w_b, y, ids, weights, n_rows, n_cols, n_steps, x_str
     tl.store(y + slot.to(tl.int64) * y_stride + n, out, mask=n < n_rows)
 
 
-def moe_qgemv_kernel(x, w_a, w_b, y, ids, weights, n_rows, n_cols, x_stride, a_stride, b_stride, y_stride,
-                     TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QTYPE_A: tl.constexpr,
+def moe_qgemv_kernel(x, xd, w_a, w_b, y, ids, weights, n_rows, n_cols, x_stride, xd_stride, a_stride, b_stride,
+                     y_stride, TOP_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QTYPE_A: tl.constexpr,
                      QTYPE_B: tl.constexpr, ROWS: tl.constexpr, STEP_A: tl.constexpr, STEP_B: tl.constexpr,
-                     PARTS_A: tl.constexpr, PARTS_B: tl.constexpr, SUBNORMAL: tl.constexpr, PDL: tl.constexpr = False):
+                     PARTS_A: tl.constexpr, PARTS_B: tl.constexpr, SUBNORMAL: tl.constexpr, PDL: tl.constexpr = False,
+                     I8: tl.constexpr = False):
     """moe_gemv_kernel over GGUF stacks (blocks [E * n_rows, row bytes]; a_stride, b_stride: their row strides in
-    bytes), through dequant_gemv's loop: program (j, s) takes rows ROWS j.. of expert ids[s]."""
-    if PDL:  # the expert ids (which say what to read), x and the weights come from earlier kernels
+    bytes), through dequant_gemv's loop: program (j, s) takes rows ROWS j.. of expert ids[s]. I8: x is quantize_x's
+    int8 q (row stride x_stride) and xd its per-32 scales (row stride xd_stride; unused otherwise), through
+    dequant_gemv_i8's loads and dp4a dots (one lane part), and under PDL the program waits only before its first x
+    load, after the step's weight loads, as dequant_gemv_i8_kernel does: the kernel before it is quantize_x, a plain
+    launch, so the ids and everything else before it are complete when it starts."""
+    if PDL and not I8:  # the expert ids (which say what to read), x and the weights come from earlier kernels
         tl.wait_prior_grid()
         tl.launch_dependents()
     slot = tl.program_id(1)
     first = tl.load(ids + slot).to(tl.int64) * n_rows  # the expert's first row
-    xrow = x + (slot // TOP_K if GATED else slot).to(tl.int64) * x_stride
+    xi = (slot // TOP_K if GATED else slot).to(tl.int64)
+    xrow, xdrow = x + xi * x_stride, xd + xi * xd_stride
     dec = _Decode(SUBNORMAL)
+
+    def x_i8(m, b, x_load):
+        if PDL and m == 0:
+            tl.wait_prior_grid()
+        return x_load(xrow, xdrow, b)
 
     def sums(mats, QTYPE, STEP, PARTS):
         """Each matrix's sums [i * ROWS + r] of the program's rows, and the rows."""
         elems, size = dg.FORMATS[QTYPE]
-        rank, acc_shape, x_prep, w_load, w_dot = dg._family(QTYPE, PARTS)
+        if I8:
+            x_load, w_load, w_dot, acc_shape = i8.I8_FAMILY[QTYPE]
+            rank, PARTS, x_prep = 4, 1, lambda m, b: x_i8(m, b, x_load)
+        else:
+            rank, acc_shape, x_fp, w_load, w_fp = dg._family(QTYPE, PARTS)
+            x_prep, w_dot = lambda m, b: x_fp(xrow, b, dec, PARTS), lambda raw, xp: w_fp(raw, xp, dec)
         rows, accs = dg._gemv_loop([(w + first * s, s) for w, s in mats], n_rows, n_cols, elems, size, 1, ROWS, STEP,
-                                   PARTS, rank, acc_shape, lambda m, b: x_prep(xrow, b, dec, PARTS), w_load,
-                                   lambda raw, xp: w_dot(raw, xp, dec))
+                                   PARTS, rank, acc_shape, x_prep, w_load, w_dot)
         return rows, [tl.sum(a) for a in accs]
 
     if not GATED:
@@ -118,6 +148,9 @@ def moe_qgemv_kernel(x, w_a, w_b, y, ids, weights, n_rows, n_cols, x_stride, a_s
             both = both + sums([(w_b, b_stride)], QTYPE_B, STEP_B, PARTS_B)[1]
         w_slot = tl.load(weights + slot).to(tl.float32)
         out = [_act(g, ACT) * u * w_slot for g, u in zip(both[:ROWS], both[ROWS:], strict=True)]
+    if PDL and I8:  # a program whose loop ran no step has not waited yet (a later wait returns at once)
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     for row, v in zip(rows, out, strict=True):
         tl.store(y + slot.to(tl.int64) * y_stride + row, v, mask=row < n_rows)
 
@@ -141,6 +174,13 @@ def use_gemv(slots: int, experts: int, stacks) -> bool:
     return slots <= limit and all(stack_fits(w) for w in stacks)
 
 
+def uses_i8(target: str, *stacks) -> bool:
+    """Whether a pass over `stacks` takes the int8-x GEMV: switched on (I8), on dequant_gemv_i8.I8_TARGETS, and
+    every stack GGUF blocks of a format with an int8 path (dequant_gemv_i8.I8_QTYPES: Q4_K, Q5_K, Q6_K)."""
+    return I8 and target in i8.I8_TARGETS and all(
+        moe_gguf.is_blocks(w) and w.qtype.upper() in i8.I8_QTYPES for w in stacks)
+
+
 def _gguf_tiles(a, b, gated: bool) -> dict:
     """dequant_gemv's rule tiles at M = 1 for each format (its TUNED table times the plain GEMV, not this one); a
     fused gated pass (one format) takes half the rows."""
@@ -159,10 +199,13 @@ def _pass(src, a, b, dst, ids, weights, *, gated: bool, top_k: int, act: str, ta
     common = dict(launch_pdl=pdl, TOP_K=top_k, GATED=gated, ACT=act, PDL=pdl)
     if moe_gguf.is_blocks(a):
         tiles = _gguf_tiles(a, b, gated)
-        kern = compile(moe_qgemv_kernel, target, SUBNORMAL=target in dg.SUBNORMAL_TARGETS, **common, **tiles)
-        kern[tl.cdiv(n_rows, tiles["ROWS"]), s](src, a.data, b.data, dst, ids, weights, n_rows, k_dim,
-                                                elem_stride(src, 0), elem_stride(a.data, 0), elem_stride(b.data, 0),
-                                                elem_stride(dst, 0))
+        int8 = uses_i8(target, a, b)
+        xq, xd = i8.quantize_x(src, target=target) if int8 else (src, src)  # a plain launch (moe_qgemv_kernel's I8)
+        kern = compile(moe_qgemv_kernel, target, SUBNORMAL=target in dg.SUBNORMAL_TARGETS, I8=int8, **common,
+                       **tiles)
+        kern[tl.cdiv(n_rows, tiles["ROWS"]), s](xq, xd, a.data, b.data, dst, ids, weights, n_rows, k_dim,
+                                                elem_stride(xq, 0), elem_stride(xd, 0) if int8 else 0,
+                                                elem_stride(a.data, 0), elem_stride(b.data, 0), elem_stride(dst, 0))
         return
     tiles = DENSE_TILES | {k: v for k, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k)) if v}
     kern = compile(moe_gemv_kernel, target, **common, **tiles)
