@@ -7,7 +7,9 @@ pick, timed with do_bench_cudagraph over `layers` copies of the stacks so that n
 launcher's own choice end to end, against the per-expert loop it replaced (tokens grouped on the host, each
 expert's rows through dequant_gemv / mmq / dequant_matmul as Runner._quant_linear picks) and the dense bf16 fused
 MoE; up to GEMV_TOKENS tokens, both paths of the launcher forced (grouped, and a GEMV a slot: kernels_src/moe_gemv.py),
-GGUF and dense, to place moe_gemv.GEMV_SLOTS. GB/s counts the routed experts' blocks (or bf16 rows) once.
+GGUF and dense, to place moe_gemv.GEMV_SLOTS (--variants blocked,i8: the GGUF GEMV on int8 x too, moe_gemv.I8;
+`--tokens 1,8,16 --no-sweep --variants blocked,i8` times it against fp x). GB/s counts the routed experts' blocks
+(or bf16 rows) once.
 --dequant times only the grouped path over GGUF stacks two ways, at --tokens (default 64,256,2048): the grouped GGUF
 kernel against experts dequantized a chunk at a time and the dense kernel (kernels_src/moe_dequant.py), beside the
 dequantization alone and the dense bf16 grouped kernel, to place moe_dequant.DEQUANT_SLOTS_PER_EXPERT."""
@@ -76,7 +78,7 @@ def sweep_passes(torch, layers, tokens: int, variants=("blocked",)) -> list[dict
             continue  # tall tiles of padding only
         aligned = [moe.moe_align(ids, E, block_m) for _, ids, _ in layers]
         for gated, block_n, warps, variant in itertools.product((True, False), (16, 32, 64), (4, 8), variants):
-            if variant == "words" and not gated:
+            if variant == "i8" or variant == "words" and not gated:  # i8: the GEMV path's, timed end to end
                 continue  # the down stacks are Q6_K: words changes nothing there
 
             def run(block_n=block_n, warps=warps, gated=gated, block_m=block_m, aligned=aligned, variant=variant,
@@ -161,6 +163,20 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
         for path, gemv in (("grouped", False), ("gemv", True)):
             res[f"{path}_us"] = _bench(lambda gemv=gemv: fused(layers, gemv)) / n * 1e6
             res[f"dense_{path}_us"] = _bench(lambda gemv=gemv: fused(dense, gemv)) / len(dense) * 1e6
+    if "i8" in variants and tokens <= gemv_tokens:  # the GEMV path on int8 x (moe_gemv.I8) against fp x, forced
+        from kernels_src import moe_gemv
+
+        fp = moe.moe_experts(x, layers[0][2], layers[0][1], *layers[0][0], target="triton", gemv=True).float()
+        was, moe_gemv.I8 = moe_gemv.I8, True
+        try:
+            got = moe.moe_experts(x, layers[0][2], layers[0][1], *layers[0][0], target="triton", gemv=True).float()
+            res["i8_max_rel_diff"] = float((got - want).abs().max() / want.abs().max())
+            res["i8_vs_fp_rel_diff"] = float((got - fp).abs().max() / fp.abs().max())
+            res["i8_gemv_us"] = _bench(lambda: fused(layers, True)) / n * 1e6
+        finally:
+            moe_gemv.I8 = was
+        if "gemv_us" not in res:
+            res["gemv_us"] = _bench(lambda: fused(layers, True)) / n * 1e6
     if "words" in variants:  # the launcher with moe_gguf.WORDS on: its choice, and the grouped path forced
         was, moe_gguf.WORDS = moe_gguf.WORDS, True
         try:
@@ -223,12 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gemv-tokens", type=int, default=GEMV_TOKENS, help="both paths timed up to this batch "
                     f"(default {GEMV_TOKENS})")
     ap.add_argument("--variants", default="blocked", help="the grouped kernel's variants, comma-separated: blocked, "
-                    "words (Q4_K / Q5_K headers as 32-bit words; moe_gguf.WORDS)")
+                    "words (Q4_K / Q5_K headers as 32-bit words; moe_gguf.WORDS); i8: the GEMV path on int8 x too "
+                    "(moe_gemv.I8), up to --gemv-tokens")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "sweep_moe.json")
     args = ap.parse_args(argv)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    if not variants or set(variants) - {"blocked", "words"}:
-        ap.error(f"--variants: blocked and/or words, not {args.variants!r}")
+    if not variants or set(variants) - {"blocked", "words", "i8"}:
+        ap.error(f"--variants: blocked, words and/or i8, not {args.variants!r}")
     import torch
 
     res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": [], "dequant": []}
@@ -263,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
         if "gemv_us" in e2e:
             print(f"T={tokens:5d} grouped {e2e['grouped_us']:.1f} us, gemv {e2e['gemv_us']:.1f} us; dense bf16 grouped "
                   f"{e2e['dense_grouped_us']:.1f} us, gemv {e2e['dense_gemv_us']:.1f} us", flush=True)
+        if "i8_gemv_us" in e2e:
+            print(f"T={tokens:5d} gemv on int8 x {e2e['i8_gemv_us']:.1f} us against fp x {e2e['gemv_us']:.1f} us, max "
+                  f"diff {e2e['i8_max_rel_diff']:.1e} ({e2e['i8_vs_fp_rel_diff']:.1e} from fp x's)", flush=True)
         if "words_us" in e2e:
             print(f"T={tokens:5d} words: fused {e2e['words_us']:.1f} us, grouped {e2e['words_grouped_us']:.1f} us, "
                   f"max diff {e2e['words_max_rel_diff']:.1e}", flush=True)
