@@ -163,7 +163,7 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
         for path, gemv in (("grouped", False), ("gemv", True)):
             res[f"{path}_us"] = _bench(lambda gemv=gemv: fused(layers, gemv)) / n * 1e6
             res[f"dense_{path}_us"] = _bench(lambda gemv=gemv: fused(dense, gemv)) / len(dense) * 1e6
-    if "i8" in variants and tokens <= gemv_tokens:  # the GEMV path on int8 x (moe_gemv.I8) against fp x, forced
+    if "i8" in variants and tokens <= gemv_tokens:  # the GEMV path on int8 x (moe_gemv.I8); gemv_us: on fp x
         from kernels_src import moe_gemv
 
         fp = moe.moe_experts(x, layers[0][2], layers[0][1], *layers[0][0], target="triton", gemv=True).float()
@@ -175,8 +175,6 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
             res["i8_gemv_us"] = _bench(lambda: fused(layers, True)) / n * 1e6
         finally:
             moe_gemv.I8 = was
-        if "gemv_us" not in res:
-            res["gemv_us"] = _bench(lambda: fused(layers, True)) / n * 1e6
     if "words" in variants:  # the launcher with moe_gguf.WORDS on: its choice, and the grouped path forced
         was, moe_gguf.WORDS = moe_gguf.WORDS, True
         try:
