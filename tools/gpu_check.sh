@@ -229,11 +229,12 @@ step bench_gguf gpu 300 "$PY" -m tools.bench_gguf --stage all --dir /tmp/bench_g
     --shape deepseek-v2-lite --stage all --dir /tmp/bench_gguf_smoke --layers 2 --experts 16 --top-k 4 \
     --contexts 1k --budget 250
 # The switches built and tested on CPU but not yet timed on a GPU, each A/B in one step (by name only:
-# GPU_CHECK_STEPS=pending, ~400 s), so one call decides their defaults: the decode's fused split-K reduce
+# GPU_CHECK_STEPS=pending, ~450 s), so one call decides their defaults: the decode's fused split-K reduce
 # (LLM_ENGINE_FUSED_REDUCE: phi-3-mini bf16 and Q4_K_M at batch 1), x's int8 codes written by the norm and the
 # gated activation (LLM_ENGINE_X_INT8_FUSION: Q4_K_M and int4 at batch 1), the fp8 cache decoded by the FP8
 # conversion (LLM_ENGINE_FP8_CVT: paged decode at 16k, batch 16, against the 16-bit cache), GGUF MoE prefill through
-# dequantized experts (LLM_ENGINE_MOE_DEQUANT: tools/sweep_moe --dequant). Lines "== A/B ..." name each run.
+# dequantized experts (LLM_ENGINE_MOE_DEQUANT: tools/sweep_moe --dequant), the MoE's small-batch GGUF GEMV on int8 x
+# (LLM_ENGINE_MOE_I8: sweep_moe's i8 variant). Lines "== A/B ..." name each run.
 pending() {
     "$PY" -m pytest -q -p no:cacheprovider --tb=short -k gpu tests/test_kernels_decode_fused.py || return 1
     "$PY" -m tools.bench_gpu --shape phi3-mini --batches 1 --no-quant --no-peer --profile '' --prefill 256 \
@@ -252,9 +253,11 @@ pending() {
     echo "== the 16-bit cache's paged decode, batch 16 at 16k"
     "$PY" -m tools.bench_decode_attention --batches 16 --contexts 16384 --budget 15 || return 1
     echo "== A/B LLM_ENGINE_MOE_DEQUANT: one Qwen3-30B-A3B MoE layer over GGUF stacks, grouped against dequantized"
-    "$PY" -m tools.sweep_moe --dequant --layers 4
+    "$PY" -m tools.sweep_moe --dequant --layers 4 || return 1
+    echo "== A/B LLM_ENGINE_MOE_I8: the MoE's small-batch GGUF GEMV on int8 x against fp x, 1, 8 and 16 tokens"
+    "$PY" -m tools.sweep_moe --tokens 1,8,16 --no-sweep --variants blocked,i8 --layers 4
 }
-[[ " ${GPU_CHECK_STEPS:-} " == *" pending "* ]] && step pending gpu 480 pending
+[[ " ${GPU_CHECK_STEPS:-} " == *" pending "* ]] && step pending gpu 540 pending
 # Issue 13's "eager within 1.5x of graphs at 128 and 4k contexts" (by name: GPU_CHECK_STEPS=eager, ~200 s): bf16
 # Llama-3-8B decode at batch 1 and 16 after a 128- and a 4,000-token prompt, with CUDA graphs and without.
 eager() {
