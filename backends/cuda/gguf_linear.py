@@ -19,10 +19,14 @@ GEMV_MAX_ROWS = 8  # the dequantizing GEMV's limit; above it the dequantizing GE
 GEMM_MAX_ROWS = 256  # its limit: above it (prefill) weights are dequantized in chunks for a cuBLAS GEMM
 
 
+def _takes_mmq(qtype: str, target: str) -> bool:
+    """Whether qtype's linears on `target` have the int8 MMQ GEMM for their middle rows."""
+    return qtype in MMQ_QTYPES and target in I8_TARGETS
+
+
 def takes_gemv(rows: int, qtype: str, target: str) -> bool:
     """Whether a linear of `rows` rows over qtype's blocks runs the dequantizing GEMV on `target`."""
-    mmq_ok = qtype in MMQ_QTYPES and target in I8_TARGETS
-    return rows < (MMQ_MIN_ROWS[qtype] if mmq_ok else GEMV_MAX_ROWS + 1)
+    return rows < (MMQ_MIN_ROWS[qtype] if _takes_mmq(qtype, target) else GEMV_MAX_ROWS + 1)
 
 
 def gguf_linear(x: torch.Tensor, w: QuantWeight, target: str, *, pdl: bool | None, mmq_variant: str | None,
@@ -32,10 +36,9 @@ def gguf_linear(x: torch.Tensor, w: QuantWeight, target: str, *, pdl: bool | Non
     xq_d: x already quantized as quantize_x would (backends/cuda/x_int8_fusion), for the GEMV's int8 path."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
-    mmq_ok = w.qtype in MMQ_QTYPES and target in I8_TARGETS
     if takes_gemv(x2.shape[0], w.qtype, target):
         return dequant_gemv(x2, w.data, w.qtype, target=target, pdl=pdl, xq_d=xq_d).reshape(*x.shape[:-1], n)
-    if x2.shape[0] <= mmq_max_rows and mmq_ok:
+    if x2.shape[0] <= mmq_max_rows and _takes_mmq(w.qtype, target):
         # int8 MMAs (Q4_K: 1.1-1.3x the GEMV at 4-8 rows, 1.1-1.9x dequant_gemm at 9-32 on an H200)
         return mmq(x2, w.data, w.qtype, target=target, pdl=pdl, variant=mmq_variant).reshape(*x.shape[:-1], n)
     if x2.shape[0] <= GEMM_MAX_ROWS:  # W's blocks read once per 16-64 rows, no fp16 copy of W written
