@@ -6,7 +6,7 @@ per BLOCK_M slots, and ran at about half the dense kernel's speed on an H200 (Qw
 31,266 tok/s over Q4_K_M against 60,133 over F16, docs/BENCHMARKS.md 2026-12-03). With many slots an expert, decoding
 each expert once to memory (dequantize.dequantize_rows: ~90% of copy bandwidth, bound by its writes) and running the
 dense tensor-core kernel on it costs a write and a read of the 16-bit stack and spares the repeated decode, as the
-dense linears do above runner.GEMM_MAX_ROWS.
+dense linears do above gguf_linear.GEMM_MAX_ROWS.
 
 How, keeping a step capturable (fixed shapes, nothing read back to the host): moe_align's layout (rows, block_expert)
 is computed once for the whole step. A chunk holds experts [e0, e0 + chunk); for each, one fixed-shape array op

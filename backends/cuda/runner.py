@@ -12,7 +12,7 @@ from backends.cuda import distributed, gemv_fusion, torch_ops, x_int8_fusion
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.fp8_linear import dequantize as fp8_dequantize
 from backends.cuda.fp8_linear import fp8_linear
-from backends.cuda.gguf_linear import GEMM_MAX_ROWS, GEMV_MAX_ROWS, gguf_linear  # noqa: F401  (tests read the limits)
+from backends.cuda.gguf_linear import gguf_linear
 from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.step_meta import StepMeta, decode_programs
