@@ -134,6 +134,7 @@ def _per_expert(runner, x, weights, ids, gate, up, down):
 
 
 def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS, variants=("blocked",)) -> dict:
+    from backends.cuda import x_int8_fusion
     from backends.cuda.runner import MMQ_MAX_ROWS, Runner
     from kernels_src import moe, moe_gguf
 
@@ -141,6 +142,7 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
     runner = object.__new__(Runner)  # only its quantized linear: target, pdl and the row-id cache
     runner.target, runner.pdl, runner._rows, runner.device = "triton", None, {}, x.device
     runner.mmq_variant, runner.mmq_max_rows = None, MMQ_MAX_ROWS
+    runner.x_int8_plan = x_int8_fusion.Plan()  # no norm before these linears: each quantizes its own x
 
     def fused(ls, gemv=None):
         for stacks, ids, w in ls:
