@@ -105,11 +105,12 @@ ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): ea
     # 9+ row linears through kernels_src/dense_gemm where its table lists them (LLM_ENGINE_DENSE_GEMM_TUNED=FILE of
     # tools/sweep_dense_gemm --json, or dense_gemm.TUNED): off, every one on cuBLAS
     "no dense GEMM": ({"dense_gemm": False}, None, True),
-    # x's int8 form written by the norm / gated activation before a GGUF or int4 GEMV, no quantize_x(_i8) launch
-    # (backends/cuda/x_int8_fusion.py; LLM_ENGINE_X_INT8_FUSION=1): quantized weights only, so on --quant's engines
-    "x int8 fusion": ({"x_int8_fusion": True}, None, True),
+    # the runner's default: x's int8 form written by the norm / gated activation before a GGUF or int4 GEMV
+    # (backends/cuda/x_int8_fusion.py); off, each GEMV quantizes x in a quantize_x(_i8) launch of its own: quantized
+    # weights only, so on --quant's engines
+    "no x int8 fusion": ({"x_int8_fusion": False}, None, True),
 }
-QUANT_ABLATIONS = {"x int8 fusion": ("q4km", "int4")}  # those that change quantized linears only: on these kinds
+QUANT_ABLATIONS = {"no x int8 fusion": ("q4km", "int4")}  # those that change quantized linears only: on these kinds
 
 
 def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int,

@@ -84,7 +84,7 @@ class Runner:
         self.mmq_max_rows = MMQ_MAX_ROWS
         self._gemv_chains = gemv_fusion.plan(graph, params)
         # add_rms_norm / gated also writing x's int8 form for the GGUF int8 GEMVs after them, no quantize_x launch
-        # (backends/cuda/x_int8_fusion.py; None: LLM_ENGINE_X_INT8_FUSION=1 turns it on; untimed, so off)
+        # (backends/cuda/x_int8_fusion.py; None: its DEFAULT, on unless LLM_ENGINE_X_INT8_FUSION=0)
         self.x_int8_fusion: bool | None = None
         self.x_int8_plan = x_int8_fusion.plan(graph, params)
         self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
