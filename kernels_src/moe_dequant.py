@@ -32,15 +32,15 @@ from kernels_src.paged_attention import empty
 __all__ = ["DEQUANT", "DEQUANT_SLOTS_PER_EXPERT", "SCRATCH_BYTES", "WIDE_WARPS", "chunk_experts", "chunk_layout",
            "chunks", "use_dequant", "warps"]
 
-# Off by default: built and checked on a CPU, never timed. LLM_ENGINE_MOE_DEQUANT=1 turns it on, and
-# `tools/sweep_moe --dequant` times it against the grouped GGUF kernel in one GPU command; the H200's figures then set
-# the default and DEQUANT_SLOTS_PER_EXPERT.
-DEQUANT = os.environ.get("LLM_ENGINE_MOE_DEQUANT", "0") == "1"
-# A step of at least this many slots an expert on average (tokens * top_k >= 16 * experts: 256 tokens at Qwen3-30B-
-# A3B's 128 experts, top 8) takes this path. Guessed from the H200's figures: dequantizing Q4_K_M's 128 experts to
-# fp16 writes ~1.2 GB a layer (~0.3 ms at ~4 TB/s), while at 1,024 slots the grouped GGUF kernel took 1,403 us
-# against the dense one's 399 (docs/BENCHMARKS.md, 2026-12-03), so the crossover is likely lower; the sweep decides.
-DEQUANT_SLOTS_PER_EXPERT = 16
+# On by default (LLM_ENGINE_MOE_DEQUANT=0 turns it off; read once). `tools/sweep_moe --dequant` on the H200
+# (2026-12-04, docs/BENCHMARKS.md; one Qwen3-30B-A3B MoE layer over Q4_K_M-like stacks, 128 experts, top 8): the
+# grouped GGUF kernel against dequantize + the dense grouped one at 64 / 256 / 2,048 tokens (512 / 2,048 / 16,384
+# slots): 1,145 / 1,616 / 3,586 us against 1,104 / 1,126 / 1,722 us (the dequantization alone ~602 us). Already
+# ahead at 4 slots an expert, hence DEQUANT_SLOTS_PER_EXPERT = 4: every grouped step past the GEMV's
+# GGUF_GEMV_SLOTS (512) at Qwen3-30B-A3B's shape takes it.
+DEQUANT = os.environ.get("LLM_ENGINE_MOE_DEQUANT", "1") != "0"
+# A step of at least this many slots an expert on average takes this path (see above).
+DEQUANT_SLOTS_PER_EXPERT = 4
 # The scratch a pass's chunk of dequantized experts may take (gate and up together, or down): Qwen3-30B-A3B's 128
 # experts in fp16 are 4 chunks of 32 for gate/up (6.3 MB an expert) and 2 of 64 for down. It is held inside the step
 # (and a captured prefill graph's pool), so the warm-up's peak counts it before the KV cache is sized.

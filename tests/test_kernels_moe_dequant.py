@@ -99,7 +99,8 @@ def test_chunk_experts():
 
 
 def test_rule(rng, monkeypatch):
-    """Off unless switched on; then GGUF stacks at DEQUANT_SLOTS_PER_EXPERT slots an expert or more."""
+    """Off when switched off (LLM_ENGINE_MOE_DEQUANT=0); on, GGUF stacks at DEQUANT_SLOTS_PER_EXPERT slots an expert
+    or more."""
     q4k = stack(rng, "Q4_K", 2, 256, 256)
     dense = np.zeros((2, 256, 256), np.float32)
     monkeypatch.setattr(moe_dequant, "DEQUANT", False)
