@@ -20,13 +20,13 @@ row stride; gate and up of one format share each step's x (each row of the progr
 half of dequant_gemv's ROWS keeps its loads a step and its registers); of two formats they take two loops.
 Every program loads its expert id first, so under PDL it waits before any load (the routing comes from the kernel
 before): unlike dequant_gemv, no weight load can overlap the previous kernel.
-On int8 x (I8, LLM_ENGINE_MOE_I8=1; Triton only, Q4_K / Q5_K / Q6_K passes: uses_i8) a pass runs quantize_x over
-its input first (x [T, H] once per token; h [S, I]) and the kernel reads codes and per-32 scales through
-dequant_gemv_i8's loads and dp4a dots (I8_FAMILY) in the same _gemv_loop, grid and tiles. h is quantized by that
-launch, not in the gated pass's epilogue: a block's scale is the max over 32 rows of h, which a program of 1-2 rows
-does not hold (32-row programs would carry 64 accumulators and leave 192 programs at one token). So five launches a
-layer instead of three; quantize_x is a plain launch, so the pass after it may load its expert id and weights before
-its grid-dependency wait, as dequant_gemv_i8_kernel does, which hides some of that.
+On int8 x (from I8_MIN_SLOTS slots, or as LLM_ENGINE_MOE_I8 says; Triton only, Q4_K / Q5_K / Q6_K passes: uses_i8) a
+pass runs quantize_x over its input first (x [T, H] once per token; h [S, I]) and the kernel reads codes and per-32
+scales through dequant_gemv_i8's loads and dp4a dots (I8_FAMILY) in the same _gemv_loop, grid and tiles. h is
+quantized by that launch, not in the gated pass's epilogue: a block's scale is the max over 32 rows of h, which a
+program of 1-2 rows does not hold (32-row programs would carry 64 accumulators and leave 192 programs at one token).
+So five launches a layer instead of three; quantize_x is a plain launch, so the pass after it may load its expert id
+and weights before its grid-dependency wait, as dequant_gemv_i8_kernel does, which hides some of that.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.gguf_gemv_common import _Decode
 
-__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "I8", "moe_gemv_kernel", "moe_qgemv_kernel", "run", "stack_fits",
-           "use_gemv", "uses_i8"]
+__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "I8", "I8_MIN_SLOTS", "moe_gemv_kernel", "moe_qgemv_kernel", "run",
+           "stack_fits", "use_gemv", "uses_i8"]
 
 # At most this many slots (tokens * top_k) take the GEMV path, dense and GGUF, and no more slots than experts
 # (dense) or four times as many (GGUF). The GEMV reads an expert once per slot that routes to it, the grouped
@@ -60,10 +60,13 @@ GGUF_GEMV_SLOTS = 512
 # (16 KB) in flight together: ~48 KB an SM, above the ~36 KB an H200 needs (4.8 TB/s x ~1 us / 132 SMs). Triton does
 # not pipeline loads that feed no dot across steps, so BLOCK_K sets the bytes in flight, BLOCK_N the program count.
 DENSE_TILES = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
-# The GGUF passes on int8 x (uses_i8): off by default, built and checked on a CPU, not yet timed. LLM_ENGINE_MOE_I8=1
-# turns it on (read once, as LLM_ENGINE_MOE_DEQUANT); `tools/sweep_moe --no-sweep --variants blocked,i8` times it
-# against the fp-x GEMV.
-I8 = os.environ.get("LLM_ENGINE_MOE_I8", "0") == "1"
+# The GGUF passes on int8 x (uses_i8). `tools/sweep_moe --tokens 1,8,16 --no-sweep --variants blocked,i8` on the
+# H200 (2026-12-04, docs/BENCHMARKS.md; a Qwen3-30B-A3B MoE layer over Q4_K_M-like stacks, top 8): 26.0 / 113.6 /
+# 212.5 us on int8 x against 23.4 / 119.9 / 228.1 us on fp x at 1 / 8 / 16 tokens: quantize_x's launch costs more than
+# the dp4a loop saves at one token, less from 64 slots. So by default a pass takes it from I8_MIN_SLOTS slots;
+# LLM_ENGINE_MOE_I8=1 at every size, =0 never (read once, as LLM_ENGINE_MOE_DEQUANT). I8: None (the slot rule) or that.
+I8 = {"1": True, "0": False}.get(os.environ.get("LLM_ENGINE_MOE_I8", ""))
+I8_MIN_SLOTS = 64
 
 
 def moe_gemv_kernel(x, w_a, w_b, y, ids, weights, n_rows, n_cols, n_steps, x_stride, w_e_stride, w_stride, y_stride,
@@ -174,10 +177,12 @@ def use_gemv(slots: int, experts: int, stacks) -> bool:
     return slots <= limit and all(stack_fits(w) for w in stacks)
 
 
-def uses_i8(target: str, *stacks) -> bool:
-    """Whether a pass over `stacks` takes the int8-x GEMV: switched on (I8), on dequant_gemv_i8.I8_TARGETS, and
-    every stack GGUF blocks of a format with an int8 path (dequant_gemv_i8.I8_QTYPES: Q4_K, Q5_K, Q6_K)."""
-    return I8 and target in i8.I8_TARGETS and all(
+def uses_i8(target: str, *stacks, slots: int | None = None) -> bool:
+    """Whether a pass of `slots` slots (None: any) over `stacks` takes the int8-x GEMV: switched on (I8, else
+    I8_MIN_SLOTS slots or more), on dequant_gemv_i8.I8_TARGETS, and every stack GGUF blocks of a format with an int8
+    path (dequant_gemv_i8.I8_QTYPES: Q4_K, Q5_K, Q6_K)."""
+    on = I8 if I8 is not None else slots is None or slots >= I8_MIN_SLOTS
+    return on and target in i8.I8_TARGETS and all(
         moe_gguf.is_blocks(w) and w.qtype.upper() in i8.I8_QTYPES for w in stacks)
 
 
@@ -199,7 +204,7 @@ def _pass(src, a, b, dst, ids, weights, *, gated: bool, top_k: int, act: str, ta
     common = dict(launch_pdl=pdl, TOP_K=top_k, GATED=gated, ACT=act, PDL=pdl)
     if moe_gguf.is_blocks(a):
         tiles = _gguf_tiles(a, b, gated)
-        int8 = uses_i8(target, a, b)
+        int8 = uses_i8(target, a, b, slots=s)
         xq, xd = i8.quantize_x(src, target=target) if int8 else (src, src)  # a plain launch (moe_qgemv_kernel's I8)
         kern = compile(moe_qgemv_kernel, target, SUBNORMAL=target in dg.SUBNORMAL_TARGETS, I8=int8, **common,
                        **tiles)

@@ -280,8 +280,8 @@ register(KernelEntry(
     dict(tokens=1, hidden=2048, inner=768, experts=128, top_k=8, qtype="Q4_K", down_qtype="Q6_K", dtype=BF16),
     moe_gguf_bytes, flops=_moe_flops, launcher=moe.moe_experts,
     notes="moe_gemv over GGUF stacks through dequant_gemv's loop (one-warp programs, its tiles at M = 1); the down "
-          "pass is this kernel with GATED=False and down_qtype's blocks; I8 (LLM_ENGINE_MOE_I8=1): on int8 x from "
-          "quantize_x (xd its scales), through dequant_gemv_i8's loads and dots"))
+          "pass is this kernel with GATED=False and down_qtype's blocks; I8 (from moe_gemv.I8_MIN_SLOTS slots): on "
+          "int8 x from quantize_x (xd its scales), through dequant_gemv_i8's loads and dots"))
 
 
 # DeepSeek-V3's router for a decode batch of 16: 256 experts in 8 groups, sigmoid scores and a correction bias

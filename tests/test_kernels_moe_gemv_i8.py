@@ -78,16 +78,21 @@ def test_int8_x(qtypes, launches, rng, i8_on, no_grouping):  # noqa: F811
 
 
 def test_the_switch(monkeypatch):
-    """Off by default (LLM_ENGINE_MOE_I8 unset); on, only on I8_TARGETS (Triton) and over GGUF stacks of formats
-    with an int8 path."""
+    """By default from I8_MIN_SLOTS slots (LLM_ENGINE_MOE_I8 unset); on, only on I8_TARGETS (Triton) and over GGUF
+    stacks of formats with an int8 path."""
     q4, q8_0, q6 = (moe_gguf.GGUFStack(None, q, (8, 256, 256)) for q in ("Q4_K", "Q8_0", "Q6_K"))
     dense = np.zeros((8, 256, 256), np.float32)
-    assert os.environ.get("LLM_ENGINE_MOE_I8") == "1" or not moe_gemv.I8
+    assert moe_gemv.I8 == {"1": True, "0": False}.get(os.environ.get("LLM_ENGINE_MOE_I8", ""))
+    monkeypatch.setattr(moe_gemv, "I8", None)  # the slot rule
+    least = moe_gemv.I8_MIN_SLOTS
+    assert moe_gemv.uses_i8("triton", q4, q4, slots=least) and not moe_gemv.uses_i8("triton", q4, q4, slots=least - 1)
+    assert not moe_gemv.uses_i8("numpy", q4, q4, slots=least)
     monkeypatch.setattr(moe_gemv, "I8", False)
+    assert not moe_gemv.uses_i8("triton", q4, q4, slots=10**6)
     assert not moe_gemv.uses_i8("triton", q4, q4)
     monkeypatch.setattr(moe_gemv, "I8", True)
     assert dequant_gemv_i8.I8_TARGETS == ("triton",)
-    assert moe_gemv.uses_i8("triton", q4, q4) and moe_gemv.uses_i8("triton", q6, q6)
+    assert moe_gemv.uses_i8("triton", q4, q4, slots=1) and moe_gemv.uses_i8("triton", q6, q6)
     assert not moe_gemv.uses_i8("numpy", q4, q4) and not moe_gemv.uses_i8("simt-cpu", q6, q6)
     assert not moe_gemv.uses_i8("triton", q8_0, q8_0) and not moe_gemv.uses_i8("triton", q4, q8_0)
     assert not moe_gemv.uses_i8("triton", dense, dense)
