@@ -6,8 +6,9 @@ layer instead of the decode kernel and paged_decode_reduce_kernel: at batch 1 th
 ~6.5 us a layer (issues 13 and 14).
 
 Only targets with atomics take it (FUSED_TARGETS: Triton's); the SIMT ones (C, CUDA C, Metal) keep the separate
-reduce kernel. Off by default until an H200 has timed it and run its graph-replay test (its memory ordering is
-only checked in sm_90 builds and interpreters so far): LLM_ENGINE_FUSED_REDUCE=1 turns it on for Triton targets.
+reduce kernel. Off by default: on the H200 (2026-12-04, docs/BENCHMARKS.md) its graph-replay tests passed but it
+saved nothing end to end (phi-3-mini bf16 batch 1 421 -> 423 tok/s, Llama-3-8B bf16 251 -> 251, Q4_K_M 398 -> 389):
+with PDL the reduce's launch already overlapped the decode's tail. LLM_ENGINE_FUSED_REDUCE=1 turns it on for Triton.
 """
 
 from __future__ import annotations
