@@ -21,6 +21,8 @@ from tools.tiny_hf import random_prompt
 
 # A step computes at most 16 tokens: the 40-token input runs in three chunks beside the others.
 CHUNKED = EngineConfig(num_kv_blocks=32, scheduler=SchedulerConfig(max_num_batched_tokens=16, prefill_chunk_size=16))
+# These run on MLX (CI installs it); the GPU machine's image has no mlx, and tools/gpu_check.sh runs this file there
+needs_mlx = pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="MLX is not installed")
 PROMPTS = [random_prompt(1, 7, 512), random_prompt(2, 40, 512), random_prompt(3, 1, 512), random_prompt(4, 23, 512)]
 
 
@@ -75,6 +77,7 @@ def test_cuda_backend_embeddings_equal_transformers(models, device):
     _check(LLM.from_backend(backend, CHUNKED), decoder, "last")
 
 
+@needs_mlx
 def test_inputs_one_at_a_time_in_a_pool_that_holds_one(models):
     """A pool of 3 blocks holds one 40-token input: the second waits for the first's blocks (freed as its vector is
     taken) and overwrites them; its mean must see none of the first's keys."""
@@ -90,6 +93,7 @@ def test_inputs_one_at_a_time_in_a_pool_that_holds_one(models):
     assert llm.engine.all_blocks_free()
 
 
+@needs_mlx
 def test_an_embedding_model_refuses_generation_and_a_generator_embedding(models, smollm):
     from backends.mlx.backend import MLXBackend
 
@@ -148,6 +152,7 @@ def test_pooling_files_and_tasks(tmp_path):
         Pooling("last", True, 32).check_dimensions(8)
 
 
+@needs_mlx
 def test_a_gguf_embedding_model(models, tmp_path):
     """llama.cpp's layout of an embedding model: qwen3 tensors without output.weight, qwen3.pooling_type LAST."""
     import gguf

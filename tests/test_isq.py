@@ -142,8 +142,12 @@ def _backend(kind: str, model, kept: bool = True):
 
 
 # On a GPU the quantized GEMVs/GEMMs may take x as int8 per 32 values (llama.cpp's MMQ): ~0.5% of max |logit|
-# (tests/test_cuda_kquant_gguf.py), so there only the logits are held, to its 5%.
-GPU_TOL = 0.05
+# (tests/test_cuda_kquant_gguf.py), so there only the logits are held, to its 5%. FP8 weights from 9 rows run on x
+# quantized to e4m3 per 128 inputs (as vLLM runs FP8 checkpoints): up to 2^-4 of a value, which moves these tiny
+# random models' logits by ~12-16% of their largest (0.163 on the H200, 2026-12-04; tests/test_fp8_models.py holds
+# its e4m3-activation path to 0.25 likewise).
+GPU_TOL = {"fp8": 0.25}
+GPU_INT8_TOL = 0.05
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 
 
@@ -160,7 +164,7 @@ def test_backends_match_the_interpreter(backend, isq, saved):
     kept = isq != "fp8" or backend == "cuda-gpu" and torch.cuda.get_device_capability() >= (8, 9)
     tokens, first = backend_greedy(_backend(backend, model, kept), ref, prompts, steps, 8)
     scale = float(np.abs(ref_first).max())
-    tol = GPU_TOL if backend == "cuda-gpu" else SAME_WEIGHTS_TOL
+    tol = GPU_TOL.get(isq, GPU_INT8_TOL) if backend == "cuda-gpu" else SAME_WEIGHTS_TOL
     assert float(np.abs(first - ref_first).max()) <= tol * scale
     if backend != "cuda-gpu":
         assert tokens == ref_tokens
