@@ -17,6 +17,7 @@ from test_cuda_kv_int8 import BS, DEVICES, GPU, _backend, smollm_keeps_its_token
 from test_tiny_models import prompt
 
 from backends.base import create_backend
+from backends.cuda import decode_table
 from frontend import cli
 from frontend.engine.engine import EngineConfig, LLMEngine
 from ir.fusion import Fusions
@@ -60,6 +61,7 @@ def test_tiny_models_read_what_the_reference_rounds(case, device, tmp_path, monk
     prompts = [prompt(1), prompt(2, 9), prompt(3, 17)]
     ref = ReferenceRunner(model, max_tokens=64, block_size=BS)
     fp8 = _backend(model, device, kv_cache_dtype="fp8")
+    assert fp8.runner.decode == decode_table.for_cache("fp8") != decode_table.DecodeTable()  # its 128-key tiles
     tokens, first = backend_greedy(fp8, ref, prompts, STEPS, BS)
     for layer in fp8.kv:
         assert [t.dtype for t in layer] == [torch.uint8] * 2 + [torch.float32] * 2

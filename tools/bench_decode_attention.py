@@ -253,6 +253,8 @@ def main() -> None:
                     "bf16 (auto) or e4m3 with a scale a token and head (fp8)")
     ap.add_argument("--hot", action="store_true", help="one copy of the caches, replayed from L2 where it fits")
     ap.add_argument("--budget", type=float, default=100.0, help="seconds; past it only our setting is timed")
+    ap.add_argument("--trace", action="store_true", help="print each setting before timing it (with "
+                    "CUDA_LAUNCH_BLOCKING=1: which one faults)")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_decode_attention.json")
     args = ap.parse_args()
     if args.shape:
@@ -291,6 +293,8 @@ def main() -> None:
             if s != mine and time.perf_counter() - t0 > args.budget:
                 skipped += 1
                 continue
+            if args.trace:
+                print(f"  timing {s.short()} at {key[0]} partitions", flush=True)
             times[key] = time_setting(torch, triton, prob, s, context)
         if not times:
             continue

@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from backends.base import Backend, MemoryReport, kv_cache_quant
-from backends.cuda import weights
+from backends.cuda import decode_table, weights
 from backends.cuda.graphs import DecodeGraphs
 from backends.cuda.piecewise import PiecewiseGraphs
 from backends.cuda.runner import Runner
@@ -101,6 +101,7 @@ class CUDABackend(Backend):
         self.params = concat_parts(self.graph, params, weights.concat)
         del params
         self.runner = Runner(self.graph, self.params, weights.DTYPES[self.dtype], self.device)
+        self.runner.decode = decode_table.for_cache(self.kv_quant)  # the fp8 cache's split-K settings differ
         # An embedding model never decodes (its requests are prefills): no decode graphs to capture.
         self.use_graphs = cuda_graph and self.device.type == "cuda" and not model.config.pooled
         self.graphs: DecodeGraphs | None = None

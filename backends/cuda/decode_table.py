@@ -98,3 +98,17 @@ class DecodeTable:
                 for limit, p in self.partitions]
         return ",".join(rows + [f"{self.long_partition}/{self.long_tile[0]}x{self.long_tile[1]}",
                                 f"max={self.max_partitions}"])
+
+
+# The fp8 cache (e4m3 bytes and a scale a token and head, decoded in the kernel) wants wider tiles and, at a few
+# sequences, longer partitions: its decode is bound by the per-element decode, not by the bytes it reads. The H200's
+# sweep (`python -m tools.bench_decode_attention --kv-cache-dtype fp8`, 2026-12-04, docs/BENCHMARKS.md): at batch 1 /
+# 4k our bf16 table's 64 keys, 64 x 4 took 15.3 us, 128 keys at 128 x 4 11.3; batch 4 / 4k 39.8 us against 24.1 for
+# 512 keys at 128 x 4; batch 16 / 16k 369.3 against ~285 for 128 keys at 128 x 4 (at the runner's cap of 8). Past 128
+# programs (batch 32+ at 8 KV heads) nothing was timed: the bf16 rows.
+FP8_SPEC = "8:128/128x4,32:512/128x4,128:128/128x4,512/64x4,max=64"
+
+
+def for_cache(kv_quant: str | None) -> DecodeTable:
+    """The runner's table for a KV cache of `kv_quant`'s elements (None: the activations' dtype, or "int8")."""
+    return DecodeTable.parse(FP8_SPEC) if kv_quant == "fp8" else DecodeTable()
