@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.cuda import distributed, gemv_fusion, torch_ops, x_int8_fusion
+from backends.cuda import distributed, gemv_fusion, node_steps, torch_ops, x_int8_fusion
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.fp8_linear import dequantize as fp8_dequantize
 from backends.cuda.fp8_linear import fp8_linear
@@ -54,6 +54,7 @@ class Runner:
         # run_nodes lets go of a value after its last reader: an eager step held every layer's activations to its
         # end (an 8B model's 8,192-token step: ~1 GB a layer, tens of GB, then kept by torch's caching allocator)
         self._drops = graph.last_reads()
+        self._steps = node_steps.Steps(self._drops)  # run_nodes' walk through each list of nodes, made once
         self.target = kernel_target(device)
         self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), or (latent,)
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -164,23 +165,35 @@ class Runner:
         pieces through this, with attention between them). With dense_gemv on, a node and the linear after it may
         run as one GEMV (gemv_fusion.run)."""
         chains = self._gemv_chains if self.dense_gemv and self.gemv_prologues else {}
+        steps, params, run_node = self._steps(nodes), self.params, self.run_node
         i = 0
-        while i < len(nodes):
-            chain = chains.get(id(nodes[i]))
+        while i < len(steps):
+            node, ins, outs, drops = steps[i]
+            chain = chains.get(id(node)) if chains else None
             ran = gemv_fusion.run(chain, nodes, i, env, self) if chain is not None else 0
             if not ran:
-                node, ran = nodes[i], 1
-                out = self.run_node(node, self.args(node, env), meta)
-                for v, t in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
-                    env[v.id] = t
-            for node in nodes[i:i + ran]:
-                for vid in self._drops.get(id(node), ()):
-                    env.pop(vid, None)
+                ran = 1
+                out = run_node(node, [env[k] if how else params[k] if how is not None else None for how, k in ins],
+                               meta)
+                if len(outs) == 1:
+                    env[outs[0]] = out
+                else:
+                    env.update(zip(outs, out, strict=True))
+            else:
+                drops = [vid for step in steps[i:i + ran] for vid in step[3]]
+            for vid in drops:
+                env.pop(vid, None)
             i += ran
 
     def run_node(self, node: Node, args: list, meta: StepMeta, out=None):
         """One node's result; an attention writes it into `out` [T, Hq, Dv] when given."""
         op = node.op
+        if op == "linear":  # the commonest ops first: an eager step dispatches ~17 nodes a layer
+            return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
+        if op == "slice":
+            return args[0][..., node.attrs["start"]:node.attrs["start"] + node.attrs["size"]]
+        if op == "reshape":
+            return args[0].reshape([-1 if isinstance(d, str) else d for d in node.attrs["shape"]])
         if op in ("attention", "rope_attention"):
             return _into(out, self._attention(node, args, meta))
         if op == "latent_attention":
@@ -193,8 +206,6 @@ class Runner:
             return self._add_rms_norm(node, args)
         if op == "gated":
             return activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
-        if op == "slice":
-            return args[0][..., node.attrs["start"]:node.attrs["start"] + node.attrs["size"]]
         return self._eval(node, args)
 
     def _own(self, value: Value, t: torch.Tensor) -> torch.Tensor:
@@ -291,9 +302,9 @@ class Runner:
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
         elif self.dense_gemv and gemv_fusion.gemv_weight(w) and gemv_fusion.gemv_rows(x, self.gemv_max_rows):
-            x2 = x.reshape(-1, x.shape[-1])
-            y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target,
-                           pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x: no views around the GEMV
+            y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
+            y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
             y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
                              pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
@@ -346,8 +357,6 @@ class Runner:
             return distributed.all_reduce(args[0])
         if op == "all_gather":
             return distributed.all_gather(args[0], a["world"])
-        if op == "linear":
-            return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
         if op == "rms_norm":
             x, offset = args[0], a.get("offset", 0.0)
             if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
@@ -379,9 +388,6 @@ class Runner:
             return args[0] + args[1]
         if op == "mul":
             return args[0] * args[1]
-        if op == "reshape":
-            shape = [-1 if isinstance(d, str) else d for d in a["shape"]]
-            return args[0].reshape(shape)
         if op == "head_linear":  # per head x[:, h] @ w[h].T, one batched GEMM
             return torch.bmm(args[0].transpose(0, 1), args[1].transpose(1, 2)).transpose(0, 1)
         if op == "gather_rows":
