@@ -314,9 +314,8 @@ _DECODE_PLANS = Plans()
 
 def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition, softcap, out, num_warps, k_scales,
                  v_scales, target, pdl, fused, counters) -> tuple:
-    """(the decode's launch, its arguments after the pointers: before the block table's stride and after, whether it
-    is fused, the reduce's launch or None and its arguments after the pointers): what paged_decode decides from
-    shapes, strides and options."""
+    """What paged_decode decides from shapes, strides and options: the decode's launch and its arguments after the
+    pointers (before the table's stride and after it), fused, the reduce's launch (or None) and its arguments."""
     group, bs = check_cache(q, k_cache, v_cache)
     n_seq, hq, d = q.shape
     split = n_parts > 1
@@ -353,7 +352,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     The grid has cdiv(max_context, partition) partitions (max_context: context_lens' maximum unless given, e.g. to
     keep the grid fixed under CUDA graphs), at most `max_parts`; a context longer than the grid's partitions of
     `partition` tokens is cut into that many longer ones, so any context is served by any grid.
-    `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D]. `k_scales`, `v_scales`: the caches
+    `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D], or a function of P that returns them
+    (a runner's, kept between launches; None: made here). `k_scales`, `v_scales`: the caches
     are int8 codes with these group scales (kernels_src.kv_int8's layout) or e4m3 bytes (uint8) with these token
     scales (kernels_src.kv_fp8's). `fused` (None: decode_combine.use_fused_reduce): a split grid's last program of
     each (sequence, KV head) combines the partials, on `counters` (int32, B * Hkv at least, zero; None: made here).
@@ -363,7 +363,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     n_parts = num_partitions(int(context_lens.max()) if max_context is None else max_context, partition)
     n_parts = min(n_parts, max_parts or n_parts)
     bt_stride, key = elem_stride(block_tables, 0), None
-    if workspace is None and type(q) is not np.ndarray:  # a runner's: the plan is kept (any table width of a class)
+    if type(q) is not np.ndarray:  # a runner's: the plan is kept (any table width of a class)
         key = (signature(q, k_cache, v_cache, out, counters, k_scales, v_scales), block_tables.dtype,
                int_class(bt_stride), context_lens.dtype, scale, softcap, sliding_window, n_parts, partition, block_n,
                num_warps, target, pdl, fused)
@@ -375,7 +375,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
             _DECODE_PLANS.put(key, plan)
     (launch, *before), after, fused, reduce, reduce_ints = plan
     out = empty(q, q.shape) if out is None else out
-    m, den, acc = (workspace or decode_workspace(q, n_parts)) if n_parts > 1 else (out, out, out)  # unused if 1
+    m, den, acc = (out, out, out) if n_parts == 1 else (  # out: unused
+        workspace(n_parts) if callable(workspace) else workspace or decode_workspace(q, n_parts))
     if fused and counters is None:
         counters = decode_counters(q, q.shape[0] * k_cache.shape[2])
     caches = (k_cache, v_cache) if k_scales is None else (k_cache, v_cache, k_scales, v_scales)

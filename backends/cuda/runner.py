@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.cuda import distributed, gemv_fusion, node_steps, torch_ops, x_int8_fusion
+from backends.cuda import decode_scratch, distributed, gemv_fusion, node_steps, torch_ops, x_int8_fusion
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.fp8_linear import dequantize as fp8_dequantize
 from backends.cuda.fp8_linear import fp8_linear
@@ -68,6 +68,7 @@ class Runner:
         # decode_combine.py; None: where the target has atomics when LLM_ENGINE_FUSED_REDUCE=1)
         self.fused_reduce: bool | None = None
         self._counters: list[torch.Tensor] = []  # its counters, smallest first (decode_counters)
+        self.decode_scratch = decode_scratch.DecodeScratch(device)  # its partials, kept between layers and steps
         # Dense fp16/bf16 linears of up to `gemv_max_rows` rows through kernels_src/dense_gemv instead of cuBLAS, with
         # the norm or gated activation before them (and a residual add after) fused in where `gemv_prologues`
         # (backends/cuda/gemv_fusion.py). Measured on an H200 (docs/BENCHMARKS.md, 2026-12-03): one-row steps gain
@@ -291,7 +292,8 @@ class Runner:
             return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
                                                 max_context=meta.max_context, partition=self.decode_partition(rows),
                                                 max_parts=self.max_partitions(rows), block_n=block_n,
-                                                num_warps=num_warps, fused=fused, counters=counters, **kw)
+                                                num_warps=num_warps, fused=fused, counters=counters,
+                                                workspace=lambda parts: self.decode_scratch(q, parts), **kw)
         if meta.tile_maps is not None:
             kw["tile_map"] = meta.tile_maps[paged_prefill.tile_key(q.shape[1], kc.shape[2], q.shape[2])]
         return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],
