@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.cuda import decode_scratch, distributed, gemv_fusion, node_steps, torch_ops, x_int8_fusion
+from backends.cuda import attention, decode_scratch, distributed, gemv_fusion, node_steps, torch_ops, x_int8_fusion
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.fp8_linear import dequantize as fp8_dequantize
 from backends.cuda.fp8_linear import fp8_linear
@@ -23,21 +23,14 @@ from ir.rope import RopeSpec, cos_sin, long_after
 from ir.weight_formats import weight_format
 from kernels_src import (
     activations,
-    kv_fp8,
-    kv_int8,
-    kv_write,
     moe,
     moe_route,
-    paged_attention,
-    paged_prefill,
     rms_norm,
     rope,
-    rope_kv_write,
 )
 from kernels_src.dense_gemm import dense_matmul
 from kernels_src.dense_gemv import dense_gemv
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
-from kernels_src.mla_decode import mla_decode
 
 F = torch.nn.functional
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
@@ -69,6 +62,8 @@ class Runner:
         self.fused_reduce: bool | None = None
         self._counters: list[torch.Tensor] = []  # its counters, smallest first (decode_counters)
         self.decode_scratch = decode_scratch.DecodeScratch(device)  # its partials, kept between layers and steps
+        self.attention_layers: tuple = (None, None, {})  # attention.layer's (kv, rope tables, per node) lookups
+        self.decode_settings: tuple = (None, None, None, {})  # attention.decode_settings' by rows, and their inputs
         # Dense fp16/bf16 linears of up to `gemv_max_rows` rows through kernels_src/dense_gemv instead of cuBLAS, with
         # the norm or gated activation before them (and a residual add after) fused in where `gemv_prologues`
         # (backends/cuda/gemv_fusion.py). Measured on an H200 (docs/BENCHMARKS.md, 2026-12-03): one-row steps gain
@@ -194,19 +189,19 @@ class Runner:
         if op == "slice":
             return args[0][..., node.attrs["start"]:node.attrs["start"] + node.attrs["size"]]
         if op == "reshape":
-            return args[0].reshape([-1 if isinstance(d, str) else d for d in node.attrs["shape"]])
+            return args[0].reshape(*[-1 if isinstance(d, str) else d for d in node.attrs["shape"]])  # unpacked: faster
+        if op == "add_rms_norm" or op == "gated":  # x_int8_fusion's plan holds such nodes only
+            if id(node) in self.x_int8_plan and (fused := x_int8_fusion.produce(self, node, args)) is not None:
+                return fused
+            if op == "add_rms_norm":
+                return self._add_rms_norm(node, args)
+            return activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
         if op in ("attention", "rope_attention"):
-            return _into(out, self._attention(node, args, meta))
+            return _into(out, attention.attention(self, node, args, meta))
         if op == "latent_attention":
-            return _into(out, self._latent_attention(node, args, meta))
+            return _into(out, attention.latent_attention(self, node, args, meta))
         if op in ("rope", "rope_pair"):
             return self._rope_op(node, args, meta)
-        if id(node) in self.x_int8_plan and (fused := x_int8_fusion.produce(self, node, args)) is not None:
-            return fused
-        if op == "add_rms_norm":
-            return self._add_rms_norm(node, args)
-        if op == "gated":
-            return activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
         return self._eval(node, args)
 
     def _own(self, value: Value, t: torch.Tensor) -> torch.Tensor:
@@ -230,74 +225,6 @@ class Runner:
             return s, torch_ops.rms_norm(s, w, node.attrs["eps"], offset)
         return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
                                      pdl=self.pdl)
-
-    def _attention(self, node: Node, args, meta: StepMeta):
-        a = node.attrs
-        kc, vc, *scales = self.kv[a["layer"]]  # an int8 or fp8 cache also has (k_scales, v_scales)
-        slots, tables = meta.kv_group(self.group_of[a["layer"]])
-        q, k, v = args[:3]
-        dv = v.shape[2]
-        if dv < kc.shape[3]:  # values narrower than keys, cached at the keys' width (CUDABackend.kv_layout)
-            v = F.pad(v, (0, kc.shape[3] - dv))
-        if scales:  # 8-bit: q and k rotated in place (rope_kv_write writes 16-bit caches), then the quantizing write
-            if node.op == "rope_attention":
-                q, k = self._own(node.inputs[0], q), self._own(node.inputs[1], k)
-                spec = a["spec"]
-                rope.rope(q, k, self.rope_rows(spec, meta), *self._rope[spec], interleaved=spec.style != "neox",
-                          target=self.target, pdl=self.pdl)
-            write = kv_fp8.kv_write_fp8 if kc.dtype == torch.uint8 else kv_int8.kv_write_int8
-            write(k, v, kc, vc, *scales, slots, target=self.target, pdl=self.pdl)
-        elif node.op == "attention":
-            kv_write.kv_write(k, v, kc, vc, slots, target=self.target, pdl=self.pdl)
-        else:  # rope_attention: q rotated in place, k rotated on its way into the cache, one kernel
-            q = self._own(node.inputs[0], q)
-            spec = a["spec"]
-            cos, sin = self._rope[spec]
-            rope_kv_write.rope_kv_write(q, k, v, kc, vc, slots, self.rope_rows(spec, meta), cos, sin,
-                                        interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
-        out = self._attend(q, kc, vc, tables, meta, a, scales)
-        return out if out.shape[2] == dv else out[..., :dv]
-
-    def _latent_attention(self, node: Node, args, meta: StepMeta):
-        """MLA over its latent cache. A decode step runs mla_decode (head groups over each latent tile, the values
-        the tile's first value_dim). Prefill runs the paged kernels as attention of one KV head whose values are the
-        same cache, keeping the output's first value_dim (the rope part's weighted sum is computed and dropped), as
-        does a decode with a window or softcap, which mla_decode lacks (no MLA model has them). kv_write stores the
-        latent as k and as v, both into the one cache: the same values twice to the same place, one copy kept."""
-        a = node.attrs
-        (cache,) = self.kv[a["layer"]]
-        slots, tables = meta.kv_group(self.group_of[a["layer"]])
-        q, kv = args[:2]
-        kv_write.kv_write(kv, kv, cache, cache, slots, target=self.target, pdl=self.pdl)
-        if meta.decode and not a.get("sliding_window") and not a.get("softcap"):
-            rows = q.shape[0]  # the grid as paged_decode's: fixed by max_context and the partition rules
-            return mla_decode(q, cache, tables, meta.context_lens, a["scale"], a["value_dim"],
-                              max_context=meta.max_context, partition=self.decode_partition(rows),
-                              max_parts=self.max_partitions(rows), target=self.target, pdl=self._attend_pdl)
-        return self._attend(q, cache, cache, tables, meta, a)[..., :a["value_dim"]]
-
-    def _attend(self, q, kc, vc, tables, meta: StepMeta, a: dict, scales=()):
-        """The decode (split-K) or prefill kernel over caches already holding this step's keys and values (int8
-        codes or e4m3 bytes when `scales` holds their k and v scales)."""
-        out = torch.empty((q.shape[0], q.shape[1], vc.shape[3]), dtype=q.dtype, device=q.device)
-        kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
-                  pdl=self._attend_pdl)
-        if scales:
-            kw.update(k_scales=scales[0], v_scales=scales[1])
-        if meta.decode:
-            rows = q.shape[0]
-            block_n, num_warps = self.decode.tile(rows * self.kv_heads)
-            fused = paged_attention.use_fused_reduce(self.target, self.fused_reduce)
-            counters = self.decode_counters(rows * kc.shape[2]) if fused else None
-            return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
-                                                max_context=meta.max_context, partition=self.decode_partition(rows),
-                                                max_parts=self.max_partitions(rows), block_n=block_n,
-                                                num_warps=num_warps, fused=fused, counters=counters,
-                                                workspace=lambda parts: self.decode_scratch(q, parts), **kw)
-        if meta.tile_maps is not None:
-            kw["tile_map"] = meta.tile_maps[paged_prefill.tile_key(q.shape[1], kc.shape[2], q.shape[2])]
-        return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],
-                                           max_query_len=meta.max_query_len, **kw)
 
     # -- single ops ---------------------------------------------------------------------------------
     def linear(self, x, w: Param, b=None):
