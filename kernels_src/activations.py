@@ -53,11 +53,12 @@ _PLANS = Plans()
 def gated_act(gate, up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy",
               pdl: bool | None = None):
     """act(gate) * up for gate, up [T, I]; out [T, I] (gate's dtype by default)."""
+    fresh = out is None  # made here: its shape, strides and dtype follow from gate's
     if out is None:
         out = np.empty(gate.shape, gate.dtype) if isinstance(gate, np.ndarray) else gate.new_empty(gate.shape)
     key = None
     if type(gate) is not np.ndarray:  # a runner's: the kernel and grid of these shapes are kept
-        key = (signature(gate, up, out), act, block, target, pdl)
+        key = (signature(gate, up, None if fresh else out), act, block, target, pdl)
         if (plan := _PLANS.get(key)) is not None:
             plan[0](gate, up, out, *plan[1])
             return out

@@ -71,11 +71,12 @@ def _empty_like(x):
 _PLANS = Plans()
 
 
-def _launch(kernel, arrays: tuple, eps: float, offset: bool, target: str, pdl: bool | None) -> None:
-    """`kernel` over x = arrays[0] [rows, n] and the other arrays, each with its row stride (w has none)."""
+def _launch(kernel, arrays: tuple, eps: float, offset: bool, target: str, pdl: bool | None, fresh: int) -> None:
+    """`kernel` over x = arrays[0] [rows, n] and the other arrays, each with its row stride (w has none); the last
+    `fresh` were made here by _empty_like (their shapes, strides and dtype follow from x's)."""
     key = None
     if type(arrays[0]) is not np.ndarray:
-        key = (kernel, signature(*arrays), eps, offset, target, pdl)
+        key = (kernel, signature(*arrays[:len(arrays) - fresh]), fresh, eps, offset, target, pdl)
         if (plan := _PLANS.get(key)) is not None:
             plan[0](*arrays, *plan[1])
             return
@@ -92,17 +93,19 @@ def _launch(kernel, arrays: tuple, eps: float, offset: bool, target: str, pdl: b
 
 def rms_norm(x, w, eps: float, *, offset: bool = False, out=None, target: str = "numpy", pdl: bool | None = None):
     """x [rows, n] (rows may be strided, elements contiguous) -> out [rows, n] in out's dtype (x's by default)."""
+    fresh = out is None
     out = _empty_like(x) if out is None else out
-    _launch(rms_norm_kernel, (x, w, out), eps, offset, target, pdl)
+    _launch(rms_norm_kernel, (x, w, out), eps, offset, target, pdl, fresh)
     return out
 
 
 def add_rms_norm(x, residual, w, eps: float, *, offset: bool = False, sum_out=None, out=None,
                  target: str = "numpy", pdl: bool | None = None):
     """(x + residual, rms_norm(x + residual)); the outputs may alias the inputs (each row is read, then written)."""
+    fresh = 2 if sum_out is None and out is None else 0  # else every array keys the plan
     sum_out = _empty_like(x) if sum_out is None else sum_out
     out = _empty_like(x) if out is None else out
-    _launch(add_rms_norm_kernel, (x, residual, w, sum_out, out), eps, offset, target, pdl)
+    _launch(add_rms_norm_kernel, (x, residual, w, sum_out, out), eps, offset, target, pdl, fresh)
     return sum_out, out
 
 
