@@ -174,7 +174,8 @@ class Runner:
                 if len(outs) == 1:
                     env[outs[0]] = out
                 else:
-                    env.update(zip(outs, out, strict=True))
+                    for vid, t in zip(outs, out, strict=True):
+                        env[vid] = t
             else:
                 drops = [vid for step in steps[i:i + ran] for vid in step[3]]
             for vid in drops:
