@@ -28,10 +28,13 @@ BLOCK = 16
 
 def no_op_launches() -> None:
     """Kernels are never built: a first launch 'compiles' to a stub, every later one takes the direct path (direct_key,
-    the cache of launchers) down to a C launcher that does nothing."""
+    the cache of launchers) down to a C launcher that does nothing. The torch GEMMs (cuBLAS on a GPU: the linears
+    of more rows than the GEMV takes) only allocate their output: on CPU their arithmetic would swamp the host
+    cost at batch 16."""
     dsl_launch.Kernel._build = lambda self, *args, signature=None: lambda grid, *a: True
     dsl_launch.direct_launcher = lambda compiled: lambda grid, args: True
     dsl_launch.DIRECT_LAUNCH = True
+    torch.nn.functional.linear = lambda x, w, b=None: x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def backend_for(layers: int, max_batch: int, context: int):
