@@ -362,11 +362,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     partition = tl.cdiv(partition, block_n) * block_n
     n_parts = num_partitions(int(context_lens.max()) if max_context is None else max_context, partition)
     n_parts = min(n_parts, max_parts or n_parts)
-    bt_stride, key = elem_stride(block_tables, 0), None
+    bt_stride, key, fused = elem_stride(block_tables, 0), None, n_parts > 1 and use_fused_reduce(target, fused)
     if type(q) is not np.ndarray:  # a runner's: the plan is kept (any table width of a class)
         key = (signature(q, k_cache, v_cache, out, counters, k_scales, v_scales), block_tables.dtype,
                int_class(bt_stride), context_lens.dtype, scale, softcap, sliding_window, n_parts, partition, block_n,
-               num_warps, target, pdl, fused)
+               num_warps, target, pdl, fused, FUSED_TILE)
     plan = _DECODE_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition, softcap, out, num_warps,
