@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import Plans, compile, elem_stride, signature, tl, use_pdl
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
@@ -46,17 +46,31 @@ def gated_act_kernel(gate, up, out, n_cols, gate_stride, up_stride, out_stride, 
     tl.store(out + row * out_stride + cols, y, mask=mask)
 
 
+# (the arrays' shapes, strides and dtypes, act, block, target, pdl) -> (launch on its grid, the integer arguments)
+_PLANS = Plans()
+
+
 def gated_act(gate, up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy",
               pdl: bool | None = None):
     """act(gate) * up for gate, up [T, I]; out [T, I] (gate's dtype by default)."""
+    fresh = out is None  # made here: its shape, strides and dtype follow from gate's
     if out is None:
         out = np.empty(gate.shape, gate.dtype) if isinstance(gate, np.ndarray) else gate.new_empty(gate.shape)
+    key = None
+    if type(gate) is not np.ndarray:  # a runner's: the kernel and grid of these shapes are kept
+        key = (signature(gate, up, None if fresh else out), act, block, target, pdl)
+        if (plan := _PLANS.get(key)) is not None:
+            plan[0](gate, up, out, *plan[1])
+            return out
     n = gate.shape[1]
     block = min(block, tl.next_power_of_2(n))
     pdl = use_pdl(target, pdl)
     k = compile(gated_act_kernel, target, launch_pdl=pdl, BLOCK=block, ACT=act, PDL=pdl)
-    k[gate.shape[0], tl.cdiv(n, block)](gate, up, out, n, elem_stride(gate, 0), elem_stride(up, 0),
-                                         elem_stride(out, 0))
+    launch = k.bind((gate.shape[0], tl.cdiv(n, block)))
+    ints = (n, elem_stride(gate, 0), elem_stride(up, 0), elem_stride(out, 0))
+    launch(gate, up, out, *ints)
+    if key is not None:
+        _PLANS.put(key, (launch, ints))
     return out
 
 

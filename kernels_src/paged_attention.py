@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ir.interpreter import attend_cached
-from kernels_src import e4m3, kv_fp8, kv_int8
+from kernels_src import e4m3, kv_int8
 from kernels_src.decode_combine import (
     FUSED_TILE,
     NEG_BIG,
@@ -30,7 +30,8 @@ from kernels_src.decode_combine import (
     decode_counters,
     use_fused_reduce,
 )
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import Plans, compile, elem_stride, int_class, signature, tl, use_pdl
+from kernels_src.paged_cache_args import cache_strides, check_cache, quant_args  # noqa: F401  (paged_prefill's too)
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
@@ -290,36 +291,6 @@ def empty(like, shape, dtype=None):
     return torch.empty(shape, dtype=getattr(torch, dtype) if dtype else like.dtype, device=like.device)
 
 
-def check_cache(q, k_cache, v_cache) -> tuple[int, int]:
-    """(GQA group, cache block size) after checking the shapes agree."""
-    hq, d = q.shape[-2:]
-    _, bs, hkv, dk = k_cache.shape
-    if tuple(v_cache.shape) != tuple(k_cache.shape) or dk != d or hq % hkv:
-        raise ValueError(f"q [.., {hq}, {d}] does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if [elem_stride(v_cache, i) for i in range(4)] != [elem_stride(k_cache, i) for i in range(4)]:
-        raise ValueError("k and v caches must share strides")
-    if elem_stride(k_cache, 3) != 1 or elem_stride(q, 2) != 1:
-        raise ValueError("head dims must be contiguous")
-    return hq // hkv, bs
-
-
-def cache_strides(k_cache) -> tuple[int, int, int]:
-    return elem_stride(k_cache, 0), elem_stride(k_cache, 1), elem_stride(k_cache, 2)
-
-
-def quant_args(k_cache, v_cache, k_scales, v_scales, float_kernel, int8_kernel, fp8_kernel, target: str) -> tuple:
-    """(cache arguments, kernel, scale strides, extra constexprs) for float caches (no scales), int8 ones (int8
-    codes) or fp8 ones (uint8 e4m3 codes: FP8_CVT where the target decodes by the FP8 conversion) with their
-    scales."""
-    if k_scales is None and v_scales is None:
-        return (k_cache, v_cache), float_kernel, (), {}
-    fp8 = str(k_cache.dtype).endswith("uint8")
-    layout, kernel = (kv_fp8, fp8_kernel) if fp8 else (kv_int8, int8_kernel)
-    layout.check_scales(k_cache, v_cache, k_scales, v_scales)
-    extra = {"FP8_CVT": True} if fp8 and e4m3.use_cvt(target) else {}
-    return (k_cache, v_cache, k_scales, v_scales), kernel, layout.scale_strides(k_scales), extra
-
-
 def num_partitions(max_context: int, partition: int) -> int:
     return max(1, tl.cdiv(int(max_context), partition))
 
@@ -337,6 +308,40 @@ def decode_workspace(q, n_parts: int) -> tuple:
             empty(q, (n_seq, hq, n_parts, d), "float32"))
 
 
+# paged_decode's arguments but the tensors' addresses -> _decode_plan's: an eager step's decisions, made once
+_DECODE_PLANS = Plans()
+
+
+def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition, softcap, out, num_warps, k_scales,
+                 v_scales, target, pdl, fused, counters) -> tuple:
+    """What paged_decode decides from shapes, strides and options: the decode's launch and its arguments after the
+    pointers (before the table's stride and after it), fused, the reduce's launch (or None) and its arguments."""
+    group, bs = check_cache(q, k_cache, v_cache)
+    n_seq, hq, d = q.shape
+    split = n_parts > 1
+    fused = split and use_fused_reduce(target, fused)
+    if fused and counters is not None and (counters.shape[0] < n_seq * k_cache.shape[2] or len(counters.shape) != 1):
+        raise ValueError(f"counters {tuple(counters.shape)}: one flat int32 a (sequence, KV head), "
+                         f"{n_seq * k_cache.shape[2]} at least")
+    consts = dict(GROUP=group, HEAD_DIM=d, BLOCK_G=max(16, tl.next_power_of_2(group)),
+                  BLOCK_D=max(16, tl.next_power_of_2(d)), BLOCK_N=block_n, BS=bs, PARTITION=partition,
+                  SPLIT=split, SOFTCAP=bool(softcap))
+    pdl = use_pdl(target, pdl)
+    kernels = ((paged_decode_fused_kernel, paged_decode_int8_fused_kernel, paged_decode_fp8_fused_kernel) if fused
+               else (paged_decode_kernel, paged_decode_int8_kernel, paged_decode_fp8_kernel))
+    _, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
+    if fused:
+        extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"], FUSED_TILE)
+    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts, **extra)
+    outs = (hq * d, d) if out is None else (elem_stride(out, 0), elem_stride(out, 1))  # a new out is contiguous
+    reduce = None if not split or fused else compile(
+        paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"],
+        PARTITION=partition, BLOCK_N=block_n, BLOCK_P=reduce_block(n_parts, consts["BLOCK_D"]), PDL=pdl)
+    reduce = reduce and reduce.bind((n_seq, hq))
+    return (kern.bind((n_seq, k_cache.shape[2], n_parts)), elem_stride(q, 0), elem_stride(q, 1), *outs), \
+        (*cache_strides(k_cache), *sc_strides), fused, reduce, (n_parts, *outs)
+
+
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, *, sliding_window: int | None = None,
                  softcap: float | None = None, out=None, max_context: int | None = None, partition: int = 512,
                  max_parts: int | None = None, block_n: int = 64, workspace=None, num_warps: int = 4,
@@ -347,50 +352,38 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     The grid has cdiv(max_context, partition) partitions (max_context: context_lens' maximum unless given, e.g. to
     keep the grid fixed under CUDA graphs), at most `max_parts`; a context longer than the grid's partitions of
     `partition` tokens is cut into that many longer ones, so any context is served by any grid.
-    `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D]. `k_scales`, `v_scales`: the caches
+    `workspace` is (m, den, acc) fp32 scratch [B, Hq, P] x2, [B, Hq, P, D], or a function of P that returns them
+    (a runner's, kept between launches; None: made here). `k_scales`, `v_scales`: the caches
     are int8 codes with these group scales (kernels_src.kv_int8's layout) or e4m3 bytes (uint8) with these token
     scales (kernels_src.kv_fp8's). `fused` (None: decode_combine.use_fused_reduce): a split grid's last program of
     each (sequence, KV head) combines the partials, on `counters` (int32, B * Hkv at least, zero; None: made here).
     """
-    group, bs = check_cache(q, k_cache, v_cache)
-    n_seq, hq, d = q.shape
-    out = empty(q, q.shape) if out is None else out
     block_n = max(16, block_n)
     partition = tl.cdiv(partition, block_n) * block_n
     n_parts = num_partitions(int(context_lens.max()) if max_context is None else max_context, partition)
     n_parts = min(n_parts, max_parts or n_parts)
-    split = n_parts > 1
-    fused = split and use_fused_reduce(target, fused)
-    if split:
-        m, den, acc = workspace or decode_workspace(q, n_parts)
-    else:
-        m = den = acc = out  # unused
-    if fused:
-        counters = decode_counters(q, n_seq * k_cache.shape[2]) if counters is None else counters
-        if counters.shape[0] < n_seq * k_cache.shape[2] or len(counters.shape) != 1:
-            raise ValueError(f"counters {tuple(counters.shape)}: one flat int32 a (sequence, KV head), "
-                             f"{n_seq * k_cache.shape[2]} at least")
-    consts = dict(GROUP=group, HEAD_DIM=d, BLOCK_G=max(16, tl.next_power_of_2(group)),
-                  BLOCK_D=max(16, tl.next_power_of_2(d)), BLOCK_N=block_n, BS=bs, PARTITION=partition,
-                  SPLIT=split, SOFTCAP=bool(softcap))
-    pdl = use_pdl(target, pdl)
-    kernels = ((paged_decode_fused_kernel, paged_decode_int8_fused_kernel, paged_decode_fp8_fused_kernel) if fused
-               else (paged_decode_kernel, paged_decode_int8_kernel, paged_decode_fp8_kernel))
-    caches, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
-    if fused:
-        extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"], FUSED_TILE)
-    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts, **extra)
-    kern[n_seq, k_cache.shape[2], n_parts](
-        q, *caches, block_tables, context_lens, out, m, den, acc, *([counters] if fused else []), float(scale),
-        float(softcap or 0.0),
-        int(sliding_window or NO_WINDOW), n_parts, elem_stride(q, 0), elem_stride(q, 1), elem_stride(out, 0),
-        elem_stride(out, 1), elem_stride(block_tables, 0), *cache_strides(k_cache), *sc_strides)
-    if split and not fused:
-        red = compile(paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=d,
-                      BLOCK_D=consts["BLOCK_D"], PARTITION=partition, BLOCK_N=block_n,
-                      BLOCK_P=reduce_block(n_parts, consts["BLOCK_D"]),
-                      PDL=pdl)
-        red[n_seq, hq](m, den, acc, context_lens, out, n_parts, elem_stride(out, 0), elem_stride(out, 1))
+    bt_stride, key, fused = elem_stride(block_tables, 0), None, n_parts > 1 and use_fused_reduce(target, fused)
+    if type(q) is not np.ndarray:  # a runner's: the plan is kept (any table width of a class)
+        key = (signature(q, k_cache, v_cache, out, counters, k_scales, v_scales), block_tables.dtype,
+               int_class(bt_stride), context_lens.dtype, scale, softcap, sliding_window, n_parts, partition, block_n,
+               num_warps, target, pdl, fused, FUSED_TILE)
+    plan = _DECODE_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition, softcap, out, num_warps,
+                            k_scales, v_scales, target, pdl, fused, counters)
+        if key is not None:
+            _DECODE_PLANS.put(key, plan)
+    (launch, *before), after, fused, reduce, reduce_ints = plan
+    out = empty(q, q.shape) if out is None else out
+    m, den, acc = (out, out, out) if n_parts == 1 else (  # out: unused
+        workspace(n_parts) if callable(workspace) else workspace or decode_workspace(q, n_parts))
+    if fused and counters is None:
+        counters = decode_counters(q, q.shape[0] * k_cache.shape[2])
+    caches = (k_cache, v_cache) if k_scales is None else (k_cache, v_cache, k_scales, v_scales)
+    launch(q, *caches, block_tables, context_lens, out, m, den, acc, *([counters] if fused else []), float(scale),
+           float(softcap or 0.0), int(sliding_window or NO_WINDOW), n_parts, *before, bt_stride, *after)
+    if reduce is not None:
+        reduce(m, den, acc, context_lens, out, *reduce_ints)
     return out
 
 

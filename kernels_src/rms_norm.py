@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import Plans, compile, elem_stride, signature, tl, use_pdl
 
 
 def _weight(w, cols, mask, OFFSET):
@@ -66,27 +66,46 @@ def _empty_like(x):
     return np.empty_like(x) if isinstance(x, np.ndarray) else x.new_empty(x.shape)
 
 
+# (kernel, the arrays' shapes, strides and dtypes, eps, offset, target, pdl) -> (launch on its grid, the integer and
+# float arguments): a repeated launch of the same shapes (an eager step's norms) does no more than launch
+_PLANS = Plans()
+
+
+def _launch(kernel, arrays: tuple, eps: float, offset: bool, target: str, pdl: bool | None, fresh: int) -> None:
+    """`kernel` over x = arrays[0] [rows, n] and the other arrays, each with its row stride (w has none); the last
+    `fresh` were made here by _empty_like (their shapes, strides and dtype follow from x's)."""
+    key = None
+    if type(arrays[0]) is not np.ndarray:
+        key = (kernel, signature(*arrays[:len(arrays) - fresh]), fresh, eps, offset, target, pdl)
+        if (plan := _PLANS.get(key)) is not None:
+            plan[0](*arrays, *plan[1])
+            return
+    x, n = arrays[0], arrays[0].shape[-1]
+    pdl = use_pdl(target, pdl)
+    launch = compile(kernel, target, launch_pdl=pdl, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset),
+                     PDL=pdl).bind(x.shape[0])
+    w_at = 2 if kernel is add_rms_norm_kernel else 1
+    ints = (n, *(elem_stride(a, 0) for i, a in enumerate(arrays) if i != w_at), float(eps))
+    launch(*arrays, *ints)
+    if key is not None:
+        _PLANS.put(key, (launch, ints))
+
+
 def rms_norm(x, w, eps: float, *, offset: bool = False, out=None, target: str = "numpy", pdl: bool | None = None):
     """x [rows, n] (rows may be strided, elements contiguous) -> out [rows, n] in out's dtype (x's by default)."""
+    fresh = out is None
     out = _empty_like(x) if out is None else out
-    n = x.shape[-1]
-    pdl = use_pdl(target, pdl)
-    k = compile(rms_norm_kernel, target, launch_pdl=pdl, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset), PDL=pdl)
-    k[x.shape[0]](x, w, out, n, elem_stride(x, 0), elem_stride(out, 0), float(eps))
+    _launch(rms_norm_kernel, (x, w, out), eps, offset, target, pdl, fresh)
     return out
 
 
 def add_rms_norm(x, residual, w, eps: float, *, offset: bool = False, sum_out=None, out=None,
                  target: str = "numpy", pdl: bool | None = None):
     """(x + residual, rms_norm(x + residual)); the outputs may alias the inputs (each row is read, then written)."""
+    fresh = 2 if sum_out is None and out is None else 0  # else every array keys the plan
     sum_out = _empty_like(x) if sum_out is None else sum_out
     out = _empty_like(x) if out is None else out
-    n = x.shape[-1]
-    pdl = use_pdl(target, pdl)
-    k = compile(add_rms_norm_kernel, target, launch_pdl=pdl, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset),
-                PDL=pdl)
-    k[x.shape[0]](x, residual, w, sum_out, out, n, elem_stride(x, 0), elem_stride(residual, 0),
-                  elem_stride(sum_out, 0), elem_stride(out, 0), float(eps))
+    _launch(add_rms_norm_kernel, (x, residual, w, sum_out, out), eps, offset, target, pdl, fresh)
     return sum_out, out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import Plans, compile, elem_stride, signature, tl, use_pdl
 from kernels_src.kv_write import kv_write_ref
 from kernels_src.rope import rope_ref
 
@@ -67,6 +67,10 @@ def rope_kv_write_kernel(q, k, v, k_cache, v_cache, slots, positions, cos, sin, 
 
 # --- host side -------------------------------------------------------------------------------------------------
 
+# the arguments' shapes, strides and dtypes and the options -> (launch on its grid, the integer arguments)
+_PLANS = Plans()
+
+
 def _contiguous(a) -> bool:
     return a.flags.c_contiguous if isinstance(a, np.ndarray) else a.is_contiguous()
 
@@ -92,6 +96,13 @@ def _check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin) -> None
 def rope_kv_write(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, *, interleaved: bool = False,
                   pdl: bool | None = None, target: str = "numpy") -> None:
     """Rotate q [T, Hq, D] in place; write rotated k and v [T, Hkv, D] into the paged caches at slot_mapping."""
+    key = None
+    if type(q) is not np.ndarray:  # a runner's: the checks and the kernel of these shapes are kept
+        key = (signature(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin), interleaved, pdl, target)
+        if (plan := _PLANS.get(key)) is not None:
+            launch, ints = plan
+            launch(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, *ints)
+            return
     _check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin)
     (t, hq, d), hk, half = q.shape, k.shape[1], cos.shape[1]
     if t == 0:
@@ -100,9 +111,12 @@ def rope_kv_write(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, 
     kern = compile(rope_kv_write_kernel, target, launch_pdl=pdl, HALF=half, HEAD_DIM=d,
                    BLOCK_HQ=tl.next_power_of_2(hq), BLOCK_HK=tl.next_power_of_2(hk), BLOCK_R=tl.next_power_of_2(half),
                    BLOCK_D=tl.next_power_of_2(d), INTERLEAVED=bool(interleaved), PDL=pdl)
-    kern[t](q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, hq, hk, elem_stride(q, 0),
-            elem_stride(q, 1), elem_stride(k, 0), elem_stride(k, 1), elem_stride(v, 0), elem_stride(v, 1),
-            elem_stride(cos, 0))
+    launch = kern.bind(t)
+    ints = (hq, hk, elem_stride(q, 0), elem_stride(q, 1), elem_stride(k, 0), elem_stride(k, 1), elem_stride(v, 0),
+            elem_stride(v, 1), elem_stride(cos, 0))
+    launch(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, *ints)
+    if key is not None:
+        _PLANS.put(key, (launch, ints))
 
 
 def rope_kv_write_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,

@@ -283,6 +283,8 @@ class _NoLaunch:
     def __getitem__(self, grid):
         return lambda *args: None
 
+    bind = __getitem__  # a launcher's plan of fixed shapes (dsl.launch.BoundLaunch)
+
 
 class Compiles:
     """The launchers' compile calls as (kernel, target, launch_pdl, PDL); with `launch` False none runs."""

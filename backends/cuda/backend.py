@@ -23,7 +23,7 @@ from backends.cuda.runtime import torch
 from backends.cuda.step_graphs import StepGraphs
 from backends.cuda.step_meta import StepMeta
 from backends.cuda.synthetic import random_params
-from backends.cuda.warm_batches import one_sequence, warm_up_attention, warm_up_eager_steps
+from backends.cuda.warm_batches import one_sequence, warm_up_attention, warm_up_eager_decode, warm_up_eager_steps
 from core.batch import Batch
 from core.kv_layout import KVLayout
 from ir.fusion import Fusions, concat_parts, fuse
@@ -292,6 +292,8 @@ class CUDABackend(Backend):
                 torch.cuda.empty_cache()  # its activations back to the device: the cache holds no more than a step's
         else:
             self._chain = torch.zeros(chain, dtype=torch.int32, device=self.device)
+            if _graphs and self.device.type == "cuda" and not self.model.config.pooled:
+                warm_up_eager_decode(self, longest)  # what the graphs' capture would have compiled
 
     # -- a step -------------------------------------------------------------------------------------
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.cuda import distributed, gemv_fusion, torch_ops, x_int8_fusion
+from backends.cuda import attention, decode_scratch, distributed, gemv_fusion, node_steps, torch_ops, x_int8_fusion
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.fp8_linear import dequantize as fp8_dequantize
 from backends.cuda.fp8_linear import fp8_linear
@@ -23,21 +23,14 @@ from ir.rope import RopeSpec, cos_sin, long_after
 from ir.weight_formats import weight_format
 from kernels_src import (
     activations,
-    kv_fp8,
-    kv_int8,
-    kv_write,
     moe,
     moe_route,
-    paged_attention,
-    paged_prefill,
     rms_norm,
     rope,
-    rope_kv_write,
 )
 from kernels_src.dense_gemm import dense_matmul
 from kernels_src.dense_gemv import dense_gemv
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
-from kernels_src.mla_decode import mla_decode
 
 F = torch.nn.functional
 DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
@@ -54,6 +47,7 @@ class Runner:
         # run_nodes lets go of a value after its last reader: an eager step held every layer's activations to its
         # end (an 8B model's 8,192-token step: ~1 GB a layer, tens of GB, then kept by torch's caching allocator)
         self._drops = graph.last_reads()
+        self._steps = node_steps.Steps(self._drops)  # run_nodes' walk through each list of nodes, made once
         self.target = kernel_target(device)
         self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), or (latent,)
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -67,6 +61,9 @@ class Runner:
         # decode_combine.py; None: where the target has atomics when LLM_ENGINE_FUSED_REDUCE=1)
         self.fused_reduce: bool | None = None
         self._counters: list[torch.Tensor] = []  # its counters, smallest first (decode_counters)
+        self.decode_scratch = decode_scratch.DecodeScratch(device)  # its partials, kept between layers and steps
+        self.attention_layers: tuple = (None, None, {})  # attention.layer's (kv, rope tables, per node) lookups
+        self.decode_settings: tuple = (None, None, None, {})  # attention.decode_settings' by rows, and their inputs
         # Dense fp16/bf16 linears of up to `gemv_max_rows` rows through kernels_src/dense_gemv instead of cuBLAS, with
         # the norm or gated activation before them (and a residual add after) fused in where `gemv_prologues`
         # (backends/cuda/gemv_fusion.py). Measured on an H200 (docs/BENCHMARKS.md, 2026-12-03): one-row steps gain
@@ -164,37 +161,48 @@ class Runner:
         pieces through this, with attention between them). With dense_gemv on, a node and the linear after it may
         run as one GEMV (gemv_fusion.run)."""
         chains = self._gemv_chains if self.dense_gemv and self.gemv_prologues else {}
+        steps, params, run_node = self._steps(nodes), self.params, self.run_node
         i = 0
-        while i < len(nodes):
-            chain = chains.get(id(nodes[i]))
+        while i < len(steps):
+            node, ins, outs, drops = steps[i]
+            chain = chains.get(id(node)) if chains else None
             ran = gemv_fusion.run(chain, nodes, i, env, self) if chain is not None else 0
             if not ran:
-                node, ran = nodes[i], 1
-                out = self.run_node(node, self.args(node, env), meta)
-                for v, t in zip(node.outs, out if len(node.outs) > 1 else (out,), strict=True):
-                    env[v.id] = t
-            for node in nodes[i:i + ran]:
-                for vid in self._drops.get(id(node), ()):
-                    env.pop(vid, None)
+                ran = 1
+                out = run_node(node, [env[k] if how else params[k] if how is not None else None for how, k in ins],
+                               meta)
+                if len(outs) == 1:
+                    env[outs[0]] = out
+                else:
+                    for vid, t in zip(outs, out, strict=True):
+                        env[vid] = t
+            else:
+                drops = [vid for step in steps[i:i + ran] for vid in step[3]]
+            for vid in drops:
+                env.pop(vid, None)
             i += ran
 
     def run_node(self, node: Node, args: list, meta: StepMeta, out=None):
         """One node's result; an attention writes it into `out` [T, Hq, Dv] when given."""
         op = node.op
-        if op in ("attention", "rope_attention"):
-            return _into(out, self._attention(node, args, meta))
-        if op == "latent_attention":
-            return _into(out, self._latent_attention(node, args, meta))
-        if op in ("rope", "rope_pair"):
-            return self._rope_op(node, args, meta)
-        if id(node) in self.x_int8_plan and (fused := x_int8_fusion.produce(self, node, args)) is not None:
-            return fused
-        if op == "add_rms_norm":
-            return self._add_rms_norm(node, args)
-        if op == "gated":
-            return activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
+        if op == "linear":  # the commonest ops first: an eager step dispatches ~17 nodes a layer
+            return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
         if op == "slice":
             return args[0][..., node.attrs["start"]:node.attrs["start"] + node.attrs["size"]]
+        if op == "reshape":
+            return args[0].reshape(*[-1 if isinstance(d, str) else d for d in node.attrs["shape"]])  # unpacked: faster
+        if op == "add_rms_norm" or op == "gated":  # x_int8_fusion's plan holds such nodes only
+            if id(node) in self.x_int8_plan and (fused := x_int8_fusion.produce(self, node, args)) is not None:
+                return fused
+            if op == "add_rms_norm":
+                return self._add_rms_norm(node, args)
+            return activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
+        if op in ("attention", "rope_attention"):
+            return _into(out, attention.attention(self, node, args, meta))
+        if op == "latent_attention":
+            return _into(out, attention.latent_attention(self, node, args, meta))
+        if op in ("rope", "rope_pair"):
+            return self._rope_op(node, args, meta)
         return self._eval(node, args)
 
     def _own(self, value: Value, t: torch.Tensor) -> torch.Tensor:
@@ -219,81 +227,14 @@ class Runner:
         return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
                                      pdl=self.pdl)
 
-    def _attention(self, node: Node, args, meta: StepMeta):
-        a = node.attrs
-        kc, vc, *scales = self.kv[a["layer"]]  # an int8 or fp8 cache also has (k_scales, v_scales)
-        slots, tables = meta.kv_group(self.group_of[a["layer"]])
-        q, k, v = args[:3]
-        dv = v.shape[2]
-        if dv < kc.shape[3]:  # values narrower than keys, cached at the keys' width (CUDABackend.kv_layout)
-            v = F.pad(v, (0, kc.shape[3] - dv))
-        if scales:  # 8-bit: q and k rotated in place (rope_kv_write writes 16-bit caches), then the quantizing write
-            if node.op == "rope_attention":
-                q, k = self._own(node.inputs[0], q), self._own(node.inputs[1], k)
-                spec = a["spec"]
-                rope.rope(q, k, self.rope_rows(spec, meta), *self._rope[spec], interleaved=spec.style != "neox",
-                          target=self.target, pdl=self.pdl)
-            write = kv_fp8.kv_write_fp8 if kc.dtype == torch.uint8 else kv_int8.kv_write_int8
-            write(k, v, kc, vc, *scales, slots, target=self.target, pdl=self.pdl)
-        elif node.op == "attention":
-            kv_write.kv_write(k, v, kc, vc, slots, target=self.target, pdl=self.pdl)
-        else:  # rope_attention: q rotated in place, k rotated on its way into the cache, one kernel
-            q = self._own(node.inputs[0], q)
-            spec = a["spec"]
-            cos, sin = self._rope[spec]
-            rope_kv_write.rope_kv_write(q, k, v, kc, vc, slots, self.rope_rows(spec, meta), cos, sin,
-                                        interleaved=spec.style != "neox", target=self.target, pdl=self.pdl)
-        out = self._attend(q, kc, vc, tables, meta, a, scales)
-        return out if out.shape[2] == dv else out[..., :dv]
-
-    def _latent_attention(self, node: Node, args, meta: StepMeta):
-        """MLA over its latent cache. A decode step runs mla_decode (head groups over each latent tile, the values
-        the tile's first value_dim). Prefill runs the paged kernels as attention of one KV head whose values are the
-        same cache, keeping the output's first value_dim (the rope part's weighted sum is computed and dropped), as
-        does a decode with a window or softcap, which mla_decode lacks (no MLA model has them). kv_write stores the
-        latent as k and as v, both into the one cache: the same values twice to the same place, one copy kept."""
-        a = node.attrs
-        (cache,) = self.kv[a["layer"]]
-        slots, tables = meta.kv_group(self.group_of[a["layer"]])
-        q, kv = args[:2]
-        kv_write.kv_write(kv, kv, cache, cache, slots, target=self.target, pdl=self.pdl)
-        if meta.decode and not a.get("sliding_window") and not a.get("softcap"):
-            rows = q.shape[0]  # the grid as paged_decode's: fixed by max_context and the partition rules
-            return mla_decode(q, cache, tables, meta.context_lens, a["scale"], a["value_dim"],
-                              max_context=meta.max_context, partition=self.decode_partition(rows),
-                              max_parts=self.max_partitions(rows), target=self.target, pdl=self._attend_pdl)
-        return self._attend(q, cache, cache, tables, meta, a)[..., :a["value_dim"]]
-
-    def _attend(self, q, kc, vc, tables, meta: StepMeta, a: dict, scales=()):
-        """The decode (split-K) or prefill kernel over caches already holding this step's keys and values (int8
-        codes or e4m3 bytes when `scales` holds their k and v scales)."""
-        out = torch.empty((q.shape[0], q.shape[1], vc.shape[3]), dtype=q.dtype, device=q.device)
-        kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=self.target,
-                  pdl=self._attend_pdl)
-        if scales:
-            kw.update(k_scales=scales[0], v_scales=scales[1])
-        if meta.decode:
-            rows = q.shape[0]
-            block_n, num_warps = self.decode.tile(rows * self.kv_heads)
-            fused = paged_attention.use_fused_reduce(self.target, self.fused_reduce)
-            counters = self.decode_counters(rows * kc.shape[2]) if fused else None
-            return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
-                                                max_context=meta.max_context, partition=self.decode_partition(rows),
-                                                max_parts=self.max_partitions(rows), block_n=block_n,
-                                                num_warps=num_warps, fused=fused, counters=counters, **kw)
-        if meta.tile_maps is not None:
-            kw["tile_map"] = meta.tile_maps[paged_prefill.tile_key(q.shape[1], kc.shape[2], q.shape[2])]
-        return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],
-                                           max_query_len=meta.max_query_len, **kw)
-
     # -- single ops ---------------------------------------------------------------------------------
     def linear(self, x, w: Param, b=None):
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
         elif self.dense_gemv and gemv_fusion.gemv_weight(w) and gemv_fusion.gemv_rows(x, self.gemv_max_rows):
-            x2 = x.reshape(-1, x.shape[-1])
-            y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target,
-                           pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x: no views around the GEMV
+            y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
+            y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
             y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
                              pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
@@ -346,8 +287,6 @@ class Runner:
             return distributed.all_reduce(args[0])
         if op == "all_gather":
             return distributed.all_gather(args[0], a["world"])
-        if op == "linear":
-            return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
         if op == "rms_norm":
             x, offset = args[0], a.get("offset", 0.0)
             if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
@@ -379,9 +318,6 @@ class Runner:
             return args[0] + args[1]
         if op == "mul":
             return args[0] * args[1]
-        if op == "reshape":
-            shape = [-1 if isinstance(d, str) else d for d in a["shape"]]
-            return args[0].reshape(shape)
         if op == "head_linear":  # per head x[:, h] @ w[h].T, one batched GEMM
             return torch.bmm(args[0].transpose(0, 1), args[1].transpose(1, 2)).transpose(0, 1)
         if op == "gather_rows":

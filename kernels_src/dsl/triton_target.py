@@ -185,6 +185,12 @@ def build(source: str, name: str, interpret: bool = False):
 # bytes; integers equal to 1, divisible by 16, or wider than 32 bits) so that a cached kernel is only ever reused for
 # arguments Triton would have given the same binary.
 
+def int_class(n: int) -> int:
+    """direct_key's entry for an integer argument (1 | a multiple of 16 | other, and past 32 bits): what a compiled
+    kernel is specialized on, so a plan keyed by it may pass any integer of the class."""
+    return 1 if n == 1 else (n % 16 == 0) * 16 + (not -2**31 <= n < 2**31) * 64
+
+
 def direct_key(args) -> tuple:
     """What selects a compiled binary for these launch arguments, at least as finely as Triton's own key (each
     launch computes it: written for speed)."""
@@ -192,7 +198,7 @@ def direct_key(args) -> tuple:
     add = key.append
     for a in args:
         t = type(a)
-        if t is int:  # 1 | a multiple of 16 | other, and past 32 bits
+        if t is int:  # int_class, inline
             add(1 if a == 1 else (a % 16 == 0) * 16 + (not -2**31 <= a < 2**31) * 64)
         elif t is float:
             add(2.5)
