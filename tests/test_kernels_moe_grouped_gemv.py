@@ -2,7 +2,7 @@
 decoded rows dotted with a block of M slots' x) through moe.moe_experts(gemv="grouped") against the float64 reference
 and against the per-slot GEMV, outputs poisoned first and rows padded with bytes that decode to NaN: Q4_K gate/up, Q6_K
 down, Q5_K and Q8_0 stacks, gate and up of two formats, on routings that leave experts empty and that pile more than
-M slots on one expert (several blocks); a planted wrong expert that must fail; the switch's rule; the SIMT
+M slots on one expert (several blocks); int8 x; a planted wrong expert that must fail; the switch's rule; the SIMT
 lowering and Triton's interpreter; the sm_90 builds at Qwen3-30B-A3B's shapes (registers, no spills)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_kernels_basic import HAS_TRITON
 from test_kernels_moe_gemv import check_gguf, gguf_problem, run
+from test_kernels_moe_gemv_i8 import i8_on, i8_ref  # noqa: F401 (a fixture)
 
 from kernels_src import moe, moe_gemv, moe_gemv_grouped, moe_gguf
 
@@ -57,6 +58,20 @@ def test_formats(qtypes, hidden, inner, ids, rng):
 def test_block_m(rng):
     """Blocks of 4 slots (the sweep's other M): PILED's expert 1 then takes three blocks, the last of two slots."""
     check_both(routed(gguf_problem(rng, 10, 256, 8, 8, 2, ("Q4_K", "Q4_K", None)), PILED), block_m=4)
+
+
+@pytest.mark.parametrize("qtypes,hidden,inner", [(("Q4_K", "Q4_K", None), 256, 8), ((None, None, "Q6_K"), 8, 256)])
+def test_int8_x(qtypes, hidden, inner, rng, i8_on):  # noqa: F811
+    """On int8 x (moe_gemv.I8 on, the interpreter an I8 target): Q4_K_M's gate/up and down passes, one quantize_x a
+    GGUF pass, against the per-slot GEMV on int8 x (the same codes: fp32 rounding apart) and the float64 reference
+    with x or h quantized as quantize_x_ref does."""
+    args = routed(gguf_problem(rng, 10, hidden, inner, 8, 2, qtypes), PILED)
+    got = np.asarray(run("numpy", args, gemv="grouped"), np.float64)
+    assert i8_on == ([(10, hidden)] if qtypes[0] else [(20, inner)])
+    per_slot = run("numpy", args, gemv=True)
+    np.testing.assert_allclose(got, per_slot, rtol=2e-5, atol=2e-5 * np.abs(per_slot).max())
+    want = i8_ref(*args, "silu", qtypes[0] is not None, qtypes[2] is not None)
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-3 * np.abs(want).max())
 
 
 def test_wrong_expert_fails(rng, monkeypatch):
@@ -119,10 +134,12 @@ def test_triton_interpret(rng):
 
 @pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="AOT builds need triton, and TRITON_INTERPRET unset")
-@pytest.mark.parametrize("gated,qtype,rows", [(True, "Q4_K", 768), (False, "Q6_K", 2048)])
-def test_aot_sm90(gated, qtype, rows, tmp_path, monkeypatch):
-    """Qwen3-30B-A3B's passes (Q4_K_M's formats) at the launcher's tiles (M = 8), built for an H200: the grid
-    dependency wait, 16-byte loads, nothing spilled (161 and 145 registers when written)."""
+@pytest.mark.parametrize("gated,qtype,rows,int8", [(True, "Q4_K", 768, False), (False, "Q6_K", 2048, False),
+                                                   (True, "Q4_K", 768, True), (False, "Q6_K", 2048, True)])
+def test_aot_sm90(gated, qtype, rows, int8, tmp_path, monkeypatch):
+    """Qwen3-30B-A3B's passes (Q4_K_M's formats) at the launcher's tiles (M = 8), on fp and int8 x, built for an
+    H200: the grid dependency wait, 16-byte loads (on int8 x: dp4a), nothing spilled (fp x: 161 and 145 registers
+    when written)."""
     from test_kernels_gemv import _stack_bytes
 
     from kernels_src.dsl.triton_target import aot_compile
@@ -130,11 +147,12 @@ def test_aot_sm90(gated, qtype, rows, tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     st = moe_gguf.GGUFStack(None, qtype, (128, rows, 2048 if gated else 768))
-    consts = moe_gemv_grouped.tiles(st, st, gated) | dict(GATED=gated)
+    consts = moe_gemv_grouped.tiles(st, st, gated) | dict(GATED=gated, I8=int8)
     warps = consts.pop("num_warps")
     entry = REGISTRY["moe_gemv_grouped"]
-    kir = entry.kernel("triton", num_warps=warps, **consts).trace(signature=entry.signature)
+    sig = entry.signature | (dict(x="*i8") if int8 else {})
+    kir = entry.kernel("triton", num_warps=warps, **consts).trace(signature=sig)
     compiled = aot_compile(kir, arch=90, aligned=True, num_warps=warps)
     ptx = compiled.asm["ptx"]
-    assert "griddepcontrol.wait" in ptx and "ld.global.v4" in ptx
+    assert "griddepcontrol.wait" in ptx and ("dp4a" in ptx if int8 else "ld.global.v4" in ptx)
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0

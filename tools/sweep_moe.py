@@ -9,7 +9,7 @@ expert's rows through dequant_gemv / mmq / dequant_matmul as Runner._quant_linea
 MoE; up to GEMV_TOKENS tokens, both paths of the launcher forced (grouped, and a GEMV a slot: kernels_src/moe_gemv.py),
 GGUF and dense, to place moe_gemv.GEMV_SLOTS (--variants blocked,i8: the GGUF GEMV on int8 x too, moe_gemv.I8;
 `--tokens 1,8,16 --no-sweep --variants blocked,i8` times it against fp x; --variants blocked,grouped: the grouped GEMV,
-kernels_src/moe_gemv_grouped.py, at each of GROUPED_MS slots a block, against the per-slot GEMV on fp x, to place
+kernels_src/moe_gemv_grouped.py, at GROUPED_RUNS' slots a block and x, against the per-slot GEMV on fp x, to place
 moe_gemv.GROUPED_GEMV and its slot bounds: `--tokens 16,32,64,128 --no-sweep --gemv-tokens 128 --variants
 blocked,grouped`). GB/s counts the routed experts' blocks (or bf16 rows) once.
 --dequant times only the grouped path over GGUF stacks two ways, at --tokens (default 64,256,2048): the grouped GGUF
@@ -27,7 +27,8 @@ from types import SimpleNamespace
 
 H, INNER, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B's MoE layer
 GEMV_TOKENS = 32  # both paths timed up to this batch (256 slots: moe_gemv.GGUF_GEMV_SLOTS)
-GROUPED_MS = (4, 8)  # the grouped GEMV's slots a block (16 spills in the sm_90 build: 255 registers)
+# the grouped GEMV's (slots a block, int8 x) timed: M = 16 spills in the sm_90 build (255 registers at fp x)
+GROUPED_RUNS = ((8, False), (8, True), (4, True))
 DEQUANT_TOKENS = "64,256,2048"  # --dequant's batches: 512, 2,048 and 16,384 slots (a prefill of 2,048 tokens)
 
 
@@ -195,18 +196,21 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
 
 
 def _grouped_gemv(layers, x, want, fused) -> dict:
-    """The grouped GEMV at each of GROUPED_MS (us a layer, and its largest difference from the per-expert loop), and
-    the per-slot GEMV on fp x (gemv_us: on x as moe_gemv.I8's rule picks, int8 from 64 slots)."""
+    """The grouped GEMV at each of GROUPED_RUNS (us a layer, and its largest difference from the per-expert loop),
+    and the per-slot GEMV on fp x (gemv_us: on x as moe_gemv.I8's rule picks, int8 from 64 slots)."""
     from kernels_src import moe, moe_gemv
 
-    n, stacks, ids, w = len(layers), *layers[0]
+    n, (stacks, ids, w) = len(layers), layers[0]
     res = {}
-    for m in GROUPED_MS:
-        got = moe.moe_experts(x, w, ids, *stacks, target="triton", gemv="grouped", block_m=m).float()
-        res[f"grouped_gemv_m{m}_max_rel_diff"] = float((got - want).abs().max() / want.abs().max())
-        res[f"grouped_gemv_m{m}_us"] = _bench(lambda m=m: fused(gemv="grouped", block_m=m)) / n * 1e6
-    was, moe_gemv.I8 = moe_gemv.I8, False
+    was = moe_gemv.I8
     try:
+        for m, int8 in GROUPED_RUNS:
+            moe_gemv.I8 = int8
+            key = f"grouped_gemv_m{m}_{'i8' if int8 else 'fp'}"
+            got = moe.moe_experts(x, w, ids, *stacks, target="triton", gemv="grouped", block_m=m).float()
+            res[f"{key}_max_rel_diff"] = float((got - want).abs().max() / want.abs().max())
+            res[f"{key}_us"] = _bench(lambda m=m: fused(gemv="grouped", block_m=m)) / n * 1e6
+        moe_gemv.I8 = False
         res["gemv_fp_us"] = _bench(lambda: fused(gemv=True)) / n * 1e6
     finally:
         moe_gemv.I8 = was
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default="blocked", help="the grouped kernel's variants, comma-separated: blocked, "
                     "words (Q4_K / Q5_K headers as 32-bit words; moe_gguf.WORDS); i8: the GEMV path on int8 x too "
                     "(moe_gemv.I8), up to --gemv-tokens; grouped: the grouped GEMV (moe_gemv_grouped) at "
-                    f"{GROUPED_MS} slots a block and the per-slot GEMV on fp x, up to --gemv-tokens")
+                    f"(slots a block, int8 x) {GROUPED_RUNS} and the per-slot GEMV on fp x, up to --gemv-tokens")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "sweep_moe.json")
     args = ap.parse_args(argv)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
@@ -309,8 +313,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"T={tokens:5d} gemv on int8 x {e2e['i8_gemv_us']:.1f} us against fp x {e2e['gemv_us']:.1f} us, max "
                   f"diff {e2e['i8_max_rel_diff']:.1e} ({e2e['i8_vs_fp_rel_diff']:.1e} from fp x's)", flush=True)
         if "gemv_fp_us" in e2e:
-            ms = ", ".join(f"M={m} {e2e[f'grouped_gemv_m{m}_us']:.1f} us (max diff "
-                           f"{e2e[f'grouped_gemv_m{m}_max_rel_diff']:.1e})" for m in GROUPED_MS)
+            keys = [(m, f"grouped_gemv_m{m}_{'i8' if q else 'fp'}") for m, q in GROUPED_RUNS]
+            ms = ", ".join(f"M={m} {k[-2:]} x {e2e[k + '_us']:.1f} us (max diff {e2e[k + '_max_rel_diff']:.1e})"
+                           for m, k in keys)
             print(f"T={tokens:5d} grouped GEMV {ms}; per-slot GEMV fp x {e2e['gemv_fp_us']:.1f} us (by the int8 rule "
                   f"{e2e['gemv_us']:.1f}); grouped GGUF {e2e['grouped_us']:.1f} us", flush=True)
         if "words_us" in e2e:
