@@ -40,8 +40,8 @@ from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.gguf_gemv_common import _Decode
 
-__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "I8", "I8_MIN_SLOTS", "moe_gemv_kernel", "moe_qgemv_kernel", "run",
-           "stack_fits", "use_gemv", "uses_i8"]
+__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "GROUPED_GEMV", "GROUPED_GEMV_SLOTS", "I8", "I8_MIN_SLOTS",
+           "moe_gemv_kernel", "moe_qgemv_kernel", "run", "stack_fits", "use_gemv", "use_grouped_gemv", "uses_i8"]
 
 # At most this many slots (tokens * top_k) take the GEMV path, dense and GGUF, and no more slots than experts
 # (dense) or four times as many (GGUF). The GEMV reads an expert once per slot that routes to it, the grouped
@@ -67,6 +67,17 @@ DENSE_TILES = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
 # LLM_ENGINE_MOE_I8=1 at every size, =0 never (read once, as LLM_ENGINE_MOE_DEQUANT). I8: None (the slot rule) or that.
 I8 = {"1": True, "0": False}.get(os.environ.get("LLM_ENGINE_MOE_I8", ""))
 I8_MIN_SLOTS = 64
+# The grouped GEMV over GGUF stacks (kernels_src/moe_gemv_grouped.py: slots aligned by expert, a program's decoded rows
+# dotted with a block of 8 slots' x) for decode batches of 16-128 tokens, where the GEMV above re-reads an expert for
+# every slot routed to it (512 slots: ~4x the bytes; 879 us a Qwen3-30B-A3B layer at 64 tokens on the H200) and the
+# grouped GGUF kernel decodes for tensor cores at ~280 GB/s (1,369 us). Off until the H200 times it
+# (`tools/sweep_moe --tokens 16,32,64,128 --no-sweep --gemv-tokens 128 --variants blocked,grouped`):
+# LLM_ENGINE_MOE_GROUPED_GEMV=1 takes it, read once, at GROUPED_GEMV_SLOTS[0] < slots <= GROUPED_GEMV_SLOTS[1] and no
+# more than GROUPED_PER_EXPERT slots an expert on average (with few experts blocks of one expert multiply, and the
+# grouped GEMM reads each expert once), over GGUF stacks whose rows the GEMV's loads read (stack_fits).
+GROUPED_GEMV = os.environ.get("LLM_ENGINE_MOE_GROUPED_GEMV", "") == "1"
+GROUPED_GEMV_SLOTS = (128, 1024)
+GROUPED_PER_EXPERT = 8
 
 
 def moe_gemv_kernel(x, w_a, w_b, y, ids, weights, n_rows, n_cols, n_steps, x_stride, w_e_stride, w_stride, y_stride,
@@ -175,6 +186,14 @@ def use_gemv(slots: int, experts: int, stacks) -> bool:
     gguf = any(moe_gguf.is_blocks(w) for w in stacks)
     limit = min(GGUF_GEMV_SLOTS, 4 * experts) if gguf else min(GEMV_SLOTS, experts)
     return slots <= limit and all(stack_fits(w) for w in stacks)
+
+
+def use_grouped_gemv(slots: int, experts: int, stacks) -> bool:
+    """Where moe.moe_experts takes the grouped GEMV by itself: switched on (GROUPED_GEMV), GROUPED_GEMV_SLOTS' range
+    and GROUPED_PER_EXPERT slots an expert, every stack GGUF blocks it can read."""
+    lo, hi = GROUPED_GEMV_SLOTS
+    return GROUPED_GEMV and lo < slots <= min(hi, GROUPED_PER_EXPERT * experts) and all(
+        moe_gguf.is_blocks(w) and stack_fits(w) for w in stacks)
 
 
 def uses_i8(target: str, *stacks, slots: int | None = None) -> bool:
