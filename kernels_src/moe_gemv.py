@@ -140,26 +140,13 @@ def moe_qgemv_kernel(x, xd, w_a, w_b, y, ids, weights, n_rows, n_cols, x_stride,
         return x_load(xrow, xdrow, b)
 
     def sums(mats, QTYPE, STEP, PARTS):
-        """Each matrix's sums [i * ROWS + r] of the program's rows, and the rows."""
-        elems, size = dg.FORMATS[QTYPE]
-        if I8:
-            x_load, w_load, w_dot, acc_shape = i8.I8_FAMILY[QTYPE]
-            rank, PARTS, x_prep = 4, 1, lambda m, b: x_i8(m, b, x_load)
-        else:
-            rank, acc_shape, x_fp, w_load, w_fp = dg._family(QTYPE, PARTS)
-            x_prep, w_dot = lambda m, b: x_fp(xrow, b, dec, PARTS), lambda raw, xp: w_fp(raw, xp, dec)
-        rows, accs = dg._gemv_loop([(w + first * s, s) for w, s in mats], n_rows, n_cols, elems, size, 1, ROWS, STEP,
-                                   PARTS, rank, acc_shape, x_prep, w_load, w_dot)
-        return rows, [tl.sum(a) for a in accs]
+        return gguf_pass_sums(mats, QTYPE, STEP, PARTS, first, n_rows, n_cols, 1, ROWS, I8, lambda m: xrow, x_i8, dec)
 
     if not GATED:
         rows, out = sums([(w_a, a_stride)], QTYPE_A, STEP_A, PARTS_A)
     else:
-        if QTYPE_A == QTYPE_B:
-            rows, both = sums([(w_a, a_stride), (w_b, b_stride)], QTYPE_A, STEP_A, PARTS_A)
-        else:
-            rows, both = sums([(w_a, a_stride)], QTYPE_A, STEP_A, PARTS_A)
-            both = both + sums([(w_b, b_stride)], QTYPE_B, STEP_B, PARTS_B)[1]
+        rows, both = gate_up_sums(sums, (w_a, a_stride), (w_b, b_stride), QTYPE_A, QTYPE_B, (STEP_A, PARTS_A),
+                                  (STEP_B, PARTS_B))
         w_slot = tl.load(weights + slot).to(tl.float32)
         out = [_act(g, ACT) * u * w_slot for g, u in zip(both[:ROWS], both[ROWS:], strict=True)]
     if PDL and I8:  # a program whose loop ran no step has not waited yet (a later wait returns at once)
@@ -167,6 +154,32 @@ def moe_qgemv_kernel(x, xd, w_a, w_b, y, ids, weights, n_rows, n_cols, x_stride,
         tl.launch_dependents()
     for row, v in zip(rows, out, strict=True):
         tl.store(y + slot.to(tl.int64) * y_stride + row, v, mask=row < n_rows)
+
+
+def gguf_pass_sums(mats, QTYPE, STEP, PARTS, first, n_rows, n_cols, M, ROWS, I8, x_row, x_i8, dec):
+    """A GGUF pass's sums [(i * ROWS + r) * M + m] over the program's rows of each matrix in `mats` ((w, row stride
+    in bytes), the expert's rows from `first`), and those rows: on fp x through dequant_gemv's family (x_row(m): x's
+    row m), or (I8) on int8 x through dequant_gemv_i8's (x_i8(m, b, x_load)). moe_qgemv_kernel (M = 1) and
+    moe_gemv_grouped (M slots a block) share it."""
+    elems, size = dg.FORMATS[QTYPE]
+    if I8:
+        x_load, w_load, w_dot, acc_shape = i8.I8_FAMILY[QTYPE]
+        rank, PARTS, x_prep = 4, 1, lambda m, b: x_i8(m, b, x_load)
+    else:
+        rank, acc_shape, x_fp, w_load, w_fp = dg._family(QTYPE, PARTS)
+        x_prep, w_dot = lambda m, b: x_fp(x_row(m), b, dec, PARTS), lambda raw, xp: w_fp(raw, xp, dec)
+    rows, accs = dg._gemv_loop([(w + first * s, s) for w, s in mats], n_rows, n_cols, elems, size, M, ROWS, STEP,
+                               PARTS, rank, acc_shape, x_prep, w_load, w_dot)
+    return rows, [tl.sum(a) for a in accs]
+
+
+def gate_up_sums(sums, gate, up, QTYPE_A, QTYPE_B, tiles_a, tiles_b):
+    """A gated pass's gate sums then up sums (and the rows): one loop sharing x where both have one format, else
+    one each (tiles: (STEP, PARTS))."""
+    if QTYPE_A == QTYPE_B:
+        return sums([gate, up], QTYPE_A, *tiles_a)
+    rows, both = sums([gate], QTYPE_A, *tiles_a)
+    return rows, both + sums([up], QTYPE_B, *tiles_b)[1]
 
 
 # --- host side -------------------------------------------------------------------------------------------------

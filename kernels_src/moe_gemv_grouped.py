@@ -63,26 +63,14 @@ def moe_grouped_qgemv_kernel(x, xd, w_a, w_b, y, rows, block_expert, weights, n_
         return x_load(xrows[m], xdrows[m], b)
 
     def sums(mats, QTYPE, STEP, PARTS):
-        """Each matrix's sums [(i * ROWS + r) * M + m] of the program's rows, and the rows."""
-        elems, size = dg.FORMATS[QTYPE]
-        if I8:
-            x_load, w_load, w_dot, acc_shape = i8.I8_FAMILY[QTYPE]
-            rank, PARTS, x_prep = 4, 1, lambda m, b: x_i8(m, b, x_load)
-        else:
-            rank, acc_shape, x_fp, w_load, w_fp = dg._family(QTYPE, PARTS)
-            x_prep, w_dot = lambda m, b: x_fp(xrows[m], b, dec, PARTS), lambda raw, xp: w_fp(raw, xp, dec)
-        out_rows, accs = dg._gemv_loop([(w + first * s, s) for w, s in mats], n_rows, k_cols, elems, size, M, ROWS,
-                                       STEP, PARTS, rank, acc_shape, x_prep, w_load, w_dot)
-        return out_rows, [tl.sum(a) for a in accs]
+        return moe_gemv.gguf_pass_sums(mats, QTYPE, STEP, PARTS, first, n_rows, k_cols, M, ROWS, I8,
+                                       lambda m: xrows[m], x_i8, dec)
 
     if not GATED:
         out_rows, out = sums([(w_a, a_stride)], QTYPE_A, STEP_A, PARTS_A)
     else:
-        if QTYPE_A == QTYPE_B:
-            out_rows, both = sums([(w_a, a_stride), (w_b, b_stride)], QTYPE_A, STEP_A, PARTS_A)
-        else:
-            out_rows, both = sums([(w_a, a_stride)], QTYPE_A, STEP_A, PARTS_A)
-            both = both + sums([(w_b, b_stride)], QTYPE_B, STEP_B, PARTS_B)[1]
+        out_rows, both = moe_gemv.gate_up_sums(sums, (w_a, a_stride), (w_b, b_stride), QTYPE_A, QTYPE_B,
+                                               (STEP_A, PARTS_A), (STEP_B, PARTS_B))
         w_slot = [tl.load(weights + c).to(tl.float32) for c in clamped]
         half = ROWS * M
         out = [_act(both[i], ACT) * both[half + i] * w_slot[i % M] for i in range(half)]
