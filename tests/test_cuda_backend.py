@@ -298,6 +298,8 @@ def test_an_eager_step_lets_go_of_each_activation_after_its_last_reader(saved, m
     whatever the depth; without it, every earlier value is. Logits unchanged."""
     import weakref
 
+    from backends.cuda import node_steps
+
     model = load_model(saved("qwen3")[1], progress=False)
     b = make_backend(model, "cpu", dtype="f32", cuda_graph=False)
     ref = ReferenceRunner(model, max_tokens=64, block_size=4)
@@ -317,7 +319,7 @@ def test_an_eager_step_lets_go_of_each_activation_after_its_last_reader(saved, m
     peak, nodes = max(alive), len(b.runner.graph.nodes)
     plan = b.runner._drops
     made.clear(), alive.clear()
-    b.runner._drops = {}
+    b.runner._drops, b.runner._steps = {}, node_steps.Steps({})  # the plan off (run_nodes' walk keeps its own copy)
     held, held_first = backend_greedy(b, ref, prompts, 2, 4)
     assert held == tokens and np.array_equal(held_first, first)
     assert max(alive) >= nodes // 2 > 3 * peak, (peak, max(alive), nodes)
