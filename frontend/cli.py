@@ -51,8 +51,10 @@ def parser() -> argparse.ArgumentParser:
                      "no LM head); auto (default): embed when its sentence-transformers files say so")
     src.add_argument("--runner", choices=list(RUNNER_TASKS), help="vLLM's spelling of --task (pooling: embed)")
     net = ap.add_argument_group("server")
-    net.add_argument("--h", metavar="HOST", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    net.add_argument("--p", metavar="PORT", type=int, default=2000, help="port (default 2000)")
+    net.add_argument("--h", "--host", dest="h", metavar="HOST", default="127.0.0.1",
+                     help="bind address (default 127.0.0.1)")
+    net.add_argument("--p", "--port", dest="p", metavar="PORT", type=int, default=2000,
+                     help="port (default 2000; --port as vLLM and llama-server spell it)")
     net.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 and tokenize")
     net.add_argument("--max-waiting", metavar="N", type=int, default=1024,
                      help="answer 429 when more than N requests wait (default 1024)")
