@@ -317,9 +317,9 @@ def test_an_eager_step_lets_go_of_each_activation_after_its_last_reader(saved, m
     prompts = [prompt(1, 9), prompt(2, 7)]
     tokens, first = backend_greedy(b, ref, prompts, 2, 4)
     peak, nodes = max(alive), len(b.runner.graph.nodes)
-    plan = b.runner._drops
+    plan = b.runner._steps.drops
     made.clear(), alive.clear()
-    b.runner._drops, b.runner._steps = {}, node_steps.Steps({})  # the plan off (run_nodes' walk keeps its own copy)
+    b.runner._steps = node_steps.Steps({})  # the plan off
     held, held_first = backend_greedy(b, ref, prompts, 2, 4)
     assert held == tokens and np.array_equal(held_first, first)
     assert max(alive) >= nodes // 2 > 3 * peak, (peak, max(alive), nodes)

@@ -46,8 +46,8 @@ class Runner:
         self._sole = {vid for vid, readers in uses.items() if len(readers) == 1 and vid not in outputs}
         # run_nodes lets go of a value after its last reader: an eager step held every layer's activations to its
         # end (an 8B model's 8,192-token step: ~1 GB a layer, tens of GB, then kept by torch's caching allocator)
-        self._drops = graph.last_reads()
-        self._steps = node_steps.Steps(self._drops)  # run_nodes' walk through each list of nodes, made once
+        # (node_steps.Steps holds that plan, graph.last_reads, with run_nodes' walk through each list of nodes)
+        self._steps = node_steps.Steps(graph.last_reads())
         self.target = kernel_target(device)
         self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), or (latent,)
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
