@@ -41,7 +41,8 @@ from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.gguf_gemv_common import _Decode
 
 __all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "GROUPED_GEMV", "GROUPED_GEMV_SLOTS", "I8", "I8_MIN_SLOTS",
-           "moe_gemv_kernel", "moe_qgemv_kernel", "run", "stack_fits", "use_gemv", "use_grouped_gemv", "uses_i8"]
+           "moe_gemv_kernel", "moe_qgemv_kernel", "readable_x", "run", "stack_fits", "use_gemv", "use_grouped_gemv",
+           "uses_i8"]
 
 # At most this many slots (tokens * top_k) take the GEMV path, dense and GGUF, and no more slots than experts
 # (dense) or four times as many (GGUF). The GEMV reads an expert once per slot that routes to it, the grouped
@@ -218,12 +219,12 @@ def uses_i8(target: str, *stacks, slots: int | None = None) -> bool:
         moe_gguf.is_blocks(w) and w.qtype.upper() in i8.I8_QTYPES for w in stacks)
 
 
-def _gguf_tiles(a, b, gated: bool) -> dict:
-    """dequant_gemv's rule tiles at M = 1 for each format (its TUNED table times the plain GEMV, not this one); a
-    fused gated pass (one format) takes half the rows."""
+def _gguf_tiles(a, b, gated: bool, m: int = 1) -> dict:
+    """dequant_gemv's rule tiles at M = m for each format (its TUNED table times the plain GEMV, not this one); a
+    fused gated pass (one format) takes half the rows. moe_gemv_grouped's too (m: its slots a block)."""
     qa, qb = a.qtype.upper(), (b.qtype if gated else a.qtype).upper()
     n = a.shape[1]
-    ta, tb = dg.rule_tiles(qa, 1, n), dg.rule_tiles(qb, 1, n)
+    ta, tb = dg.rule_tiles(qa, m, n), dg.rule_tiles(qb, m, n)
     rows = max(1, ta["ROWS"] // 2) if gated and qa == qb else ta["ROWS"]
     return dict(QTYPE_A=qa, QTYPE_B=qb, ROWS=rows, STEP_A=ta["STEP"], STEP_B=tb["STEP"], PARTS_A=ta["PARTS"],
                 PARTS_B=tb["PARTS"], num_warps=ta["num_warps"])
@@ -251,16 +252,21 @@ def _pass(src, a, b, dst, ids, weights, *, gated: bool, top_k: int, act: str, ta
                                                elem_stride(a, 0), elem_stride(a, 1), elem_stride(dst, 0))
 
 
+def readable_x(x, w_gate, w_up, w_down, name: str):
+    """x as the GGUF passes' loads read it (16-bit x in 8-byte words: dequant_gemv.aligned_x), after checking that
+    they can read every stack's rows (stack_fits; ValueError naming the pass and the alignment it needs)."""
+    for w, what in ((w_gate, "gate"), (w_up, "up"), (w_down, "down")):
+        if not stack_fits(w):
+            raise ValueError(f"{what}: {name} needs {w.qtype} rows {dg.ALIGN.get(w.qtype.upper(), 2)}-byte aligned "
+                             "(the grouped GEMM reads any 2-byte aligned rows)")
+    return dg.aligned_x(x) if moe_gguf.is_blocks(w_gate) else x
+
+
 def run(x, weights, ids, w_gate, w_up, w_down, hidden, y, *, top_k: int, act: str, target: str, pdl: bool,
         block_n: int | None = None, block_k: int | None = None) -> None:
     """Both passes: hidden [S, I] <- the gated pass over x [T, H], y [S, H] <- the down pass, for flat weights and
     ids [S] (S = T * top_k). Raises ValueError for a GGUF stack whose rows it cannot read (stack_fits)."""
-    for w, what in ((w_gate, "gate"), (w_up, "up"), (w_down, "down")):
-        if not stack_fits(w):
-            raise ValueError(f"{what}: the MoE GEMV needs {w.qtype} rows {dg.ALIGN.get(w.qtype.upper(), 2)}-byte "
-                             "aligned (the grouped path reads any 2-byte aligned rows)")
-    if moe_gguf.is_blocks(w_gate) and (dg._addr(x) % 8 or elem_stride(x, 0) % 4):  # 16-bit x: read in 8-byte words
-        x = x.contiguous().clone() if hasattr(x, "clone") else x.copy()
+    x = readable_x(x, w_gate, w_up, w_down, "the MoE GEMV")
     tile = dict(block_n=block_n, block_k=block_k)
     _pass(x, w_gate, w_up, hidden, ids, weights, gated=True, top_k=top_k, act=act, target=target, pdl=pdl, **tile)
     _pass(hidden, w_down, w_down, y, ids, weights, gated=False, top_k=top_k, act=act, target=target, pdl=pdl, **tile)

@@ -86,13 +86,8 @@ def moe_grouped_qgemv_kernel(x, xd, w_a, w_b, y, rows, block_expert, weights, n_
 # --- host side -------------------------------------------------------------------------------------------------
 
 def tiles(a, b, gated: bool, m: int = M) -> dict:
-    """dequant_gemv's rule tiles at M = m for each format; a fused gated pass (one format) takes half the rows."""
-    qa, qb = a.qtype.upper(), (b.qtype if gated else a.qtype).upper()
-    n = a.shape[1]
-    ta, tb = dg.rule_tiles(qa, m, n), dg.rule_tiles(qb, m, n)
-    rows = max(1, ta["ROWS"] // 2) if gated and qa == qb else ta["ROWS"]
-    return dict(QTYPE_A=qa, QTYPE_B=qb, M=m, ROWS=rows, STEP_A=ta["STEP"], STEP_B=tb["STEP"], PARTS_A=ta["PARTS"],
-                PARTS_B=tb["PARTS"], num_warps=ta["num_warps"])
+    """moe_gemv's tiles of a GGUF pass (dequant_gemv's rule) at M = m, with M."""
+    return moe_gemv._gguf_tiles(a, b, gated, m) | {"M": m}
 
 
 def _pass(src, a, b, dst, rows, block_expert, ids, weights, *, gated: bool, top_k: int, act: str, target: str,
@@ -117,13 +112,7 @@ def run(x, weights, ids, rows, block_expert, w_gate, w_up, w_down, hidden, y, *,
     """Both passes: hidden [S, I] <- the gated pass over x [T, H], y [S, H] <- the down pass, for flat weights and
     ids [S] and moe_align's (rows, block_expert) at block_m = m. Raises ValueError for a GGUF stack whose rows the
     loads cannot read (moe_gemv.stack_fits)."""
-    for w, what in ((w_gate, "gate"), (w_up, "up"), (w_down, "down")):
-        if not moe_gemv.stack_fits(w):
-            raise ValueError(f"{what}: the grouped MoE GEMV needs {w.qtype} rows "
-                             f"{dg.ALIGN.get(w.qtype.upper(), 2)}-byte aligned (the grouped GEMM reads any 2-byte "
-                             "aligned rows)")
-    if moe_gguf.is_blocks(w_gate):
-        x = dg.aligned_x(x)  # 16-bit x is read in 8-byte words
+    x = moe_gemv.readable_x(x, w_gate, w_up, w_down, "the grouped MoE GEMV")
     common = dict(top_k=top_k, act=act, target=target, pdl=pdl, m=m)
     _pass(x, w_gate, w_up, hidden, rows, block_expert, ids, weights, gated=True, **common)
     _pass(hidden, w_down, w_down, y, rows, block_expert, ids, weights, gated=False, **common)
