@@ -31,7 +31,7 @@ from kernels_src.decode_combine import (
     use_fused_reduce,
 )
 from kernels_src.dsl import Plans, compile, elem_stride, int_class, signature, tl, use_pdl
-from kernels_src.paged_cache_args import cache_strides, check_cache, quant_args  # noqa: F401  (paged_prefill's too)
+from kernels_src.paged_cache_args import cache_strides, check_cache, quant_args
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30

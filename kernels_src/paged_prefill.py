@@ -20,16 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
-from kernels_src.paged_attention import (
-    NO_WINDOW,
-    CacheScales,
-    attend,
-    cache_strides,
-    check_cache,
-    empty,
-    paged_attention_ref,
-    quant_args,
-)
+from kernels_src.paged_attention import NO_WINDOW, CacheScales, attend, empty, paged_attention_ref
+from kernels_src.paged_cache_args import cache_strides, check_cache, quant_args
 
 
 def paged_prefill_kernel(q, k_cache, v_cache, block_tables, context_lens, query_start, out, scale, softcap, window,
