@@ -86,7 +86,12 @@ def test_decode_table_spec():
     assert DecodeTable.parse(t.spec()) == t
     assert DecodeTable.parse("512").partitions == () and DecodeTable.parse("max=8").long_partition == LONG_PARTITION
     assert DecodeTable.parse("").max_partitions == MAX_PARTITIONS
-    for bad in ("8:64/48x4", "8:64/64x3", "16:64,8:32", "8:64:2", "max=", "max=0", "max=48"):
+    # min=: a floor under WAVES' cap (the fp8 cache's 64-sequence grids at 4 partitions, not 2), under max=
+    floor = DecodeTable.parse("128/128x4,max=64,min=4")
+    assert [floor.grid_cap(p, 132) for p in (8, 128, 512, 4096)] == [64, 8, 4, 4]
+    assert [default.grid_cap(p, 132) for p in (8, 128, 512, 4096)] == [64, 8, 2, 1]
+    assert DecodeTable.parse(floor.spec()) == floor and "min=4" in floor.spec() and "min" not in default.spec()
+    for bad in ("8:64/48x4", "8:64/64x3", "16:64,8:32", "8:64:2", "max=", "max=0", "max=48", "min=3", "max=4,min=8"):
         with pytest.raises(ValueError, match="decode t"):
             DecodeTable.parse(bad)
 

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
-from backends.cuda.decode_table import DecodeTable, pow2
+from backends.cuda.decode_table import DecodeTable, for_cache, pow2
 from kernels_src import paged_attention as pa
 
 # (q heads, KV heads, head dim) of a layer; the workers (spawned) read the choice from the environment
@@ -76,7 +76,8 @@ class Setting:
 
 
 def ours(batch: int, sms: int, table: DecodeTable | None = None) -> Setting:
-    table, programs = table or DecodeTable(), batch * KV_HEADS
+    """The runner's setting at `batch`: its table for the cache being timed (decode_table.for_cache), or `table`."""
+    table, programs = table or for_cache("fp8" if fp8() else None), batch * KV_HEADS
     return Setting(table.partition(programs), table.grid_cap(programs, sms), *table.tile(programs))
 
 

@@ -5,7 +5,8 @@ whole engine without editing code). Sizes count decode programs per partition: r
 Spec strings, comma-separated: `P:K` (up to P programs, K keys per partition), `K` (past the last P), either with
 `/BxW` (BLOCK_N B, W warps), and `max=N` (the grid's partitions at most). The `P:K` entries are the whole partition
 table (none: K keys at every size); what else a spec leaves out keeps its default. The default table is
-"8:64,32:128,128:256,512/64x4,max=64".
+"8:64,32:128,128:256,512/64x4,max=64"; `min=N` (the grid's partitions at least, where WAVES gives fewer) is
+left out of it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class DecodeTable:
     tiles: tuple[tuple[int, int, int], ...] = DECODE_TILES  # (programs up to, BLOCK_N, num_warps)
     long_tile: tuple[int, int] = DECODE_TILE  # past the last tile entry
     max_partitions: int = MAX_PARTITIONS
+    min_partitions: int = 1
 
     def __post_init__(self):
         for name, rows in (("partitions", self.partitions), ("tiles", self.tiles)):
@@ -46,8 +48,11 @@ class DecodeTable:
                 raise ValueError(f"decode tile {bn}x{nw}: BLOCK_N is a power of two >= 16, num_warps one of {WARPS}")
         if any(k < 1 for k in [p for _, p in self.partitions] + [self.long_partition]):
             raise ValueError(f"decode table {self.spec()}: keys per partition are positive")
-        if self.max_partitions < 1 or self.max_partitions & (self.max_partitions - 1):
-            raise ValueError(f"decode table {self.spec()}: the partition cap is a power of two (a graph key each)")
+        for cap in (self.max_partitions, self.min_partitions):
+            if cap < 1 or cap & (cap - 1):
+                raise ValueError(f"decode table {self.spec()}: the partition caps are powers of two (a graph key each)")
+        if self.min_partitions > self.max_partitions:
+            raise ValueError(f"decode table {self.spec()}: min= above max=")
 
     def tile(self, programs: int) -> tuple[int, int]:
         """(BLOCK_N, num_warps) of a grid of `programs` programs per partition."""
@@ -64,7 +69,7 @@ class DecodeTable:
         """Split-K partitions of a decode grid at most: a power of two that gives WAVES programs per SM, so that a
         long context keeps the GPU busy at small batches, within max_partitions. One grid serves every context (the
         kernel lengthens the partitions), so a CUDA graph per power of two up to this covers any context."""
-        return min(self.max_partitions, pow2(-(-WAVES * sms // programs)))
+        return min(self.max_partitions, max(self.min_partitions, pow2(-(-WAVES * sms // programs))))
 
     @classmethod
     def parse(cls, spec: str) -> DecodeTable:
@@ -72,8 +77,8 @@ class DecodeTable:
         parts, tiles, kw = [], [], {}
         for entry in filter(None, (e.strip() for e in spec.split(","))):
             try:
-                if entry.startswith("max="):
-                    kw["max_partitions"] = int(entry[4:])
+                if entry.startswith(("max=", "min=")):
+                    kw[entry[:3] + "_partitions"] = int(entry[4:])
                     continue
                 head, _, tile = entry.partition("/")
                 bn_nw = tuple(int(x) for x in tile.split("x")) if tile else None
@@ -96,8 +101,9 @@ class DecodeTable:
         tiles = {limit: (bn, nw) for limit, bn, nw in self.tiles}
         rows = [f"{limit}:{p}" + (f"/{tiles[limit][0]}x{tiles[limit][1]}" if limit in tiles else "")
                 for limit, p in self.partitions]
+        floor = [f"min={self.min_partitions}"] if self.min_partitions > 1 else []
         return ",".join(rows + [f"{self.long_partition}/{self.long_tile[0]}x{self.long_tile[1]}",
-                                f"max={self.max_partitions}"])
+                                f"max={self.max_partitions}"] + floor)
 
 
 # The fp8 cache (e4m3 bytes and a scale a token and head, decoded in the kernel) wants wider tiles and, at a few
@@ -105,8 +111,9 @@ class DecodeTable:
 # sweep (`python -m tools.bench_decode_attention --kv-cache-dtype fp8`, 2026-12-04, docs/BENCHMARKS.md): at batch 1 /
 # 4k our bf16 table's 64 keys, 64 x 4 took 15.3 us, 128 keys at 128 x 4 11.3; batch 4 / 4k 39.8 us against 24.1 for
 # 512 keys at 128 x 4; batch 16 / 16k 369.3 against ~285 for 128 keys at 128 x 4 (at the runner's cap of 8). Past 128
-# programs (batch 32+ at 8 KV heads) nothing was timed: the bf16 rows.
-FP8_SPEC = "8:128/128x4,32:512/128x4,128:128/128x4,512/64x4,max=64"
+# programs (batch 64 at 8 KV heads), the second sweep (2026-12-04, late): 128-key partitions at 128 x 4 and at least 4
+# of them, 1,425.5 -> 1,104.7 us at 16k and 370.4 -> 293.8 at 4k (the bf16 rows' 512 keys at 64 x 4, capped at 2).
+FP8_SPEC = "8:128/128x4,32:512/128x4,128:128/128x4,128/128x4,max=64,min=4"
 
 
 def for_cache(kv_quant: str | None) -> DecodeTable:
