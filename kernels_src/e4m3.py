@@ -24,6 +24,12 @@ MAGIC_BITS = 0x4B000000  # add, and that integer sits in the sum's low mantissa 
 # integer path; H200, docs/BENCHMARKS.md 2026-12-04: fp8_gemv 19.8 -> 16.3 us on Llama-3-8B's down projection, the
 # fp8 KV cache's decode at 16k 3,266 -> 3,344 tok/s); LLM_ENGINE_FP8_CVT=0 keeps the integer decode.
 CVT_TARGETS = () if os.environ.get("LLM_ENGINE_FP8_CVT", "1") == "0" else ("triton",)
+# Attention over an fp8 cache decoded by the cvt takes its dots in fp16 where q is bf16: e4m3 -> fp16 is the cvt
+# alone, where bf16 costs an F2F an element more (sm_90, Llama's decode at 128 keys a tile: 1,844 -> 1,442 SASS a
+# loop step), and fp16 holds every e4m3 value exactly, with 3 more mantissa bits than bf16 for q (saturated at fp16's
+# range). Off until timed on a GPU (LLM_ENGINE_FP8_F16_DOTS=1).
+F16_DOTS = os.environ.get("LLM_ENGINE_FP8_F16_DOTS", "0") == "1"
+FP16_MAX = 65504.0
 
 
 def use_cvt(target: str) -> bool:

@@ -59,6 +59,10 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
     n = tl.arange(0, BLOCK_N)
     rows = qv.shape[0]
     qk_scale = scale * LOG2E
+    dot_type = qv.dtype
+    if scales is not None and scales.cvt and e4m3.F16_DOTS and qv.dtype == tl.bfloat16:  # saturating, not inf
+        dot_type = tl.float16
+        qv = tl.minimum(tl.maximum(qv.to(tl.float32), -e4m3.FP16_MAX), e4m3.FP16_MAX).to(tl.float16)
 
     def body(it, m, den, acc):
         toks = lo + it * BLOCK_N + n
@@ -77,7 +81,7 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
             # p * vs is rounded to q's dtype for the PV dot: times 2^8 it stays clear of fp16's subnormals either way
             vs = tl.load(scales.v + soff, mask=valid, other=0.0) * e4m3.FP16_SHIFT
             if scales.cvt:  # the values themselves, in q's dtype (bf16: 1,017 -> 980 SASS a decode step on sm_90)
-                kt, vt = e4m3.convert(kt, qv.dtype), e4m3.convert(vt, qv.dtype)
+                kt, vt = e4m3.convert(kt, dot_type), e4m3.convert(vt, dot_type)
             else:
                 ks = ks * e4m3.FP16_SHIFT
                 kt, vt = e4m3.decode_f16(kt).to(qv.dtype), e4m3.decode_f16(vt).to(qv.dtype)
