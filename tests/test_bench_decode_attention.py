@@ -29,6 +29,8 @@ def test_plan_dedupes_the_sweep_and_keeps_ours_first():
             n, plen = s.grid(context)
             assert n * plen >= context and plen % s.block_n == 0 and n <= s.max_parts and n & (n - 1) == 0
         runs += len(plan)
+        alone = bench.plan(context, mine, sweep=False)  # --budget 0: an A/B of a switch at our setting
+        assert list(alone.values()) == [mine] and list(alone) == list(plan)[:1]
     # ~70 ms a run on an H200 (10 replays of 5 ms, the capture) plus the compile pass: within ~120 s
     assert runs <= 220
 

@@ -88,11 +88,12 @@ def settings(mine: Setting) -> list[Setting]:
     return [mine] + [s for s in sweep if s != mine]
 
 
-def plan(context: int, mine: Setting) -> dict[tuple, Setting]:
+def plan(context: int, mine: Setting, sweep: bool = True) -> dict[tuple, Setting]:
     """The distinct runs at `context`, (partitions, keys per partition, BLOCK_N, warps) -> the first setting that
-    gives it (ours first): settings whose cap or partition size does not bind there run the same grid."""
+    gives it (ours first): settings whose cap or partition size does not bind there run the same grid. sweep=False:
+    ours alone."""
     out: dict[tuple, Setting] = {}
-    for s in settings(mine):
+    for s in settings(mine) if sweep else [mine]:
         out.setdefault((*s.grid(context), s.block_n, s.num_warps), s)
     return out
 
@@ -253,7 +254,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="the caches' elements: "
                     "bf16 (auto) or e4m3 with a scale a token and head (fp8)")
     ap.add_argument("--hot", action="store_true", help="one copy of the caches, replayed from L2 where it fits")
-    ap.add_argument("--budget", type=float, default=100.0, help="seconds; past it only our setting is timed")
+    ap.add_argument("--budget", type=float, default=100.0, help="seconds; past it only our setting is timed (0: "
+                    "only ours, nothing else compiled: an A/B of a switch)")
     ap.add_argument("--trace", action="store_true", help="print each setting before timing it (with "
                     "CUDA_LAUNCH_BLOCKING=1: which one faults)")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_decode_attention.json")
@@ -269,7 +271,7 @@ def main() -> None:
 
     batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plans = {(b, c): plan(c, ours(b, sms)) for b, c in itertools.product(batches, contexts)}
+    plans = {(b, c): plan(c, ours(b, sms), sweep=args.budget > 0) for b, c in itertools.product(batches, contexts)}
     jobs = sorted({(s, k[0]) for p in plans.values() for k, s in p.items()}, key=repr)
     workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1))
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
