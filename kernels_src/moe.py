@@ -16,15 +16,13 @@ Small batches (at most moe_gemv.GEMV_SLOTS slots and no more than the experts, o
 moe_gemv.use_gemv) group nothing:
 kernels_src/moe_gemv.py runs each slot's expert as GEMVs, its id read in the kernel, over dense rows or through
 dequant_gemv's per-format loop (three launches with the sum, against some thirty with moe_align's array ops).
-Between them (LLM_ENGINE_MOE_GROUPED_GEMV=1 over GGUF stacks, moe_gemv.use_grouped_gemv; off until timed) the GEMV
-takes slots aligned by expert: kernels_src/moe_gemv_grouped.py decodes an expert's rows once for a block of 8 slots.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kernels_src import moe_dequant, moe_gemv, moe_gemv_grouped, moe_gguf
+from kernels_src import moe_dequant, moe_gemv, moe_gguf
 from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.moe_slots import block_slots
@@ -148,16 +146,15 @@ def _check_stacks(t: int, h: int, w_gate, w_up, w_down) -> None:
 
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out=None, target: str = "numpy",
-                pdl: bool | None = None, gemv: bool | str | None = None, dequant: bool | None = None,
+                pdl: bool | None = None, gemv: bool | None = None, dequant: bool | None = None,
                 block_m: int | None = None, block_n: int | None = None, block_k: int | None = None):
     """sum over k of weights[t, k] * w_down[e] @ (act(w_gate[e] @ x[t]) * (w_up[e] @ x[t])), e = ids[t, k], for x
     [T, H] (rows contiguous), weights [T, k] fp32, ids [T, k], stacks [E, I, H] / [E, H, I]: dense with contiguous
     rows, or GGUF blocks (moe_gguf.GGUFStack; gate and up both or neither); out [T, H] (made in x's dtype when not
-    given). gemv: True, the per-slot GEMVs of kernels_src/moe_gemv.py; "grouped", the grouped GEMV of
-    kernels_src/moe_gemv_grouped.py (block_m: its slots a block); False, the grouped kernels; None: where
-    moe_gemv.use_grouped_gemv, then moe_gemv.use_gemv say; dequant: the grouped path's GGUF passes through experts
-    dequantized a chunk at a time and the dense kernel (None: where moe_dequant.use_dequant says); block_n, block_k:
-    the dense tiles (a GGUF pass steps by whole blocks)."""
+    given). gemv: the per-slot GEMVs of kernels_src/moe_gemv.py (None: where moe_gemv.use_gemv says) or the grouped
+    kernels; dequant: the grouped path's GGUF passes through experts dequantized a chunk at a time and the dense
+    kernel (None: where moe_dequant.use_dequant says); block_n, block_k: the dense tiles (a GGUF pass steps by whole
+    blocks)."""
     t, h = x.shape
     k = ids.shape[1]
     e, inner = _shape(w_gate)[:2]
@@ -169,15 +166,7 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
     pdl = use_pdl(target, pdl)
     hidden = empty(x, (s, inner))
     y = empty(x, (s, h))
-    stacks = (w_gate, w_up, w_down)
-    if gemv is None and moe_gemv.use_grouped_gemv(s, e, stacks):
-        gemv = "grouped"
-    if gemv == "grouped":
-        m = block_m or moe_gemv_grouped.M
-        rows, block_expert = moe_align(ids, e, m)
-        moe_gemv_grouped.run(x, flat_w, ids.reshape(-1), rows, block_expert, *stacks, hidden, y, top_k=k, act=act,
-                             target=target, pdl=pdl, m=m)
-    elif moe_gemv.use_gemv(s, e, stacks) if gemv is None else gemv:
+    if moe_gemv.use_gemv(s, e, (w_gate, w_up, w_down)) if gemv is None else gemv:
         moe_gemv.run(x, flat_w, ids.reshape(-1), w_gate, w_up, w_down, hidden, y, top_k=k, act=act, target=target,
                      pdl=pdl, block_n=block_n, block_k=block_k)
     else:

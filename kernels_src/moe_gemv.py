@@ -40,9 +40,8 @@ from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.gguf_gemv_common import _Decode
 
-__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "GROUPED_GEMV", "GROUPED_GEMV_SLOTS", "I8", "I8_MIN_SLOTS",
-           "moe_gemv_kernel", "moe_qgemv_kernel", "readable_x", "run", "stack_fits", "use_gemv", "use_grouped_gemv",
-           "uses_i8"]
+__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "I8", "I8_MIN_SLOTS", "moe_gemv_kernel", "moe_qgemv_kernel", "readable_x",
+           "run", "stack_fits", "use_gemv", "uses_i8"]
 
 # At most this many slots (tokens * top_k) take the GEMV path, dense and GGUF, and no more slots than experts
 # (dense) or four times as many (GGUF). The GEMV reads an expert once per slot that routes to it, the grouped
@@ -68,17 +67,6 @@ DENSE_TILES = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
 # LLM_ENGINE_MOE_I8=1 at every size, =0 never (read once, as LLM_ENGINE_MOE_DEQUANT). I8: None (the slot rule) or that.
 I8 = {"1": True, "0": False}.get(os.environ.get("LLM_ENGINE_MOE_I8", ""))
 I8_MIN_SLOTS = 64
-# The grouped GEMV over GGUF stacks (kernels_src/moe_gemv_grouped.py: slots aligned by expert, a program's decoded rows
-# dotted with a block of 8 slots' x) for decode batches of 16-128 tokens, where the GEMV above re-reads an expert for
-# every slot routed to it (512 slots: ~4x the bytes; 879 us a Qwen3-30B-A3B layer at 64 tokens on the H200) and the
-# grouped GGUF kernel decodes for tensor cores at ~280 GB/s (1,369 us). Off until the H200 times it
-# (`tools/sweep_moe --tokens 16,32,64,128 --no-sweep --gemv-tokens 128 --variants blocked,grouped`):
-# LLM_ENGINE_MOE_GROUPED_GEMV=1 takes it, read once, at GROUPED_GEMV_SLOTS[0] < slots <= GROUPED_GEMV_SLOTS[1] and no
-# more than GROUPED_PER_EXPERT slots an expert on average (with few experts blocks of one expert multiply, and the
-# grouped GEMM reads each expert once), over GGUF stacks whose rows the GEMV's loads read (stack_fits).
-GROUPED_GEMV = os.environ.get("LLM_ENGINE_MOE_GROUPED_GEMV", "") == "1"
-GROUPED_GEMV_SLOTS = (128, 1024)
-GROUPED_PER_EXPERT = 8
 
 
 def moe_gemv_kernel(x, w_a, w_b, y, ids, weights, n_rows, n_cols, n_steps, x_stride, w_e_stride, w_stride, y_stride,
@@ -141,7 +129,7 @@ def moe_qgemv_kernel(x, xd, w_a, w_b, y, ids, weights, n_rows, n_cols, x_stride,
         return x_load(xrow, xdrow, b)
 
     def sums(mats, QTYPE, STEP, PARTS):
-        return gguf_pass_sums(mats, QTYPE, STEP, PARTS, first, n_rows, n_cols, 1, ROWS, I8, lambda m: xrow, x_i8, dec)
+        return gguf_pass_sums(mats, QTYPE, STEP, PARTS, first, n_rows, n_cols, ROWS, I8, xrow, x_i8, dec)
 
     if not GATED:
         rows, out = sums([(w_a, a_stride)], QTYPE_A, STEP_A, PARTS_A)
@@ -157,19 +145,18 @@ def moe_qgemv_kernel(x, xd, w_a, w_b, y, ids, weights, n_rows, n_cols, x_stride,
         tl.store(y + slot.to(tl.int64) * y_stride + row, v, mask=row < n_rows)
 
 
-def gguf_pass_sums(mats, QTYPE, STEP, PARTS, first, n_rows, n_cols, M, ROWS, I8, x_row, x_i8, dec):
-    """A GGUF pass's sums [(i * ROWS + r) * M + m] over the program's rows of each matrix in `mats` ((w, row stride
-    in bytes), the expert's rows from `first`), and those rows: on fp x through dequant_gemv's family (x_row(m): x's
-    row m), or (I8) on int8 x through dequant_gemv_i8's (x_i8(m, b, x_load)). moe_qgemv_kernel (M = 1) and
-    moe_gemv_grouped (M slots a block) share it."""
+def gguf_pass_sums(mats, QTYPE, STEP, PARTS, first, n_rows, n_cols, ROWS, I8, xrow, x_i8, dec):
+    """A GGUF pass's sums [i * ROWS + r] over the program's rows of each matrix in `mats` ((w, row stride in
+    bytes), the expert's rows from `first`), and those rows: on fp x (row xrow) through dequant_gemv's family at
+    M = 1, or (I8) on int8 x through dequant_gemv_i8's (x_i8(m, b, x_load))."""
     elems, size = dg.FORMATS[QTYPE]
     if I8:
         x_load, w_load, w_dot, acc_shape = i8.I8_FAMILY[QTYPE]
         rank, PARTS, x_prep = 4, 1, lambda m, b: x_i8(m, b, x_load)
     else:
         rank, acc_shape, x_fp, w_load, w_fp = dg._family(QTYPE, PARTS)
-        x_prep, w_dot = lambda m, b: x_fp(x_row(m), b, dec, PARTS), lambda raw, xp: w_fp(raw, xp, dec)
-    rows, accs = dg._gemv_loop([(w + first * s, s) for w, s in mats], n_rows, n_cols, elems, size, M, ROWS, STEP,
+        x_prep, w_dot = lambda m, b: x_fp(xrow, b, dec, PARTS), lambda raw, xp: w_fp(raw, xp, dec)
+    rows, accs = dg._gemv_loop([(w + first * s, s) for w, s in mats], n_rows, n_cols, elems, size, 1, ROWS, STEP,
                                PARTS, rank, acc_shape, x_prep, w_load, w_dot)
     return rows, [tl.sum(a) for a in accs]
 
@@ -202,14 +189,6 @@ def use_gemv(slots: int, experts: int, stacks) -> bool:
     return slots <= limit and all(stack_fits(w) for w in stacks)
 
 
-def use_grouped_gemv(slots: int, experts: int, stacks) -> bool:
-    """Where moe.moe_experts takes the grouped GEMV by itself: switched on (GROUPED_GEMV), GROUPED_GEMV_SLOTS' range
-    and GROUPED_PER_EXPERT slots an expert, every stack GGUF blocks it can read."""
-    lo, hi = GROUPED_GEMV_SLOTS
-    return GROUPED_GEMV and lo < slots <= min(hi, GROUPED_PER_EXPERT * experts) and all(
-        moe_gguf.is_blocks(w) and stack_fits(w) for w in stacks)
-
-
 def uses_i8(target: str, *stacks, slots: int | None = None) -> bool:
     """Whether a pass of `slots` slots (None: any) over `stacks` takes the int8-x GEMV: switched on (I8, else
     I8_MIN_SLOTS slots or more), on dequant_gemv_i8.I8_TARGETS, and every stack GGUF blocks of a format with an int8
@@ -219,12 +198,12 @@ def uses_i8(target: str, *stacks, slots: int | None = None) -> bool:
         moe_gguf.is_blocks(w) and w.qtype.upper() in i8.I8_QTYPES for w in stacks)
 
 
-def _gguf_tiles(a, b, gated: bool, m: int = 1) -> dict:
-    """dequant_gemv's rule tiles at M = m for each format (its TUNED table times the plain GEMV, not this one); a
-    fused gated pass (one format) takes half the rows. moe_gemv_grouped's too (m: its slots a block)."""
+def _gguf_tiles(a, b, gated: bool) -> dict:
+    """dequant_gemv's rule tiles at M = 1 for each format (its TUNED table times the plain GEMV, not this one); a
+    fused gated pass (one format) takes half the rows."""
     qa, qb = a.qtype.upper(), (b.qtype if gated else a.qtype).upper()
     n = a.shape[1]
-    ta, tb = dg.rule_tiles(qa, m, n), dg.rule_tiles(qb, m, n)
+    ta, tb = dg.rule_tiles(qa, 1, n), dg.rule_tiles(qb, 1, n)
     rows = max(1, ta["ROWS"] // 2) if gated and qa == qb else ta["ROWS"]
     return dict(QTYPE_A=qa, QTYPE_B=qb, ROWS=rows, STEP_A=ta["STEP"], STEP_B=tb["STEP"], PARTS_A=ta["PARTS"],
                 PARTS_B=tb["PARTS"], num_warps=ta["num_warps"])
@@ -252,13 +231,13 @@ def _pass(src, a, b, dst, ids, weights, *, gated: bool, top_k: int, act: str, ta
                                                elem_stride(a, 0), elem_stride(a, 1), elem_stride(dst, 0))
 
 
-def readable_x(x, w_gate, w_up, w_down, name: str):
+def readable_x(x, w_gate, w_up, w_down):
     """x as the GGUF passes' loads read it (16-bit x in 8-byte words: dequant_gemv.aligned_x), after checking that
-    they can read every stack's rows (stack_fits; ValueError naming the pass and the alignment it needs)."""
+    they can read every stack's rows (stack_fits; ValueError naming the stack and the alignment it needs)."""
     for w, what in ((w_gate, "gate"), (w_up, "up"), (w_down, "down")):
         if not stack_fits(w):
-            raise ValueError(f"{what}: {name} needs {w.qtype} rows {dg.ALIGN.get(w.qtype.upper(), 2)}-byte aligned "
-                             "(the grouped GEMM reads any 2-byte aligned rows)")
+            raise ValueError(f"{what}: the MoE GEMV needs {w.qtype} rows {dg.ALIGN.get(w.qtype.upper(), 2)}-byte "
+                             "aligned (the grouped path reads any 2-byte aligned rows)")
     return dg.aligned_x(x) if moe_gguf.is_blocks(w_gate) else x
 
 
@@ -266,7 +245,7 @@ def run(x, weights, ids, w_gate, w_up, w_down, hidden, y, *, top_k: int, act: st
         block_n: int | None = None, block_k: int | None = None) -> None:
     """Both passes: hidden [S, I] <- the gated pass over x [T, H], y [S, H] <- the down pass, for flat weights and
     ids [S] (S = T * top_k). Raises ValueError for a GGUF stack whose rows it cannot read (stack_fits)."""
-    x = readable_x(x, w_gate, w_up, w_down, "the MoE GEMV")
+    x = readable_x(x, w_gate, w_up, w_down)
     tile = dict(block_n=block_n, block_k=block_k)
     _pass(x, w_gate, w_up, hidden, ids, weights, gated=True, top_k=top_k, act=act, target=target, pdl=pdl, **tile)
     _pass(hidden, w_down, w_down, y, ids, weights, gated=False, top_k=top_k, act=act, target=target, pdl=pdl, **tile)

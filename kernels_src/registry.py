@@ -19,7 +19,6 @@ from kernels_src import (
     mla_decode,
     moe,
     moe_gemv,
-    moe_gemv_grouped,
     moe_gguf,
     moe_route,
     paged_attention,
@@ -283,19 +282,6 @@ register(KernelEntry(
     notes="moe_gemv over GGUF stacks through dequant_gemv's loop (one-warp programs, its tiles at M = 1); the down "
           "pass is this kernel with GATED=False and down_qtype's blocks; I8 (from moe_gemv.I8_MIN_SLOTS slots): on "
           "int8 x from quantize_x (xd its scales), through dequant_gemv_i8's loads and dots"))
-# the grouped GEMV between them (LLM_ENGINE_MOE_GROUPED_GEMV=1): 64 tokens (512 slots) in blocks of M slots an expert
-_st = moe_gguf.GGUFStack(None, "Q4_K", (128, 768, 2048))
-_grouped_tiles = moe_gemv_grouped.tiles(_st, _st, True)
-_grouped_tiles.pop("num_warps")
-register(KernelEntry(
-    "moe_gemv_grouped", moe_gemv_grouped.moe_grouped_qgemv_kernel,
-    dict(TOP_K=8, GATED=True, ACT="silu", SUBNORMAL=True, PDL=True, I8=False, **_grouped_tiles),
-    _ptrs(BF16, "x", "y", w_a="*u8", w_b="*u8", xd="*fp32", rows="*i32", block_expert="*i32", weights="*fp32"),
-    dict(tokens=64, hidden=2048, inner=768, experts=128, top_k=8, qtype="Q4_K", down_qtype="Q6_K", dtype=BF16),
-    moe_gguf_bytes, flops=_moe_flops, launcher=moe.moe_experts,
-    notes="after moe_align at block_m = M: program (row tile, block) decodes an expert's rows once for the block's "
-          "M slots through dequant_gemv's loop at M; the down pass is this kernel with GATED=False and down_qtype's "
-          "blocks; then each token's top_k rows summed; I8 (moe_gemv.uses_i8's rule): on int8 x from quantize_x"))
 
 
 # DeepSeek-V3's router for a decode batch of 16: 256 experts in 8 groups, sigmoid scores and a correction bias

@@ -113,16 +113,6 @@ SIZES["moe_gemv_gguf"] = [("t1", dict(tokens=1)),
                           ("t2_small_k", dict(tokens=2, qtype="Q2_K", down_qtype="Q3_K", experts=8)),
                           ("t3_v2_lite", dict(tokens=3, top_k=6, experts=64, inner=1408, qtype="Q4_K",
                                               down_qtype="Q5_0", padded=True))]
-# the grouped GEMV: Q4_K_M's at 64 tokens (512 slots), 16 and 128, tokens crowding 8 experts (many blocks of one
-# expert), Q5_K and Q8_0 stacks, gate and up of two formats with padded rows, V2-Lite's shape
-SIZES["moe_gemv_grouped"] = [("t64", dict(tokens=64)), ("t16", dict(tokens=16)), ("t128", dict(tokens=128)),
-                             ("t40_crowd", dict(tokens=40, experts=8)),
-                             ("t32_q5_k", dict(tokens=32, qtype="Q5_K", down_qtype="Q5_K")),
-                             ("t32_q8_0", dict(tokens=32, qtype="Q8_0", down_qtype="Q8_0", padded=True)),
-                             ("t24_mixed", dict(tokens=24, qtype="Q8_0", up_qtype="Q4_K", down_qtype="Q6_K",
-                                                padded=True)),
-                             ("t20_v2_lite", dict(tokens=20, top_k=6, experts=64, inner=1408, qtype="Q4_K",
-                                                  down_qtype="Q5_0"))]
 # the int8 tensor-core GEMM at the runner's 4-32 rows: a ragged batch, K over several super-blocks, N off the tile
 SIZES |= {n: [("m16", dict(m=16, n=300, k=4096)), ("m5", dict(m=5, n=77, k=2048)), ("m32", dict(m=32, n=520, k=1024))]
           for n in REGISTRY if n.startswith("mmq_")}

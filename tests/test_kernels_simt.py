@@ -30,7 +30,6 @@ from kernels_src import (
     mla_decode,
     moe,
     moe_gemv,
-    moe_gemv_grouped,
     moe_gguf,
     moe_route,
     rms_norm,
@@ -229,7 +228,6 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            moe.moe_gemm_kernel,  # its simt-cpu case: test_kernels_moe.py
            moe_gguf.moe_qgemm_kernel,  # its simt-cpu case: test_kernels_moe_gguf.py
            moe_gemv.moe_gemv_kernel, moe_gemv.moe_qgemv_kernel,  # their simt-cpu case: test_kernels_moe_gemv.py
-           moe_gemv_grouped.moe_grouped_qgemv_kernel,  # its simt-cpu case: test_kernels_moe_grouped_gemv.py
            moe_route.moe_route_kernel,  # its simt-cpu case: test_kernels_moe_route.py
            mla_decode.mla_decode_kernel,  # its simt-cpu case: test_kernels_mla.py
            dense_gemv.dense_gemv_kernel,  # its simt-cpu case: test_kernels_dense_gemv.py

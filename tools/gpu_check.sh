@@ -269,19 +269,11 @@ pending_moe() {
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending "* ]] && step pending gpu 540 pending
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_moe "* ]] && step pending_moe gpu 540 pending_moe
-# Built on a CPU and not yet timed (by name: GPU_CHECK_STEPS=pending_next, ~250 s): the grouped MoE GEMV over GGUF
-# stacks (LLM_ENGINE_MOE_GROUPED_GEMV, its slot bounds: kernels_src/moe_gemv_grouped.py) against the per-slot GEMV
-# and the grouped kernels, its GPU correctness cases; the eager step's host cost after the bound launches
-# (tools/bench_launch; 10.29 ms for 8 layers before); the fp8 cache's four-batch decode sweep, which faulted once
-# (docs/BENCHMARKS.md 2026-12-04 evening), traced.
+# Built on a CPU and not yet timed (by name: GPU_CHECK_STEPS=pending_next, ~150 s): the eager step's host cost after
+# the bound launches (tools/bench_launch; 10.29 ms for 8 layers before); the fp8 cache's four-batch decode sweep, which
+# faulted once (docs/BENCHMARKS.md 2026-12-04 evening), traced.
 pending_next() {
     local rc=0
-    "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "moe_gemv_grouped and triton" tests/test_kernels_gpu.py || rc=1
-    echo "== A/B LLM_ENGINE_MOE_GROUPED_GEMV: grouped GEMV (M = 8 fp / int8 x, M = 4 int8 x) against the per-slot one"
-    timeout 90 "$PY" -m tools.sweep_moe --tokens 16,32 --no-sweep --gemv-tokens 128 --variants blocked,grouped \
-        --layers 4 || rc=1
-    timeout 90 "$PY" -m tools.sweep_moe --tokens 64,128 --no-sweep --gemv-tokens 128 --variants blocked,grouped \
-        --layers 4 || rc=1
     echo "== the eager step's host cost"
     timeout 60 "$PY" -m tools.bench_launch --layers 8 --json "$OUT"/bench_launch.json || rc=1
     echo "== the fp8 cache's decode sweep at four batches, traced"

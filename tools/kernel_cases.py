@@ -325,11 +325,10 @@ def _moe(d: Dev, p: dict, name: str) -> Case:
     """Routed tokens through a stack of experts: distinct experts per token (a router's top_k), weights that sum to 1;
     the reference on a sample of tokens in float64 (over the experts they use). With `qtype` in p (the _gguf kernels)
     gate is GGUF blocks of it, up of `up_qtype` (default: qtype), down of `down_qtype`, random valid blocks (`padded`:
-    rows in wider ones, 16-byte aligned for the GEMVs). moe_gemm* runs the grouped path, moe_gemv_grouped the grouped
-    GEMV, the other moe_gemv* the GEMV a slot, whatever the rule would pick."""
+    rows in wider ones, 16-byte aligned for the GEMV). moe_gemm* runs the grouped path, moe_gemv* the GEMV, whatever
+    the rule would pick."""
     t, h, inner, e, k, dt = p["tokens"], p["hidden"], p["inner"], p["experts"], p["top_k"], d.dtype(p["dtype"])
-    torch = d.torch
-    gemv = "grouped" if name == "moe_gemv_grouped" else name.startswith("moe_gemv")
+    torch, gemv = d.torch, name.startswith("moe_gemv")
     x = d.randn((t, h), dt)
     ids = torch.stack([d.perm(e)[:k] for _ in range(t)]).to(torch.int32)
     weights = torch.softmax(torch.randn((t, k), device=d.dev, generator=d.gen), -1)
@@ -337,7 +336,7 @@ def _moe(d: Dev, p: dict, name: str) -> Case:
     if "qtype" in p:
         qtypes = (p["qtype"], p.get("up_qtype", p["qtype"]), p["down_qtype"])
         stacks = [moe_gguf.GGUFStack(gguf_weights(d, q, e * n, kk, 1 / (SPREAD[q] * kk ** 0.5), p.get("padded", False),
-                                                  16 if gemv is not False else 1), q, (e, n, kk))
+                                                  16 if gemv else 1), q, (e, n, kk))
                   for q, (n, kk) in zip(qtypes, shapes, strict=True)]
     else:
         stacks = [d.randn((e, n, kk), dt, kk ** -0.5) for n, kk in shapes]
@@ -367,8 +366,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
     "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_route": _moe_route,
-    **{n: functools.partial(_moe, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf",
-                                                    "moe_gemv_grouped")},
+    **{n: functools.partial(_moe, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf")},
     "dense_gemm": dense_gemm_case,
     "int_group_gemv": functools.partial(int_group_gemv_case, name="int_group_gemv"),
     "int_group_gemm": functools.partial(int_group_gemm_case, name="int_group_gemm"),

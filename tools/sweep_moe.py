@@ -8,10 +8,8 @@ launcher's own choice end to end, against the per-expert loop it replaced (token
 expert's rows through dequant_gemv / mmq / dequant_matmul as Runner._quant_linear picks) and the dense bf16 fused
 MoE; up to GEMV_TOKENS tokens, both paths of the launcher forced (grouped, and a GEMV a slot: kernels_src/moe_gemv.py),
 GGUF and dense, to place moe_gemv.GEMV_SLOTS (--variants blocked,i8: the GGUF GEMV on int8 x too, moe_gemv.I8;
-`--tokens 1,8,16 --no-sweep --variants blocked,i8` times it against fp x; --variants blocked,grouped: the grouped GEMV,
-kernels_src/moe_gemv_grouped.py, at GROUPED_RUNS' slots a block and x, against the per-slot GEMV on fp x, to place
-moe_gemv.GROUPED_GEMV and its slot bounds: `--tokens 16,32,64,128 --no-sweep --gemv-tokens 128 --variants
-blocked,grouped`). GB/s counts the routed experts' blocks (or bf16 rows) once.
+`--tokens 1,8,16 --no-sweep --variants blocked,i8` times it against fp x). GB/s counts the routed experts' blocks
+(or bf16 rows) once.
 --dequant times only the grouped path over GGUF stacks two ways, at --tokens (default 64,256,2048): the grouped GGUF
 kernel against experts dequantized a chunk at a time and the dense kernel (kernels_src/moe_dequant.py), beside the
 dequantization alone and the dense bf16 grouped kernel, to place moe_dequant.DEQUANT_SLOTS_PER_EXPERT."""
@@ -27,8 +25,6 @@ from types import SimpleNamespace
 
 H, INNER, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B's MoE layer
 GEMV_TOKENS = 32  # both paths timed up to this batch (256 slots: moe_gemv.GGUF_GEMV_SLOTS)
-# the grouped GEMV's (slots a block, int8 x) timed: M = 16 spills in the sm_90 build (255 registers at fp x)
-GROUPED_RUNS = ((8, False), (8, True), (4, True))
 DEQUANT_TOKENS = "64,256,2048"  # --dequant's batches: 512, 2,048 and 16,384 slots (a prefill of 2,048 tokens)
 
 
@@ -82,7 +78,7 @@ def sweep_passes(torch, layers, tokens: int, variants=("blocked",)) -> list[dict
             continue  # tall tiles of padding only
         aligned = [moe.moe_align(ids, E, block_m) for _, ids, _ in layers]
         for gated, block_n, warps, variant in itertools.product((True, False), (16, 32, 64), (4, 8), variants):
-            if variant in ("i8", "grouped") or variant == "words" and not gated:  # the GEMV paths': end to end
+            if variant == "i8" or variant == "words" and not gated:  # i8: the GEMV path's, timed end to end
                 continue  # the down stacks are Q6_K: words changes nothing there
 
             def run(block_n=block_n, warps=warps, gated=gated, block_m=block_m, aligned=aligned, variant=variant,
@@ -148,9 +144,9 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
     runner.mmq_variant, runner.mmq_max_rows = None, MMQ_MAX_ROWS
     runner.x_int8_plan = x_int8_fusion.Plan()  # no norm before these linears: each quantizes its own x
 
-    def fused(ls, gemv=None, block_m=None):
+    def fused(ls, gemv=None):
         for stacks, ids, w in ls:
-            moe.moe_experts(x, w, ids, *stacks, target="triton", gemv=gemv, block_m=block_m)
+            moe.moe_experts(x, w, ids, *stacks, target="triton", gemv=gemv)
 
     def loop():
         for stacks, ids, w in layers:
@@ -181,8 +177,6 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
             res["i8_gemv_us"] = _bench(lambda: fused(layers, True)) / n * 1e6
         finally:
             moe_gemv.I8 = was
-    if "grouped" in variants and tokens <= gemv_tokens:
-        res |= _grouped_gemv(layers, x, want, lambda **kw: fused(layers, **kw))
     if "words" in variants:  # the launcher with moe_gguf.WORDS on: its choice, and the grouped path forced
         was, moe_gguf.WORDS = moe_gguf.WORDS, True
         try:
@@ -192,28 +186,6 @@ def end_to_end(torch, layers, dense, tokens: int, gemv_tokens: int = GEMV_TOKENS
             res["words_grouped_us"] = _bench(lambda: fused(layers, False)) / n * 1e6
         finally:
             moe_gguf.WORDS = was  # the default (on since 2026-12-03) for the next batch's runs
-    return res
-
-
-def _grouped_gemv(layers, x, want, fused) -> dict:
-    """The grouped GEMV at each of GROUPED_RUNS (us a layer, and its largest difference from the per-expert loop),
-    and the per-slot GEMV on fp x (gemv_us: on x as moe_gemv.I8's rule picks, int8 from 64 slots)."""
-    from kernels_src import moe, moe_gemv
-
-    n, (stacks, ids, w) = len(layers), layers[0]
-    res = {}
-    was = moe_gemv.I8
-    try:
-        for m, int8 in GROUPED_RUNS:
-            moe_gemv.I8 = int8
-            key = f"grouped_gemv_m{m}_{'i8' if int8 else 'fp'}"
-            got = moe.moe_experts(x, w, ids, *stacks, target="triton", gemv="grouped", block_m=m).float()
-            res[f"{key}_max_rel_diff"] = float((got - want).abs().max() / want.abs().max())
-            res[f"{key}_us"] = _bench(lambda m=m: fused(gemv="grouped", block_m=m)) / n * 1e6
-        moe_gemv.I8 = False
-        res["gemv_fp_us"] = _bench(lambda: fused(gemv=True)) / n * 1e6
-    finally:
-        moe_gemv.I8 = was
     return res
 
 
@@ -268,13 +240,12 @@ def main(argv: list[str] | None = None) -> None:
                     f"(default {GEMV_TOKENS})")
     ap.add_argument("--variants", default="blocked", help="the grouped kernel's variants, comma-separated: blocked, "
                     "words (Q4_K / Q5_K headers as 32-bit words; moe_gguf.WORDS); i8: the GEMV path on int8 x too "
-                    "(moe_gemv.I8), up to --gemv-tokens; grouped: the grouped GEMV (moe_gemv_grouped) at "
-                    f"(slots a block, int8 x) {GROUPED_RUNS} and the per-slot GEMV on fp x, up to --gemv-tokens")
+                    "(moe_gemv.I8), up to --gemv-tokens")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "sweep_moe.json")
     args = ap.parse_args(argv)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    if not variants or set(variants) - {"blocked", "words", "i8", "grouped"}:
-        ap.error(f"--variants: blocked, words, i8 and/or grouped, not {args.variants!r}")
+    if not variants or set(variants) - {"blocked", "words", "i8"}:
+        ap.error(f"--variants: blocked, words and/or i8, not {args.variants!r}")
     import torch
 
     res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": [], "dequant": []}
@@ -312,12 +283,6 @@ def main(argv: list[str] | None = None) -> None:
         if "i8_gemv_us" in e2e:
             print(f"T={tokens:5d} gemv on int8 x {e2e['i8_gemv_us']:.1f} us against fp x {e2e['gemv_us']:.1f} us, max "
                   f"diff {e2e['i8_max_rel_diff']:.1e} ({e2e['i8_vs_fp_rel_diff']:.1e} from fp x's)", flush=True)
-        if "gemv_fp_us" in e2e:
-            keys = [(m, f"grouped_gemv_m{m}_{'i8' if q else 'fp'}") for m, q in GROUPED_RUNS]
-            ms = ", ".join(f"M={m} {k[-2:]} x {e2e[k + '_us']:.1f} us (max diff {e2e[k + '_max_rel_diff']:.1e})"
-                           for m, k in keys)
-            print(f"T={tokens:5d} grouped GEMV {ms}; per-slot GEMV fp x {e2e['gemv_fp_us']:.1f} us (by the int8 rule "
-                  f"{e2e['gemv_us']:.1f}); grouped GGUF {e2e['grouped_us']:.1f} us", flush=True)
         if "words_us" in e2e:
             print(f"T={tokens:5d} words: fused {e2e['words_us']:.1f} us, grouped {e2e['words_grouped_us']:.1f} us, "
                   f"max diff {e2e['words_max_rel_diff']:.1e}", flush=True)
