@@ -228,6 +228,45 @@ def dequant_ab(torch, layers, dense, tokens: int) -> dict:
     return res
 
 
+def gemv_tiles(torch, layers, tokens: int) -> list[dict]:
+    """The GEMV path over GGUF stacks (moe_gemv.moe_qgemv_kernel: a program takes ROWS rows of one slot's expert) with
+    one pass's ROWS, STEP and num_warps swept around moe_gemv._gguf_tiles' rule (taken from dequant_gemv's, which times
+    the plain GEMV, not this one), the other pass at the rule's: us a layer, and the output's difference from the
+    rule's (a tile that decodes wrongly shows there)."""
+    from kernels_src import moe, moe_gemv
+
+    x = torch.randn((tokens, H), device="cuda").bfloat16()
+    rule = moe_gemv._gguf_tiles
+    st = layers[0][0]
+    rules = {True: rule(st[0], st[1], True), False: rule(st[2], st[2], False)}
+
+    def run(n=None):
+        for stacks, ids, w in layers[:n]:
+            out = moe.moe_experts(x, w, ids, *stacks, target="triton", gemv=True)
+        return out
+
+    want = run(1).float().clone()
+    out = []
+    for gated, rows, step, warps in itertools.product((True, False), (1, 2, 4), (2, 4, 8), (1, 2)):
+        pick = dict(ROWS=rows, STEP_A=step, STEP_B=step, num_warps=warps)
+
+        def tiles(a, b, g, gated=gated, pick=pick):
+            return rule(a, b, g) | (pick if g == gated else {})
+
+        moe_gemv._gguf_tiles = tiles
+        try:
+            diff = float((run(1).float() - want).abs().max() / want.abs().max())
+            us = _bench(run) / len(layers) * 1e6
+        except Exception as e:  # noqa: BLE001  (a tile the kernel cannot build: reported, the sweep goes on)
+            diff, us = f"{type(e).__name__}: {str(e)[:80]}", float("inf")
+        finally:
+            moe_gemv._gguf_tiles = rule
+        r = rules[gated]
+        out.append(dict(tokens=tokens, gated=gated, rows=rows, step=step, warps=warps, us=us, diff=diff,
+                        rule=(rows, step, warps) == (r["ROWS"], r["STEP_A"], r["num_warps"])))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", help="batches (default 1,4,16,64,256,1024,4096; with --dequant "
@@ -236,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
                     "grouped dense (moe_dequant), at each batch")
     ap.add_argument("--layers", type=int, default=8, help="copies of the stacks cycled through (Q4_K_M: ~0.4 GB each)")
     ap.add_argument("--no-sweep", action="store_true", help="end to end only")
+    ap.add_argument("--gemv-tiles", action="store_true", help="only the GEMV path's tiles, a pass at a time, at each "
+                    "batch (default 1,8): moe_gemv._gguf_tiles' rule against ROWS x STEP x num_warps")
     ap.add_argument("--gemv-tokens", type=int, default=GEMV_TOKENS, help="both paths timed up to this batch "
                     f"(default {GEMV_TOKENS})")
     ap.add_argument("--variants", default="blocked", help="the grouped kernel's variants, comma-separated: blocked, "
@@ -248,10 +289,24 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--variants: blocked, words and/or i8, not {args.variants!r}")
     import torch
 
-    res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": [], "dequant": []}
-    tokens_list = args.tokens or (DEQUANT_TOKENS if args.dequant else "1,4,16,64,256,1024,4096")
+    res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": [], "dequant": [], "gemv_tiles": []}
+    tokens_list = args.tokens or (DEQUANT_TOKENS if args.dequant else "1,8" if args.gemv_tiles
+                                  else "1,4,16,64,256,1024,4096")
     for tokens in [int(t) for t in tokens_list.split(",")]:
         layers = _layers(torch, args.layers, tokens, True)
+        if args.gemv_tiles:
+            rows = gemv_tiles(torch, layers, tokens)
+            res["gemv_tiles"] += rows
+            for gated in (True, False):
+                ranked = sorted((r for r in rows if r["gated"] == gated), key=lambda r: r["us"])
+                rule = next(r for r in ranked if r["rule"])
+                for r in ranked[:6] + ([rule] if rule not in ranked[:6] else []):
+                    diff = r["diff"] if isinstance(r["diff"], str) else f"{r['diff']:.1e}"
+                    print(f"T={tokens:5d} {'gated' if gated else 'down ':5s} ROWS {r['rows']} STEP {r['step']} "
+                          f"w{r['warps']} {r['us']:8.1f} us  diff {diff}{'  <- rule' if r['rule'] else ''}", flush=True)
+            del layers
+            torch.cuda.empty_cache()
+            continue
         dense = _layers(torch, 2, tokens, False)
         if args.dequant:
             r = dequant_ab(torch, layers, dense, tokens)
