@@ -198,11 +198,14 @@ def uses_i8(target: str, *stacks, slots: int | None = None) -> bool:
         moe_gguf.is_blocks(w) and w.qtype.upper() in i8.I8_QTYPES for w in stacks)
 
 
-def _gguf_tiles(a, b, gated: bool) -> dict:
-    """dequant_gemv's rule tiles at M = 1 for each format (its TUNED table times the plain GEMV, not this one); a
-    fused gated pass (one format) takes half the rows."""
+def _gguf_tiles(a, b, gated: bool, slots: int = 1) -> dict:
+    """dequant_gemv's rule tiles at M = 1 for each format (its TUNED table times the plain GEMV, not this one) over
+    the rows of every slot: the grid has a column of programs a slot, so slots x rows is what the rule's row count
+    (few rows: one a program, to fill the GPU) stands for; a fused gated pass (one format) takes half the rows. The
+    H200 (tools/sweep_moe --gemv-tiles, 2026-12-04): Qwen3-30B-A3B's MoE layer at one token (8 slots of 768 x 2048
+    Q4_K gate / up) 23.5 -> 19.5 us with 2 gated rows a program instead of the single one 768 rows alone gave."""
     qa, qb = a.qtype.upper(), (b.qtype if gated else a.qtype).upper()
-    n = a.shape[1]
+    n = a.shape[1] * slots
     ta, tb = dg.rule_tiles(qa, 1, n), dg.rule_tiles(qb, 1, n)
     rows = max(1, ta["ROWS"] // 2) if gated and qa == qb else ta["ROWS"]
     return dict(QTYPE_A=qa, QTYPE_B=qb, ROWS=rows, STEP_A=ta["STEP"], STEP_B=tb["STEP"], PARTS_A=ta["PARTS"],
@@ -215,7 +218,7 @@ def _pass(src, a, b, dst, ids, weights, *, gated: bool, top_k: int, act: str, ta
     n_rows, k_dim = a.shape[1], a.shape[2]
     common = dict(launch_pdl=pdl, TOP_K=top_k, GATED=gated, ACT=act, PDL=pdl)
     if moe_gguf.is_blocks(a):
-        tiles = _gguf_tiles(a, b, gated)
+        tiles = _gguf_tiles(a, b, gated, s)
         int8 = uses_i8(target, a, b, slots=s)
         xq, xd = i8.quantize_x(src, target=target) if int8 else (src, src)  # a plain launch (moe_qgemv_kernel's I8)
         kern = compile(moe_qgemv_kernel, target, SUBNORMAL=target in dg.SUBNORMAL_TARGETS, I8=int8, **common,

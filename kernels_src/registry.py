@@ -271,7 +271,7 @@ register(KernelEntry(
     notes="the launcher's path at up to moe_gemv.GEMV_SLOTS slots: this kernel twice (gate and up with the "
           "activation and routing weight, then down, GATED=False), no grouping; then each token's top_k rows summed"))
 _gemv_tiles = moe_gemv._gguf_tiles(moe_gguf.GGUFStack(None, "Q4_K", (128, 768, 2048)),
-                                   moe_gguf.GGUFStack(None, "Q4_K", (128, 768, 2048)), True)
+                                   moe_gguf.GGUFStack(None, "Q4_K", (128, 768, 2048)), True, slots=8)
 _gemv_tiles.pop("num_warps")
 register(KernelEntry(
     "moe_gemv_gguf", moe_gemv.moe_qgemv_kernel,

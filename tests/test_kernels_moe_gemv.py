@@ -124,6 +124,11 @@ def test_gguf_many_rows(qtypes, hidden, inner, rng, no_grouping):
     gated = qtypes[0] is not None
     a, b = (args[3], args[4]) if gated else (args[5], args[5])
     assert moe_gemv._gguf_tiles(a, b, gated)["ROWS"] == (2 if gated and qtypes[0] == qtypes[1] else 4)
+    # Qwen3-30B-A3B's 768 gate / up rows: one a program alone, two (gated) over one token's 8 slots (6,144 rows in
+    # the grid); its 2,048 down rows 4 either way
+    gate, down = moe_gguf.GGUFStack(None, "Q4_K", (128, 768, 2048)), moe_gguf.GGUFStack(None, "Q6_K", (128, 2048, 768))
+    assert [moe_gemv._gguf_tiles(gate, gate, True, slots)["ROWS"] for slots in (1, 8)] == [1, 2]
+    assert [moe_gemv._gguf_tiles(down, down, False, slots)["ROWS"] for slots in (1, 8)] == [4, 4]
     check_gguf("numpy", args)
 
 
