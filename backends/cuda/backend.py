@@ -293,7 +293,7 @@ class CUDABackend(Backend):
         else:
             self._chain = torch.zeros(chain, dtype=torch.int32, device=self.device)
             if _graphs and self.device.type == "cuda" and not self.model.config.pooled:
-                warm_up_eager_decode(self, longest)  # what the graphs' capture would have compiled
+                warm_up_eager_decode(self, longest)  # every kernel an eager decode step launches
 
     # -- a step -------------------------------------------------------------------------------------
     def forward(self, batch: Batch) -> torch.Tensor:
