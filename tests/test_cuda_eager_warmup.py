@@ -1,5 +1,6 @@
-"""The CUDA backend's eager decode warm-up (graphs off): after it, no decode step of up to max_num_seqs sequences and
-max_model_len tokens launches a kernel variant that Triton would compile then, and it wrote nothing into the cache.
+"""The CUDA backend's eager warm-ups (graphs off): after them, no decode step of up to max_num_seqs sequences and
+max_model_len tokens, nor prefill step of up to max_step_tokens, launches a kernel variant that Triton would compile
+then, and they wrote nothing into the cache.
 
 On CPU tensors (Triton's interpreter), a tiny synthetic llama. A launch's variant is what selects a compiled binary
 on a GPU: the kernel, its constexprs, warps, PDL and stages, and the specialization of its arguments (dtypes,
@@ -18,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
                                 reason="triton/torch not installed")
 
-SEQS, CONTEXT, BLOCK = 18, 256, 16
+SEQS, CONTEXT, BLOCK, STEP_TOKENS = 18, 256, 16, 80
 # Short partitions (16 keys at one sequence's program, 32 past it), so that CONTEXT reaches 16 split-K partitions:
 # the reduce's BLOCK_P up to 16, partition counts of both integer classes, two decode settings. 18 sequences: a row
 # count past 16 (the GEMMs' next row bucket).
@@ -86,34 +87,37 @@ def tiny_backend(monkeypatch):
 
     monkeypatch.setattr(dense_gemm, "tuned", lambda m, n, k: {"num_warps": 4} if m >= dense_gemm.MIN_ROWS else {})
     backend.runner.dense_gemv, backend.runner.gemv_max_rows, backend.runner.dense_gemm = True, 2, True
-    backend.set_limits(SEQS, CONTEXT)
+    backend.set_limits(SEQS, CONTEXT, STEP_TOKENS)
     backend.allocate_kv(SEQS * (CONTEXT // BLOCK + 1) + 1, BLOCK)  # on CPU tensors allocate_kv warms nothing up
     return backend
 
 
-def engine_step(backend, contexts, rng, extra: int = 0):
+def engine_step(backend, contexts, rng, extra: int = 0, prompts=()):
     """A decode step as the engine makes it (core.batch.make_batch): each sequence its own blocks (shuffled), its
-    table as long as its blocks (`extra` more for the longest), a token chained from the last step."""
+    table as long as its blocks (`extra` more for the longest), a token chained from the last step; `prompts`:
+    the lengths of prompts beside the decode rows, prefilled whole."""
     from core.batch import make_batch
 
     free = rng.permutation(backend.kv[0][0].shape[0] - 1) + 1  # block 0 is the warm-up's
     tables, at = [], 0
-    for i, ctx in enumerate(contexts):
+    for i, ctx in enumerate([*contexts, *prompts]):
         n = -(-ctx // BLOCK) + (extra if i == 0 else 0)
         tables.append(free[at:at + n].tolist())
         at += n
-    batch = make_batch([[int(t)] for t in rng.integers(0, 61, len(contexts))], [c - 1 for c in contexts], tables,
-                       BLOCK)
-    batch.prev_rows = np.where(rng.random(len(contexts)) < 0.5, 0, -1).astype(np.int32)
+    chunks = [[int(t)] for t in rng.integers(0, 61, len(contexts))] + [rng.integers(0, 61, n).tolist() for n in prompts]
+    batch = make_batch(chunks, [c - 1 for c in contexts] + [0] * len(prompts), tables, BLOCK)
+    if contexts:
+        batch.prev_rows = np.full(batch.num_tokens, -1, np.int32)
+        batch.prev_rows[:len(contexts)] = np.where(rng.random(len(contexts)) < 0.5, 0, -1)
     return batch
 
 
 # the start-up's launches that do not run leave their outputs unset: the interpreter warns of the NaNs after them
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_no_decode_step_compiles_after_the_eager_warm_up(monkeypatch):
+def test_no_step_compiles_after_the_eager_warm_ups(monkeypatch):
     import torch
 
-    from backends.cuda.warm_batches import eager_decode_steps, warm_up_eager_decode
+    from backends.cuda.warm_batches import eager_decode_steps, warm_up_eager_decode, warm_up_eager_prefill
 
     backend = tiny_backend(monkeypatch)
     for layer in backend.kv:
@@ -140,7 +144,7 @@ def test_no_decode_step_compiles_after_the_eager_warm_up(monkeypatch):
         variants.step = tuple(contexts)
         logits = backend._forward(engine_step(backend, contexts, rng), mirror=False)
         assert logits.shape == (len(contexts), 61) and torch.isfinite(logits).all()
-    assert variants.new() == []
+    assert variants.new() == [], [(s[1], v.constexprs, v.args[-9:]) for s, v in variants.new()]
     # every row count at contexts 1..CONTEXT, tables as long as the longest sequence's blocks or one more
     variants.run = "none"
     for rows in range(1, SEQS + 1):
@@ -148,4 +152,26 @@ def test_no_decode_step_compiles_after_the_eager_warm_up(monkeypatch):
             contexts = [ctx, *rng.integers(1, ctx + 1, rows - 1).tolist()]
             variants.step = (rows, ctx)
             backend._forward(engine_step(backend, contexts, rng, extra=ctx % 2), mirror=False)
-    assert variants.new() == []
+    assert variants.new() == [], [(s[1], v.constexprs, v.args[-9:]) for s, v in variants.new()]
+
+    # prefill steps, eager at every token count with graphs off: after warm_up_eager_prefill none builds a kernel
+    # either (the decode warm-up's row counts serve their row kernels up to 16 tokens)
+    before = [t.clone() for layer in backend.kv for t in layer]
+    variants.step, variants.run = "start-up", "new"
+    warm_up_eager_prefill(backend, CONTEXT)
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in backend.kv for t in layer), strict=True))
+    variants.run = "all"
+    for contexts, prompts in (([], [70]), ([200, 9], [5, 40])):
+        variants.step = (tuple(contexts), tuple(prompts))
+        logits = backend._forward(engine_step(backend, contexts, rng, prompts=prompts), mirror=False)
+        assert logits.shape == (len(contexts) + len(prompts), 61) and torch.isfinite(logits).all()
+    variants.run = "none"
+    for tokens in range(2, STEP_TOKENS + 1):
+        for _ in range(3):  # one prompt or up to three, beside decode rows (up to SEQS - 3, within STEP_TOKENS)
+            cuts = sorted(rng.choice(np.arange(1, tokens), int(rng.integers(0, min(3, tokens))), replace=False))
+            prompts = np.diff([0, *cuts, tokens]).tolist()  # `tokens` prompt tokens in all
+            rows = int(rng.integers(0, min(SEQS - 3, STEP_TOKENS - tokens) + 1))
+            contexts = rng.integers(1, CONTEXT - tokens, rows).tolist()
+            variants.step = (tuple(contexts), tuple(prompts))
+            backend._forward(engine_step(backend, contexts, rng, extra=tokens % 2, prompts=prompts), mirror=False)
+    assert variants.new() == [], [(s[1], v.constexprs, v.args[-9:]) for s, v in variants.new()]

@@ -64,6 +64,8 @@ def warm_up_eager_steps(backend, max_positions: int) -> None:
     written (slots of -1). Each rank runs its own, as warm_up_attention."""
     try:
         for seqs, tokens in ((3, backend.max_step_tokens), (16, backend.max_step_tokens - 1)):
+            if tokens <= seqs:  # steps too small for a prompt beside the decode rows
+                continue
             batch = mixed_batch(seqs, tokens, backend.block_size, max_positions, backend.kv_layout().num_groups)
             backend._forward(batch, mirror=False)
         if backend.device.type == "cuda":
@@ -87,26 +89,27 @@ def of_each_class(lo: int, hi: int) -> list[int]:
     return sorted({n for n in (hi // 16 * 16, hi if hi % 16 else hi - 1) if lo <= n <= hi})
 
 
+def by_bucket(first: int, most: int) -> list[int]:
+    """of_each_class in each power-of-two bucket p/2+1..p up to `most`, from p = `first` (a power of two) on."""
+    out, p = [], first
+    while p // 2 < most:
+        out += of_each_class(p // 2 + 1, min(p, most))
+        p *= 2
+    return out
+
+
 def decode_rows(max_seqs: int) -> list[int]:
     """Row counts whose decode steps build every kernel a step's row count chooses: each count up to 16 (the GEMVs
     are built per row count, up to 8; the GGUF MMQ from 4; the dense GEMM from 9), then one of each integer class in
     each power-of-two bucket past it (the GEMMs' tiles go by M's next power of two)."""
-    rows, p = list(range(1, min(16, max_seqs) + 1)), 32
-    while p // 2 < max_seqs:
-        rows += of_each_class(p // 2 + 1, min(p, max_seqs))
-        p *= 2
-    return rows
+    return list(range(1, min(16, max_seqs) + 1)) + by_bucket(32, max_seqs)
 
 
 def split_counts(most: int) -> list[int]:
     """Split-K partition counts up to `most` that build every decode kernel: 1 (no split), then, for each power of
     two p (the reduce's BLOCK_P, and the fused combine's, is the count's next power of two), one count of each
     integer class in p/2+1..p (the count is the kernels' integer `max_parts`)."""
-    counts, p = [1], 2
-    while p // 2 < most:
-        counts += of_each_class(p // 2 + 1, min(p, most))
-        p *= 2
-    return counts
+    return [1, *by_bucket(2, most)]
 
 
 def table_widths(context: int, block_size: int) -> list[int]:
@@ -157,3 +160,33 @@ def warm_up_eager_decode(backend, max_context: int) -> None:
                  backend.max_num_seqs, max_context, time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
         log.warning("warming up the eager decode steps failed: %s: %s", type(e).__name__, e)
+
+
+def prefill_steps(max_tokens: int, block_size: int) -> list[tuple[int, int]]:
+    """(prompt tokens, table width) of one-sequence steps that, beside the decode warm-up's row counts (all up to
+    16), build the kernels a prefill step chooses: a 2-token prompt with tables of each width class (the prefill
+    attention's tiles do not depend on the tokens, its table stride's class does), then, past 16 tokens, one count
+    of each integer class in each power-of-two bucket (the GEMMs' tiles go by M's next power of two)."""
+    return [(min(2, max_tokens), w) for w in table_widths(1, block_size)] + [
+        (n, -(-n // block_size)) for n in by_bucket(32, max_tokens)]
+
+
+def warm_up_eager_prefill(backend, max_positions: int) -> None:
+    """With CUDA graphs off, prefill steps are eager at every token count: the prefill_steps prompts, and
+    warm_up_eager_steps' decode rows beside a prompt, run at start-up. Nothing is written (slots -1); the reads of
+    block 0 are discarded. Each rank runs its own."""
+    groups, size = backend.kv_layout().num_groups, backend.block_size
+    steps = prefill_steps(backend.max_step_tokens, size)
+    try:
+        t0 = time.perf_counter()
+        for n, width in steps:
+            backend._forward(one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32) % max_positions,
+                                          np.full(n, -1, np.int32), np.zeros((1, width), np.int32), groups),
+                             mirror=False)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+        log.info("eager prefill warmed up: %d steps (up to %d tokens) in %.1f s", len(steps), backend.max_step_tokens,
+                 time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
+        log.warning("warming up the eager prefill steps failed: %s: %s", type(e).__name__, e)
+    warm_up_eager_steps(backend, max_positions)
