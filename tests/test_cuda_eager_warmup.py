@@ -1,52 +1,177 @@
-"""The CUDA backend's eager decode warm-up (graphs off): its steps cover every key the graphs would capture, and
-write nothing into the KV cache. On CPU tensors (Triton's interpreter), a tiny synthetic llama."""
+"""The CUDA backend's eager warm-ups (graphs off): after them, no decode step of up to max_num_seqs sequences and
+max_model_len tokens, nor prefill step of up to max_step_tokens, launches a kernel variant that Triton would compile
+then, and they wrote nothing into the cache.
+
+On CPU tensors (Triton's interpreter), a tiny synthetic llama. A launch's variant is what selects a compiled binary
+on a GPU: the kernel, its constexprs, warps, PDL and stages, and the specialization of its arguments (dtypes,
+pointers 16-byte aligned or not, integers equal to 1, multiples of 16, or neither: triton_target.direct_key, which
+the direct launch path keys its binaries by). An H200 saw the steps the warm-up missed take 0.5-0.7 s to launch.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None,
                                 reason="triton/torch not installed")
 
+SEQS, CONTEXT, BLOCK, STEP_TOKENS = 18, 256, 16, 80
+# Short partitions (16 keys at one sequence's program, 32 past it), so that CONTEXT reaches 16 split-K partitions:
+# the reduce's BLOCK_P up to 16, partition counts of both integer classes, two decode settings. 18 sequences: a row
+# count past 16 (the GEMMs' next row bucket).
+TABLE = "1:16/16x4,32/16x2,max=16"
 
-def test_eager_decode_warm_up_covers_graph_keys_and_writes_nothing():
-    import torch
 
+class Variant(NamedTuple):
+    kernel: str  # module.function
+    constexprs: tuple
+    options: tuple  # num_warps, launch_pdl, num_stages
+    args: tuple  # direct_key of the launch's arguments
+
+    def const(self, name: str):
+        return dict(self.constexprs)[name]
+
+
+class Variants:
+    """Kernel.launch recording each launch's variant and the first step that used it. `run`: "all" launches run,
+    "new" only each variant's first (Triton's interpreter builds and runs every variant once, in a fraction of the
+    time), "none" (a sweep of many steps costs their host work only)."""
+
+    def __init__(self, monkeypatch):
+        from kernels_src.dsl import launch
+        from kernels_src.dsl.triton_target import direct_key
+
+        self.seen: dict[Variant, object] = {}
+        self.step: object = "start-up"
+        self.run = "all"
+        launch_fn = launch.Kernel.launch
+
+        def spy(kernel, grid, args):
+            key = Variant(f"{kernel.fn.__module__}.{kernel.fn.__name__}", tuple(sorted(kernel.constexprs.items())),
+                          (kernel.num_warps, kernel.launch_pdl, kernel.num_stages), direct_key(args))
+            new = key not in self.seen
+            self.seen.setdefault(key, self.step)
+            return launch_fn(kernel, grid, args) if self.run == "all" or new and self.run == "new" else None
+
+        monkeypatch.setattr(launch.Kernel, "launch", spy)
+
+    def new(self) -> list[tuple[object, Variant]]:
+        """(the step, the variant) of each variant that no start-up step launched."""
+        return [(step, key) for key, step in self.seen.items() if step != "start-up"]
+
+    def of(self, kernel: str) -> list[Variant]:
+        return [v for v in self.seen if v.kernel == f"kernels_src.paged_attention.{kernel}"]
+
+
+def tiny_backend(monkeypatch):
     from backends.cuda.backend import CUDABackend
-    from backends.cuda.graphs import GraphKeys
-    from backends.cuda.warm_batches import warm_up_eager_decode
+    from backends.cuda.decode_table import DecodeTable
     from ir.config import ModelConfig
     from ir.loader import synthetic_model
     from ir.rope import RopeSpec
 
-    cfg = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
-                      head_dim=8, num_layers=1, rms_norm_eps=1e-5, max_position_embeddings=256,
-                      rope=RopeSpec(theta=10000.0, rotary_dim=8))
-    backend = CUDABackend(synthetic_model(cfg, "f32"), device="cpu", cuda_graph=False, random_weights=1,
+    # head_dim 16 and 32-wide rows: every stride a multiple of 16, as an 8B model's (their class never changes)
+    cfg = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
+                      head_dim=16, num_layers=1, rms_norm_eps=1e-5, max_position_embeddings=CONTEXT,
+                      rope=RopeSpec(theta=10000.0, rotary_dim=16))
+    backend = CUDABackend(synthetic_model(cfg, "f16"), dtype="f16", device="cpu", cuda_graph=False, random_weights=1,
                           progress=False)
-    backend.set_limits(3, 160)
-    backend.allocate_kv(12, 16)  # on CPU tensors allocate_kv warms nothing up: the test calls it
+    backend.runner.decode = DecodeTable.parse(TABLE)
+    # the GPU's linears of few rows: dense_gemv, built per row count (here up to 2: Triton's interpreter takes a
+    # quarter second a launch), and dense_gemm from 9 rows where its table lists the problem (here every one)
+    from kernels_src import dense_gemm
+
+    monkeypatch.setattr(dense_gemm, "tuned", lambda m, n, k: {"num_warps": 4} if m >= dense_gemm.MIN_ROWS else {})
+    backend.runner.dense_gemv, backend.runner.gemv_max_rows, backend.runner.dense_gemm = True, 2, True
+    backend.set_limits(SEQS, CONTEXT, STEP_TOKENS)
+    backend.allocate_kv(SEQS * (CONTEXT // BLOCK + 1) + 1, BLOCK)  # on CPU tensors allocate_kv warms nothing up
+    return backend
+
+
+def engine_step(backend, contexts, rng, extra: int = 0, prompts=()):
+    """A decode step as the engine makes it (core.batch.make_batch): each sequence its own blocks (shuffled), its
+    table as long as its blocks (`extra` more for the longest), a token chained from the last step; `prompts`:
+    the lengths of prompts beside the decode rows, prefilled whole."""
+    from core.batch import make_batch
+
+    free = rng.permutation(backend.kv[0][0].shape[0] - 1) + 1  # block 0 is the warm-up's
+    tables, at = [], 0
+    for i, ctx in enumerate([*contexts, *prompts]):
+        n = -(-ctx // BLOCK) + (extra if i == 0 else 0)
+        tables.append(free[at:at + n].tolist())
+        at += n
+    chunks = [[int(t)] for t in rng.integers(0, 61, len(contexts))] + [rng.integers(0, 61, n).tolist() for n in prompts]
+    batch = make_batch(chunks, [c - 1 for c in contexts] + [0] * len(prompts), tables, BLOCK)
+    if contexts:
+        batch.prev_rows = np.full(batch.num_tokens, -1, np.int32)
+        batch.prev_rows[:len(contexts)] = np.where(rng.random(len(contexts)) < 0.5, 0, -1)
+    return batch
+
+
+# the start-up's launches that do not run leave their outputs unset: the interpreter warns of the NaNs after them
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_no_step_compiles_after_the_eager_warm_ups(monkeypatch):
+    import torch
+
+    from backends.cuda.warm_batches import eager_decode_steps, warm_up_eager_decode, warm_up_eager_prefill
+
+    backend = tiny_backend(monkeypatch)
     for layer in backend.kv:
         for t in layer:
             t.normal_()
     before = [t.clone() for layer in backend.kv for t in layer]
-    seen, forward = [], backend._forward
+    variants = Variants(monkeypatch)
+    variants.run = "new"
+    warm_up_eager_decode(backend, CONTEXT)
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in backend.kv for t in layer), strict=True))
+    # the decode split or not, by the class of its table's stride (argument 17: 1, 16 a multiple of 16, 0 another)
+    decodes = {(v.const("SPLIT"), v.args[17]) for v in variants.of("paged_decode_kernel")}
+    assert decodes == {(False, 1), (False, 0), (False, 16), (True, 0), (True, 16)}
+    # the reduce by BLOCK_P and the class of the partition count (argument 5): up to the grid cap of 16 partitions
+    reduces = {(v.const("BLOCK_P"), v.args[5]) for v in variants.of("paged_decode_reduce_kernel")}
+    assert reduces == {(2, 0), (4, 0), (8, 0), (16, 0), (16, 16)}
+    assert len(eager_decode_steps(backend.runner, SEQS, CONTEXT, BLOCK)) <= 40  # start-up steps
 
-    def spy(batch, mirror=True):
-        seen.append((batch.num_tokens, int(batch.context_lens.max()), batch.block_tables.shape[1]))
-        logits = forward(batch, mirror)
-        assert torch.isfinite(logits).all()
-        return logits
+    variants.run = "all"
+    rng = np.random.default_rng(0)
+    # run: long contexts (split-K: 13 and 8 partitions, the reduce's BLOCK_P 16 and 8), 4 short ones (one
+    # partition), 17 rows (the dense GEMM's second row bucket)
+    for contexts in ([200], [CONTEXT, 200], [12, 3, 9, 16], [int(c) for c in rng.integers(100, CONTEXT, 17)]):
+        variants.step = tuple(contexts)
+        logits = backend._forward(engine_step(backend, contexts, rng), mirror=False)
+        assert logits.shape == (len(contexts), 61) and torch.isfinite(logits).all()
+    assert variants.new() == [], [(s[1], v.constexprs, v.args[-9:]) for s, v in variants.new()]
+    # every row count at contexts 1..CONTEXT, tables as long as the longest sequence's blocks or one more
+    variants.run = "none"
+    for rows in range(1, SEQS + 1):
+        for ctx in [*range(1, CONTEXT, 7), CONTEXT]:
+            contexts = [ctx, *rng.integers(1, ctx + 1, rows - 1).tolist()]
+            variants.step = (rows, ctx)
+            backend._forward(engine_step(backend, contexts, rng, extra=ctx % 2), mirror=False)
+    assert variants.new() == [], [(s[1], v.constexprs, v.args[-9:]) for s, v in variants.new()]
 
-    backend._forward = spy
-    warm_up_eager_decode(backend, 160)
-    after = [t for layer in backend.kv for t in layer]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # slots -1: nothing written
-    keys = GraphKeys(backend.runner, 3, 160)
-    want = {(b, parts) for b, parts in keys.all()}
-    got = {(rows, keys.parts(rows, ctx)) for rows, ctx, _ in seen}
-    assert want <= got and {rows for rows, _, _ in seen} == set(keys.buckets) == {1, 2, 3}
-    assert 1 in {w for _, _, w in seen}  # a table one block wide: Triton's integer class of its own
-    assert all(1 <= ctx <= 160 and w == -(-ctx // 16) for _, ctx, w in seen)
+    # prefill steps, eager at every token count with graphs off: after warm_up_eager_prefill none builds a kernel
+    # either (the decode warm-up's row counts serve their row kernels up to 16 tokens)
+    before = [t.clone() for layer in backend.kv for t in layer]
+    variants.step, variants.run = "start-up", "new"
+    warm_up_eager_prefill(backend, CONTEXT)
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in backend.kv for t in layer), strict=True))
+    variants.run = "all"
+    for contexts, prompts in (([], [70]), ([200, 9], [5, 40])):
+        variants.step = (tuple(contexts), tuple(prompts))
+        logits = backend._forward(engine_step(backend, contexts, rng, prompts=prompts), mirror=False)
+        assert logits.shape == (len(contexts) + len(prompts), 61) and torch.isfinite(logits).all()
+    variants.run = "none"
+    for tokens in range(2, STEP_TOKENS + 1):
+        for _ in range(3):  # one prompt or up to three, beside decode rows (up to SEQS - 3, within STEP_TOKENS)
+            cuts = sorted(rng.choice(np.arange(1, tokens), int(rng.integers(0, min(3, tokens))), replace=False))
+            prompts = np.diff([0, *cuts, tokens]).tolist()  # `tokens` prompt tokens in all
+            rows = int(rng.integers(0, min(SEQS - 3, STEP_TOKENS - tokens) + 1))
+            contexts = rng.integers(1, CONTEXT - tokens, rows).tolist()
+            variants.step = (tuple(contexts), tuple(prompts))
+            backend._forward(engine_step(backend, contexts, rng, extra=tokens % 2, prompts=prompts), mirror=False)
+    assert variants.new() == [], [(s[1], v.constexprs, v.args[-9:]) for s, v in variants.new()]

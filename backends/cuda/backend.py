@@ -23,7 +23,13 @@ from backends.cuda.runtime import torch
 from backends.cuda.step_graphs import StepGraphs
 from backends.cuda.step_meta import StepMeta
 from backends.cuda.synthetic import random_params
-from backends.cuda.warm_batches import one_sequence, warm_up_attention, warm_up_eager_decode, warm_up_eager_steps
+from backends.cuda.warm_batches import (
+    one_sequence,
+    warm_up_attention,
+    warm_up_eager_decode,
+    warm_up_eager_prefill,
+    warm_up_eager_steps,
+)
 from core.batch import Batch
 from core.kv_layout import KVLayout
 from ir.fusion import Fusions, concat_parts, fuse
@@ -293,7 +299,9 @@ class CUDABackend(Backend):
         else:
             self._chain = torch.zeros(chain, dtype=torch.int32, device=self.device)
             if _graphs and self.device.type == "cuda" and not self.model.config.pooled:
-                warm_up_eager_decode(self, longest)  # what the graphs' capture would have compiled
+                warm_up_eager_decode(self, longest)  # every kernel an eager decode step launches
+                warm_up_eager_prefill(self, longest)  # and those of prefill steps (by token count, table width)
+                torch.cuda.empty_cache()  # its activations back to the device, as after warm_up_eager_steps
 
     # -- a step -------------------------------------------------------------------------------------
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -4,12 +4,15 @@ as the steps a first request would otherwise wait for Triton to compile."""
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
-from backends.cuda.graphs import GraphKeys
+from backends.cuda import attention
 from backends.cuda.runtime import torch
+from backends.cuda.step_meta import partitions_for
 from core.batch import Batch
+from kernels_src.dsl.triton_target import int_class
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,8 @@ def warm_up_eager_steps(backend, max_positions: int) -> None:
     written (slots of -1). Each rank runs its own, as warm_up_attention."""
     try:
         for seqs, tokens in ((3, backend.max_step_tokens), (16, backend.max_step_tokens - 1)):
+            if tokens <= seqs:  # steps too small for a prompt beside the decode rows
+                continue
             batch = mixed_batch(seqs, tokens, backend.block_size, max_positions, backend.kv_layout().num_groups)
             backend._forward(batch, mirror=False)
         if backend.device.type == "cuda":
@@ -69,33 +74,119 @@ def warm_up_eager_steps(backend, max_positions: int) -> None:
         log.warning("warming up the eager prefill steps failed: %s: %s", type(e).__name__, e)
 
 
-def decode_batch(rows: int, context: int, block_size: int, groups: int = 1) -> Batch:
-    """A decode step of `rows` sequences `context` tokens long that writes nothing (slots -1) and reads block 0."""
-    slots, tables = np.full(rows, -1, np.int32), np.zeros((rows, -(-context // block_size)), np.int32)
+def decode_batch(rows: int, context: int, block_size: int, groups: int = 1, width: int | None = None) -> Batch:
+    """A decode step of `rows` sequences `context` tokens long that writes nothing (slots -1) and reads block 0; its
+    block tables `width` blocks wide (None: as many as the context needs; wider only adds unread entries)."""
+    width = width or -(-context // block_size)
+    slots, tables = np.full(rows, -1, np.int32), np.zeros((rows, width), np.int32)
     return Batch(np.zeros(rows, np.int32), np.full(rows, context - 1, np.int32), slots, tables,
                  np.full(rows, context, np.int32), np.arange(rows + 1, dtype=np.int32), np.arange(rows, dtype=np.int32),
                  group_slots=(slots,) * (groups - 1), group_tables=(tables,) * (groups - 1))
 
 
+def of_each_class(lo: int, hi: int) -> list[int]:
+    """One integer of each class Triton tells apart past 1 (a multiple of 16, another) in lo..hi, the largest."""
+    return sorted({n for n in (hi // 16 * 16, hi if hi % 16 else hi - 1) if lo <= n <= hi})
+
+
+def by_bucket(first: int, most: int) -> list[int]:
+    """of_each_class in each power-of-two bucket p/2+1..p up to `most`, from p = `first` (a power of two) on."""
+    out, p = [], first
+    while p // 2 < most:
+        out += of_each_class(p // 2 + 1, min(p, most))
+        p *= 2
+    return out
+
+
+def decode_rows(max_seqs: int) -> list[int]:
+    """Row counts whose decode steps build every kernel a step's row count chooses: each count up to 16 (the GEMVs
+    are built per row count, up to 8; the GGUF MMQ from 4; the dense GEMM from 9), then one of each integer class in
+    each power-of-two bucket past it (the GEMMs' tiles go by M's next power of two)."""
+    return list(range(1, min(16, max_seqs) + 1)) + by_bucket(32, max_seqs)
+
+
+def split_counts(most: int) -> list[int]:
+    """Split-K partition counts up to `most` that build every decode kernel: 1 (no split), then, for each power of
+    two p (the reduce's BLOCK_P, and the fused combine's, is the count's next power of two), one count of each
+    integer class in p/2+1..p (the count is the kernels' integer `max_parts`)."""
+    return [1, *by_bucket(2, most)]
+
+
+def table_widths(context: int, block_size: int) -> list[int]:
+    """Block-table widths for a `context`, one of each integer class Triton tells apart (1, a multiple of 16,
+    another) that can hold it: the decode kernels take the table's row stride, and a step's table is as wide as its
+    longest sequence's blocks (core.batch.make_batch)."""
+    need, seen = -(-context // block_size), {}
+    for w in (need, need + 1, -(-need // 16) * 16):
+        seen.setdefault(int_class(w), w)
+    return sorted(seen.values())
+
+
+def eager_decode_steps(runner, max_seqs: int, max_context: int, block_size: int) -> list[tuple[int, int, int]]:
+    """(rows, context, table width) of the decode steps that build every kernel an eager decode of up to max_seqs
+    sequences and max_context tokens launches. A row count's kernels outside attention: decode_rows, a one-block
+    context. The attention's depend on rows only through attention.decode_settings (tile, partition, fused reduce,
+    grid cap), and on a step's partition count and table width by their integer classes: for each setting, at its
+    fewest rows (the largest grid cap), every split_counts count with every table_widths width."""
+    short = min(max_context, block_size)
+    steps = [(rows, short, 1) for rows in decode_rows(max_seqs)]
+    settings: dict[tuple, tuple[int, int]] = {}  # (BLOCK_N, num_warps, fused, partition) -> (rows, most partitions)
+    for rows in range(1, max_seqs + 1):
+        block_n, num_warps, fused, partition, cap = attention.decode_settings(runner, rows)
+        most = min(cap, partitions_for(max_context, partition))
+        settings.setdefault((block_n, num_warps, fused, partition), (rows, most))
+    for (*_, partition), (rows, most) in settings.items():
+        for n in split_counts(most):
+            context = short if n == 1 else min(max_context, n * partition)
+            steps += [(rows, context, w) for w in table_widths(context, block_size) if (rows, context, w) not in steps]
+    return steps
+
+
 def warm_up_eager_decode(backend, max_context: int) -> None:
-    """With CUDA graphs off, the decode steps their capture would have run (graphs.GraphKeys: each batch bucket at
-    each power-of-two split-K partition count, and a one-block context), run at start-up: their kernels compile
-    then, not inside a serving step (an H200, an 8B model at 4k: the first steps of 15, 8 and 4 sequences took
-    0.57 s to launch, measured 2026-12-04). A bucket's kernels are those of every batch size it covers: the
-    decode's partition and tile change only at its program counts, and partition counts and row counts matter
-    only by power of two and Triton's integer classes (1, multiples of 16, others). Nothing is written (slots -1)."""
-    keys = GraphKeys(backend.runner, backend.max_num_seqs, max_context)
+    """With CUDA graphs off, every decode kernel a serving step can launch, built at start-up (eager_decode_steps):
+    a first step otherwise waited for Triton to compile (an H200, an 8B model at 4k: a step of 1 sequence took
+    0.49 s to launch, then 16, 8 and 4; at 128 tokens a step of 16 took 0.73 s; measured 2026-12-04, with the graph
+    capture's steps warmed up: an eager step's partition count and table width are any integer, not the graphs'
+    powers of two and fixed width). Nothing is written (slots -1). Each rank runs its own, as warm_up_attention."""
     groups, size = backend.kv_layout().num_groups, backend.block_size
-    steps = [(b, min(max_context, parts * backend.runner.decode_partition(b))) for b, parts in keys.all()]
-    steps += [(b, min(max_context, size)) for b in keys.buckets]  # a table one block wide: an integer class of its own
-    # rows one short of a bucket that is a multiple of 16: the other integer class of dense_gemm's M (9+ rows)
-    steps += [(b - 1, min(max_context, size)) for b in keys.buckets if b >= 16 and b % 16 == 0]
+    steps = eager_decode_steps(backend.runner, backend.max_num_seqs, max_context, size)
     try:
-        for rows, context in steps:
-            backend._forward(decode_batch(rows, context, size, groups), mirror=False)
+        t0 = time.perf_counter()
+        for rows, context, width in steps:
+            backend._forward(decode_batch(rows, context, size, groups, width), mirror=False)
         if backend.device.type == "cuda":
             torch.cuda.synchronize(backend.device)
-        log.info("eager decode steps warmed up: %d batch buckets up to %d, contexts up to %d", len(keys.buckets),
-                 keys.buckets[-1], max_context)
+        log.info("eager decode warmed up: %d steps (up to %d sequences, contexts up to %d) in %.1f s", len(steps),
+                 backend.max_num_seqs, max_context, time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
         log.warning("warming up the eager decode steps failed: %s: %s", type(e).__name__, e)
+
+
+def prefill_steps(max_tokens: int, block_size: int) -> list[tuple[int, int]]:
+    """(prompt tokens, table width) of one-sequence steps that, beside the decode warm-up's row counts (all up to
+    16), build the kernels a prefill step chooses: a 2-token prompt with tables of each width class (the prefill
+    attention's tiles do not depend on the tokens, its table stride's class does), then, past 16 tokens, one count
+    of each integer class in each power-of-two bucket (the GEMMs' tiles go by M's next power of two)."""
+    return [(min(2, max_tokens), w) for w in table_widths(1, block_size)] + [
+        (n, -(-n // block_size)) for n in by_bucket(32, max_tokens)]
+
+
+def warm_up_eager_prefill(backend, max_positions: int) -> None:
+    """With CUDA graphs off, prefill steps are eager at every token count: the prefill_steps prompts, and
+    warm_up_eager_steps' decode rows beside a prompt, run at start-up. Nothing is written (slots -1); the reads of
+    block 0 are discarded. Each rank runs its own."""
+    groups, size = backend.kv_layout().num_groups, backend.block_size
+    steps = prefill_steps(backend.max_step_tokens, size)
+    try:
+        t0 = time.perf_counter()
+        for n, width in steps:
+            backend._forward(one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32) % max_positions,
+                                          np.full(n, -1, np.int32), np.zeros((1, width), np.int32), groups),
+                             mirror=False)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+        log.info("eager prefill warmed up: %d steps (up to %d tokens) in %.1f s", len(steps), backend.max_step_tokens,
+                 time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
+        log.warning("warming up the eager prefill steps failed: %s: %s", type(e).__name__, e)
+    warm_up_eager_steps(backend, max_positions)
