@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels_src.activations import ACTIVATIONS, _act, gated_act_ref
-from kernels_src.dsl import Plans, compile, elem_stride, tl, use_pdl
-from kernels_src.paged_attention import empty
+from kernels_src.dsl import Plans, compile, elem_stride, empty, tl, use_pdl
 
 MAX_ROWS = 8  # x rows (M) the kernel takes: every (weight row, x row) pair has its own accumulator
 PROLOGUES = ("none", "rms_norm", "add_rms_norm", "gated")

@@ -29,9 +29,8 @@ from ir.formats.gguf_quants import QTYPES as GGUF
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src import dequantize as dq
 from kernels_src import gemm_tuned
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.dsl.ir import TileType
-from kernels_src.paged_attention import empty
 
 __all__ = ["MAX_ROWS", "VARIANTS", "default_tiles", "dequant_matmul", "dequant_matmul_ref"]
 

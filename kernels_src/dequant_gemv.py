@@ -38,10 +38,9 @@ from ir.formats.gguf_quants import QTYPES as GGUF
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src import gguf_gemv_kquants as kquants
 from kernels_src import gguf_gemv_legacy as legacy
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.gemv_loop import check_loop_keys, k_loop, loop_form
 from kernels_src.gguf_gemv_common import _Decode
-from kernels_src.paged_attention import empty
 
 FORMATS = {q: (GGUF[q].block_size, GGUF[q].type_size) for q in (*legacy.LEGACY_QTYPES, *kquants.K_QTYPES)}
 QTYPES = tuple(FORMATS)  # qtype -> (elements, bytes) per block: every quantized type the GGUF loader reads

@@ -22,10 +22,9 @@ import numpy as np
 
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src.dequant_gemv import FORMATS, _addr, _gemv_body
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.gguf_gemv_common import _f16, _u16, _words, _x_vals
 from kernels_src.gguf_gemv_kquants import _chunks, _halves, _q4k_load, _q4k_scales, _q5k_load
-from kernels_src.paged_attention import empty
 
 # --- Q4_K with int8 activations (llama.cpp's mmvq): dp4a on nibble words against int8 x words ------------------
 # x is quantized per 32-element block (the sub-block of Q4_K): q = round(x / d), d = max|x| / 127. Word j of chunk c

@@ -25,9 +25,8 @@ import numpy as np
 
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src.dequant_gemv import FORMATS, QTYPES
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.dsl.ir import dtype_of
-from kernels_src.paged_attention import empty
 
 __all__ = ["QTYPES", "default_blocks", "dequantize_rows", "dequantize_rows_kernel", "dequantize_rows_ref"]
 

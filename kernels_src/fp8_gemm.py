@@ -33,9 +33,8 @@ from kernels_src.dequant_gemm import (
     split_k_for,
     split_k_tile,
 )
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.fp8_gemv import weight_group
-from kernels_src.paged_attention import empty
 
 MIN_GROUP = 32  # the FP8 MMA's K: smaller groups (16) keep backends/cuda/fp8_linear.py's dequantized path
 STEP_ELEMS = 128  # inputs a step at most (one 128-input block of DeepSeek's a dot)

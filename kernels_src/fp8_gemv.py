@@ -25,9 +25,8 @@ import numpy as np
 
 from ir.formats import fp8_blocks
 from kernels_src import e4m3
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.gemv_loop import k_loop, loop_form
-from kernels_src.paged_attention import empty
 
 MAX_ROWS = 8
 VEC = 16  # bytes (weights) a lane loads a row and step; every group is a multiple of it

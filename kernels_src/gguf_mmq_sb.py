@@ -27,10 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from kernels_src.dequant_gemv_i8 import _ONES, _absmax, _quantize
-from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl import compile, elem_stride, empty, tl
 from kernels_src.gguf_gemv_common import _x_vals
 from kernels_src.gguf_mmq import _finish, _program, _q4k_head, _q6k_head, _q6k_quants
-from kernels_src.paged_attention import empty
 
 __all__ = ["KERNELS", "MMA_MINS_ROWS", "pre_pass", "quantize_x256", "quantize_x256_ref"]
 

@@ -28,9 +28,8 @@ import numpy as np
 
 from ir.formats import int_groups
 from kernels_src.dequant_gemv import SUBNORMAL_TARGETS, _addr, aligned_x
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.gguf_gemv_common import _add, _Decode, _dot, _x_vals
-from kernels_src.paged_attention import empty
 
 MAX_ROWS = 8
 

@@ -24,11 +24,10 @@ import numpy as np
 
 from ir.formats import int_groups
 from kernels_src.dequant_gemv_i8 import _MAGIC, _absmax, _quantize
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.gemv_loop import k_loop
 from kernels_src.gguf_gemv_common import _add
 from kernels_src.int_group_gemv import _program_rows, _scale_bias, _store_rows, _words
-from kernels_src.paged_attention import empty
 
 _DP4A_BASE = 0x4B400000  # the bits of 1.5 * 2**23 (_MAGIC): a dp4a chain started here reads as _MAGIC + its sum
 

@@ -24,9 +24,8 @@ import numpy as np
 
 from kernels_src import moe_dequant, moe_gemv, moe_gguf
 from kernels_src.activations import _act
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.moe_slots import block_slots
-from kernels_src.paged_attention import empty
 
 __all__ = ["moe_align", "moe_experts", "moe_experts_ref"]
 

@@ -26,8 +26,7 @@ import numpy as np
 
 from kernels_src import dequantize as dq
 from kernels_src import moe_gguf
-from kernels_src.dsl import tl
-from kernels_src.paged_attention import empty
+from kernels_src.dsl import empty, tl
 
 __all__ = ["DEQUANT", "DEQUANT_SLOTS_PER_EXPERT", "SCRATCH_BYTES", "WIDE_WARPS", "chunk_experts", "chunk_layout",
            "chunks", "use_dequant", "warps"]

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
-from kernels_src.paged_attention import empty
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 
 NEG = -3.0e38  # below any score + bias
 MAX_EXPERTS = 1024  # one tile of logits a program

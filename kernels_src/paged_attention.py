@@ -30,7 +30,7 @@ from kernels_src.decode_combine import (
     decode_counters,
     use_fused_reduce,
 )
-from kernels_src.dsl import Plans, compile, elem_stride, int_class, signature, tl, use_pdl
+from kernels_src.dsl import Plans, compile, elem_stride, empty, int_class, signature, tl, use_pdl
 from kernels_src.paged_cache_args import cache_strides, check_cache, quant_args
 
 LOG2E = 1.4426950408889634
@@ -286,15 +286,6 @@ def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_
 
 # --- host side -------------------------------------------------------------------------------------------------
 
-def empty(like, shape, dtype=None):
-    """An uninitialised array next to `like` (numpy or torch), of `dtype` ("float32") or like's."""
-    if isinstance(like, np.ndarray):
-        return np.empty(shape, dtype or like.dtype)
-    import torch
-
-    return torch.empty(shape, dtype=getattr(torch, dtype) if dtype else like.dtype, device=like.device)
-
-
 def num_partitions(max_context: int, partition: int) -> int:
     return max(1, tl.cdiv(int(max_context), partition))
 
@@ -336,7 +327,8 @@ def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition,
     _, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
     if fused:
         extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"], FUSED_TILE)
-    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, PDL=pdl, **consts, **extra)
+    stages = e4m3.DECODE_STAGES if target == "triton" and "FP8_CVT" in extra else None
+    kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, num_stages=stages, PDL=pdl, **consts, **extra)
     outs = (hq * d, d) if out is None else (elem_stride(out, 0), elem_stride(out, 1))  # a new out is contiguous
     reduce = None if not split or fused else compile(
         paged_decode_reduce_kernel, target, num_warps=num_warps, launch_pdl=pdl, HEAD_DIM=d, BLOCK_D=consts["BLOCK_D"],

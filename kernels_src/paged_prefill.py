@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
-from kernels_src.paged_attention import NO_WINDOW, CacheScales, attend, empty, paged_attention_ref
+from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
+from kernels_src.paged_attention import NO_WINDOW, CacheScales, attend, paged_attention_ref
 from kernels_src.paged_cache_args import cache_strides, check_cache, quant_args
 
 

@@ -47,7 +47,7 @@ def gated_act_q8_kernel(gate, up, out, xq, xd, n_cols, gate_stride, up_stride, o
 # --- host side -------------------------------------------------------------------------------------------------
 
 def _q8_bufs(x, xq, xd):
-    from kernels_src.paged_attention import empty
+    from kernels_src.dsl import empty
 
     m, k = x.shape
     if k % 32:

@@ -50,7 +50,7 @@ def gated_act_i8g_kernel(gate, up, out, xq, xd, xs, xr, n_cols, gate_stride, up_
 # --- host side -------------------------------------------------------------------------------------------------
 
 def _i8_bufs(x, bits: int, group: int):
-    from kernels_src.paged_attention import empty
+    from kernels_src.dsl import empty
 
     m, k = x.shape
     if k % group:

@@ -208,3 +208,25 @@ def test_aot_sm90_cvt(name, tmp_path, monkeypatch):
     if name == "decode" and e4m3.F16_DOTS:  # bf16 q, dots in fp16: the cvt alone, no F2F an element to bf16
         assert mix[True].opcodes["F2F"] == 0 and mix[True].instructions < 900, mix[True].summary()  # 980 in bf16
     assert mix[True].instructions < 0.9 * mix[False].instructions, (mix[True].summary(), mix[False].summary())
+
+
+@pytest.mark.parametrize("stages", [None, 1])
+def test_decode_stages_switch(stages, rng, monkeypatch):
+    """LLM_ENGINE_FP8_DECODE_STAGES (e4m3.DECODE_STAGES): the fp8 cache's decode kernel, decoded by the cvt, built at
+    that pipelining depth; the 16-bit cache's and the integer decode's at Triton's default."""
+    ctx = np.array([5, 37], np.int32)
+    (kc, ks, vc, vs), tables = _fp8_cache(rng, ctx, 2, 64, 8)
+    q = torch.from_numpy(rng.standard_normal((2, 8, 64)).astype(np.float32))
+    t = {k: torch.from_numpy(v) for k, v in dict(kc=kc, ks=ks, vc=vc, vs=vs, tables=tables, ctx=ctx).items()}
+    monkeypatch.setattr(e4m3, "DECODE_STAGES", stages)
+
+    def plan(cvt, fp8=True):
+        monkeypatch.setattr(e4m3, "CVT_TARGETS", ("triton",) if cvt else ())
+        monkeypatch.setattr(e4m3, "_gpu_converts", lambda: True)
+        kc_, vc_ = (t["kc"], t["vc"]) if fp8 else (torch.zeros(kc.shape), torch.zeros(vc.shape))
+        scales = (t["ks"], t["vs"]) if fp8 else (None, None)
+        return pa._decode_plan(q, kc_, vc_, t["ctx"], 2, 16, 32, 0.0, None, 4, *scales, "triton", False, False,
+                               None)[0][0].kernel
+
+    assert plan(True).num_stages == stages
+    assert plan(False).num_stages is None and plan(True, fp8=False).num_stages is None

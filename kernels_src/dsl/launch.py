@@ -60,6 +60,15 @@ def _arg_type(a) -> str:
     raise TypeError(f"cannot pass {type(a).__name__} to a kernel")
 
 
+def empty(like, shape, dtype=None):
+    """A launcher's uninitialised array next to `like` (numpy or torch), of `dtype` ("float32") or like's."""
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype or like.dtype)
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, dtype) if dtype else like.dtype, device=like.device)
+
+
 def elem_stride(a, dim: int) -> int:
     """Stride of `dim` in elements, for numpy arrays and torch tensors."""
     if isinstance(a, np.ndarray):
