@@ -269,16 +269,21 @@ pending_moe() {
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending "* ]] && step pending gpu 540 pending
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_moe "* ]] && step pending_moe gpu 540 pending_moe
-# Built on a CPU and not yet timed (by name: GPU_CHECK_STEPS=pending_next, ~150 s): the eager step's host cost after
-# the bound launches (tools/bench_launch; 10.29 ms for 8 layers before); the fp8 cache's four-batch decode sweep, which
-# faulted once (docs/BENCHMARKS.md 2026-12-04 evening), traced.
+# Built on a CPU and not yet timed (by name: GPU_CHECK_STEPS=pending_next, ~200 s): the fp8 cache's decode at
+# pipelining depths 1 and 2 against Triton's default (LLM_ENGINE_FP8_DECODE_STAGES; sm_90 loop steps 1,015 / 1,138
+# against 1,442 SASS), our setting alone at four batches and two contexts; eager decode after the warm-up that builds
+# every variant an eager step launches (no "took ... to launch" line should remain). Issue 16's Qwen3-30B-A3B Q4_K_M
+# batch 1 with the MoE GEMV's tiles over every slot's rows needs the staged bench_gguf run (docs/BENCHMARKS.md).
 pending_next() {
-    local rc=0
-    echo "== the eager step's host cost"
-    timeout 60 "$PY" -m tools.bench_launch --layers 8 --json "$OUT"/bench_launch.json || rc=1
-    echo "== the fp8 cache's decode sweep at four batches, traced"
-    CUDA_LAUNCH_BLOCKING=1 timeout 150 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 --batches 1,4,16,64 \
-        --contexts 4096,16384 --budget 100 --trace --json "$OUT"/fp8_decode.json || rc=1
+    local rc=0 s
+    for s in 0 1 2; do
+        echo "== A/B LLM_ENGINE_FP8_DECODE_STAGES=$s: the fp8 cache's decode, our setting"
+        LLM_ENGINE_FP8_DECODE_STAGES=$s timeout 90 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
+            --batches 1,4,16,64 --contexts 4096,16384 --budget 0 --json "$OUT"/fp8_stages$s.json || rc=1
+    done
+    echo "== eager decode after a 4,000-token prompt (the warm-up's coverage)"
+    timeout 150 "$PY" -m tools.bench_gpu --batches 1,16 --prompt 4000 --gen 64 --prefill 256 --no-quant --no-peer \
+        --profile '' --ablate '' --no-graphs --json "$OUT"/eager_4000_eager.json || rc=1
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_next "* ]] && step pending_next gpu 540 pending_next
