@@ -1,5 +1,6 @@
 """Shared fixtures. Torch (the numerical reference) gets one thread: on a 2-core machine its default
-thread pool spins and slows every other test down."""
+thread pool spins and slows every other test down. OpenBLAS (numpy's, and MLX's through backends/mlx/fast_blas)
+gets the cores divided among the xdist workers, for the same reason."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def pytest_configure(config):
+    # OpenBLAS's threads spin while they wait: with every worker (and each server process a test starts) running a
+    # pool as wide as the machine, a 2-core run of `make test` took 30 minutes instead of 17. Set here, in the
+    # controller, before xdist starts the workers, so that they (and their children) load OpenBLAS with it.
+    workers = getattr(config.option, "numprocesses", None)
+    if isinstance(workers, int) and workers > 0:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     try:
         import torch
     except ImportError:

@@ -72,11 +72,12 @@ def on(target, w):
 
 
 def check(target, args, act="silu", tol=TOL[np.float32], **kw):
-    """The grouped kernels, at few slots too (the GEMV path: tests/test_kernels_moe_gemv.py)."""
+    """The grouped GGUF kernels, at few slots too (the GEMV path: tests/test_kernels_moe_gemv.py) and at many (the
+    dequantize-then-dense path moe_experts takes there by default: tests/test_kernels_moe_dequant.py, dequant=True)."""
     x, w, ids, *stacks = args
     out = dev(np.full(x.shape, np.nan, x.dtype), target)
     got = moe.moe_experts(*(dev(a, target) for a in (x, w, ids)), *(on(target, s) for s in stacks), act, out=out,
-                          target=target, **{"gemv": False} | kw)
+                          target=target, **{"gemv": False, "dequant": False} | kw)
     assert got is out
     got = np.asarray(host(out), np.float64)
     want = moe.moe_experts_ref(x, w, ids, *(gguf_py_dense(s) for s in stacks), act)
