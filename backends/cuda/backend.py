@@ -29,6 +29,7 @@ from backends.cuda.warm_batches import (
     warm_up_eager_decode,
     warm_up_eager_prefill,
     warm_up_eager_steps,
+    warm_up_graph_prefill,
 )
 from core.batch import Batch
 from core.kv_layout import KVLayout
@@ -290,9 +291,12 @@ class CUDABackend(Backend):
                 self.whole = StepGraphs(self.runner, self._chain, min(PIECEWISE_MAX_TOKENS, self.max_step_tokens),
                                         self.max_num_seqs, -(-longest // block_size))
                 self.whole.capture_all()
-            if self.device.type == "cuda" and self.max_step_tokens > PIECEWISE_MAX_TOKENS:
+            # past the pieces' tokens (all, where they could not be captured) a prefill step launches eagerly
+            first = self.pieces.buckets[-1] if self.pieces is not None and self.pieces.available else 0
+            if self.device.type == "cuda" and self.max_step_tokens > first:
                 torch.cuda.reset_peak_memory_stats(self.device)
                 warm_up_eager_steps(self, longest)
+                warm_up_graph_prefill(self, longest, first)  # several sequences, every row count and table width
                 log.info("eager steps of up to %d tokens warmed up: peak %s allocated", self.max_step_tokens,
                          _mib(torch.cuda.max_memory_allocated(self.device)))
                 torch.cuda.empty_cache()  # its activations back to the device: the cache holds no more than a step's

@@ -162,13 +162,14 @@ def warm_up_eager_decode(backend, max_context: int) -> None:
         log.warning("warming up the eager decode steps failed: %s: %s", type(e).__name__, e)
 
 
-def prefill_steps(max_tokens: int, block_size: int) -> list[tuple[int, int]]:
+def prefill_steps(max_tokens: int, block_size: int, experts: int = 0, top_k: int = 1) -> list[tuple[int, int]]:
     """(prompt tokens, table width) of one-sequence steps that, beside the decode warm-up's row counts (all up to
     16), build the kernels a prefill step chooses: a 2-token prompt with tables of each width class (the prefill
     attention's tiles do not depend on the tokens, its table stride's class does), then, past 16 tokens, one count
-    of each integer class in each power-of-two bucket (the GEMMs' tiles go by M's next power of two)."""
+    of each integer class in each power-of-two bucket (the GEMMs' tiles go by M's next power of two; a MoE's slot
+    counts too: eager_token_counts)."""
     return [(min(2, max_tokens), w) for w in table_widths(1, block_size)] + [
-        (n, -(-n // block_size)) for n in by_bucket(32, max_tokens)]
+        (n, -(-n // block_size)) for n in eager_token_counts(16, max_tokens, experts, top_k)]
 
 
 def warm_up_eager_prefill(backend, max_positions: int) -> None:
@@ -176,7 +177,7 @@ def warm_up_eager_prefill(backend, max_positions: int) -> None:
     warm_up_eager_steps' decode rows beside a prompt, run at start-up. Nothing is written (slots -1); the reads of
     block 0 are discarded. Each rank runs its own."""
     groups, size = backend.kv_layout().num_groups, backend.block_size
-    steps = prefill_steps(backend.max_step_tokens, size)
+    steps = prefill_steps(backend.max_step_tokens, size, *moe_shape(backend))
     try:
         t0 = time.perf_counter()
         for n, width in steps:
@@ -190,3 +191,98 @@ def warm_up_eager_prefill(backend, max_positions: int) -> None:
     except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
         log.warning("warming up the eager prefill steps failed: %s: %s", type(e).__name__, e)
     warm_up_eager_steps(backend, max_positions)
+
+
+def spread_batch(seqs: int, tokens: int, width: int, block_size: int, max_positions: int, groups: int = 1) -> Batch:
+    """A step of `tokens` tokens over `seqs` sequences that writes nothing (slots -1) and reads block 0: the tokens
+    spread evenly, each sequence a whole prompt but the first, a chunk ending `width` blocks in (its table as wide
+    as that: core.batch.make_batch's width, the longest sequence's blocks). Needs width * block_size >= the longest
+    sequence's tokens. Rope positions below `max_positions`."""
+    lens = np.full(seqs, tokens // seqs, np.int32)
+    lens[:tokens % seqs] += 1
+    context = lens.copy()
+    context[0] = width * block_size
+    positions = np.concatenate([np.arange(c - n, c) for n, c in zip(lens, context, strict=True)]) % max_positions
+    slots, tables = np.full(tokens, -1, np.int32), np.zeros((seqs, width), np.int32)
+    ends = np.cumsum(lens).astype(np.int32)
+    return Batch(np.zeros(tokens, np.int32), positions.astype(np.int32), slots, tables, context,
+                 np.concatenate([[0], ends]).astype(np.int32), ends - 1,
+                 group_slots=(slots,) * (groups - 1), group_tables=(tables,) * (groups - 1))
+
+
+def moe_shape(backend) -> tuple[int, int]:
+    """(routed experts, experts a token) of a MoE's config (Qwen-MoE, Mixtral, DeepSeek); (0, 1) of a dense one."""
+    cfg = backend.model.config
+    return getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "top_k", 1) or 1
+
+
+def blocks(tokens: int, seqs: int, block_size: int) -> int:
+    """The blocks of spread_batch's longest sequence, a whole prompt: its table's width."""
+    longest = -(-tokens // seqs)
+    return -(-longest // block_size)
+
+
+def eager_token_counts(first: int, most: int, experts: int = 0, top_k: int = 1) -> list[int]:
+    """Token counts past `first` up to `most` whose steps build every kernel a step's token count chooses: in each
+    power-of-two bucket (the GEMMs' tiles go by M's next power of two) the largest count of each integer class, and
+    with experts (a MoE), of each class of the slot count tokens * top_k and side of the grouped path's slot
+    thresholds (moe.default_tiles' taller tiles from 64 slots an expert; moe_dequant's 4)."""
+    def key(n: int) -> tuple:
+        slots = n * top_k
+        return (int_class(n), int_class(slots), slots >= 64 * experts, slots >= 4 * experts) if experts else (
+            int_class(n),)
+
+    out, p = [], 1
+    while p // 2 < most:
+        seen = set()
+        for n in range(min(p, most), max(p // 2, first), -1):
+            if key(n) not in seen:
+                seen.add(key(n))
+                out.append(n)
+        p *= 2
+    return sorted(out)
+
+
+def graph_prefill_steps(first: int, most: int, max_seqs: int, block_size: int, experts: int = 0,
+                        top_k: int = 1) -> list[tuple[int, int, int]]:
+    """(sequences, tokens, table width) of the steps that build every kernel a prefill step past `first` tokens
+    (the graphs' pieces) launches eagerly, with CUDA graphs on: each eager_token_counts count; each decode_rows
+    count of sequences (the logits' rows: the LM head's GEMV is built per row count, the decode graphs' captures
+    cover their buckets only); paired up, the row counts past the token counts at the fewest tokens. Then tables of each
+    width class (the prefill attention's table stride), where a step can have them: width 1 takes a block's tokens
+    a sequence at most."""
+    counts = eager_token_counts(first, most, experts, top_k)
+    if not counts:
+        return []
+    rows, steps = decode_rows(max_seqs), []
+    for i in range(max(len(counts), len(rows))):
+        n = counts[i] if i < len(counts) else counts[0]
+        seqs = min(rows[i % len(rows)], n)
+        steps.append((seqs, n, blocks(n, seqs, block_size)))
+    n, seqs = counts[0], min(max_seqs, counts[0])
+    need = blocks(n, seqs, block_size)  # at the most sequences
+    widths = {int_class(w) for *_, w in steps}
+    for w in (need, need + 1, -(-need // 16) * 16):
+        if int_class(w) not in widths:
+            widths.add(int_class(w))
+            steps.append((seqs, n, w))
+    return steps
+
+
+def warm_up_graph_prefill(backend, max_positions: int, first: int) -> None:
+    """With CUDA graphs on, steps of more tokens than the pieces take (`first`) launch eagerly: the
+    graph_prefill_steps run at start-up, several sequences each (an H200, Qwen3-30B-A3B Q4_K_M: a 4,096-token step
+    of 64 sequences took 0.90 s to launch, 2026-12-04, after warm_up_eager_steps alone). Nothing is written (slots
+    -1); the reads of block 0 are discarded. Each rank runs its own, as warm_up_attention."""
+    groups, size = backend.kv_layout().num_groups, backend.block_size
+    steps = graph_prefill_steps(first, backend.max_step_tokens, backend.max_num_seqs, size, *moe_shape(backend))
+    try:
+        t0 = time.perf_counter()
+        for seqs, n, width in steps:
+            backend._forward(spread_batch(seqs, n, width, size, max_positions, groups), mirror=False)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+        log.info("eager prefill steps past %d tokens warmed up: %d steps (up to %d tokens, %d sequences) in %.1f s",
+                 first, len(steps), backend.max_step_tokens, backend.max_num_seqs, time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
+        log.warning("warming up the eager prefill steps past the pieces failed: %s: %s", type(e).__name__, e)
