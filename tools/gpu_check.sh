@@ -273,7 +273,8 @@ pending_moe() {
 # pipelining depths 1 and 2 against Triton's default (LLM_ENGINE_FP8_DECODE_STAGES; sm_90 loop steps 1,015 / 1,138
 # against 1,442 SASS), our setting alone at four batches and two contexts; eager decode after the warm-up that builds
 # every variant an eager step launches (no "took ... to launch" line should remain). Issue 16's Qwen3-30B-A3B Q4_K_M
-# batch 1 with the MoE GEMV's tiles over every slot's rows needs the staged bench_gguf run (docs/BENCHMARKS.md).
+# batch 1 with the MoE GEMV's tiles over every slot's rows needs the staged bench_gguf run (docs/BENCHMARKS.md); its
+# `--stage ours` log should also show "eager prefill steps past 512 tokens warmed up" and no "took ... to launch".
 pending_next() {
     local rc=0 s
     for s in 0 1 2; do
