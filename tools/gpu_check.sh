@@ -274,7 +274,7 @@ pending_moe() {
 # against 1,442 SASS), our setting alone at four batches and two contexts; eager decode after the warm-up that builds
 # every variant an eager step launches (no "took ... to launch" line should remain). Issue 16's Qwen3-30B-A3B Q4_K_M
 # batch 1 with the MoE GEMV's tiles over every slot's rows needs the staged bench_gguf run (docs/BENCHMARKS.md); its
-# `--stage ours` log should also show "eager prefill steps past 512 tokens warmed up" and no "took ... to launch".
+# `--stage ours` log should also show "eager prefill steps past 512 tokens (...) warmed up" and no "took ... to launch".
 pending_next() {
     local rc=0 s
     for s in 0 1 2; do

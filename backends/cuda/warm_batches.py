@@ -38,22 +38,34 @@ def mixed_batch(seqs: int, tokens: int, block_size: int, max_positions: int, gro
                  group_slots=(slots,) * (groups - 1), group_tables=(tables,) * (groups - 1))
 
 
+def run_warm_up(backend, what: str, batches) -> None:
+    """Run start-up `batches` (an iterable, built as they run) that write nothing, and log how many took how long. A
+    warm-up: a failure is logged and serving goes on without it, those steps compiling when they first come. Each rank
+    runs its own (allocate_kv is mirrored to the workers): none is mirrored again."""
+    try:
+        t0, n = time.perf_counter(), 0
+        for batch in batches:
+            backend._forward(batch, mirror=False)
+            n += 1
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+        log.info("%s warmed up: %d steps in %.1f s", what, n, time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
+        log.warning("warming up %s failed: %s: %s", what, type(e).__name__, e)
+
+
 def warm_up_attention(backend, block_size: int) -> None:
     """Steps through the pieces whose block tables are 1, 8 and 16 blocks wide: the eager attention between the
     pieces is compiled for the table widths Triton tells apart (an integer argument equal to 1, a multiple of
     16, or neither), which a first request otherwise waited ~1 s for (an H200, an 8B model). Slots of -1 write
-    nothing; the reads of block 0 are discarded. A failure is logged: those steps still run, compiling then.
-    Each rank runs its own (allocate_kv is mirrored to the workers): none is mirrored again."""
-    try:
+    nothing; the reads of block 0 are discarded."""
+    def steps():
         for width in (1, 8, 16):
             n = min(width * block_size, backend.pieces.buckets[-1])
-            backend._forward(one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
-                                          np.full(n, -1, np.int32), np.zeros((1, width), np.int32),
-                                          backend.kv_layout().num_groups), mirror=False)
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize(backend.device)
-    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
-        log.warning("warming up the attention of prefill steps failed: %s: %s", type(e).__name__, e)
+            yield one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32), np.full(n, -1, np.int32),
+                               np.zeros((1, width), np.int32), backend.kv_layout().num_groups)
+
+    run_warm_up(backend, "the attention of prefill steps", steps())
 
 
 def warm_up_eager_steps(backend, max_positions: int) -> None:
@@ -61,17 +73,12 @@ def warm_up_eager_steps(backend, max_positions: int) -> None:
     beside a prompt, compiled at start-up: a first wave of requests otherwise waited for them (an H200, an 8B
     model: a 2,048-token step of 48 sequences took 0.38 s to launch, docs/BENCHMARKS.md 2026-12-04). Sequence
     counts and token counts of each class Triton tells apart (a multiple of 16, or neither); nothing is
-    written (slots of -1). Each rank runs its own, as warm_up_attention."""
-    try:
-        for seqs, tokens in ((3, backend.max_step_tokens), (16, backend.max_step_tokens - 1)):
-            if tokens <= seqs:  # steps too small for a prompt beside the decode rows
-                continue
-            batch = mixed_batch(seqs, tokens, backend.block_size, max_positions, backend.kv_layout().num_groups)
-            backend._forward(batch, mirror=False)
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize(backend.device)
-    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
-        log.warning("warming up the eager prefill steps failed: %s: %s", type(e).__name__, e)
+    written (slots of -1)."""
+    groups = backend.kv_layout().num_groups
+    run_warm_up(backend, "the eager steps beside decode rows", (
+        mixed_batch(seqs, tokens, backend.block_size, max_positions, groups)
+        for seqs, tokens in ((3, backend.max_step_tokens), (16, backend.max_step_tokens - 1))
+        if tokens > seqs))  # smaller steps leave no prompt beside the decode rows
 
 
 def decode_batch(rows: int, context: int, block_size: int, groups: int = 1, width: int | None = None) -> Batch:
@@ -84,32 +91,18 @@ def decode_batch(rows: int, context: int, block_size: int, groups: int = 1, widt
                  group_slots=(slots,) * (groups - 1), group_tables=(tables,) * (groups - 1))
 
 
-def of_each_class(lo: int, hi: int) -> list[int]:
-    """One integer of each class Triton tells apart past 1 (a multiple of 16, another) in lo..hi, the largest."""
-    return sorted({n for n in (hi // 16 * 16, hi if hi % 16 else hi - 1) if lo <= n <= hi})
-
-
-def by_bucket(first: int, most: int) -> list[int]:
-    """of_each_class in each power-of-two bucket p/2+1..p up to `most`, from p = `first` (a power of two) on."""
-    out, p = [], first
-    while p // 2 < most:
-        out += of_each_class(p // 2 + 1, min(p, most))
-        p *= 2
-    return out
-
-
 def decode_rows(max_seqs: int) -> list[int]:
     """Row counts whose decode steps build every kernel a step's row count chooses: each count up to 16 (the GEMVs
     are built per row count, up to 8; the GGUF MMQ from 4; the dense GEMM from 9), then one of each integer class in
     each power-of-two bucket past it (the GEMMs' tiles go by M's next power of two)."""
-    return list(range(1, min(16, max_seqs) + 1)) + by_bucket(32, max_seqs)
+    return list(range(1, min(16, max_seqs) + 1)) + counts_by_class(16, max_seqs)
 
 
 def split_counts(most: int) -> list[int]:
     """Split-K partition counts up to `most` that build every decode kernel: 1 (no split), then, for each power of
     two p (the reduce's BLOCK_P, and the fused combine's, is the count's next power of two), one count of each
     integer class in p/2+1..p (the count is the kernels' integer `max_parts`)."""
-    return [1, *by_bucket(2, most)]
+    return [1, *counts_by_class(1, most)]
 
 
 def table_widths(context: int, block_size: int) -> list[int]:
@@ -147,19 +140,11 @@ def warm_up_eager_decode(backend, max_context: int) -> None:
     a first step otherwise waited for Triton to compile (an H200, an 8B model at 4k: a step of 1 sequence took
     0.49 s to launch, then 16, 8 and 4; at 128 tokens a step of 16 took 0.73 s; measured 2026-12-04, with the graph
     capture's steps warmed up: an eager step's partition count and table width are any integer, not the graphs'
-    powers of two and fixed width). Nothing is written (slots -1). Each rank runs its own, as warm_up_attention."""
+    powers of two and fixed width). Nothing is written (slots -1)."""
     groups, size = backend.kv_layout().num_groups, backend.block_size
-    steps = eager_decode_steps(backend.runner, backend.max_num_seqs, max_context, size)
-    try:
-        t0 = time.perf_counter()
-        for rows, context, width in steps:
-            backend._forward(decode_batch(rows, context, size, groups, width), mirror=False)
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize(backend.device)
-        log.info("eager decode warmed up: %d steps (up to %d sequences, contexts up to %d) in %.1f s", len(steps),
-                 backend.max_num_seqs, max_context, time.perf_counter() - t0)
-    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
-        log.warning("warming up the eager decode steps failed: %s: %s", type(e).__name__, e)
+    run_warm_up(backend, f"eager decode (up to {backend.max_num_seqs} sequences, contexts up to {max_context})", (
+        decode_batch(rows, context, size, groups, width)
+        for rows, context, width in eager_decode_steps(backend.runner, backend.max_num_seqs, max_context, size)))
 
 
 def prefill_steps(max_tokens: int, block_size: int, experts: int = 0, top_k: int = 1) -> list[tuple[int, int]]:
@@ -167,29 +152,20 @@ def prefill_steps(max_tokens: int, block_size: int, experts: int = 0, top_k: int
     16), build the kernels a prefill step chooses: a 2-token prompt with tables of each width class (the prefill
     attention's tiles do not depend on the tokens, its table stride's class does), then, past 16 tokens, one count
     of each integer class in each power-of-two bucket (the GEMMs' tiles go by M's next power of two; a MoE's slot
-    counts too: eager_token_counts)."""
+    counts too: counts_by_class)."""
     return [(min(2, max_tokens), w) for w in table_widths(1, block_size)] + [
-        (n, -(-n // block_size)) for n in eager_token_counts(16, max_tokens, experts, top_k)]
+        (n, -(-n // block_size)) for n in counts_by_class(16, max_tokens, experts, top_k)]
 
 
 def warm_up_eager_prefill(backend, max_positions: int) -> None:
     """With CUDA graphs off, prefill steps are eager at every token count: the prefill_steps prompts, and
     warm_up_eager_steps' decode rows beside a prompt, run at start-up. Nothing is written (slots -1); the reads of
-    block 0 are discarded. Each rank runs its own."""
+    block 0 are discarded."""
     groups, size = backend.kv_layout().num_groups, backend.block_size
-    steps = prefill_steps(backend.max_step_tokens, size, *moe_shape(backend))
-    try:
-        t0 = time.perf_counter()
-        for n, width in steps:
-            backend._forward(one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32) % max_positions,
-                                          np.full(n, -1, np.int32), np.zeros((1, width), np.int32), groups),
-                             mirror=False)
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize(backend.device)
-        log.info("eager prefill warmed up: %d steps (up to %d tokens) in %.1f s", len(steps), backend.max_step_tokens,
-                 time.perf_counter() - t0)
-    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
-        log.warning("warming up the eager prefill steps failed: %s: %s", type(e).__name__, e)
+    run_warm_up(backend, f"eager prefill (up to {backend.max_step_tokens} tokens)", (
+        one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32) % max_positions, np.full(n, -1, np.int32),
+                     np.zeros((1, width), np.int32), groups)
+        for n, width in prefill_steps(backend.max_step_tokens, size, *moe_shape(backend))))
     warm_up_eager_steps(backend, max_positions)
 
 
@@ -222,11 +198,12 @@ def blocks(tokens: int, seqs: int, block_size: int) -> int:
     return -(-longest // block_size)
 
 
-def eager_token_counts(first: int, most: int, experts: int = 0, top_k: int = 1) -> list[int]:
-    """Token counts past `first` up to `most` whose steps build every kernel a step's token count chooses: in each
-    power-of-two bucket (the GEMMs' tiles go by M's next power of two) the largest count of each integer class, and
-    with experts (a MoE), of each class of the slot count tokens * top_k and side of the grouped path's slot
-    thresholds (moe.default_tiles' taller tiles from 64 slots an expert; moe_dequant's 4)."""
+def counts_by_class(first: int, most: int, experts: int = 0, top_k: int = 1) -> list[int]:
+    """Counts past `first` up to `most` (of tokens, rows or partitions) whose steps build every kernel a step's count
+    chooses: in each power-of-two bucket (the GEMMs' tiles go by M's next power of two) the largest count of each
+    integer class Triton tells apart (1, a multiple of 16, another), and with experts (a MoE), of each class of the
+    slot count tokens * top_k and side of the grouped path's slot thresholds (moe.default_tiles' taller tiles from 64
+    slots an expert; moe_dequant's 4)."""
     def key(n: int) -> tuple:
         slots = n * top_k
         return (int_class(n), int_class(slots), slots >= 64 * experts, slots >= 4 * experts) if experts else (
@@ -246,12 +223,12 @@ def eager_token_counts(first: int, most: int, experts: int = 0, top_k: int = 1) 
 def graph_prefill_steps(first: int, most: int, max_seqs: int, block_size: int, experts: int = 0,
                         top_k: int = 1) -> list[tuple[int, int, int]]:
     """(sequences, tokens, table width) of the steps that build every kernel a prefill step past `first` tokens
-    (the graphs' pieces) launches eagerly, with CUDA graphs on: each eager_token_counts count; each decode_rows
+    (the graphs' pieces) launches eagerly, with CUDA graphs on: each counts_by_class count; each decode_rows
     count of sequences (the logits' rows: the LM head's GEMV is built per row count, the decode graphs' captures
     cover their buckets only); paired up, the row counts past the token counts at the fewest tokens. Then tables of each
     width class (the prefill attention's table stride), where a step can have them: width 1 takes a block's tokens
     a sequence at most."""
-    counts = eager_token_counts(first, most, experts, top_k)
+    counts = counts_by_class(first, most, experts, top_k)
     if not counts:
         return []
     rows, steps = decode_rows(max_seqs), []
@@ -262,7 +239,7 @@ def graph_prefill_steps(first: int, most: int, max_seqs: int, block_size: int, e
     n, seqs = counts[0], min(max_seqs, counts[0])
     need = blocks(n, seqs, block_size)  # at the most sequences
     widths = {int_class(w) for *_, w in steps}
-    for w in (need, need + 1, -(-need // 16) * 16):
+    for w in table_widths(need * block_size, block_size):
         if int_class(w) not in widths:
             widths.add(int_class(w))
             steps.append((seqs, n, w))
@@ -273,16 +250,10 @@ def warm_up_graph_prefill(backend, max_positions: int, first: int) -> None:
     """With CUDA graphs on, steps of more tokens than the pieces take (`first`) launch eagerly: the
     graph_prefill_steps run at start-up, several sequences each (an H200, Qwen3-30B-A3B Q4_K_M: a 4,096-token step
     of 64 sequences took 0.90 s to launch, 2026-12-04, after warm_up_eager_steps alone). Nothing is written (slots
-    -1); the reads of block 0 are discarded. Each rank runs its own, as warm_up_attention."""
+    -1); the reads of block 0 are discarded."""
     groups, size = backend.kv_layout().num_groups, backend.block_size
-    steps = graph_prefill_steps(first, backend.max_step_tokens, backend.max_num_seqs, size, *moe_shape(backend))
-    try:
-        t0 = time.perf_counter()
-        for seqs, n, width in steps:
-            backend._forward(spread_batch(seqs, n, width, size, max_positions, groups), mirror=False)
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize(backend.device)
-        log.info("eager prefill steps past %d tokens warmed up: %d steps (up to %d tokens, %d sequences) in %.1f s",
-                 first, len(steps), backend.max_step_tokens, backend.max_num_seqs, time.perf_counter() - t0)
-    except Exception as e:  # noqa: BLE001  (a warm-up: serving goes on without it)
-        log.warning("warming up the eager prefill steps past the pieces failed: %s: %s", type(e).__name__, e)
+    run_warm_up(backend, f"eager prefill steps past {first} tokens (up to {backend.max_step_tokens} tokens, "
+                f"{backend.max_num_seqs} sequences)", (
+        spread_batch(seqs, n, width, size, max_positions, groups)
+        for seqs, n, width in graph_prefill_steps(first, backend.max_step_tokens, backend.max_num_seqs, size,
+                                                  *moe_shape(backend))))
