@@ -40,8 +40,8 @@ from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.gguf_gemv_common import _Decode
 
-__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "I8", "I8_MIN_SLOTS", "moe_gemv_kernel", "moe_qgemv_kernel", "readable_x",
-           "run", "stack_fits", "use_gemv", "uses_i8"]
+__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "I8", "I8_MIN_SLOTS", "moe_gemv_kernel", "moe_qgemv_kernel", "run",
+           "stack_fits", "use_gemv", "uses_i8"]
 
 # At most this many slots (tokens * top_k) take the GEMV path, dense and GGUF, and no more slots than experts
 # (dense) or four times as many (GGUF). The GEMV reads an expert once per slot that routes to it, the grouped
@@ -129,13 +129,26 @@ def moe_qgemv_kernel(x, xd, w_a, w_b, y, ids, weights, n_rows, n_cols, x_stride,
         return x_load(xrow, xdrow, b)
 
     def sums(mats, QTYPE, STEP, PARTS):
-        return gguf_pass_sums(mats, QTYPE, STEP, PARTS, first, n_rows, n_cols, ROWS, I8, xrow, x_i8, dec)
+        """Each matrix's sums [i * ROWS + r] of the program's rows, and the rows."""
+        elems, size = dg.FORMATS[QTYPE]
+        if I8:
+            x_load, w_load, w_dot, acc_shape = i8.I8_FAMILY[QTYPE]
+            rank, PARTS, x_prep = 4, 1, lambda m, b: x_i8(m, b, x_load)
+        else:
+            rank, acc_shape, x_fp, w_load, w_fp = dg._family(QTYPE, PARTS)
+            x_prep, w_dot = lambda m, b: x_fp(xrow, b, dec, PARTS), lambda raw, xp: w_fp(raw, xp, dec)
+        rows, accs = dg._gemv_loop([(w + first * s, s) for w, s in mats], n_rows, n_cols, elems, size, 1, ROWS, STEP,
+                                   PARTS, rank, acc_shape, x_prep, w_load, w_dot)
+        return rows, [tl.sum(a) for a in accs]
 
     if not GATED:
         rows, out = sums([(w_a, a_stride)], QTYPE_A, STEP_A, PARTS_A)
     else:
-        rows, both = gate_up_sums(sums, (w_a, a_stride), (w_b, b_stride), QTYPE_A, QTYPE_B, (STEP_A, PARTS_A),
-                                  (STEP_B, PARTS_B))
+        if QTYPE_A == QTYPE_B:  # gate and up share each step's x
+            rows, both = sums([(w_a, a_stride), (w_b, b_stride)], QTYPE_A, STEP_A, PARTS_A)
+        else:
+            rows, both = sums([(w_a, a_stride)], QTYPE_A, STEP_A, PARTS_A)
+            both = both + sums([(w_b, b_stride)], QTYPE_B, STEP_B, PARTS_B)[1]
         w_slot = tl.load(weights + slot).to(tl.float32)
         out = [_act(g, ACT) * u * w_slot for g, u in zip(both[:ROWS], both[ROWS:], strict=True)]
     if PDL and I8:  # a program whose loop ran no step has not waited yet (a later wait returns at once)
@@ -143,31 +156,6 @@ def moe_qgemv_kernel(x, xd, w_a, w_b, y, ids, weights, n_rows, n_cols, x_stride,
         tl.launch_dependents()
     for row, v in zip(rows, out, strict=True):
         tl.store(y + slot.to(tl.int64) * y_stride + row, v, mask=row < n_rows)
-
-
-def gguf_pass_sums(mats, QTYPE, STEP, PARTS, first, n_rows, n_cols, ROWS, I8, xrow, x_i8, dec):
-    """A GGUF pass's sums [i * ROWS + r] over the program's rows of each matrix in `mats` ((w, row stride in
-    bytes), the expert's rows from `first`), and those rows: on fp x (row xrow) through dequant_gemv's family at
-    M = 1, or (I8) on int8 x through dequant_gemv_i8's (x_i8(m, b, x_load))."""
-    elems, size = dg.FORMATS[QTYPE]
-    if I8:
-        x_load, w_load, w_dot, acc_shape = i8.I8_FAMILY[QTYPE]
-        rank, PARTS, x_prep = 4, 1, lambda m, b: x_i8(m, b, x_load)
-    else:
-        rank, acc_shape, x_fp, w_load, w_fp = dg._family(QTYPE, PARTS)
-        x_prep, w_dot = lambda m, b: x_fp(xrow, b, dec, PARTS), lambda raw, xp: w_fp(raw, xp, dec)
-    rows, accs = dg._gemv_loop([(w + first * s, s) for w, s in mats], n_rows, n_cols, elems, size, 1, ROWS, STEP,
-                               PARTS, rank, acc_shape, x_prep, w_load, w_dot)
-    return rows, [tl.sum(a) for a in accs]
-
-
-def gate_up_sums(sums, gate, up, QTYPE_A, QTYPE_B, tiles_a, tiles_b):
-    """A gated pass's gate sums then up sums (and the rows): one loop sharing x where both have one format, else
-    one each (tiles: (STEP, PARTS))."""
-    if QTYPE_A == QTYPE_B:
-        return sums([gate, up], QTYPE_A, *tiles_a)
-    rows, both = sums([gate], QTYPE_A, *tiles_a)
-    return rows, both + sums([up], QTYPE_B, *tiles_b)[1]
 
 
 # --- host side -------------------------------------------------------------------------------------------------
@@ -234,21 +222,16 @@ def _pass(src, a, b, dst, ids, weights, *, gated: bool, top_k: int, act: str, ta
                                                elem_stride(a, 0), elem_stride(a, 1), elem_stride(dst, 0))
 
 
-def readable_x(x, w_gate, w_up, w_down):
-    """x as the GGUF passes' loads read it (16-bit x in 8-byte words: dequant_gemv.aligned_x), after checking that
-    they can read every stack's rows (stack_fits; ValueError naming the stack and the alignment it needs)."""
-    for w, what in ((w_gate, "gate"), (w_up, "up"), (w_down, "down")):
-        if not stack_fits(w):
-            raise ValueError(f"{what}: the MoE GEMV needs {w.qtype} rows {dg.ALIGN.get(w.qtype.upper(), 2)}-byte "
-                             "aligned (the grouped path reads any 2-byte aligned rows)")
-    return dg.aligned_x(x) if moe_gguf.is_blocks(w_gate) else x
-
-
 def run(x, weights, ids, w_gate, w_up, w_down, hidden, y, *, top_k: int, act: str, target: str, pdl: bool,
         block_n: int | None = None, block_k: int | None = None) -> None:
     """Both passes: hidden [S, I] <- the gated pass over x [T, H], y [S, H] <- the down pass, for flat weights and
     ids [S] (S = T * top_k). Raises ValueError for a GGUF stack whose rows it cannot read (stack_fits)."""
-    x = readable_x(x, w_gate, w_up, w_down)
+    for w, what in ((w_gate, "gate"), (w_up, "up"), (w_down, "down")):
+        if not stack_fits(w):
+            raise ValueError(f"{what}: the MoE GEMV needs {w.qtype} rows {dg.ALIGN.get(w.qtype.upper(), 2)}-byte "
+                             "aligned (the grouped path reads any 2-byte aligned rows)")
+    if moe_gguf.is_blocks(w_gate):
+        x = dg.aligned_x(x)  # 16-bit x: read in 8-byte words
     tile = dict(block_n=block_n, block_k=block_k)
     _pass(x, w_gate, w_up, hidden, ids, weights, gated=True, top_k=top_k, act=act, target=target, pdl=pdl, **tile)
     _pass(hidden, w_down, w_down, y, ids, weights, gated=False, top_k=top_k, act=act, target=target, pdl=pdl, **tile)

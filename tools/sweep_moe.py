@@ -237,8 +237,8 @@ def gemv_tiles(torch, layers, tokens: int) -> list[dict]:
 
     x = torch.randn((tokens, H), device="cuda").bfloat16()
     rule = moe_gemv._gguf_tiles
-    st = layers[0][0]
-    rules = {True: rule(st[0], st[1], True), False: rule(st[2], st[2], False)}
+    st, slots = layers[0][0], tokens * K
+    rules = {True: rule(st[0], st[1], True, slots), False: rule(st[2], st[2], False, slots)}
 
     def run(n=None):
         for stacks, ids, w in layers[:n]:
@@ -250,8 +250,8 @@ def gemv_tiles(torch, layers, tokens: int) -> list[dict]:
     for gated, rows, step, warps in itertools.product((True, False), (1, 2, 4), (2, 4, 8), (1, 2)):
         pick = dict(ROWS=rows, STEP_A=step, STEP_B=step, num_warps=warps)
 
-        def tiles(a, b, g, gated=gated, pick=pick):
-            return rule(a, b, g) | (pick if g == gated else {})
+        def tiles(a, b, g, slots=1, *, gated=gated, pick=pick):
+            return rule(a, b, g, slots) | (pick if g == gated else {})
 
         moe_gemv._gguf_tiles = tiles
         try:
