@@ -80,7 +80,7 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
             ks = tl.load(scales.k + soff, mask=valid, other=0.0)
             # p * vs is rounded to q's dtype for the PV dot: times 2^8 it stays clear of fp16's subnormals either way
             vs = tl.load(scales.v + soff, mask=valid, other=0.0) * e4m3.FP16_SHIFT
-            if scales.cvt:  # the values themselves, in q's dtype (bf16: 1,017 -> 980 SASS a decode step on sm_90)
+            if scales.cvt:  # the values themselves, in the dots' dtype (bf16 q: fp16 with F16_DOTS, above)
                 kt, vt = e4m3.convert(kt, dot_type), e4m3.convert(vt, dot_type)
             else:
                 ks = ks * e4m3.FP16_SHIFT
