@@ -141,10 +141,21 @@ def launch(src, a, b, dst, rows, block_expert, weights, n_slots: int, *, gated: 
         elem_stride(dst, 0))
 
 
-def moe_mmq_ref(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", round_h=None) -> np.ndarray:
+def _rounded(v: np.ndarray, dtype: str) -> np.ndarray:
+    """v rounded to the activations' dtype (float32, float16, bfloat16: to nearest even, finite v) and back, fp32."""
+    v = np.asarray(v, np.float32)
+    if dtype == "float16":
+        return v.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        u = v.view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    return v
+
+
+def moe_mmq_ref(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", h_dtype: str = "float32") -> np.ndarray:
     """What moe.moe_experts(mmq=True) computes over Q4_K / Q6_K stacks, in float64, slot by slot: x and h quantized
-    as quantize_x256 does (gguf_mmq_sb.quantize_x256_ref; h first rounded to the activations' dtype by round_h,
-    default fp32), the stacks decoded by our numpy dequantizer."""
+    as quantize_x256 does (gguf_mmq_sb.quantize_x256_ref; h first rounded to h_dtype, the activations' dtype, as
+    the gated pass stores it), the stacks decoded by our numpy dequantizer."""
     from ir.interpreter import KERNELS
 
     def q256(v):
@@ -156,7 +167,7 @@ def moe_mmq_ref(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", round_
     xq, top_k = q256(x), ids.shape[1]
     h = np.stack([KERNELS[act](gate[e] @ xq[s // top_k]) * (up[e] @ xq[s // top_k])
                   for s, e in enumerate(ids.reshape(-1))])
-    hq = q256((round_h or (lambda v: v.astype(np.float32)))(h))
+    hq = q256(_rounded(h, h_dtype))
     y = np.stack([down[e] @ hq[s] for s, e in enumerate(ids.reshape(-1))])
     y *= np.asarray(weights, np.float64).reshape(-1, 1)
     return y.reshape(ids.shape[0], top_k, -1).sum(1)
