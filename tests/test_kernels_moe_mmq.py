@@ -120,6 +120,14 @@ def test_passes_triton_interpreter(qtypes, rng):
     close(run_pass("triton-interpret", h, down, down, ids, w, False, block_n=256), down_ref(h, ids, w, down))
 
 
+def test_passes_simt_cpu(rng):
+    """The SIMT lowering (Metal's and CUDA C's) on the CPU fiber oracle: one token through two experts, Q4_K_M."""
+    x, w, ids, gate, up, down = mmq_problem(rng, 1, Q4_K_M, hidden=256)
+    close(run_pass("simt-cpu", x, gate, up, ids, w, True, block_n=64), gated_ref(x, ids, gate, up))
+    h = rng.standard_normal((ids.size, 256)).astype(np.float32)
+    close(run_pass("simt-cpu", h, down, down, ids, w, False, block_n=64), down_ref(h, ids, w, down))
+
+
 _words = sb._scale_words
 
 
@@ -187,6 +195,16 @@ def test_moe_experts_end_to_end(qtypes, rng):
     want = moe.moe_experts_ref(*args)
     assert (np.abs(got - want) <= e2e_bound(x, w, ids, *stacks) + TOL * np.abs(want).max()).all()
     assert np.abs(got - want).max() < 0.08 * np.abs(want).max()
+
+
+def test_moe_experts_fp16(rng):
+    """fp16 activations: h stored in fp16 by the gated pass, then quantized (moe_mmq_ref rounds it alike); the
+    output's fp16 rounding (2**-11) is what is left."""
+    x, w, ids, *stacks = mmq_problem(rng, 7, Q4_K_M, crowd=True)
+    x = x.astype(np.float16)
+    got = moe.moe_experts(x, w, ids, *stacks, gemv=False, mmq=True)
+    assert got.dtype == np.float16
+    close(np.asarray(got, np.float64), moe_mmq.moe_mmq_ref(x, w, ids, *stacks, h_dtype="float16"), 3e-3)
 
 
 def test_the_rule_and_the_switch(rng, monkeypatch):
