@@ -13,7 +13,8 @@ registers before the dot), so gate/up and down may each be dense or quantized, i
 prefill sizes a GGUF pass may instead dequantize its experts a chunk at a time to x's dtype and run this dense kernel
 on each chunk (kernels_src/moe_dequant.py: LLM_ENGINE_MOE_DEQUANT=1, or moe_experts(dequant=True)). A pass over
 Q4_K / Q6_K stacks may run on int8 tensor cores instead, x quantized per super-block first (kernels_src/moe_mmq.py:
-LLM_ENGINE_MOE_MMQ=1 below moe_mmq.MMQ_SLOTS_PER_EXPERT slots an expert, or moe_experts(mmq=True)).
+LLM_ENGINE_MOE_MMQ=1 below moe_mmq.MMQ_SLOTS_PER_EXPERT slots an expert, and from MMQ_MIN_SLOTS in place of the GEMV
+below; or moe_experts(mmq=True)).
 Small batches (at most moe_gemv.GEMV_SLOTS slots and no more than the experts, or four times that over GGUF stacks:
 moe_gemv.use_gemv) group nothing:
 kernels_src/moe_gemv.py runs each slot's expert as GEMVs, its id read in the kernel, over dense rows or through
@@ -156,7 +157,8 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
     given). gemv: the per-slot GEMVs of kernels_src/moe_gemv.py (None: where moe_gemv.use_gemv says) or the grouped
     kernels; dequant: the grouped path's GGUF passes through experts dequantized a chunk at a time and the dense
     kernel (None: where moe_dequant.use_dequant says); mmq: the grouped path's Q4_K / Q6_K passes on int8 tensor
-    cores (kernels_src/moe_mmq.py; None: where moe_mmq.use_mmq says; before dequant); block_n, block_k: the dense
+    cores (kernels_src/moe_mmq.py; None: where moe_mmq.use_mmq says, before dequant, and from moe_mmq.MMQ_MIN_SLOTS
+    slots in place of the GEMV, moe_mmq.over_gemv); block_n, block_k: the dense
     tiles (a GGUF pass steps by whole blocks)."""
     t, h = x.shape
     k = ids.shape[1]
@@ -169,7 +171,10 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
     pdl = use_pdl(target, pdl)
     hidden = empty(x, (s, inner))
     y = empty(x, (s, h))
-    if moe_gemv.use_gemv(s, e, (w_gate, w_up, w_down)) if gemv is None else gemv:
+    if gemv is None:
+        gemv = moe_gemv.use_gemv(s, e, (w_gate, w_up, w_down)) and not (
+            mmq is not False and moe_mmq.over_gemv(s, w_gate, w_up, h))
+    if gemv:
         moe_gemv.run(x, flat_w, ids.reshape(-1), w_gate, w_up, w_down, hidden, y, top_k=k, act=act, target=target,
                      pdl=pdl, block_n=block_n, block_k=block_k)
     else:

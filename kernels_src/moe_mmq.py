@@ -32,8 +32,8 @@ from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.moe_slots import block_slots
 
-__all__ = ["BLOCK_M", "MMQ", "MMQ_QTYPES", "MMQ_SLOTS_PER_EXPERT", "TILES", "launch", "moe_mmq_kernel", "moe_mmq_ref",
-           "pass_tiles", "takes", "use_mmq"]
+__all__ = ["BLOCK_M", "MMQ", "MMQ_MIN_SLOTS", "MMQ_QTYPES", "MMQ_SLOTS_PER_EXPERT", "TILES", "launch",
+           "moe_mmq_kernel", "moe_mmq_ref", "over_gemv", "pass_tiles", "takes", "use_mmq"]
 
 # Off until timed on a GPU (`tools/sweep_moe --variants blocked,mmq`): LLM_ENGINE_MOE_MMQ=1 turns it on (read once).
 MMQ = os.environ.get("LLM_ENGINE_MOE_MMQ", "0") == "1"
@@ -42,6 +42,11 @@ MMQ_QTYPES = ("Q4_K", "Q6_K")
 # expert once and the dense tensor-core kernel (moe_dequant.py) should win, as the dense MMQ loses to dequant_gemm
 # from 64 rows (gguf_mmq.MAX_ROWS). Untimed: the sweep above places it.
 MMQ_SLOTS_PER_EXPERT = 32
+# With MMQ on, a step of this many slots or more whose gate / up pass this path takes runs grouped here instead of
+# as the GEMV a slot (moe_gemv, up to its GGUF_GEMV_SLOTS, 512: 64 tokens of top 8, ~879 us a Qwen3-30B-A3B layer
+# there on an H200 against ~400 us if this path reaches ~1 TB/s); LLM_ENGINE_MOE_MMQ_MIN_SLOTS=N (read once) moves
+# it. A guess (32 tokens of top 8) until tools/sweep_moe --variants blocked,mmq times both at 16-256 tokens.
+MMQ_MIN_SLOTS = int(os.environ.get("LLM_ENGINE_MOE_MMQ_MIN_SLOTS", "256"))
 # A decode batch has 1-8 slots an expert: 16-slot blocks (the MMA's N; Q4_K's minimums by FFMA below
 # gguf_mmq_sb.MMA_MINS_ROWS).
 BLOCK_M = 16
@@ -98,6 +103,12 @@ def use_mmq(slots: int, experts: int) -> bool:
     """The rule moe.moe_experts follows for a grouped step (past the GEMV's bound): on (MMQ) and fewer than
     MMQ_SLOTS_PER_EXPERT slots an expert on average; each pass then goes here if `takes` it."""
     return MMQ and slots < MMQ_SLOTS_PER_EXPERT * experts
+
+
+def over_gemv(slots: int, w_gate, w_up, k_dim: int) -> bool:
+    """Whether a step the GEMV path would take runs grouped here instead: on (MMQ), MMQ_MIN_SLOTS slots or more, and
+    gate and up stacks this path takes (the down pass goes here too where it can, else the grouped GGUF kernel)."""
+    return MMQ and slots >= MMQ_MIN_SLOTS and takes(w_gate, w_up, True, k_dim)
 
 
 def takes(a, b, gated: bool, k_dim: int) -> bool:

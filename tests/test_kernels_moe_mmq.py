@@ -214,8 +214,12 @@ def test_the_rule_and_the_switch(rng, monkeypatch):
     monkeypatch.setattr(moe_mmq, "MMQ", True)
     bound = moe_mmq.MMQ_SLOTS_PER_EXPERT * 128
     assert moe_mmq.use_mmq(bound - 1, 128) and not moe_mmq.use_mmq(bound, 128)
+    q4 = moe_gguf.GGUFStack(np.zeros((8, 288), np.uint8), "Q4_K", (4, 2, 512))
+    least = moe_mmq.MMQ_MIN_SLOTS
+    assert moe_mmq.over_gemv(least, q4, q4, 512) and not moe_mmq.over_gemv(least - 1, q4, q4, 512)
+    assert not moe_mmq.over_gemv(least, q4, q4._replace(qtype="Q5_K"), 512)
     monkeypatch.setattr(moe_mmq, "MMQ", False)
-    assert not moe_mmq.use_mmq(1, 128)
+    assert not moe_mmq.use_mmq(1, 128) and not moe_mmq.over_gemv(10**6, q4, q4, 512)
     q4, q6 = (moe_gguf.GGUFStack(np.zeros((8, rb), np.uint8), q, (4, 2, 512)) for q, rb in (("Q4_K", 288),
                                                                                             ("Q6_K", 420)))
     q8 = moe_gguf.GGUFStack(np.zeros((8, 544), np.uint8), "Q8_0", (4, 2, 512))
@@ -224,6 +228,26 @@ def test_the_rule_and_the_switch(rng, monkeypatch):
     assert not moe_mmq.takes(q4._replace(data=np.zeros((8, 290), np.uint8)[:, 2:]), q4, True, 512)  # unaligned
     assert moe_mmq.takes(q6._replace(data=np.zeros((8, 422), np.uint8)[:, 2:]), None, False, 512)  # Q6_K: 2 will do
     assert not moe_mmq.takes(q4, q4, True, 384)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the spied GEMV leaves y unwritten
+def test_the_switch_takes_steps_from_the_gemv(rng, monkeypatch):
+    """On, a step of MMQ_MIN_SLOTS slots or more that the GEMV rule would take runs here (both passes); fewer keep
+    the GEMV (spied on, not run); gemv=True still forces it."""
+    calls = []
+    launch = moe_mmq.launch
+    monkeypatch.setattr(moe_mmq, "launch", lambda *a, **kw: calls.append(kw["gated"]) or launch(*a, **kw))
+    monkeypatch.setattr(moe.moe_gemv, "run", lambda *a, **kw: calls.append("gemv"))
+    monkeypatch.setattr(moe_mmq, "MMQ", True)
+    monkeypatch.setattr(moe_mmq, "MMQ_MIN_SLOTS", 8)
+    args = mmq_problem(rng, 4, Q4_K_M)  # 8 slots over 4 experts: the GEMV's by its rule
+    assert moe.moe_gemv.use_gemv(8, 4, args[3:])
+    close(moe.moe_experts(*args), moe_mmq.moe_mmq_ref(*args), 1e-4)
+    assert calls == [True, False]
+    moe.moe_experts(*args, gemv=True)
+    monkeypatch.setattr(moe_mmq, "MMQ_MIN_SLOTS", 9)
+    moe.moe_experts(*args)
+    assert calls == [True, False, "gemv", "gemv"]
 
 
 def test_moe_experts_routes_each_pass(rng, monkeypatch):

@@ -2,7 +2,8 @@
 Qwen3-30B-A3B MoE layer over Q4_K_M stacks through the grouped passes on int8 tensor cores (kernels_src/moe_mmq.py)
 against the paths a step takes today: the GEMV a slot (moe_gemv, the default up to moe_gemv.GGUF_GEMV_SLOTS), the
 dequantize + dense grouped path (moe_dequant, the grouped default) and the grouped GGUF kernel (moe_gguf); at
-TILE_TOKENS also moe_mmq's other tiles. A table a batch: what places moe_mmq.MMQ, its slot bound and its tiles."""
+TILE_TOKENS also moe_mmq's other tiles. A table a batch: what places moe_mmq.MMQ, its slot bounds (MMQ_MIN_SLOTS
+against the GEMV, MMQ_SLOTS_PER_EXPERT against dequant) and its TILES."""
 
 from __future__ import annotations
 

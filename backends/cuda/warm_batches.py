@@ -204,13 +204,13 @@ def counts_by_class(first: int, most: int, experts: int = 0, top_k: int = 1) -> 
     chooses: in each power-of-two bucket (the GEMMs' tiles go by M's next power of two) the largest count of each
     integer class Triton tells apart (1, a multiple of 16, another), and with experts (a MoE), of each class of the
     slot count tokens * top_k and side of the grouped path's slot thresholds (moe.default_tiles' taller tiles from 64
-    slots an expert; moe_dequant's 4; with moe_mmq on, its MMQ_SLOTS_PER_EXPERT)."""
-    mmq = moe_mmq.MMQ_SLOTS_PER_EXPERT * experts if moe_mmq.MMQ else None
+    slots an expert; moe_dequant's 4; with moe_mmq on, its MMQ_SLOTS_PER_EXPERT and MMQ_MIN_SLOTS)."""
+    mmq = (moe_mmq.MMQ_SLOTS_PER_EXPERT * experts, moe_mmq.MMQ_MIN_SLOTS) if moe_mmq.MMQ else ()
 
     def key(n: int) -> tuple:
         slots = n * top_k
         return (int_class(n), int_class(slots), slots >= 64 * experts, slots >= 4 * experts,
-                mmq is not None and slots >= mmq) if experts else (int_class(n),)
+                *(slots >= bound for bound in mmq)) if experts else (int_class(n),)
 
     out, p = [], 1
     while p // 2 < most:
