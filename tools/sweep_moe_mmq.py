@@ -8,9 +8,9 @@ against the GEMV, MMQ_SLOTS_PER_EXPERT against dequant) and its TILES."""
 from __future__ import annotations
 
 TILE_TOKENS = 64  # the batch at which moe_mmq's tiles are swept (issue 16's)
-# (BLOCK_N, num_warps) tried for both passes beside moe_mmq.TILES' (sm_90 builds: 64 x 4 spills on Q6_K, 128 x 8
-# spills on Q6_K a little; timed anyway)
-TILES = ((32, 4), (64, 4), (64, 8), (128, 8))
+# (BLOCK_N, num_warps) tried for both passes beside moe_mmq.TILES' (64 x 4, or 64 x 8 where a pass reads Q6_K;
+# sm_90 builds: 128 x 8 spills 8 bytes on Q6_K's down pass, timed anyway)
+TILES = ((32, 4), (64, 8), (128, 8))
 
 
 def mmq_ab(torch, layers, tokens: int, bench, active_bytes, h: int, k: int) -> dict:
