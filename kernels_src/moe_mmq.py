@@ -53,9 +53,10 @@ BLOCK_M = 16
 # (BLOCK_N, num_warps) at BLOCK_M 16 by whether a pass reads Q6_K: the widest tiles whose sm_90 builds spill nothing
 # at Qwen3-30B-A3B's passes (tests/test_kernels_moe_mmq.py::test_aot_sm90; registers, stack bytes, SASS a
 # super-block). Q4_K alone at 64 x 4 warps: gated 170 / 0 / 955, down 128 / 0 / 548 (128 wide: gated 255 / 32 at 4
-# warps, 176 / 0 at 8). Q6_K at 4 warps spills from 64 (down 24 bytes, gated with two accumulators 160) and its
-# 210-byte blocks leave rows 2-byte aligned (byte loads); at 8 warps 64 wide builds clean (down 140 / 0 / 980, gated
-# 175 / 0 / 1,796), 128 spills. Untimed: tools/sweep_moe --variants blocked,mmq times the others beside these.
+# warps, 176 / 0 at 8). Q6_K at 4 warps spills from 64 (down 24 bytes, gated with two accumulators 160); at 8 warps
+# 64 wide builds clean (down 140 / 0 / 980, gated 175 / 0 / 1,796), 128 spills. (The down stack's 630-byte rows are
+# 2-byte aligned; 16-byte aligned ones would save little: 924.) Untimed: tools/sweep_moe --variants blocked,mmq
+# times the others beside these.
 TILES = {False: (64, 4), True: (64, 8)}
 
 
