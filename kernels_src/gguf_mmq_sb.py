@@ -31,7 +31,8 @@ from kernels_src.dsl import compile, elem_stride, empty, tl
 from kernels_src.gguf_gemv_common import _x_vals
 from kernels_src.gguf_mmq import _finish, _program, _q4k_head, _q6k_head, _q6k_quants
 
-__all__ = ["KERNELS", "MMA_MINS_ROWS", "pre_pass", "quantize_x256", "quantize_x256_ref"]
+__all__ = ["KERNELS", "MMA_MINS_ROWS", "SUPER_BLOCKS", "pre_pass", "q4k_super_block", "q6k_super_block",
+           "quantize_x256", "quantize_x256_ref"]
 
 GROUP = 256  # x elements a scale
 # From this BLOCK_M the Q4_K minimums' sums go through fp16 MMAs (sm_90 SASS a super-block, 16 / 32 rows: FFMAs
@@ -116,6 +117,56 @@ def _per_sub_block(w_lo, w_hi, k16, odd_only: bool):
     return byte.to(tl.float16)
 
 
+def q4k_super_block(blk, xrow, srow, drow, sb, BLOCK_M: int, BLOCK_N: int):
+    """Super-block sb's term of y.T [BLOCK_N, BLOCK_M] (W @ x.T): blk the W rows' Q4_K super-blocks sb (4-byte
+    aligned), xrow x's K-major int8 pointers [32, BLOCK_M] at super-block 0, srow / drow x's rows of pre_pass's sums
+    and scales [BLOCK_M]. The dense GEMM and the grouped MoE (moe_mmq.py) share it."""
+    e, k16 = tl.arange(0, 32), tl.arange(0, 16)
+    d, dmin, words = _q4k_head(blk)
+    scs = _scale_words(words)
+    isum, mins = tl.zeros((BLOCK_N, BLOCK_M), tl.int32), None
+    for c in range(4):
+        v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])  # [BLOCK_N, 32] bytes
+        for h in range(2):
+            j = 2 * c + h
+            q = _high_nibbles(v) if h else (v & 15)
+            dot = tl.dot(q.to(tl.int8, bitcast=True), tl.load(xrow + sb * 256 + 32 * j))
+            sw, mw, b = scs[j // 4], scs[2 + j // 4], j % 4
+            sc = ((sw >> (8 * b)) & 0xFF) if h else ((sw << 4) >> (8 * b)) & 0xFF0  # 16 sc for the low nibbles
+            isum = isum + dot * sc.to(tl.int32)[:, None]
+            if BLOCK_M < MMA_MINS_ROWS:  # (8 d sc_j [j odd] - dmin mn_j) sum(xq_j): an FFMA an output
+                coef = dmin * _byte_f32(mw, b)
+                coef = (8.0 * d * _byte_f32(sw, b) - coef) if h else -coef
+                term = coef[:, None] * tl.load(srow + sb * 8 + j)[None, :]
+                mins = term if mins is None else mins + term
+    part = (d * 0.0625)[:, None] * isum.to(tl.float32)
+    if BLOCK_M >= MMA_MINS_ROWS:  # the same sums as two [BLOCK_N, 16] @ [16, BLOCK_M] fp16 MMAs, exact
+        xsum = tl.load(srow[None, :] + 16 * sb + k16[:, None])  # sum(xq_j) split at rows 2j, 2j + 1
+        t_sc = tl.dot(_per_sub_block(scs[0], scs[1], k16[None, :], True), xsum)
+        mins = (8.0 * d)[:, None] * t_sc - dmin[:, None] * tl.dot(_per_sub_block(scs[2], scs[3], k16[None, :],
+                                                                                 False), xsum)
+    return tl.load(drow + sb)[None, :] * (part + mins)
+
+
+def q6k_super_block(blk, xrow, srow, drow, sb, BLOCK_M: int, BLOCK_N: int):
+    """q4k_super_block for Q6_K super-blocks (2-byte aligned): gguf_mmq.mmq_q6k_kernel's quants and masked
+    half-chunk MMAs, their int8 scales applied in int32, fp32 entered once (srow unused: no minimums)."""
+    e = tl.arange(0, 32)
+    first = (e < 16)[None, :]
+    d, sc = _q6k_head(blk)
+    isum = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
+    for j, si, q in _q6k_quants(blk, e):
+        xv = tl.load(xrow + sb * 256 + 32 * j)
+        for u in range(2):
+            part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv)
+            isum = isum + part * tl.load(sc + si + u).to(tl.int32)[:, None]
+    return (d[:, None] * tl.load(drow + sb)[None, :]) * isum.to(tl.float32)
+
+
+# the super-block's term and its bytes, by qtype
+SUPER_BLOCKS = {"Q4_K": (q4k_super_block, 144), "Q6_K": (q6k_super_block, 210)}
+
+
 def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, xs_stride, y_stride,
                       split_stride, n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       PDL: tl.constexpr = False):
@@ -123,35 +174,10 @@ def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
     of each 32 elements' q (split in fp16 pairs from MMA_MINS_ROWS)."""
     m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
                                         BLOCK_N, PDL)
-    e, k16 = tl.arange(0, 32), tl.arange(0, 16)
     drow, srow = xd + mc * xd_stride, xs + mc * xs_stride
 
     def step(sb, acc):
-        blk = wrow + sb * 144
-        d, dmin, words = _q4k_head(blk)
-        scs = _scale_words(words)
-        isum, mins = tl.zeros((BLOCK_N, BLOCK_M), tl.int32), None
-        for c in range(4):
-            v = tl.load(blk[:, None] + 16 + 32 * c + e[None, :])  # [BLOCK_N, 32] bytes
-            for h in range(2):
-                j = 2 * c + h
-                q = _high_nibbles(v) if h else (v & 15)
-                dot = tl.dot(q.to(tl.int8, bitcast=True), tl.load(xrow + sb * 256 + 32 * j))
-                sw, mw, b = scs[j // 4], scs[2 + j // 4], j % 4
-                sc = ((sw >> (8 * b)) & 0xFF) if h else ((sw << 4) >> (8 * b)) & 0xFF0  # 16 sc for the low nibbles
-                isum = isum + dot * sc.to(tl.int32)[:, None]
-                if BLOCK_M < MMA_MINS_ROWS:  # (8 d sc_j [j odd] - dmin mn_j) sum(xq_j): an FFMA an output
-                    coef = dmin * _byte_f32(mw, b)
-                    coef = (8.0 * d * _byte_f32(sw, b) - coef) if h else -coef
-                    term = coef[:, None] * tl.load(srow + sb * 8 + j)[None, :]
-                    mins = term if mins is None else mins + term
-        part = (d * 0.0625)[:, None] * isum.to(tl.float32)
-        if BLOCK_M >= MMA_MINS_ROWS:  # the same sums as two [BLOCK_N, 16] @ [16, BLOCK_M] fp16 MMAs, exact
-            xsum = tl.load(srow[None, :] + 16 * sb + k16[:, None])  # sum(xq_j) split at rows 2j, 2j + 1
-            t_sc = tl.dot(_per_sub_block(scs[0], scs[1], k16[None, :], True), xsum)
-            mins = (8.0 * d)[:, None] * t_sc - dmin[:, None] * tl.dot(_per_sub_block(scs[2], scs[3], k16[None, :],
-                                                                                     False), xsum)
-        return acc + tl.load(drow + sb)[None, :] * (part + mins)
+        return acc + q4k_super_block(wrow + sb * 144, xrow, srow, drow, sb, BLOCK_M, BLOCK_N)
 
     _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
 
@@ -159,24 +185,13 @@ def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
 def mmq_sb_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, xs_stride, y_stride,
                       split_stride, n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       PDL: tl.constexpr = False):
-    """gguf_mmq.mmq_q6k_kernel's quants and masked half-chunk MMAs, their int8 scales applied in int32 and fp32
-    entered once a super-block (xs unused: no minimums)."""
+    """mmq_sb_q4k_kernel for Q6_K: q6k_super_block a step (xs unused)."""
     m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
                                         BLOCK_N, PDL)
-    e = tl.arange(0, 32)
-    first = (e < 16)[None, :]
     drow = xd + mc * xd_stride
 
     def step(sb, acc):
-        blk = wrow + sb * 210
-        d, sc = _q6k_head(blk)
-        isum = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
-        for j, si, q in _q6k_quants(blk, e):
-            xv = tl.load(xrow + sb * 256 + 32 * j)
-            for u in range(2):
-                part = tl.dot(tl.where(first if u == 0 else ~first, q, 0).to(tl.int8), xv)
-                isum = isum + part * tl.load(sc + si + u).to(tl.int32)[:, None]
-        return acc + (d[:, None] * tl.load(drow + sb)[None, :]) * isum.to(tl.float32)
+        return acc + q6k_super_block(wrow + sb * 210, xrow, None, drow, sb, BLOCK_M, BLOCK_N)
 
     _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
 

@@ -11,7 +11,10 @@ The tokens' outputs are the sums of their top_k rows of y (an array op after the
 Either pass may read GGUF blocks instead (kernels_src/moe_gguf.py: the same grid, each weight tile dequantized in
 registers before the dot), so gate/up and down may each be dense or quantized, in any format of their own. At
 prefill sizes a GGUF pass may instead dequantize its experts a chunk at a time to x's dtype and run this dense kernel
-on each chunk (kernels_src/moe_dequant.py: LLM_ENGINE_MOE_DEQUANT=1, or moe_experts(dequant=True)).
+on each chunk (kernels_src/moe_dequant.py: LLM_ENGINE_MOE_DEQUANT=1, or moe_experts(dequant=True)). A pass over
+Q4_K / Q6_K stacks may run on int8 tensor cores instead, x quantized per super-block first (kernels_src/moe_mmq.py:
+LLM_ENGINE_MOE_MMQ=1 below moe_mmq.MMQ_SLOTS_PER_EXPERT slots an expert, and from MMQ_MIN_SLOTS in place of the GEMV
+below; or moe_experts(mmq=True)).
 Small batches (at most moe_gemv.GEMV_SLOTS slots and no more than the experts, or four times that over GGUF stacks:
 moe_gemv.use_gemv) group nothing:
 kernels_src/moe_gemv.py runs each slot's expert as GEMVs, its id read in the kernel, over dense rows or through
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels_src import moe_dequant, moe_gemv, moe_gguf
+from kernels_src import moe_dequant, moe_gemv, moe_gguf, moe_mmq
 from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.moe_slots import block_slots
@@ -146,14 +149,17 @@ def _check_stacks(t: int, h: int, w_gate, w_up, w_down) -> None:
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out=None, target: str = "numpy",
                 pdl: bool | None = None, gemv: bool | None = None, dequant: bool | None = None,
-                block_m: int | None = None, block_n: int | None = None, block_k: int | None = None):
+                mmq: bool | None = None, block_m: int | None = None, block_n: int | None = None,
+                block_k: int | None = None):
     """sum over k of weights[t, k] * w_down[e] @ (act(w_gate[e] @ x[t]) * (w_up[e] @ x[t])), e = ids[t, k], for x
     [T, H] (rows contiguous), weights [T, k] fp32, ids [T, k], stacks [E, I, H] / [E, H, I]: dense with contiguous
     rows, or GGUF blocks (moe_gguf.GGUFStack; gate and up both or neither); out [T, H] (made in x's dtype when not
     given). gemv: the per-slot GEMVs of kernels_src/moe_gemv.py (None: where moe_gemv.use_gemv says) or the grouped
     kernels; dequant: the grouped path's GGUF passes through experts dequantized a chunk at a time and the dense
-    kernel (None: where moe_dequant.use_dequant says); block_n, block_k: the dense tiles (a GGUF pass steps by whole
-    blocks)."""
+    kernel (None: where moe_dequant.use_dequant says); mmq: the grouped path's Q4_K / Q6_K passes on int8 tensor
+    cores (kernels_src/moe_mmq.py; None: where moe_mmq.use_mmq says, before dequant, and from moe_mmq.MMQ_MIN_SLOTS
+    slots in place of the GEMV, moe_mmq.over_gemv); block_n, block_k: the dense
+    tiles (a GGUF pass steps by whole blocks)."""
     t, h = x.shape
     k = ids.shape[1]
     e, inner = _shape(w_gate)[:2]
@@ -165,14 +171,19 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
     pdl = use_pdl(target, pdl)
     hidden = empty(x, (s, inner))
     y = empty(x, (s, h))
-    if moe_gemv.use_gemv(s, e, (w_gate, w_up, w_down)) if gemv is None else gemv:
+    if gemv is None:
+        gemv = moe_gemv.use_gemv(s, e, (w_gate, w_up, w_down)) and not (
+            mmq is not False and moe_mmq.over_gemv(s, w_gate, w_up, h))
+    if gemv:
         moe_gemv.run(x, flat_w, ids.reshape(-1), w_gate, w_up, w_down, hidden, y, top_k=k, act=act, target=target,
                      pdl=pdl, block_n=block_n, block_k=block_k)
     else:
         if dequant is None:
             dequant = moe_dequant.use_dequant(s, e, (w_gate, w_up, w_down))
+        if mmq is None:
+            mmq = moe_mmq.use_mmq(s, e)
         _grouped(x, flat_w, ids, w_gate, w_up, w_down, hidden, y, k, act, target, pdl, block_m, block_n,
-                 block_k or BLOCK_K, dequant)
+                 block_k or BLOCK_K, dequant, mmq)
     out = empty(x, (t, h)) if out is None else out
     if isinstance(y, np.ndarray):
         np.sum(y.reshape(t, k, h), axis=1, out=out)
@@ -184,16 +195,25 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", *, out
 
 
 def _grouped(x, flat_w, ids, w_gate, w_up, w_down, hidden, y, k: int, act: str, target: str, pdl: bool,
-             block_m: int | None, block_n: int | None, block_k: int, dequant: bool = False) -> None:
+             block_m: int | None, block_n: int | None, block_k: int, dequant: bool = False,
+             mmq: bool = False) -> None:
     """The two grouped passes: slots aligned by expert (moe_align), then a program a block of one expert's slots;
-    dequant: GGUF passes as chunks of dequantized experts through the dense kernel (moe_dequant.chunks)."""
+    mmq: Q4_K / Q6_K passes on int8 tensor cores (moe_mmq; others as below); dequant: GGUF passes as chunks of
+    dequantized experts through the dense kernel (moe_dequant.chunks)."""
     s, (e, inner), h = y.shape[0], _shape(w_gate)[:2], y.shape[1]
+    passes = ((True, (w_gate, w_up, x, hidden, inner, h)), (False, (w_down, w_down, hidden, y, h, inner)))
+    mmq_passes = [mmq and moe_mmq.takes(a, b, gated, k_dim) for gated, (a, b, _, _, _, k_dim) in passes]
     tiles = default_tiles(s, e)
+    if any(mmq_passes):  # its blocks of slots, for both passes (they share the alignment)
+        tiles = (moe_mmq.BLOCK_M, tiles[1])
     block_m, default_n = block_m or tiles[0], tiles[1]
     rows, block_expert = moe_align(ids, e, block_m)
     nblocks = block_expert.shape[0]
-    for gated, (a, b, src, dst, n_cols, k_dim) in ((True, (w_gate, w_up, x, hidden, inner, h)),
-                                                  (False, (w_down, w_down, hidden, y, h, inner))):
+    for on_mmq, (gated, (a, b, src, dst, n_cols, k_dim)) in zip(mmq_passes, passes, strict=True):
+        if on_mmq:
+            moe_mmq.launch(src, a, b, dst, rows, block_expert, flat_w, s, gated=gated, top_k=k, act=act,
+                           block_m=block_m, target=target, pdl=pdl, block_n=block_n)
+            continue
         if moe_gguf.is_blocks(a) and not dequant:
             n_tile, warps = moe_gguf.pass_tiles((a.qtype, b.qtype), gated, block_m, default_n)
             moe_gguf.launch(src, a, b, dst, rows, block_expert, flat_w, s, k_dim, gated=gated, top_k=k, act=act,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ir.formats.gguf_quants import row_bytes
 from kernels_src import (
     activations,
+    gguf_mmq_sb,
     kv_fp8,
     kv_int8,
     kv_write,
@@ -20,6 +21,7 @@ from kernels_src import (
     moe,
     moe_gemv,
     moe_gguf,
+    moe_mmq,
     moe_route,
     paged_attention,
     paged_prefill,
@@ -257,6 +259,21 @@ register(KernelEntry(
     moe_gguf_bytes, flops=_moe_flops, launcher=moe.moe_experts,
     notes="moe_gemm's grid and launches over GGUF expert stacks (each weight tile dequantized in registers); the "
           "down pass is this kernel with GATED=False and down_qtype's blocks"))
+
+
+# the same layer's Q4_K / Q6_K passes on int8 tensor cores (moe_mmq: LLM_ENGINE_MOE_MMQ=1 or moe_experts(mmq=True))
+# at a decode batch of 64 (512 slots, ~4 an expert); the gated pass at the launcher's tiles
+register(KernelEntry(
+    "moe_mmq", moe_mmq.moe_mmq_kernel,
+    dict(TOP_K=8, GATED=True, ACT="silu", QTYPE_A="Q4_K", QTYPE_B="Q4_K", BLOCK_M=moe_mmq.BLOCK_M,
+         BLOCK_N=moe_mmq.TILES[False][0], PDL=True),
+    _ptrs(BF16, "y", xq="*i8", xd="*fp32", xs="*fp32", w_a="*u8", w_b="*u8", rows="*i32", block_expert="*i32",
+          weights="*fp32"),
+    dict(tokens=64, hidden=2048, inner=768, experts=128, top_k=8, qtype="Q4_K", down_qtype="Q6_K", dtype=BF16),
+    moe_gguf_bytes, flops=_moe_flops, launcher=moe.moe_experts,
+    variants=(gguf_mmq_sb.quantize_x256_kernel,),
+    notes="each pass runs quantize_x256_kernel on its input (x, then h) first; the down pass is this kernel with "
+          "GATED=False and down_qtype's blocks"))
 
 
 # the small-batch path: one token (8 slots) through the same layer, a GEMV a slot; dense, then Q4_K_M's formats

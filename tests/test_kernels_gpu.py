@@ -98,6 +98,11 @@ SIZES["moe_gemm_gguf"] = [("t16", dict(tokens=16)),
                           ("t64_q6_k", dict(tokens=64, qtype="Q6_K", down_qtype="Q4_K", padded=True)),
                           ("t300_q8_0", dict(tokens=300, experts=16, qtype="Q8_0", down_qtype="Q8_0")),
                           ("t2048_q4_k", dict(tokens=2048, experts=16, qtype="Q4_K", down_qtype="Q6_K"))]
+# the grouped passes on int8 tensor cores (moe_mmq, forced): a decode batch of 16, the bench's 64 on padded rows,
+# the formats swapped (Q6_K gate / up), 300 tokens crowding 16 experts (~150 slots, 10 blocks, an expert)
+SIZES["moe_mmq"] = [("t16", dict(tokens=16)), ("t64_padded", dict(tokens=64, padded=True)),
+                    ("t32_q6_k", dict(tokens=32, qtype="Q6_K", down_qtype="Q4_K")),
+                    ("t300_crowd", dict(tokens=300, experts=16))]
 # the small-batch GEMV path: one token, GEMV_SLOTS slots (8 of top-8), tokens crowding 8 experts (every expert read
 # by 8 slots), DeepSeek-V2-Lite's top-6 of 64 (1408 inner rows: the GGUF gated pass takes 2 a program), N off tiles
 SIZES["moe_gemv"] = [("t1", dict(tokens=1)), ("t8", dict(tokens=8)), ("t8_crowd", dict(tokens=8, experts=8)),
@@ -128,7 +133,7 @@ SIZES |= {n: [("m1", dict(m=1, n=300, k=4096)), ("m3_odd", dict(m=3, n=77, k=100
               ("m8_phi3", dict(m=8, n=3072, k=8192))]
           for n in REGISTRY if n.startswith("dense_gemv")}
 # their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
-TRITON_ONLY = ("dense_gemm", "dequant_gemm_", "moe_gemm", "moe_gemv", "mmq_", "int_group_gemm", "fp8_gemm")
+TRITON_ONLY = ("dense_gemm", "dequant_gemm_", "moe_gemm", "moe_gemv", "moe_mmq", "mmq_", "int_group_gemm", "fp8_gemm")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim"),

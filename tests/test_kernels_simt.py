@@ -31,6 +31,7 @@ from kernels_src import (
     moe,
     moe_gemv,
     moe_gguf,
+    moe_mmq,
     moe_route,
     rms_norm,
     rope,
@@ -227,6 +228,7 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            gguf_mmq_sb.mmq_sb_q4k_kernel, gguf_mmq_sb.mmq_sb_q6k_kernel,  # likewise
            moe.moe_gemm_kernel,  # its simt-cpu case: test_kernels_moe.py
            moe_gguf.moe_qgemm_kernel,  # its simt-cpu case: test_kernels_moe_gguf.py
+           moe_mmq.moe_mmq_kernel,  # its simt-cpu case: test_kernels_moe_mmq.py
            moe_gemv.moe_gemv_kernel, moe_gemv.moe_qgemv_kernel,  # their simt-cpu case: test_kernels_moe_gemv.py
            moe_route.moe_route_kernel,  # its simt-cpu case: test_kernels_moe_route.py
            mla_decode.mla_decode_kernel,  # its simt-cpu case: test_kernels_mla.py

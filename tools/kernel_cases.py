@@ -21,6 +21,7 @@ from kernels_src import (
     kv_write,
     moe,
     moe_gguf,
+    moe_mmq,
     moe_route,
     rms_norm,
     rope,
@@ -325,10 +326,12 @@ def _moe(d: Dev, p: dict, name: str) -> Case:
     """Routed tokens through a stack of experts: distinct experts per token (a router's top_k), weights that sum to 1;
     the reference on a sample of tokens in float64 (over the experts they use). With `qtype` in p (the _gguf kernels)
     gate is GGUF blocks of it, up of `up_qtype` (default: qtype), down of `down_qtype`, random valid blocks (`padded`:
-    rows in wider ones, 16-byte aligned for the GEMV). moe_gemm* runs the grouped path, moe_gemv* the GEMV, whatever
-    the rule would pick."""
+    rows in wider ones, 16-byte aligned for the GEMV and MMQ). moe_gemm* runs the grouped path, moe_gemv* the GEMV,
+    moe_mmq the grouped passes on int8 tensor cores (its reference quantizes x and h as they do), whatever the rules
+    would pick."""
     t, h, inner, e, k, dt = p["tokens"], p["hidden"], p["inner"], p["experts"], p["top_k"], d.dtype(p["dtype"])
-    torch, gemv = d.torch, name.startswith("moe_gemv")
+    torch, gemv, mmq = d.torch, name.startswith("moe_gemv"), name == "moe_mmq"
+    ref = functools.partial(moe_mmq.moe_mmq_ref, h_dtype=p["dtype"]) if mmq else moe.moe_experts_ref
     x = d.randn((t, h), dt)
     ids = torch.stack([d.perm(e)[:k] for _ in range(t)]).to(torch.int32)
     weights = torch.softmax(torch.randn((t, k), device=d.dev, generator=d.gen), -1)
@@ -336,7 +339,7 @@ def _moe(d: Dev, p: dict, name: str) -> Case:
     if "qtype" in p:
         qtypes = (p["qtype"], p.get("up_qtype", p["qtype"]), p["down_qtype"])
         stacks = [moe_gguf.GGUFStack(gguf_weights(d, q, e * n, kk, 1 / (SPREAD[q] * kk ** 0.5), p.get("padded", False),
-                                                  16 if gemv else 1), q, (e, n, kk))
+                                                  16 if gemv or mmq else 1), q, (e, n, kk))
                   for q, (n, kk) in zip(qtypes, shapes, strict=True)]
     else:
         stacks = [d.randn((e, n, kk), dt, kk ** -0.5) for n, kk in shapes]
@@ -354,10 +357,11 @@ def _moe(d: Dev, p: dict, name: str) -> Case:
         used = sorted(set(host(ids[i]).ravel().tolist()))
         remap = {ex: j for j, ex in enumerate(used)}  # the reference reads only the experts these tokens use
         ids_i = np.vectorize(remap.get)(host(ids[i]))
-        want = moe.moe_experts_ref(host(x[i]), host(weights[i]), ids_i, *(experts(w, used) for w in stacks))
+        want = ref(host(x[i]), host(weights[i]), ids_i, *(experts(w, used) for w in stacks))
         return combine(written("out", out), compare("out", host(out[i]), want, p["dtype"]))
 
-    return Case(name, p, lambda target: moe.moe_experts(x, weights, ids, *stacks, out=out, target=target, gemv=gemv),
+    return Case(name, p, lambda target: moe.moe_experts(x, weights, ids, *stacks, out=out, target=target, gemv=gemv,
+                                                        mmq=mmq),
                 check, lambda target: out.fill_(float("nan")))
 
 
@@ -366,7 +370,8 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
     "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_route": _moe_route,
-    **{n: functools.partial(_moe, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf")},
+    **{n: functools.partial(_moe, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf",
+                                                    "moe_mmq")},
     "dense_gemm": dense_gemm_case,
     "int_group_gemv": functools.partial(int_group_gemv_case, name="int_group_gemv"),
     "int_group_gemm": functools.partial(int_group_gemm_case, name="int_group_gemm"),

@@ -12,7 +12,10 @@ GGUF and dense, to place moe_gemv.GEMV_SLOTS (--variants blocked,i8: the GGUF GE
 (or bf16 rows) once.
 --dequant times only the grouped path over GGUF stacks two ways, at --tokens (default 64,256,2048): the grouped GGUF
 kernel against experts dequantized a chunk at a time and the dense kernel (kernels_src/moe_dequant.py), beside the
-dequantization alone and the dense bf16 grouped kernel, to place moe_dequant.DEQUANT_SLOTS_PER_EXPERT."""
+dequantization alone and the dense bf16 grouped kernel, to place moe_dequant.DEQUANT_SLOTS_PER_EXPERT.
+--variants blocked,mmq times only the grouped passes on int8 tensor cores (kernels_src/moe_mmq.py) against the GEMV,
+dequantize + dense and grouped GGUF paths, at --tokens (default 16,32,64,128,256), as a table
+(tools/sweep_moe_mmq.py), to place moe_mmq.MMQ, MMQ_SLOTS_PER_EXPERT and TILES."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from types import SimpleNamespace
 H, INNER, E, K = 2048, 768, 128, 8  # Qwen3-30B-A3B's MoE layer
 GEMV_TOKENS = 32  # both paths timed up to this batch (256 slots: moe_gemv.GGUF_GEMV_SLOTS)
 DEQUANT_TOKENS = "64,256,2048"  # --dequant's batches: 512, 2,048 and 16,384 slots (a prefill of 2,048 tokens)
+MMQ_TOKENS = "16,32,64,128,256"  # the mmq variant's: 128 to 2,048 slots, 1 to 16 an expert
 
 
 def _bench(fn, graph: bool = True) -> float:
@@ -281,17 +285,23 @@ def main(argv: list[str] | None = None) -> None:
                     f"(default {GEMV_TOKENS})")
     ap.add_argument("--variants", default="blocked", help="the grouped kernel's variants, comma-separated: blocked, "
                     "words (Q4_K / Q5_K headers as 32-bit words; moe_gguf.WORDS); i8: the GEMV path on int8 x too "
-                    "(moe_gemv.I8), up to --gemv-tokens")
+                    "(moe_gemv.I8), up to --gemv-tokens; mmq: only the grouped passes on int8 tensor cores "
+                    "(moe_mmq) against the other paths, a table")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "sweep_moe.json")
     args = ap.parse_args(argv)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    if not variants or set(variants) - {"blocked", "words", "i8"}:
-        ap.error(f"--variants: blocked, words and/or i8, not {args.variants!r}")
+    if not variants or set(variants) - {"blocked", "words", "i8", "mmq"}:
+        ap.error(f"--variants: blocked, words, i8 and/or mmq, not {args.variants!r}")
     import torch
 
-    res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": [], "dequant": [], "gemv_tiles": []}
+    from tools import sweep_moe_mmq
+
+    res: dict = {"gpu": torch.cuda.get_device_name(), "passes": [], "end_to_end": [], "dequant": [], "gemv_tiles": [],
+                 "mmq": []}
     tokens_list = args.tokens or (DEQUANT_TOKENS if args.dequant else "1,8" if args.gemv_tiles
-                                  else "1,4,16,64,256,1024,4096")
+                                  else MMQ_TOKENS if "mmq" in variants else "1,4,16,64,256,1024,4096")
+    if "mmq" in variants:
+        print(sweep_moe_mmq.header(), flush=True)
     for tokens in [int(t) for t in tokens_list.split(",")]:
         layers = _layers(torch, args.layers, tokens, True)
         if args.gemv_tiles:
@@ -304,6 +314,12 @@ def main(argv: list[str] | None = None) -> None:
                     diff = r["diff"] if isinstance(r["diff"], str) else f"{r['diff']:.1e}"
                     print(f"T={tokens:5d} {'gated' if gated else 'down ':5s} ROWS {r['rows']} STEP {r['step']} "
                           f"w{r['warps']} {r['us']:8.1f} us  diff {diff}{'  <- rule' if r['rule'] else ''}", flush=True)
+            del layers
+            torch.cuda.empty_cache()
+            continue
+        if "mmq" in variants:
+            res["mmq"].append(sweep_moe_mmq.mmq_ab(torch, layers, tokens, _bench, _active_bytes, H, K))
+            print(sweep_moe_mmq.row(res["mmq"][-1]), flush=True)
             del layers
             torch.cuda.empty_cache()
             continue

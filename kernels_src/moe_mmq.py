@@ -1,0 +1,185 @@
+"""The fused MoE's two grouped passes on int8 tensor cores over Q4_K / Q6_K expert stacks (llama.cpp's MMQ for
+MoE): DSL kernel, its launch, the rule that takes it.
+
+The grouped GGUF kernel (kernels_src/moe_gguf.py) decodes every weight element to fp16 before its MMA (an H200 at
+~12% of its roofline on Qwen3-30B-A3B's layer), and moe_dequant.py writes the whole stack out in fp16 first (1.2 GB
+a layer, ~602 us of the ~1,104). Here the quants stay integers, as in the dense MMQ (kernels_src/gguf_mmq_sb.py,
+variant per256): x is quantized to int8 with one scale a super-block (quantize_x256, a launch before each pass: x
+[T, H] before the gated one, h [S, I] before the down one), and each super-block's int8 MMAs add up in int32 with
+the quants' scales, fp32 entered once a super-block. The per-super-block arithmetic is gguf_mmq_sb's own
+(q4k_super_block / q6k_super_block), called here on gathered x rows instead of a dense tile.
+- Grid and grouping as moe.py's: moe_align's rows / block_expert, program (block b, column tile j) owns expert
+  block_expert[b]'s BLOCK_M slots and W rows e * n_cols + j * BLOCK_N.. (clamped at the expert's n_cols: read
+  again, never stored). Its x rows are gathered: a slot's token's row of xq in the gated pass (slot // TOP_K), the
+  slot's own row of h's quantization in the down pass. A block of padding only skips its loop.
+- GATED: gate and up (each Q4_K or Q6_K) walk K in one loop, two accumulators; h = act(gate) * up, in x's dtype.
+  Down: acc * the slot's routing weight into y [S, H]; moe.py sums each token's top_k rows.
+- SWAP orientation as the dense MMQ: W rows are the MMA's M side (BLOCK_N), the slots its N (BLOCK_M).
+- K must be whole super-blocks (2048 and 768 are); no split-K (3-8 super-blocks a pass at Qwen3-30B-A3B).
+Accuracy: x and h move by their int8 quantization, one step max|v| / 127 a 256 elements (int8_error_bound(..,
+group=256) a pass).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from kernels_src import gguf_mmq_sb as sb
+from kernels_src import moe_gguf
+from kernels_src.activations import _act
+from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.moe_slots import block_slots
+
+__all__ = ["BLOCK_M", "MMQ", "MMQ_MIN_SLOTS", "MMQ_QTYPES", "MMQ_SLOTS_PER_EXPERT", "TILES", "launch",
+           "moe_mmq_kernel", "moe_mmq_ref", "over_gemv", "pass_tiles", "takes", "use_mmq"]
+
+# Off until timed on a GPU (`tools/sweep_moe --variants blocked,mmq`): LLM_ENGINE_MOE_MMQ=1 turns it on (read once).
+MMQ = os.environ.get("LLM_ENGINE_MOE_MMQ", "0") == "1"
+MMQ_QTYPES = ("Q4_K", "Q6_K")
+# Below this many slots an expert on average a grouped step takes this path (when on); above it dequantizing each
+# expert once and the dense tensor-core kernel (moe_dequant.py) should win, as the dense MMQ loses to dequant_gemm
+# from 64 rows (gguf_mmq.MAX_ROWS). Untimed: the sweep above places it.
+MMQ_SLOTS_PER_EXPERT = 32
+# With MMQ on, a step of this many slots or more whose gate / up pass this path takes runs grouped here instead of
+# as the GEMV a slot (moe_gemv, up to its GGUF_GEMV_SLOTS, 512: 64 tokens of top 8, ~879 us a Qwen3-30B-A3B layer
+# there on an H200 against ~400 us if this path reaches ~1 TB/s); LLM_ENGINE_MOE_MMQ_MIN_SLOTS=N (read once) moves
+# it. A guess (32 tokens of top 8) until tools/sweep_moe --variants blocked,mmq times both at 16-256 tokens.
+MMQ_MIN_SLOTS = int(os.environ.get("LLM_ENGINE_MOE_MMQ_MIN_SLOTS", "256"))
+# A decode batch has 1-8 slots an expert: 16-slot blocks (the MMA's N; Q4_K's minimums by FFMA below
+# gguf_mmq_sb.MMA_MINS_ROWS).
+BLOCK_M = 16
+# (BLOCK_N, num_warps) at BLOCK_M 16 by whether a pass reads Q6_K: the widest tiles whose sm_90 builds spill nothing
+# at Qwen3-30B-A3B's passes (tests/test_kernels_moe_mmq.py::test_aot_sm90; registers, stack bytes, SASS a
+# super-block). Q4_K alone at 64 x 4 warps: gated 170 / 0 / 955, down 128 / 0 / 548 (128 wide: gated 255 / 32 at 4
+# warps, 176 / 0 at 8). Q6_K at 4 warps spills from 64 (down 24 bytes, gated with two accumulators 160); at 8 warps
+# 64 wide builds clean (down 140 / 0 / 980, gated 175 / 0 / 1,796), 128 spills. (The down stack's 630-byte rows are
+# 2-byte aligned; 16-byte aligned ones would save little: 924.) Untimed: tools/sweep_moe --variants blocked,mmq
+# times the others beside these.
+TILES = {False: (64, 4), True: (64, 8)}
+
+
+def moe_mmq_kernel(xq, xd, xs, w_a, w_b, y, rows, block_expert, weights, n_slots, n_cols, n_steps, xq_stride,
+                   xd_stride, xs_stride, a_stride, b_stride, y_stride, TOP_K: tl.constexpr, GATED: tl.constexpr,
+                   ACT: tl.constexpr, QTYPE_A: tl.constexpr, QTYPE_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (b, j): slots rows[b * BLOCK_M ..] (all of expert block_expert[b]), columns BLOCK_N j.. of y, on
+    quantize_x256's (xq, xd, xs) of the pass's input. GATED: y = act(x[tok] @ A[e].T) * (x[tok] @ B[e].T), tok =
+    slot // TOP_K; else y = (x[slot] @ A[e].T) * weights[slot]. A, B: Q4_K / Q6_K stacks of n_cols rows an expert,
+    n_steps super-blocks a row. The accumulators are [BLOCK_N, BLOCK_M] (W @ x.T)."""
+    if PDL:  # x's quantization comes from the launch before, the routing from earlier ones
+        tl.wait_prior_grid()
+        tl.launch_dependents()
+    e, slot, valid, src, n = block_slots(rows, block_expert, n_slots, TOP_K, GATED, BLOCK_M, BLOCK_N)
+    row = e * n_cols + tl.minimum(n, n_cols - 1).to(tl.int64)  # past the expert's rows: its last, not stored
+    xsrc = src.to(tl.int64)
+    xrow = xq + xsrc[None, :] * xq_stride + tl.arange(0, 32)[:, None]  # K-major [32, BLOCK_M], gathered
+    drow, srow = xd + xsrc * xd_stride, xs + xsrc * xs_stride
+    term_a, size_a = sb.SUPER_BLOCKS[QTYPE_A]
+    term_b, size_b = sb.SUPER_BLOCKS[QTYPE_B]
+    wa, wb = w_a + row * a_stride, w_b + row * b_stride
+
+    def step(s, *accs):
+        acc_a = accs[0] + term_a(wa + s * size_a, xrow, srow, drow, s, BLOCK_M, BLOCK_N)
+        if not GATED:
+            return acc_a
+        return acc_a, accs[1] + term_b(wb + s * size_b, xrow, srow, drow, s, BLOCK_M, BLOCK_N)
+
+    zero = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    # a block of padding only (most of the grid at small batches) skips the loop instead of streaming weights
+    steps = tl.where(tl.load(rows + tl.program_id(0) * BLOCK_M) < n_slots, n_steps, 0)
+    if GATED:
+        acc_a, acc_b = tl.fori_loop(0, steps, step, (zero, zero))
+        out = _act(acc_a, ACT) * acc_b
+    else:
+        acc_a = tl.fori_loop(0, steps, step, zero)
+        out = acc_a * tl.load(weights + src, mask=valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + slot.to(tl.int64)[None, :] * y_stride + n[:, None], out, mask=valid[None, :] & (n[:, None] < n_cols))
+
+
+# --- host side -------------------------------------------------------------------------------------------------
+
+def use_mmq(slots: int, experts: int) -> bool:
+    """The rule moe.moe_experts follows for a grouped step (past the GEMV's bound): on (MMQ) and fewer than
+    MMQ_SLOTS_PER_EXPERT slots an expert on average; each pass then goes here if `takes` it."""
+    return MMQ and slots < MMQ_SLOTS_PER_EXPERT * experts
+
+
+def over_gemv(slots: int, w_gate, w_up, k_dim: int) -> bool:
+    """Whether a step the GEMV path would take runs grouped here instead: on (MMQ), MMQ_MIN_SLOTS slots or more, and
+    gate and up stacks this path takes (the down pass goes here too where it can, else the grouped GGUF kernel)."""
+    return MMQ and slots >= MMQ_MIN_SLOTS and takes(w_gate, w_up, True, k_dim)
+
+
+def takes(a, b, gated: bool, k_dim: int) -> bool:
+    """Whether a pass over stacks a (and b when gated) can run here: GGUF blocks of MMQ_QTYPES, K whole
+    super-blocks, Q4_K rows 4-byte aligned (its headers are read as words)."""
+    stacks = (a, b) if gated else (a,)
+    if not all(moe_gguf.is_blocks(w) and w.qtype.upper() in MMQ_QTYPES for w in stacks) or k_dim % sb.GROUP:
+        return False
+    return moe_gguf.whole_words(*(w for w in stacks if w.qtype.upper() == "Q4_K"))
+
+
+def pass_tiles(gated: bool, block_m: int, qtypes=("Q4_K",)) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of a pass over stacks of qtypes at block_m slots a block: TILES (at BLOCK_M 16; taller
+    blocks narrow BLOCK_N, keeping the accumulators' size)."""
+    block_n, warps = TILES["Q6_K" in [q.upper() for q in qtypes]]
+    return max(16, block_n * BLOCK_M // max(block_m, BLOCK_M)), warps
+
+
+def launch(src, a, b, dst, rows, block_expert, weights, n_slots: int, *, gated: bool, top_k: int, act: str,
+           block_m: int, target: str, pdl: bool, block_n: int | None = None, num_warps: int | None = None) -> None:
+    """One pass of the fused MoE over Q4_K / Q6_K stacks a (and b when gated; `takes` says which): src quantized
+    by quantize_x256, then dst [S, n_cols] by slot."""
+    if not gated:
+        b = a
+    k_dim = src.shape[1]
+    if not takes(a, b, gated, k_dim):
+        raise ValueError(f"moe_mmq: {a.qtype} / {b.qtype} stacks over K = {k_dim} are not Q4_K / Q6_K blocks of "
+                         f"whole super-blocks ({sb.GROUP}) with Q4_K rows 4-byte aligned")
+    qa, qb = a.qtype.upper(), b.qtype.upper()
+    split = "Q4_K" in (qa, qb) and block_m >= sb.MMA_MINS_ROWS  # Q4_K's minimums by MMA: split sums
+    x = src if elem_stride(src, 1) == 1 else src.contiguous()
+    xq, xd, xs = sb.quantize_x256(x, target, split=split)
+    tile_n, warps = pass_tiles(gated, block_m, (qa, qb))
+    block_n, num_warps = block_n or tile_n, num_warps or warps
+    n_cols = a.shape[1]
+    kern = compile(moe_mmq_kernel, target, num_warps=num_warps, launch_pdl=pdl, TOP_K=top_k, GATED=gated, ACT=act,
+                   QTYPE_A=qa, QTYPE_B=qb, BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl)
+    kern[block_expert.shape[0], tl.cdiv(n_cols, block_n)](
+        xq, xd, xs, a.data, b.data, dst, rows, block_expert, weights, n_slots, n_cols, k_dim // sb.GROUP,
+        elem_stride(xq, 0), elem_stride(xd, 0), elem_stride(xs, 0), elem_stride(a.data, 0), elem_stride(b.data, 0),
+        elem_stride(dst, 0))
+
+
+def _rounded(v: np.ndarray, dtype: str) -> np.ndarray:
+    """v rounded to the activations' dtype (float32, float16, bfloat16: to nearest even, finite v) and back, fp32."""
+    v = np.asarray(v, np.float32)
+    if dtype == "float16":
+        return v.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        u = v.view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    return v
+
+
+def moe_mmq_ref(x, weights, ids, w_gate, w_up, w_down, act: str = "silu", h_dtype: str = "float32") -> np.ndarray:
+    """What moe.moe_experts(mmq=True) computes over Q4_K / Q6_K stacks, in float64, slot by slot: x and h quantized
+    as quantize_x256 does (gguf_mmq_sb.quantize_x256_ref; h first rounded to h_dtype, the activations' dtype, as
+    the gated pass stores it), the stacks decoded by our numpy dequantizer."""
+    from ir.interpreter import KERNELS
+
+    def q256(v):
+        q, d = sb.quantize_x256_ref(np.asarray(v, np.float32))
+        return (q.reshape(q.shape[0], -1, sb.GROUP).astype(np.float64) * d[..., None]).reshape(q.shape)
+
+    gate, up, down = (moe_gguf.dequantize_stack(w).astype(np.float64) for w in (w_gate, w_up, w_down))
+    ids = np.asarray(ids)
+    xq, top_k = q256(x), ids.shape[1]
+    h = np.stack([KERNELS[act](gate[e] @ xq[s // top_k]) * (up[e] @ xq[s // top_k])
+                  for s, e in enumerate(ids.reshape(-1))])
+    hq = q256(_rounded(h, h_dtype))
+    y = np.stack([down[e] @ hq[s] for s, e in enumerate(ids.reshape(-1))])
+    y *= np.asarray(weights, np.float64).reshape(-1, 1)
+    return y.reshape(ids.shape[0], top_k, -1).sum(1)
