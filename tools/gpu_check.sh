@@ -288,6 +288,15 @@ pending_next() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_next "* ]] && step pending_next gpu 540 pending_next
+# Issue 16's Qwen3-30B-A3B Q4_K_M batch 64 (by name: GPU_CHECK_STEPS=pending_moe, ~150 s): the MoE's grouped passes on
+# int8 tensor cores (kernels_src/moe_mmq.py, off until this decides LLM_ENGINE_MOE_MMQ, MMQ_MIN_SLOTS against the
+# GEMV, MMQ_SLOTS_PER_EXPERT against dequantize + dense, and TILES), first its GPU cases against its reference.
+pending_moe() {
+    "$PY" -m pytest -q -x tests/test_kernels_gpu.py -k "moe_mmq and triton" || return 1
+    timeout 120 "$PY" -m tools.sweep_moe --variants blocked,mmq --tokens 16,32,64,128,256 --layers 4 \
+        --json "$OUT"/moe_mmq.json
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" pending_moe "* ]] && step pending_moe gpu 240 pending_moe
 # Issue 13's "eager within 1.5x of graphs at 128 and 4k contexts" (by name: GPU_CHECK_STEPS=eager, ~200 s): bf16
 # Llama-3-8B decode at batch 1 and 16 after a 128- and a 4,000-token prompt, with CUDA graphs and without.
 eager() {
