@@ -160,7 +160,8 @@ class Runner:
         """Run `nodes` in order, reading and writing their values in `env` (backends.cuda.piecewise runs a graph's
         pieces through this, with attention between them). With dense_gemv on, a node and the linear after it may
         run as one GEMV (gemv_fusion.run); a view (slice, reshape) is taken here, not through run_node."""
-        chains = self.dense_gemv and self.gemv_prologues
+        # a chain's x has the step's rows: past the GEMV's, none is tried (gemv_fusion.run checks each x it runs)
+        chains = self.dense_gemv and self.gemv_prologues and meta.positions.shape[0] <= self.gemv_max_rows
         steps, params, run_node = self._steps(nodes), self.params, self.run_node
         i, n = 0, len(steps)
         while i < n:
@@ -230,7 +231,7 @@ class Runner:
     def linear(self, x, w: Param, b=None):
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
-        elif self.dense_gemv and gemv_fusion.gemv_weight(w) and gemv_fusion.gemv_rows(x, self.gemv_max_rows):
+        elif self.dense_gemv and gemv_fusion.gemv_rows(x, self.gemv_max_rows) and gemv_fusion.gemv_weight(w):
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x: no views around the GEMV
             y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
