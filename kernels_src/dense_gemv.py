@@ -39,7 +39,7 @@ PROLOGUES = ("none", "rms_norm", "add_rms_norm", "gated")
 _PLANS = Plans()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # not frozen: ~0.5 us less to make (three a layer)
 class RMSNorm:
     """x' = x * rsqrt(mean(x^2) + eps) * (offset + w): the rms_norm before the linear."""
 
@@ -48,7 +48,7 @@ class RMSNorm:
     offset: bool = False
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # not frozen: ~0.5 us less to make (three a layer)
 class AddRMSNorm:
     """x' = rms_norm(x + residual); the sum (x's dtype) is written to sum_out (allocated when None)."""
 
@@ -59,7 +59,7 @@ class AddRMSNorm:
     sum_out: object = None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # not frozen: ~0.5 us less to make (three a layer)
 class Gated:
     """x' = act(gate) * up: x is the fused [M, 2I] projection (gate first), or the gate alone when up is given."""
 
