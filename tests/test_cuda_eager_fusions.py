@@ -101,3 +101,32 @@ def test_fused_eager_decode_matches_unfused(launches):
         assert not any(c.any() for c in runner._counters)  # the combine left its counters at 0
         # a repeated step launches through the plans its first call made: the same logits
         np.testing.assert_array_equal(backend.forward(step).numpy(), fused)
+
+
+def test_view_runs_match_their_nodes():
+    """node_steps folds the q/k/v slices and their reshapes (and the gate/up slices) into one split each: the same
+    views (values, shapes, strides, addresses) as the nodes one by one, on a fused projection's output and on one
+    whose last dim is strided (the fallback: the nodes' own views)."""
+    from backends.cuda import node_steps
+
+    backend = _backend()
+    nodes = backend.runner.graph.nodes
+    steps, runs, i = backend.runner._steps(nodes), [], 0
+    while i < len(steps):  # as run_nodes walks them (chains off)
+        views = steps[i][4]
+        runs += [(i, views)] if views is not None and views[1] > 1 else []
+        i += views[1] if views is not None else 1
+    layers = backend.model.config.num_layers
+    assert sorted(span for _, (_, span, _, _) in runs) == [2] * layers + [6] * layers
+    for i, (fn, span, outs, _) in runs:
+        src = nodes[i].inputs[0]
+        for x in (torch.randn(3, src.shape[-1]), torch.randn(3, 2 * src.shape[-1])[:, ::2]):
+            env = {src.id: x}
+            for node in nodes[i:i + span]:  # one by one, as run_node took them
+                env[node.out.id] = node_steps.view(node)(env[node.inputs[0].id])
+            got = fn(x)
+            assert len(got) == len(outs)
+            for vid, t in zip(outs, got, strict=True):
+                want = env[vid]
+                assert t.shape == want.shape and t.stride() == want.stride() and t.data_ptr() == want.data_ptr()
+                assert torch.equal(t, want)

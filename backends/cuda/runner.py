@@ -79,7 +79,7 @@ class Runner:
         self.mmq_variant: str | None = None
         self.mmq_max_rows = MMQ_MAX_ROWS
         self._gemv_chains = gemv_fusion.plan(graph, params)
-        self._steps = node_steps.Steps(graph.last_reads(), self._gemv_chains)
+        self._steps = node_steps.Steps(graph.last_reads(), self._gemv_chains, uses)
         # add_rms_norm / gated also writing x's int8 form for the GGUF int8 GEMVs after them, no quantize_x launch
         # (backends/cuda/x_int8_fusion.py; None: its DEFAULT, on unless LLM_ENGINE_X_INT8_FUSION=0)
         self.x_int8_fusion: bool | None = None
@@ -168,18 +168,19 @@ class Runner:
             node, ins, outs, drops, view, chain = steps[i]
             if chain is not None and chains and (ran := gemv_fusion.run(chain[0], env, self)):
                 drops = chain[1]
+            elif view is not None:  # a view, or a run of them (node_steps): `ran` nodes, their drops merged
+                fn, ran, outs, drops = view
+                for vid, t in zip(outs, fn(env[ins[0][1]]), strict=True):
+                    env[vid] = t
             else:
                 ran = 1
-                if view is not None:
-                    env[outs[0]] = view(env[ins[0][1]])
+                out = run_node(node, [env[k] if how else params[k] if how is not None else None for how, k in ins],
+                               meta)
+                if len(outs) == 1:
+                    env[outs[0]] = out
                 else:
-                    out = run_node(node, [env[k] if how else params[k] if how is not None else None for how, k in ins],
-                                   meta)
-                    if len(outs) == 1:
-                        env[outs[0]] = out
-                    else:
-                        for vid, t in zip(outs, out, strict=True):
-                            env[vid] = t
+                    for vid, t in zip(outs, out, strict=True):
+                        env[vid] = t
             for vid in drops:
                 env.pop(vid, None)
             i += ran
