@@ -66,10 +66,12 @@ class Chain:
     addend: int | None = field(init=False, repr=False)  # the residual epilogue's value
     sum_out: int | None = field(init=False, repr=False)  # add_rms_norm's sum: a value of its own
     out: int = field(init=False, repr=False)
+    make: object = field(init=False, repr=False)  # the prologue's arguments (ins' tensors) -> dense_gemv's prologue
 
     def __post_init__(self):
         lin, pro, b = self.linear, self.prologue, self.linear.inputs[2] if len(self.linear.inputs) > 2 else None
         for name, value in (
+                ("make", _maker(pro)),
                 ("nodes", tuple(n for n in (pro, lin, self.add) if n is not None)),
                 ("ins", tuple(_ref(v) for v in (pro.inputs if pro is not None else lin.inputs[:1]))),
                 ("weight", lin.inputs[1].name), ("bias", None if b is None else _ref(b)),
@@ -77,6 +79,19 @@ class Chain:
                 ("sum_out", pro.outs[0].id if pro is not None and pro.op == "add_rms_norm" else None),
                 ("out", (self.add or lin).out.id)):
             object.__setattr__(self, name, value)
+
+
+def _maker(pro: Node | None):
+    """dense_gemv's prologue from its node's arguments, the node's attributes read once."""
+    if pro is None:
+        return None
+    eps, offset = pro.attrs.get("eps"), pro.attrs.get("offset") == 1.0
+    if pro.op == "gated":
+        act = pro.attrs["act"]
+        return lambda a: dg.Gated(act, a[1])
+    if pro.op == "rms_norm":
+        return lambda a: dg.RMSNorm(a[1], eps, offset)
+    return lambda a: dg.AddRMSNorm(a[1], a[2], eps, offset)  # its sum a value of its own (the residual stream)
 
 
 def _fusable_prologue(node: Node) -> bool:
@@ -124,17 +139,10 @@ def run(chain: Chain, env: dict, runner) -> int:
     residual = env[chain.addend] if chain.addend is not None else None
     if residual is not None and residual.stride(-1) != 1:
         return 0
-    pro, w = chain.prologue, params[chain.weight]
-    kw = dict(residual=residual, target=runner.target, pdl=runner.pdl)
-    if pro is None:
-        y = dg.dense_gemv(x, w, **kw)
-    elif pro.op == "gated":
-        y = dg.dense_gemv(x, w, prologue=dg.Gated(pro.attrs["act"], args[1]), **kw)
-    elif pro.op == "rms_norm":
-        y = dg.dense_gemv(x, w, prologue=dg.RMSNorm(args[1], pro.attrs["eps"], pro.attrs.get("offset") == 1.0), **kw)
-    else:  # add_rms_norm: its sum is a value of its own (the residual stream), its normed result only this GEMV's
-        env[chain.sum_out], y = dg.dense_gemv(x, w, prologue=dg.AddRMSNorm(args[1], args[2], pro.attrs["eps"],
-                                                                           pro.attrs.get("offset") == 1.0), **kw)
+    y = dg.dense_gemv(x, params[chain.weight], prologue=None if chain.make is None else chain.make(args),
+                      residual=residual, target=runner.target, pdl=runner.pdl)
+    if chain.sum_out is not None:  # add_rms_norm's (sum, y)
+        env[chain.sum_out], y = y
     if chain.bias is not None:
         here, k = chain.bias
         y = y + (env[k] if here else params[k])
