@@ -267,9 +267,10 @@ def test_is_fatal_probes_the_device(saved):  # noqa: F811
 
 @needs_cuda
 def test_one_row_steps_take_the_dense_gemv(saved, monkeypatch):  # noqa: F811
-    """On a GPU the default sends a one-row step's dense linears through kernels_src/dense_gemv (no prologues) and a
-    two-row step's through cuBLAS (fp16 weights: the GEMV's dtypes); the same tokens as with cuBLAS throughout, and
-    first logits within fp16's reach of the fp32 reference's."""
+    """On a GPU the default sends a one-row step's dense linears through kernels_src/dense_gemv (with graphs off, as
+    here, with their prologues: backends/cuda/eager.py) and a two-row step's through cuBLAS (fp16 weights: the GEMV's
+    dtypes); the same tokens as with cuBLAS throughout, and first logits within fp16's reach of the fp32
+    reference's."""
     from backends.cuda import runner as runner_mod
 
     calls = []
@@ -277,7 +278,7 @@ def test_one_row_steps_take_the_dense_gemv(saved, monkeypatch):  # noqa: F811
     monkeypatch.setattr(runner_mod, "dense_gemv", lambda x, w, **kw: calls.append(x.shape[0]) or real(x, w, **kw))
     model = load_model(saved("qwen2")[1], progress=False)
     b = make_backend(model, "cuda", dtype="f16", cuda_graph=False)
-    assert b.runner.dense_gemv and not b.runner.gemv_prologues and b.runner.gemv_max_rows == 1
+    assert b.runner.dense_gemv and b.runner.gemv_prologues and b.runner.fused_reduce and b.runner.gemv_max_rows == 1
     ref = ReferenceRunner(model, max_tokens=64, block_size=4)
     for prompts in ([prompt(1, 5)], [prompt(1, 5), prompt(2, 7)]):
         _, ref_first = ref.greedy(prompts, 1)

@@ -67,7 +67,7 @@ class Variants:
         return [v for v in self.seen if v.kernel == f"kernels_src.paged_attention.{kernel}"]
 
 
-def tiny_backend(monkeypatch):
+def tiny_backend(monkeypatch, fused: bool = True):
     from backends.cuda.backend import CUDABackend
     from backends.cuda.decode_table import DecodeTable
     from ir.config import ModelConfig
@@ -87,6 +87,10 @@ def tiny_backend(monkeypatch):
 
     monkeypatch.setattr(dense_gemm, "tuned", lambda m, n, k: {"num_warps": 4} if m >= dense_gemm.MIN_ROWS else {})
     backend.runner.dense_gemv, backend.runner.gemv_max_rows, backend.runner.dense_gemm = True, 2, True
+    if fused:  # as a GPU's backend with graphs off sets it: GEMV prologues, the decode's reduce inside it
+        from backends.cuda import eager
+
+        eager.use_eager_fusions(backend.runner)
     backend.set_limits(SEQS, CONTEXT, STEP_TOKENS)
     backend.allocate_kv(SEQS * (CONTEXT // BLOCK + 1) + 1, BLOCK)  # on CPU tensors allocate_kv warms nothing up
     return backend
@@ -114,12 +118,15 @@ def engine_step(backend, contexts, rng, extra: int = 0, prompts=()):
 
 # the start-up's launches that do not run leave their outputs unset: the interpreter warns of the NaNs after them
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_no_step_compiles_after_the_eager_warm_ups(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["eager-fusions", "graph-kernels"])
+def test_no_step_compiles_after_the_eager_warm_ups(monkeypatch, fused):
+    """With the eager fusions (backends/cuda/eager.py: a GPU's default with graphs off) and without them
+    (LLM_ENGINE_EAGER_FUSIONS=0: the kernels graph replays launch)."""
     import torch
 
     from backends.cuda.warm_batches import eager_decode_steps, warm_up_eager_decode, warm_up_eager_prefill
 
-    backend = tiny_backend(monkeypatch)
+    backend = tiny_backend(monkeypatch, fused)
     for layer in backend.kv:
         for t in layer:
             t.normal_()
@@ -128,12 +135,21 @@ def test_no_step_compiles_after_the_eager_warm_ups(monkeypatch):
     variants.run = "new"
     warm_up_eager_decode(backend, CONTEXT)
     assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in backend.kv for t in layer), strict=True))
-    # the decode split or not, by the class of its table's stride (argument 17: 1, 16 a multiple of 16, 0 another)
+    # the decode split or not, by the class of its table's stride (argument 17: 1, 16 a multiple of 16, 0 another;
+    # 18 in the fused kernel, after its counters)
     decodes = {(v.const("SPLIT"), v.args[17]) for v in variants.of("paged_decode_kernel")}
-    assert decodes == {(False, 1), (False, 0), (False, 16), (True, 0), (True, 16)}
-    # the reduce by BLOCK_P and the class of the partition count (argument 5): up to the grid cap of 16 partitions
+    split = {(v.const("SPLIT"), v.args[18]) for v in variants.of("paged_decode_fused_kernel")}
+    assert decodes | split == {(False, 1), (False, 0), (False, 16), (True, 0), (True, 16)}
+    assert not (split if not fused else {d for d in decodes if d[0]})  # a split decode: fused, or with its reduce
+    # the combine by BLOCK_P and the class of the partition count (the reduce's argument 5, the fused decode's 13): up
+    # to the grid cap of 16 partitions
     reduces = {(v.const("BLOCK_P"), v.args[5]) for v in variants.of("paged_decode_reduce_kernel")}
-    assert reduces == {(2, 0), (4, 0), (8, 0), (16, 0), (16, 16)}
+    combines = {(v.const("BLOCK_P"), v.args[13]) for v in variants.of("paged_decode_fused_kernel")}
+    assert (combines, reduces)[::1 if fused else -1] == ({(2, 0), (4, 0), (8, 0), (16, 0), (16, 16)}, set())
+    # the GEMVs with every prologue at the rows they take (1 and 2 here): none unfused left with the eager fusions
+    gemvs = {(v.const("PROLOGUE"), v.const("M")) for v in variants.seen if v.kernel.endswith(".dense_gemv_kernel")}
+    assert {p for p, m in gemvs} == ({"none", "rms_norm", "add_rms_norm", "gated"} if fused else {"none"})
+    assert {m for p, m in gemvs} == {1, 2}
     assert len(eager_decode_steps(backend.runner, SEQS, CONTEXT, BLOCK)) <= 40  # start-up steps
 
     variants.run = "all"

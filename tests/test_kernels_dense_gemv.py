@@ -152,6 +152,38 @@ def test_bf16(prologue, rng):
     np.testing.assert_allclose(fl(got), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("prologue,residual", [("none", True), ("rms_norm", False), ("add_rms_norm", True),
+                                               ("gated", False), ("gated", True)])
+def test_planned_launches(prologue, residual, rng):
+    """Torch tensors of the same shapes launch through the plan their first call made (an eager step's fused
+    GEMVs): every later call's own arrays, not the first's, against the reference; the sum a new tensor each time."""
+    torch = pytest.importorskip("torch")
+    m, n, k = 1, 9, 200
+    tt = lambda a: None if a is None else torch.from_numpy(a)
+    got, want, sums = [], [], []
+    for _ in range(3):
+        x, w, pro, res = inputs(rng, m, n, k, prologue, np.float32, residual=residual)
+        if prologue == "gated":  # the runner's gated chain: gate and up, the halves of one gate_up output
+            pro, x = dg.Gated(pro.act, tt(x[:, k:])), x
+            x_t = tt(x)[:, :k]
+            ref = dg.dense_gemv_ref(x[:, :k], w, dg.Gated(pro.act, x[:, k:]), res)
+        else:
+            x_t = tt(x)
+            ref = dg.dense_gemv_ref(x, w, pro, res)
+            pro = {"rms_norm": lambda p: dg.RMSNorm(tt(p.w), p.eps), "add_rms_norm": lambda p: dg.AddRMSNorm(
+                tt(p.residual), tt(p.w), p.eps)}.get(prologue, lambda p: p)(pro)
+        y = dg.dense_gemv(x_t, tt(w), prologue=pro, residual=tt(res))
+        if prologue == "add_rms_norm":
+            np.testing.assert_array_equal(y[0].numpy(), ref[0])
+            sums.append(y[0])
+            y, ref = y[1], ref[1]
+        got.append(y.numpy())
+        want.append(ref)
+    for g, r in zip(got, want, strict=True):
+        close(g, r, np.float32)
+    assert len({s.data_ptr() for s in sums}) == len(sums)
+
+
 @pytest.mark.parametrize("m,prologue,extra", [(3, "add_rms_norm", dict(residual=True)), (1, "gated", {})])
 def test_simt_oracle(m, prologue, extra, rng):
     """The SIMT lowering (the Metal and CUDA C targets' form) on the CPU oracle: one warp of fibers a program."""

@@ -3,7 +3,9 @@ graphs). The backend's Runner runs a small Llama-shaped synthetic model on CPU t
 "triton", the dense GEMV on), with every DSL kernel launch a no-op *in this tool only*: what is left is the Python
 and torch host work of a step (the decisions, the wrappers, the allocations, the launch path down to the C
 launcher's call), which on a GPU the kernels wait for. Prints the median and 10th percentile ms of `backend.forward`
-per step and per layer, and a cProfile of the steps (the --top largest by own time).
+per step and per layer, the launches a step makes (DSL kernels by name, and the torch ops that launch a kernel on a
+GPU, counted in steps of their own), and a cProfile of the steps (the --top largest by own time). The runner is set
+as a backend built with graphs off sets it on a GPU (backends/cuda/eager.py; LLM_ENGINE_EAGER_FUSIONS=0: unfused).
 
     python -m tools.bench_eager_host [--layers 8] [--batch 1] [--context 128] [--steps 200] [--top 25]
     (pin it for stable figures: taskset -c 1 python -m tools.bench_eager_host)
@@ -16,9 +18,11 @@ import cProfile
 import io
 import pstats
 import time
+from collections import Counter
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels_src.dsl import launch as dsl_launch
 
@@ -26,18 +30,67 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2
 BLOCK = 16
 
 
+LAUNCHES: Counter = Counter()  # DSL kernel name -> launches through the direct path, while COUNTING
+COUNTING = False
+
+
 def no_op_launches() -> None:
     """Kernels are never built: a first launch 'compiles' to a stub, every later one takes the direct path (direct_key,
-    the cache of launchers) down to a C launcher that does nothing. The torch GEMMs (cuBLAS on a GPU: the linears
-    of more rows than the GEMV takes) only allocate their output: on CPU their arithmetic would swamp the host
-    cost at batch 16."""
-    dsl_launch.Kernel._build = lambda self, *args, signature=None: lambda grid, *a: True
-    dsl_launch.direct_launcher = lambda compiled: lambda grid, args: True
+    the cache of launchers) down to a C launcher that does nothing (but count it, in the counted steps). The torch
+    GEMMs (cuBLAS on a GPU: the linears of more rows than the GEMV takes) only allocate their output: on CPU their
+    arithmetic would swamp the host cost at batch 16."""
+    def stub(grid, args, name):
+        if COUNTING:
+            LAUNCHES[name] += 1
+        return True
+
+    dsl_launch.Kernel._build = lambda self, *args, signature=None: lambda grid, *a: self.fn.__name__
+    dsl_launch.direct_launcher = lambda name: lambda grid, args: stub(grid, args, name)
     dsl_launch.DIRECT_LAUNCH = True
     torch.nn.functional.linear = lambda x, w, b=None: x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
+class TorchLaunches(TorchDispatchMode):
+    """Counts the torch ops of a step that launch a kernel on a GPU: all but views and allocations (and F.linear,
+    stubbed to an allocation here: counted as a cuBLAS GEMM by the caller's wrapper)."""
+
+    FREE = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "lift_fresh", "detach", "alias"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in self.FREE:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_launches(backend, batch, steps: int = 10) -> tuple[Counter, Counter]:
+    """(DSL launches by kernel, torch kernels by op) of one step, the mean of `steps` (counted, not timed)."""
+    global COUNTING
+    linear = torch.nn.functional.linear
+    mode = TorchLaunches()
+
+    def gemm(x, w, b=None):
+        mode.ops["linear (cuBLAS)"] += 1
+        return linear(x, w, b)
+
+    LAUNCHES.clear()
+    torch.nn.functional.linear, COUNTING = gemm, True
+    try:
+        with mode:
+            for _ in range(steps):
+                backend.forward(batch)
+    finally:
+        torch.nn.functional.linear, COUNTING = linear, False
+    per = lambda c: Counter({k: v // steps for k, v in c.items()})
+    return per(LAUNCHES), per(mode.ops)
+
+
 def backend_for(layers: int, max_batch: int, context: int):
+    from backends.cuda import eager
     from backends.cuda.backend import CUDABackend
     from tools.bench_gpu_model import loaded_model, model_config
 
@@ -46,6 +99,8 @@ def backend_for(layers: int, max_batch: int, context: int):
                           progress=False)
     runner = backend.runner
     runner.target, runner.dense_gemv, runner.dense_gemm = "triton", True, True  # as on a GPU
+    if eager.DEFAULT:
+        eager.use_eager_fusions(runner)  # as CUDABackend sets a GPU's with graphs off
     backend.set_limits(max_batch, context + 64)
     backend.allocate_kv(max_batch * (-(-(context + 64) // BLOCK)), BLOCK)
     return backend
@@ -85,6 +140,7 @@ def main() -> None:
     backend = backend_for(args.layers, args.batch, args.context)
     batch = decode_batch(args.batch, args.context)
     time_steps(backend, batch, 20)  # warm-up: first launches, caches
+    dsl, ops = count_launches(backend, batch)
     ms = time_steps(backend, batch, args.steps)
     prof = cProfile.Profile()
     prof.enable()
@@ -97,6 +153,11 @@ def main() -> None:
     print(f"eager decode step, host only ({args.layers} layers, batch {args.batch}, context {args.context}): "
           f"median {med:.3f} ms, p10 {p10:.3f} ms; {med / args.layers * 1e3:.1f} us a layer (p10 "
           f"{p10 / args.layers * 1e3:.1f})")
+    n_dsl, n_ops = sum(dsl.values()), sum(ops.values())
+    print(f"launches a step: {n_dsl} DSL + {n_ops} torch = {n_dsl + n_ops}, {(n_dsl + n_ops) / args.layers:.2f} a "
+          f"layer (DSL {n_dsl / args.layers:.2f})")
+    print("  DSL: " + ", ".join(f"{k} {v}" for k, v in dsl.most_common()))
+    print("  torch: " + ", ".join(f"{k} {v}" for k, v in ops.most_common()))
 
 
 if __name__ == "__main__":

@@ -110,19 +110,23 @@ def decode_settings(runner, rows: int) -> tuple[int, int, bool, int, int]:
 def attend(runner, q, kc, vc, tables, meta: StepMeta, a: dict, scales=()):
     """The decode (split-K) or prefill kernel over caches already holding this step's keys and values (int8 codes
     or e4m3 bytes when `scales` holds their k and v scales)."""
-    out = torch.empty((q.shape[0], q.shape[1], vc.shape[3]), dtype=q.dtype, device=q.device)
+    out = q.new_empty((q.shape[0], q.shape[1], vc.shape[3]))
+    if meta.decode:  # an eager decode's every layer: its keywords spelled out, no dict
+        rows = q.shape[0]
+        block_n, num_warps, fused, partition, max_parts = decode_settings(runner, rows)
+        counters = runner.decode_counters(rows * kc.shape[2]) if fused else None
+        k_scales, v_scales = scales if scales else (None, None)
+        return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
+                                            sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out,
+                                            max_context=meta.max_context, partition=partition, max_parts=max_parts,
+                                            block_n=block_n, num_warps=num_warps, k_scales=k_scales,
+                                            v_scales=v_scales, target=runner.target, pdl=runner._attend_pdl,
+                                            fused=fused, counters=counters,
+                                            workspace=lambda parts: runner.decode_scratch(q, parts))
     kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=runner.target,
               pdl=runner._attend_pdl)
     if scales:
         kw.update(k_scales=scales[0], v_scales=scales[1])
-    if meta.decode:
-        rows = q.shape[0]
-        block_n, num_warps, fused, partition, max_parts = decode_settings(runner, rows)
-        counters = runner.decode_counters(rows * kc.shape[2]) if fused else None
-        return paged_attention.paged_decode(q, kc, vc, tables, meta.context_lens, a["scale"],
-                                            max_context=meta.max_context, partition=partition, max_parts=max_parts,
-                                            block_n=block_n, num_warps=num_warps, fused=fused, counters=counters,
-                                            workspace=lambda parts: runner.decode_scratch(q, parts), **kw)
     if meta.tile_maps is not None:
         kw["tile_map"] = meta.tile_maps[paged_prefill.tile_key(q.shape[1], kc.shape[2], q.shape[2])]
     return paged_prefill.paged_prefill(q, kc, vc, tables, meta.context_lens, meta.query_start, a["scale"],

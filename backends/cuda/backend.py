@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from backends.base import Backend, MemoryReport, kv_cache_quant
-from backends.cuda import decode_table, weights
+from backends.cuda import decode_table, eager, weights
 from backends.cuda.graphs import DecodeGraphs
 from backends.cuda.piecewise import PiecewiseGraphs
 from backends.cuda.runner import Runner
@@ -111,6 +111,8 @@ class CUDABackend(Backend):
         self.runner.decode = decode_table.for_cache(self.kv_quant)  # the fp8 cache's split-K settings differ
         # An embedding model never decodes (its requests are prefills): no decode graphs to capture.
         self.use_graphs = cuda_graph and self.device.type == "cuda" and not model.config.pooled
+        if not self.use_graphs and self.device.type == "cuda" and eager.DEFAULT:
+            eager.use_eager_fusions(self.runner)  # host-bound steps: fewer launches (backends/cuda/eager.py)
         self.graphs: DecodeGraphs | None = None
         # Steps with prefill tokens, up to this many, replay in pieces (backends.cuda.piecewise); past it a step's GPU
         # time exceeds an eager step's host time (an 8B model: ~13 ms for 512 tokens on an H200), which then hides.
@@ -154,7 +156,7 @@ class CUDABackend(Backend):
         self.graph, old = graph, self.runner
         self.runner = Runner(graph, self.params, weights.DTYPES[self.dtype], self.device)
         for attr in ("pdl", "attention_pdl", "decode", "dense_gemv", "gemv_prologues", "gemv_max_rows", "dense_gemm",
-                     "mmq_variant", "mmq_max_rows", "x_int8_fusion"):
+                     "mmq_variant", "mmq_max_rows", "x_int8_fusion", "fused_reduce"):
             setattr(self.runner, attr, getattr(old, attr))
         if self.kv:
             self.runner.set_cache(self.kv, self.runner._rope_rows)

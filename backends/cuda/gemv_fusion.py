@@ -14,7 +14,7 @@ nodes it ran (0: run them one by one).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backends.cuda.runtime import torch
 from ir.graph import Graph, Node
@@ -46,17 +46,52 @@ def dense_gemm_takes(x, w) -> bool:
     return bool(dgm.tuned(x.numel() // max(1, x.shape[-1]), w.shape[0], w.shape[1]))
 
 
+def _ref(v) -> tuple:
+    """Where run finds a value: (True, its id) in the step's values, (False, its name) among the parameters."""
+    return (False, v.name) if v.kind == "param" else (True, v.id)
+
+
 @dataclass(frozen=True)
 class Chain:
-    """[prologue] linear [add]: nodes that run as one dense_gemv."""
+    """[prologue] linear [add]: nodes that run as one dense_gemv. The rest is what `run` reads and writes, worked
+    out once (an eager decode step runs three chains a layer)."""
 
     prologue: Node | None
     linear: Node
     add: Node | None
+    nodes: tuple[Node, ...] = field(init=False, repr=False)
+    ins: tuple = field(init=False, repr=False)  # the prologue's inputs (the linear's x without one), as _ref gives
+    weight: str = field(init=False, repr=False)
+    bias: tuple | None = field(init=False, repr=False)  # _ref of the linear's bias
+    addend: int | None = field(init=False, repr=False)  # the residual epilogue's value
+    sum_out: int | None = field(init=False, repr=False)  # add_rms_norm's sum: a value of its own
+    out: int = field(init=False, repr=False)
+    make: object = field(init=False, repr=False)  # the prologue's arguments (ins' tensors) -> dense_gemv's prologue
 
-    @property
-    def nodes(self) -> tuple[Node, ...]:
-        return tuple(n for n in (self.prologue, self.linear, self.add) if n is not None)
+    def __post_init__(self):
+        lin, pro, b = self.linear, self.prologue, self.linear.inputs[2] if len(self.linear.inputs) > 2 else None
+        for name, value in (
+                ("make", _maker(pro)),
+                ("nodes", tuple(n for n in (pro, lin, self.add) if n is not None)),
+                ("ins", tuple(_ref(v) for v in (pro.inputs if pro is not None else lin.inputs[:1]))),
+                ("weight", lin.inputs[1].name), ("bias", None if b is None else _ref(b)),
+                ("addend", None if self.add is None else _addend(self.add, lin).id),
+                ("sum_out", pro.outs[0].id if pro is not None and pro.op == "add_rms_norm" else None),
+                ("out", (self.add or lin).out.id)):
+            object.__setattr__(self, name, value)
+
+
+def _maker(pro: Node | None):
+    """dense_gemv's prologue from its node's arguments, the node's attributes read once."""
+    if pro is None:
+        return None
+    eps, offset = pro.attrs.get("eps"), pro.attrs.get("offset") == 1.0
+    if pro.op == "gated":
+        act = pro.attrs["act"]
+        return lambda a: dg.Gated(act, a[1])
+    if pro.op == "rms_norm":
+        return lambda a: dg.RMSNorm(a[1], eps, offset)
+    return lambda a: dg.AddRMSNorm(a[1], a[2], eps, offset)  # its sum a value of its own (the residual stream)
 
 
 def _fusable_prologue(node: Node) -> bool:
@@ -93,35 +128,23 @@ def _addend(add: Node, lin: Node):
     return other if other is not None and other.kind != "param" and other.shape == lin.out.shape else None
 
 
-def run(chain: Chain, nodes, i: int, env: dict, runner) -> int:
-    """Run `chain` (starting at nodes[i]) as one dense_gemv when the step's rows allow: the nodes it ran, or 0."""
-    if tuple(nodes[i:i + len(chain.nodes)]) != chain.nodes:  # a piece that ends inside the chain
-        return 0
-    lin, pro = chain.linear, chain.prologue
-    args = runner.args(pro, env) if pro is not None else [env[lin.inputs[0].id]]
+def run(chain: Chain, env: dict, runner) -> int:
+    """Run `chain` as one dense_gemv when the step's rows allow: the nodes it ran, or 0 (run them one by one). The
+    caller checks that its node list holds the whole chain from here (node_steps: a piece may end inside it)."""
+    params = runner.params
+    args = [env[k] if here else params[k] for here, k in chain.ins]
     x = args[0]
-    w = runner.params[lin.inputs[1].name]
-    if x.dim() != 2 or gemv_rows(x, runner.gemv_max_rows) is None:
+    if len(x.shape) != 2 or gemv_rows(x, runner.gemv_max_rows) is None:
         return 0
-    residual = env[_addend(chain.add, lin).id] if chain.add is not None else None
+    residual = env[chain.addend] if chain.addend is not None else None
     if residual is not None and residual.stride(-1) != 1:
         return 0
-    kw = dict(residual=residual, target=runner.target, pdl=runner.pdl)
-    sum_value = None
-    if pro is None:
-        y = dg.dense_gemv(x, w, **kw)
-    elif pro.op == "gated":
-        y = dg.dense_gemv(x, w, prologue=dg.Gated(pro.attrs["act"], args[1]), **kw)
-    elif pro.op == "rms_norm":
-        y = dg.dense_gemv(x, w, prologue=dg.RMSNorm(args[1], pro.attrs["eps"], pro.attrs.get("offset") == 1.0), **kw)
-    else:  # add_rms_norm: its sum is a value of its own (the residual stream), its normed result only this GEMV's
-        s, y = dg.dense_gemv(x, w, prologue=dg.AddRMSNorm(args[1], args[2], pro.attrs["eps"],
-                                                          pro.attrs.get("offset") == 1.0), **kw)
-        sum_value = s
-    b = lin.inputs[2] if len(lin.inputs) > 2 else None
-    if b is not None:
-        y = y + (runner.params[b.name] if b.kind == "param" else env[b.id])
-    if sum_value is not None:
-        env[pro.outs[0].id] = sum_value
-    env[(chain.add or lin).out.id] = y
+    y = dg.dense_gemv(x, params[chain.weight], prologue=None if chain.make is None else chain.make(args),
+                      residual=residual, target=runner.target, pdl=runner.pdl)
+    if chain.sum_out is not None:  # add_rms_norm's (sum, y)
+        env[chain.sum_out], y = y
+    if chain.bias is not None:
+        here, k = chain.bias
+        y = y + (env[k] if here else params[k])
+    env[chain.out] = y
     return len(chain.nodes)

@@ -47,7 +47,6 @@ class Runner:
         # run_nodes lets go of a value after its last reader: an eager step held every layer's activations to its
         # end (an 8B model's 8,192-token step: ~1 GB a layer, tens of GB, then kept by torch's caching allocator)
         # (node_steps.Steps holds that plan, graph.last_reads, with run_nodes' walk through each list of nodes)
-        self._steps = node_steps.Steps(graph.last_reads())
         self.target = kernel_target(device)
         self.kv: list[tuple[torch.Tensor, ...]] = []  # per layer (k, v), or (latent,)
         self._rope: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -80,6 +79,7 @@ class Runner:
         self.mmq_variant: str | None = None
         self.mmq_max_rows = MMQ_MAX_ROWS
         self._gemv_chains = gemv_fusion.plan(graph, params)
+        self._steps = node_steps.Steps(graph.last_reads(), self._gemv_chains, uses)
         # add_rms_norm / gated also writing x's int8 form for the GGUF int8 GEMVs after them, no quantize_x launch
         # (backends/cuda/x_int8_fusion.py; None: its DEFAULT, on unless LLM_ENGINE_X_INT8_FUSION=0)
         self.x_int8_fusion: bool | None = None
@@ -159,15 +159,20 @@ class Runner:
     def run_nodes(self, nodes, env: dict, meta: StepMeta) -> None:
         """Run `nodes` in order, reading and writing their values in `env` (backends.cuda.piecewise runs a graph's
         pieces through this, with attention between them). With dense_gemv on, a node and the linear after it may
-        run as one GEMV (gemv_fusion.run)."""
-        chains = self._gemv_chains if self.dense_gemv and self.gemv_prologues else {}
+        run as one GEMV (gemv_fusion.run); a view (slice, reshape) is taken here, not through run_node."""
+        # a chain's x has the step's rows: past the GEMV's, none is tried (gemv_fusion.run checks each x it runs)
+        chains = self.dense_gemv and self.gemv_prologues and meta.positions.shape[0] <= self.gemv_max_rows
         steps, params, run_node = self._steps(nodes), self.params, self.run_node
-        i = 0
-        while i < len(steps):
-            node, ins, outs, drops = steps[i]
-            chain = chains.get(id(node)) if chains else None
-            ran = gemv_fusion.run(chain, nodes, i, env, self) if chain is not None else 0
-            if not ran:
+        i, n = 0, len(steps)
+        while i < n:
+            node, ins, outs, drops, view, chain = steps[i]
+            if chain is not None and chains and (ran := gemv_fusion.run(chain[0], env, self)):
+                drops = chain[1]
+            elif view is not None:  # a view, or a run of them (node_steps): `ran` nodes, their drops merged
+                fn, ran, outs, drops = view
+                for vid, t in zip(outs, fn(env[ins[0][1]]), strict=True):
+                    env[vid] = t
+            else:
                 ran = 1
                 out = run_node(node, [env[k] if how else params[k] if how is not None else None for how, k in ins],
                                meta)
@@ -176,8 +181,6 @@ class Runner:
                 else:
                     for vid, t in zip(outs, out, strict=True):
                         env[vid] = t
-            else:
-                drops = [vid for step in steps[i:i + ran] for vid in step[3]]
             for vid in drops:
                 env.pop(vid, None)
             i += ran
@@ -187,10 +190,8 @@ class Runner:
         op = node.op
         if op == "linear":  # the commonest ops first: an eager step dispatches ~17 nodes a layer
             return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
-        if op == "slice":
-            return args[0][..., node.attrs["start"]:node.attrs["start"] + node.attrs["size"]]
-        if op == "reshape":
-            return args[0].reshape(*[-1 if isinstance(d, str) else d for d in node.attrs["shape"]])  # unpacked: faster
+        if op == "slice" or op == "reshape":  # (run_nodes takes them itself: node_steps.view)
+            return node_steps.view(node)(args[0])
         if op == "add_rms_norm" or op == "gated":  # x_int8_fusion's plan holds such nodes only
             if id(node) in self.x_int8_plan and (fused := x_int8_fusion.produce(self, node, args)) is not None:
                 return fused
@@ -231,7 +232,7 @@ class Runner:
     def linear(self, x, w: Param, b=None):
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
-        elif self.dense_gemv and gemv_fusion.gemv_weight(w) and gemv_fusion.gemv_rows(x, self.gemv_max_rows):
+        elif self.dense_gemv and gemv_fusion.gemv_rows(x, self.gemv_max_rows) and gemv_fusion.gemv_weight(w):
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x: no views around the GEMV
             y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])

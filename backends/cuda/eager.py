@@ -1,0 +1,35 @@
+"""What a backend built with CUDA graphs off fuses that a graph replay does not (issue 13: eager within 1.5x of
+graphs).
+
+An eager decode step is host-bound: on an H200 host a DSL launch costs ~18 us, a Llama-3-8B layer ~155 us of GPU time
+against ~466 us of host time (docs/BENCHMARKS.md, 2026-12-04 late), so the GPU waits between launches. Work that trades
+GPU time for fewer launches is then a win even where it loses under graphs:
+- the dense GEMV's prologues (backends/cuda/gemv_fusion.py: rms_norm / add_rms_norm -> qkv and gate_up, gated ->
+  down): 3 launches fewer a layer at one row. Under graphs they lost ~10% of the GPU time of a one-row step (gate_up's
+  fused norm; docs/BENCHMARKS.md 2026-12-03 afternoon), hence Runner.gemv_prologues' False there;
+- the split-K decode's partials combined by its last program (kernels_src/decode_combine.py): no reduce launch at
+  contexts long enough to split (4k at batch 1). Under graphs it saved nothing (PDL already overlapped the reduce).
+
+Decided per backend, not per step: with graphs on every decode step of up to max_num_seqs sequences replays a graph
+(DecodeGraphs.applies: a graph for each batch bucket, tables as wide as the longest context), so the steps left eager
+there are prefill and mixed steps past the pieces, whose rows exceed the one the GEMV takes; switching per step would
+only add prologue variants to the graphs-on warm-up for steps that never come. With graphs off, start-up's eager
+warm-up (warm_batches.warm_up_eager_decode) runs the runner as it is set here, so it builds the fused variants.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kernels_src.decode_combine import FUSED_TARGETS
+
+ENV = "LLM_ENGINE_EAGER_FUSIONS"  # "0": eager steps launch the kernels graph replays launch
+DEFAULT = os.environ.get(ENV, "1") != "0"
+
+
+def use_eager_fusions(runner) -> None:
+    """Set `runner` (a backend's with graphs off) to fuse for launches: GEMV prologues at one row, and the decode's
+    reduce inside the decode where the target has atomics (Triton's, and the DSL's interpreter)."""
+    runner.gemv_prologues = True
+    if runner.target in (*FUSED_TARGETS, "numpy"):
+        runner.fused_reduce = True
