@@ -70,7 +70,7 @@ def attention(runner, node: Node, args, meta: StepMeta):
         cos, sin = lay.tables
         rope_kv_write.rope_kv_write(q, k, v, kc, vc, slots, _rows(runner, lay, meta), cos, sin,
                                     interleaved=lay.interleaved, target=runner.target, pdl=runner.pdl)
-    out = attend(runner, q, kc, vc, tables, meta, node.attrs, scales)
+    out = attend(runner, q, kc, vc, tables, meta, node.attrs, scales, node.outs[0].id)
     return out if out.shape[2] == dv else out[..., :dv]
 
 
@@ -107,10 +107,11 @@ def decode_settings(runner, rows: int) -> tuple[int, int, bool, int, int]:
     return found
 
 
-def attend(runner, q, kc, vc, tables, meta: StepMeta, a: dict, scales=()):
+def attend(runner, q, kc, vc, tables, meta: StepMeta, a: dict, scales=(), vid: int | None = None):
     """The decode (split-K) or prefill kernel over caches already holding this step's keys and values (int8 codes
-    or e4m3 bytes when `scales` holds their k and v scales)."""
-    out = q.new_empty((q.shape[0], q.shape[1], vc.shape[3]))
+    or e4m3 bytes when `scales` holds their k and v scales); `vid`: the output's value id (its kept buffer, if any)."""
+    shape, arena = (q.shape[0], q.shape[1], vc.shape[3]), runner.step_arena
+    out = q.new_empty(shape) if arena is None or vid is None else arena.take(vid, shape, q)
     if meta.decode:  # an eager decode's every layer: its keywords spelled out, no dict
         rows = q.shape[0]
         block_n, num_warps, fused, partition, max_parts = decode_settings(runner, rows)

@@ -66,7 +66,7 @@ class Chain:
     addend: int | None = field(init=False, repr=False)  # the residual epilogue's value
     sum_out: int | None = field(init=False, repr=False)  # add_rms_norm's sum: a value of its own
     out: int = field(init=False, repr=False)
-    make: object = field(init=False, repr=False)  # the prologue's arguments (ins' tensors) -> dense_gemv's prologue
+    make: object = field(init=False, repr=False)  # (ins' tensors, add_rms_norm's sum_out) -> dense_gemv's prologue
 
     def __post_init__(self):
         lin, pro, b = self.linear, self.prologue, self.linear.inputs[2] if len(self.linear.inputs) > 2 else None
@@ -88,10 +88,10 @@ def _maker(pro: Node | None):
     eps, offset = pro.attrs.get("eps"), pro.attrs.get("offset") == 1.0
     if pro.op == "gated":
         act = pro.attrs["act"]
-        return lambda a: dg.Gated(act, a[1])
+        return lambda a, s: dg.Gated(act, a[1])
     if pro.op == "rms_norm":
-        return lambda a: dg.RMSNorm(a[1], eps, offset)
-    return lambda a: dg.AddRMSNorm(a[1], a[2], eps, offset)  # its sum a value of its own (the residual stream)
+        return lambda a, s: dg.RMSNorm(a[1], eps, offset)
+    return lambda a, s: dg.AddRMSNorm(a[1], a[2], eps, offset, s)  # its sum `s` a value of its own (the residual)
 
 
 def _fusable_prologue(node: Node) -> bool:
@@ -139,8 +139,14 @@ def run(chain: Chain, env: dict, runner) -> int:
     residual = env[chain.addend] if chain.addend is not None else None
     if residual is not None and residual.stride(-1) != 1:
         return 0
-    y = dg.dense_gemv(x, params[chain.weight], prologue=None if chain.make is None else chain.make(args),
-                      residual=residual, target=runner.target, pdl=runner.pdl)
+    w, arena, out = params[chain.weight], runner.step_arena, None
+    if arena is not None and chain.bias is None:  # an eager decode step's: its kept buffers (step_arena)
+        out = arena.take(chain.out, (x.shape[0], w.shape[0]), x)
+        s = None if chain.sum_out is None else arena.take(chain.sum_out, x.shape, x)
+    else:
+        s = None
+    y = dg.dense_gemv(x, w, prologue=None if chain.make is None else chain.make(args, s), residual=residual, out=out,
+                      target=runner.target, pdl=runner.pdl)
     if chain.sum_out is not None:  # add_rms_norm's (sum, y)
         env[chain.sum_out], y = y
     if chain.bias is not None:

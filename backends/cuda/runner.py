@@ -15,6 +15,7 @@ from backends.cuda.fp8_linear import fp8_linear
 from backends.cuda.gguf_linear import gguf_linear
 from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
+from backends.cuda.step_arena import StepArena
 from backends.cuda.step_meta import StepMeta, decode_programs
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
@@ -87,6 +88,10 @@ class Runner:
         self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        # An eager decode step's intermediates in buffers kept between steps (backends/cuda/step_arena.py; None: each
+        # allocated, as under graphs, whose captures hold static buffers of their own); step_arena: this step's
+        self.arena: StepArena | None = None
+        self.step_arena: StepArena | None = None
 
     def set_cache(self, kv: list[tuple[torch.Tensor, ...]], max_positions: int) -> None:
         """Caches per layer [num_blocks, block_size, Hkv, D] (k and v, or a latent's one); rope tables for positions
@@ -145,7 +150,13 @@ class Runner:
         """fp32 logits [len(logits_indices), vocab]."""
         env = self.input_env(token_ids, logits_indices, meta.positions)
         self._step_rows = {}
-        self.run_nodes(self.graph.nodes, env, meta)
+        arena = self.step_arena = self.arena if meta.decode else None
+        if arena is not None:
+            arena.begin(meta.positions.shape[0])
+        try:
+            self.run_nodes(self.graph.nodes, env, meta)
+        finally:
+            self.step_arena = None  # run_nodes' other callers (piecewise pieces) allocate
         return env[self.graph.outputs[self.graph.result].id].float()
 
     def input_env(self, token_ids, logits_indices, positions) -> dict:
@@ -189,7 +200,7 @@ class Runner:
         """One node's result; an attention writes it into `out` [T, Hq, Dv] when given."""
         op = node.op
         if op == "linear":  # the commonest ops first: an eager step dispatches ~17 nodes a layer
-            return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
+            return self.linear(args[0], args[1], args[2] if len(args) > 2 else None, node.outs[0].id)
         if op == "slice" or op == "reshape":  # (run_nodes takes them itself: node_steps.view)
             return node_steps.view(node)(args[0])
         if op == "add_rms_norm" or op == "gated":  # x_int8_fusion's plan holds such nodes only
@@ -229,12 +240,17 @@ class Runner:
                                      pdl=self.pdl)
 
     # -- single ops ---------------------------------------------------------------------------------
-    def linear(self, x, w: Param, b=None):
+    def linear(self, x, w: Param, b=None, vid: int | None = None):
+        """x @ w.T (+ b); `vid`: the result's value id, for the step's kept buffer (step_arena) where it has one."""
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
         elif self.dense_gemv and gemv_fusion.gemv_rows(x, self.gemv_max_rows) and gemv_fusion.gemv_weight(w):
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x: no views around the GEMV
-            y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
+            arena = self.step_arena
+            out = None if arena is None or vid is None or b is not None or x.dim() != 2 else \
+                arena.take(vid, (x2.shape[0], w.shape[0]), x2)
+            y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, out=out, target=self.target,
+                           pdl=self.pdl)
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
             y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,

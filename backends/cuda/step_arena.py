@@ -1,0 +1,67 @@
+"""An eager decode step's intermediates in buffers kept from step to step, as a CUDA graph's static buffers are
+(issue 13: eager within 1.5x of graphs). torch.empty costs ~7 us of host time on an H200's host, and a Llama layer's
+one-row step made seven (its GEMVs' outputs, add_rms_norm's sums, the attention's output); a kept buffer is a dict
+lookup.
+
+Each value gets a buffer of its own (by value id), so no two values of a step share one: whatever reads a value
+within the step reads what its producer wrote. Across steps, a value's producer overwrites the buffer its previous
+step's value lay in, so only values that die inside the step may live here: never the graph's outputs (the logits,
+a hidden state the engine keeps) nor a value an output may be a view of or the same tensor as (`keep`). Everything
+runs in one stream's order, so the next step's producer writes after this step's readers on the GPU too.
+
+Buffers are kept for one row count: a step of other rows lets go of them all (a server's decode batch changes when
+a request joins or leaves; steady decoding repeats it). Up to `max_bytes` in all; past it a value is allocated as
+before. `check` (tests): each step fills the buffers with NaN before it runs, so a value read after its producer's
+next step began reads NaN, not plausible stale numbers."""
+
+from __future__ import annotations
+
+from backends.cuda.runtime import torch
+from ir.graph import Graph
+
+MAX_BYTES = 256 * 2**20  # an 8B model's 16-row step keeps ~70 MB (every layer's values at once)
+# ops whose result may be (a view of) an input: a value they make that must be kept makes their input kept too
+ALIASING = frozenset({"slice", "reshape", "rope", "rope_pair", "all_reduce", "all_gather"})
+
+
+def kept_values(graph: Graph) -> frozenset[int]:
+    """The ids of the graph's outputs and of every value one of them may share memory with."""
+    keep = {v.id for v in graph.outputs.values()}
+    for node in reversed(graph.nodes):
+        if node.op in ALIASING and any(v.id in keep for v in node.outs):
+            keep.update(v.id for v in node.inputs if v is not None)
+    return frozenset(keep)
+
+
+class StepArena:
+    def __init__(self, graph: Graph, max_bytes: int = MAX_BYTES, check: bool = False):
+        self.keep = kept_values(graph)
+        self.max_bytes, self.check = max_bytes, check
+        self.rows = -1  # the row count its buffers are for
+        self.bytes = 0
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def begin(self, rows: int) -> None:
+        """A step of `rows` rows starts."""
+        if rows != self.rows:
+            self._buffers, self.rows, self.bytes = {}, rows, 0
+        elif self.check:
+            for b in self._buffers.values():
+                b.fill_(float("nan"))
+
+    def take(self, vid: int, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        """Value `vid`'s buffer of `shape`, like's dtype and device (uninitialised: its last step's numbers)."""
+        b = self._buffers.get(vid)
+        if b is not None and b.shape == shape and b.dtype == like.dtype:
+            return b
+        b = like.new_empty(shape)
+        if vid in self.keep:
+            return b
+        size = b.numel() * b.element_size()
+        if vid not in self._buffers and self.bytes + size <= self.max_bytes:
+            self._buffers[vid], self.bytes = b, self.bytes + size
+        return b
+
+    def clear(self) -> None:
+        """Let go of every buffer (e.g. after the warm-up's steps of every row count)."""
+        self.begin(-1)

@@ -1,0 +1,64 @@
+"""An eager decode step's kept buffers (backends/cuda/step_arena.py): steps with them give the logits of steps
+without, bit for bit, over several steps of one batch and of another, with every kept buffer filled with NaN before
+each step (a value read after its producer's next step began would read NaN); and a planted escape (a graph output
+let into the arena) is seen: the logits a step returned change under the next step.
+
+The tiny synthetic llama of tests/test_cuda_eager_fusions.py on CPU tensors, its kernels on the DSL's interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from tests.test_cuda_eager_fusions import _backend, _step, launches  # noqa: F401  (launches: a fixture)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+torch = pytest.importorskip("torch")
+
+STEPS = ([40], [41], [42], [90, 37], [91, 38], [43])  # one row, two rows, one row again: the arena starts over
+
+
+def _run(backend, arena) -> list[np.ndarray]:
+    """The logits of STEPS, each as returned (a tensor held while later steps run) and as copied then."""
+    from backends.cuda import eager
+
+    eager.use_eager_fusions(backend.runner)
+    backend.runner.arena = arena
+    held, copies = [], []
+    for contexts in STEPS:
+        held.append(backend.forward(_step(contexts)))
+        copies.append(held[-1].numpy().copy())
+    return held, copies
+
+
+def test_kept_buffers_give_the_same_logits(launches):  # noqa: F811
+    from backends.cuda.step_arena import StepArena
+
+    _, want = _run(_backend(), None)
+    backend = _backend()
+    arena = StepArena(backend.runner.graph, check=True)
+    held, got = _run(backend, arena)
+    for w, g, h in zip(want, got, held, strict=True):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(h.numpy(), w)  # what a step returned is not a kept buffer
+    # the last step (one row) kept its values: a layer's 4 GEMVs, 2 add_rms_norm sums (layer 0's first norm has
+    # none) and the attention's output; not the logits
+    layers = backend.model.config.num_layers
+    assert arena.rows == 1 and len(arena._buffers) == 7 * layers - 1, len(arena._buffers)
+    ptrs = {vid: b.data_ptr() for vid, b in arena._buffers.items()}
+    backend.forward(_step([44]))
+    assert {vid: b.data_ptr() for vid, b in arena._buffers.items()} == ptrs  # the same buffers again
+
+
+def test_planted_escape_is_seen(launches, monkeypatch):  # noqa: F811
+    """With no value kept out (the logits too in the arena) the logits a step returned are overwritten by the next
+    step's: what kept_values prevents, and what the check above would see."""
+    from backends.cuda import step_arena
+
+    monkeypatch.setattr(step_arena, "kept_values", lambda graph: frozenset())
+    backend = _backend()
+    held, copies = _run(backend, step_arena.StepArena(backend.runner.graph, check=True))
+    assert not np.array_equal(held[0].numpy(), copies[0])  # step 0's logits now hold step 1's
+    np.testing.assert_array_equal(held[0].numpy(), copies[2])  # the last one-row step's (steps 0-2 share buffers)
