@@ -21,7 +21,8 @@ STEPS = ([40], [41], [42], [90, 37], [91, 38], [43])  # one row, two rows, one r
 
 
 def _run(backend, arena) -> list[np.ndarray]:
-    """The logits of STEPS, each as returned (a tensor held while later steps run) and as copied then."""
+    """The logits of STEPS, each as returned (a tensor held while later steps run) and as copied then; then of a
+    step after a parameter of each layer is replaced (a new tensor: a launch kept for the old one is not reused)."""
     from backends.cuda import eager
 
     eager.use_eager_fusions(backend.runner)
@@ -30,11 +31,17 @@ def _run(backend, arena) -> list[np.ndarray]:
     for contexts in STEPS:
         held.append(backend.forward(_step(contexts)))
         copies.append(held[-1].numpy().copy())
+    params = backend.runner.params
+    for name in [n for n in params if n.endswith((".wo", ".w_down"))]:
+        params[name] = params[name] * 1.5
+    held.append(backend.forward(_step(STEPS[-1])))
+    copies.append(held[-1].numpy().copy())
     return held, copies
 
 
-def test_kept_buffers_give_the_same_logits(launches):  # noqa: F811
+def test_kept_buffers_give_the_same_logits(launches, monkeypatch):  # noqa: F811
     from backends.cuda.step_arena import StepArena
+    from kernels_src import dense_gemv as dg
 
     _, want = _run(_backend(), None)
     backend = _backend()
@@ -50,6 +57,14 @@ def test_kept_buffers_give_the_same_logits(launches):  # noqa: F811
     ptrs = {vid: b.data_ptr() for vid, b in arena._buffers.items()}
     backend.forward(_step([44]))
     assert {vid: b.data_ptr() for vid, b in arena._buffers.items()} == ptrs  # the same buffers again
+    # and their launches again, kept (step_arena.memo): no plan looked up but for layer 0's qkv and gate_up (they
+    # read the embedding's rows, a new tensor each step) and the logits' (a graph output, not kept)
+    assert not np.array_equal(got[-1], got[-2])  # the replaced parameters were read
+    looked, real = [], dg._planned
+    monkeypatch.setattr(dg, "_planned", lambda *a: looked.append(1) or real(*a))
+    launches.clear()
+    backend.forward(_step([45]))
+    assert launches["dense_gemv_kernel"] == 4 * layers + 1 and len(looked) == 3, (launches, looked)
 
 
 def test_planted_escape_is_seen(launches, monkeypatch):  # noqa: F811

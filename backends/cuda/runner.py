@@ -31,6 +31,7 @@ from kernels_src import (
 )
 from kernels_src.dense_gemm import dense_matmul
 from kernels_src.dense_gemv import dense_gemv
+from kernels_src.dense_gemv import planned as dense_gemv_planned
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
 
 F = torch.nn.functional
@@ -152,7 +153,8 @@ class Runner:
         self._step_rows = {}
         arena = self.step_arena = self.arena if meta.decode else None
         if arena is not None:
-            arena.begin(meta.positions.shape[0])
+            arena.begin(meta.positions.shape[0], (self.target, self.pdl, self.attention_pdl, self.fused_reduce,
+                                                  self.decode, self.gemv_max_rows, self.gemv_prologues))
         try:
             self.run_nodes(self.graph.nodes, env, meta)
         finally:
@@ -174,6 +176,7 @@ class Runner:
         # a chain's x has the step's rows: past the GEMV's, none is tried (gemv_fusion.run checks each x it runs)
         chains = self.dense_gemv and self.gemv_prologues and meta.positions.shape[0] <= self.gemv_max_rows
         steps, params, run_node = self._steps(nodes), self.params, self.run_node
+        memo = None if self.step_arena is None else self.step_arena.memo  # views of kept buffers, kept
         i, n = 0, len(steps)
         while i < n:
             node, ins, outs, drops, view, chain = steps[i]
@@ -181,7 +184,15 @@ class Runner:
                 drops = chain[1]
             elif view is not None:  # a view, or a run of them (node_steps): `ran` nodes, their drops merged
                 fn, ran, outs, drops = view
-                for vid, t in zip(outs, fn(env[ins[0][1]]), strict=True):
+                src = env[ins[0][1]]
+                if memo is None:
+                    got = fn(src)
+                elif (last := memo.get(id(view))) is not None and last[0] is src:  # the same tensor: its views
+                    got = last[1]
+                else:
+                    got = fn(src)
+                    memo[id(view)] = (src, got)
+                for vid, t in zip(outs, got, strict=True):
                     env[vid] = t
             else:
                 ran = 1
@@ -242,15 +253,27 @@ class Runner:
     # -- single ops ---------------------------------------------------------------------------------
     def linear(self, x, w: Param, b=None, vid: int | None = None):
         """x @ w.T (+ b); `vid`: the result's value id, for the step's kept buffer (step_arena) where it has one."""
+        arena = self.step_arena
+        if arena is not None and vid is not None and (last := arena.memo.get(vid)) is not None and last[0] is x \
+                and last[1] is w and b is None:  # the arrays of its last launch (below): launch it again
+            last[2](*last[3])
+            return last[4]
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
         elif self.dense_gemv and gemv_fusion.gemv_rows(x, self.gemv_max_rows) and gemv_fusion.gemv_weight(w):
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x: no views around the GEMV
-            arena = self.step_arena
-            out = None if arena is None or vid is None or b is not None or x.dim() != 2 else \
-                arena.take(vid, (x2.shape[0], w.shape[0]), x2)
-            y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, out=out, target=self.target,
-                           pdl=self.pdl)
+            if arena is None or vid is None or b is not None or x.dim() != 2 or x.stride(-1) != 1:
+                y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
+            else:  # an eager decode step's: its kept buffer, and the launch kept for the same arrays next step
+                out = arena.take(vid, (x.shape[0], w.shape[0]), x)
+                got = dense_gemv_planned(x, w, out=out, target=self.target, pdl=self.pdl)
+                if got is None:
+                    y = dense_gemv(x, w, out=out, target=self.target, pdl=self.pdl)
+                else:
+                    got[0](*got[1])
+                    y = got[2]
+                    if vid not in arena.keep:
+                        arena.memo[vid] = (x, w, *got)
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
             y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,

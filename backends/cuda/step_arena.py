@@ -38,14 +38,22 @@ class StepArena:
         self.keep = kept_values(graph)
         self.max_bytes, self.check = max_bytes, check
         self.rows = -1  # the row count its buffers are for
+        self.settings: tuple = ()
         self.bytes = 0
         self._buffers: dict[int, torch.Tensor] = {}
+        # A launch's arguments kept by its callers (gemv_fusion.run, Runner.linear, run_nodes' views), valid while the
+        # buffers are: a step whose inputs are the same tensors as last step's (kept buffers, their views, the
+        # parameters) launches the same arguments again, or takes the same views, without working them out
+        self.memo: dict = {}
 
-    def begin(self, rows: int) -> None:
-        """A step of `rows` rows starts."""
+    def begin(self, rows: int, settings: tuple = ()) -> None:
+        """A step of `rows` rows starts; `settings`: the runner's that its launches depend on (the kernels' target,
+        PDL, ...): the memos are kept while they stay the same."""
         if rows != self.rows:
-            self._buffers, self.rows, self.bytes = {}, rows, 0
-        elif self.check:
+            self._buffers, self.memo, self.rows, self.bytes = {}, {}, rows, 0
+        if settings != self.settings:
+            self.memo, self.settings = {}, settings
+        if self.check:
             for b in self._buffers.values():
                 b.fill_(float("nan"))
 
