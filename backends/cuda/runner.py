@@ -219,7 +219,10 @@ class Runner:
                 return fused
             if op == "add_rms_norm":
                 return self._add_rms_norm(node, args)
-            return activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
+            arena = self.step_arena  # an eager decode step's: the result into its kept buffer
+            out = None if arena is None else arena.take(node.outs[0].id, args[0].shape, args[0])
+            return activations.gated_act(args[0], args[1], node.attrs["act"], out=out, target=self.target,
+                                         pdl=self.pdl)
         if op in ("attention", "rope_attention"):
             return _into(out, attention.attention(self, node, args, meta))
         if op == "latent_attention":
@@ -247,17 +250,23 @@ class Runner:
         if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
             s = x + r
             return s, torch_ops.rms_norm(s, w, node.attrs["eps"], offset)
-        return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
-                                     pdl=self.pdl)
+        arena, s, y = self.step_arena, None, None
+        if arena is not None:  # an eager decode step's: the sum and the norm into their kept buffers
+            s, y = arena.take(node.outs[0].id, x.shape, x), arena.take(node.outs[1].id, x.shape, x)
+        return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, sum_out=s, out=y,
+                                     target=self.target, pdl=self.pdl)
 
     # -- single ops ---------------------------------------------------------------------------------
     def linear(self, x, w: Param, b=None, vid: int | None = None):
         """x @ w.T (+ b); `vid`: the result's value id, for the step's kept buffer (step_arena) where it has one."""
         arena = self.step_arena
-        if arena is not None and vid is not None and (last := arena.memo.get(vid)) is not None and last[0] is x \
-                and last[1] is w and b is None:  # the arrays of its last launch (below): launch it again
-            last[2](*last[3])
-            return last[4]
+        if arena is not None and vid is not None and b is None and (last := arena.memo.get(vid)) is not None \
+                and last[1] is w:
+            if last[0] is x:  # the arrays of its last launch (below): launch it again
+                last[2](*last[3])
+                return last[4]
+            if last[0] is None:  # cuBLAS, as this node's x of these rows went last step
+                return F.linear(x, w)
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
         elif self.dense_gemv and gemv_fusion.gemv_rows(x, self.gemv_max_rows) and gemv_fusion.gemv_weight(w):
@@ -280,6 +289,8 @@ class Runner:
                              pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
         else:
             y = F.linear(x, w)
+            if arena is not None and vid is not None and b is None:
+                arena.memo[vid] = (None, w)  # the checks above need not run again for these rows
         return y if b is None else y + b
 
     def _quant_linear(self, x, w: QuantWeight):
