@@ -17,7 +17,9 @@ from tests.test_cuda_eager_fusions import _backend, _step, launches  # noqa: F40
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 torch = pytest.importorskip("torch")
 
-STEPS = ([40], [41], [42], [90, 37], [91, 38], [43])  # one row, two rows, one row again: the arena starts over
+# one row, two rows, one row again: the arena starts over; at 49 and 65 tokens the tables widen and at 65 the decode
+# takes a third 32-token partition: its launches are made again
+STEPS = ([40], [41], [42], [49], [65], [90, 37], [91, 38], [43])
 
 
 def _run(backend, arena) -> list[np.ndarray]:
@@ -40,6 +42,7 @@ def _run(backend, arena) -> list[np.ndarray]:
 
 
 def test_kept_buffers_give_the_same_logits(launches, monkeypatch):  # noqa: F811
+    from backends.cuda import attention
     from backends.cuda.step_arena import StepArena
     from kernels_src import dense_gemv as dg
 
@@ -60,11 +63,14 @@ def test_kept_buffers_give_the_same_logits(launches, monkeypatch):  # noqa: F811
     # and their launches again, kept (step_arena.memo): no plan looked up but for layer 0's qkv and gate_up (they
     # read the embedding's rows, a new tensor each step) and the logits' (a graph output, not kept)
     assert not np.array_equal(got[-1], got[-2])  # the replaced parameters were read
-    looked, real = [], dg._planned
+    # the attention's too (a token longer: the same tables and partitions)
+    looked, real, attended = [], dg._planned, []
     monkeypatch.setattr(dg, "_planned", lambda *a: looked.append(1) or real(*a))
+    monkeypatch.setattr(attention, "_attention", lambda *a: attended.append(1))
     launches.clear()
     backend.forward(_step([45]))
     assert launches["dense_gemv_kernel"] == 4 * layers + 1 and len(looked) == 3, (launches, looked)
+    assert launches["rope_kv_write_kernel"] == launches["paged_decode_fused_kernel"] == layers and not attended
 
 
 def test_planted_escape_is_seen(launches, monkeypatch):  # noqa: F811
@@ -76,4 +82,4 @@ def test_planted_escape_is_seen(launches, monkeypatch):  # noqa: F811
     backend = _backend()
     held, copies = _run(backend, step_arena.StepArena(backend.runner.graph, check=True))
     assert not np.array_equal(held[0].numpy(), copies[0])  # step 0's logits now hold step 1's
-    np.testing.assert_array_equal(held[0].numpy(), copies[2])  # the last one-row step's (steps 0-2 share buffers)
+    np.testing.assert_array_equal(held[0].numpy(), copies[4])  # the last one-row step's before two rows (0-4 share)
