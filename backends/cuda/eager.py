@@ -28,6 +28,8 @@ from kernels_src.decode_combine import FUSED_TARGETS
 
 ENV = "LLM_ENGINE_EAGER_FUSIONS"  # "0": eager steps launch the kernels graph replays launch
 DEFAULT = os.environ.get(ENV, "1") != "0"
+ARENA_ENV = "LLM_ENGINE_STEP_ARENA"  # "0": with the fusions on, a decode step's intermediates allocated each step
+ARENA = os.environ.get(ARENA_ENV, "1") != "0"
 
 
 def use_eager_fusions(runner) -> None:
@@ -35,6 +37,6 @@ def use_eager_fusions(runner) -> None:
     reduce inside the decode where the target has atomics (Triton's, and the DSL's interpreter); and to keep a decode
     step's intermediates between steps."""
     runner.gemv_prologues = True
-    runner.arena = StepArena(runner.graph)
+    runner.arena = StepArena(runner.graph) if ARENA else None
     if runner.target in (*FUSED_TARGETS, "numpy"):
         runner.fused_reduce = True

@@ -154,7 +154,8 @@ class Runner:
         arena = self.step_arena = self.arena if meta.decode else None
         if arena is not None:
             arena.begin(meta.positions.shape[0], (self.target, self.pdl, self.attention_pdl, self.fused_reduce,
-                                                  self.decode, self.gemv_max_rows, self.gemv_prologues))
+                                                  self.decode, self.dense_gemv, self.dense_gemm, self.gemv_max_rows,
+                                                  self.gemv_prologues))
         try:
             self.run_nodes(self.graph.nodes, env, meta)
         finally:
