@@ -83,3 +83,24 @@ def test_planted_escape_is_seen(launches, monkeypatch):  # noqa: F811
     held, copies = _run(backend, step_arena.StepArena(backend.runner.graph, check=True))
     assert not np.array_equal(held[0].numpy(), copies[0])  # step 0's logits now hold step 1's
     np.testing.assert_array_equal(held[0].numpy(), copies[4])  # the last one-row step's before two rows (0-4 share)
+
+
+def test_kept_values_follow_views_to_their_source():
+    """An output that is a reshape of a slice of a linear's result keeps all three out of the arena; a value an add
+    (a new tensor) reads does not."""
+    from backends.cuda.step_arena import kept_values
+    from ir.graph import Graph
+
+    g = Graph("t")
+    x = g.input("x", ("T", 8), "f32")
+    y = g.linear(x, g.param("w", (6, 8)))
+    part = g.slice(y, start=0, size=4)
+    out = g.reshape(part, shape=("T", 2, 2))
+    s = g.add(y, y)
+    g.output("hidden", out)
+    g.output("sum", s)
+    keep = kept_values(g)
+    assert {y.id, part.id, out.id, s.id} <= keep and x.id not in keep
+    z = g.linear(x, g.param("w2", (6, 8)))
+    g.output("other", g.add(z, z))
+    assert z.id not in kept_values(g)

@@ -12,7 +12,12 @@ runs in one stream's order, so the next step's producer writes after this step's
 Buffers are kept for one row count: a step of other rows lets go of them all (a server's decode batch changes when
 a request joins or leaves; steady decoding repeats it). Up to `max_bytes` in all; past it a value is allocated as
 before. `check` (tests): each step fills the buffers with NaN before it runs, so a value read after its producer's
-next step began reads NaN, not plausible stale numbers."""
+next step began reads NaN, not plausible stale numbers.
+
+With the buffers the same tensors every step, so are most launches' arguments: `memo` keeps them for callers that
+check their inputs are last step's objects and launch again without working anything out (a GEMV's plan lookup,
+its checks; a view's split; the attention's launches, the step's own arrays swapped in). On CPU with launches
+stubbed (tools/bench_eager_host) an 8-layer batch-1 step's host time went 81 -> 30 us a layer."""
 
 from __future__ import annotations
 
@@ -43,7 +48,8 @@ class StepArena:
         self._buffers: dict[int, torch.Tensor] = {}
         # A launch's arguments kept by its callers (gemv_fusion.run, Runner.linear, run_nodes' views), valid while the
         # buffers are: a step whose inputs are the same tensors as last step's (kept buffers, their views, the
-        # parameters) launches the same arguments again, or takes the same views, without working them out
+        # parameters) launches the same arguments again, or takes the same views, without working them out. Keys:
+        # a linear's value id (small), id() of a chain, view or attention node (addresses: never that small), tuples
         self.memo: dict = {}
 
     def begin(self, rows: int, settings: tuple = ()) -> None:
