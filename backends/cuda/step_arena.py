@@ -61,7 +61,8 @@ class StepArena:
             self.memo, self.settings = {}, settings
         if self.check:
             for b in self._buffers.values():
-                b.fill_(float("nan"))
+                if b.is_floating_point():
+                    b.fill_(float("nan"))
 
     def take(self, vid: int, shape: tuple, like: torch.Tensor) -> torch.Tensor:
         """Value `vid`'s buffer of `shape`, like's dtype and device (uninitialised: its last step's numbers)."""
