@@ -104,3 +104,22 @@ def test_kept_values_follow_views_to_their_source():
     z = g.linear(x, g.param("w2", (6, 8)))
     g.output("other", g.add(z, z))
     assert z.id not in kept_values(g)
+
+
+def test_past_its_bytes_values_are_allocated(launches):  # noqa: F811
+    """An arena of no bytes keeps no buffer and no launch that writes one (a kept launch's result would be a buffer
+    kept past the limit): the same logits, each value allocated."""
+    from backends.cuda import attention
+    from backends.cuda.step_arena import StepArena
+
+    _, want = _run(_backend(), None)
+    backend = _backend()
+    arena = StepArena(backend.runner.graph, max_bytes=0)
+    _, got = _run(backend, arena)
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert not arena._buffers
+    # no attention's launches, no linear's (x, w, launch, arguments, y), no chain's (w, residual, inputs, launch,
+    # arguments, y): views (x, its views), cuBLAS decisions (None, w) and a step's arrays (meta, arrays, signature)
+    assert not any(isinstance(m, attention._Launches) or len(m) in (5, 6) for m in arena.memo.values())
+    assert any(len(m) == 2 for m in arena.memo.values())

@@ -85,15 +85,16 @@ def _replay(runner, node: Node, lay: Layer, args, meta: StepMeta):
         return last.out
     with dsl_launch.recording() as launches:
         out = _attention(runner, node, lay, args, meta)
-    kept = [(f, a, [(i, j) for i, t in enumerate(a) for j, s in enumerate(arrays) if t is s]) for f, a in launches]
-    runner.step_arena.memo[id(node)] = _Launches((q, k, v), sig, signature(q, k, v), kept, out, lay)
+    if runner.step_arena.holds(node.outs[0].id, out):  # (not past the arena's bytes)
+        kept = [(f, a, [(i, j) for i, t in enumerate(a) for j, s in enumerate(arrays) if t is s]) for f, a in launches]
+        runner.step_arena.memo[id(node)] = _Launches((q, k, v), sig, signature(q, k, v), kept, out, lay)
     return out
 
 
 def _replayable(runner, node: Node, lay: Layer, args) -> bool:
     """Whether the node's decode is launches alone (the rope and KV write, the decode and its reduce), each a step
     the same but for the step's arrays (_step_arrays): a rope_attention over a 16-bit cache whose rope rows are the
-    positions, q its own to rotate (no copy), values as wide as the cache, its output a kept buffer."""
+    positions, q its own to rotate (no copy), values as wide as the cache, its output not a graph's output."""
     return node.op == "rope_attention" and len(lay.caches) == 2 and lay.positions and \
         node.inputs[0].id in runner._sole and args[2].shape[2] == lay.caches[1].shape[3] and \
         node.outs[0].id not in runner.step_arena.keep

@@ -153,7 +153,7 @@ def run(chain: Chain, env: dict, runner) -> int:
         s = None if chain.sum_out is None else arena.take(chain.sum_out, x.shape, x)
         prologue = None if chain.make is None else chain.make(args, s)
         got = dg.planned(x, w, prologue=prologue, residual=residual, out=out, target=runner.target, pdl=runner.pdl)
-        if got is not None and chain.out not in arena.keep and chain.sum_out not in arena.keep:
+        if got is not None and arena.holds(chain.out, out) and (s is None or arena.holds(chain.sum_out, s)):
             arena.memo[id(chain)] = (w, residual, args, *got)
         if got is None:
             y = dg.dense_gemv(x, w, prologue=prologue, residual=residual, out=out, target=runner.target,

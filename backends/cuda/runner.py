@@ -282,7 +282,7 @@ class Runner:
                 else:
                     got[0](*got[1])
                     y = got[2]
-                    if vid not in arena.keep:
+                    if arena.holds(vid, out):
                         arena.memo[vid] = (x, w, *got)
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):

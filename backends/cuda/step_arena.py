@@ -24,7 +24,9 @@ from __future__ import annotations
 from backends.cuda.runtime import torch
 from ir.graph import Graph
 
-MAX_BYTES = 256 * 2**20  # an 8B model's 16-row step keeps ~70 MB (every layer's values at once)
+MAX_BYTES = 64 * 2**20  # an 8B model's 16-row step keeps ~35 MB (every layer's values at once); past ~32 rows a
+# step's later layers allocate (the GPU time of such steps hides more of the host's), and a prefill after them finds
+# the memory the KV budget left free (its fraction's rest) short by no more than this
 # ops whose result may be (a view of) an input: a value they make that must be kept makes their input kept too
 ALIASING = frozenset({"slice", "reshape", "rope", "rope_pair", "all_reduce", "all_gather"})
 
@@ -76,6 +78,11 @@ class StepArena:
         if vid not in self._buffers and self.bytes + size <= self.max_bytes:
             self._buffers[vid], self.bytes = b, self.bytes + size
         return b
+
+    def holds(self, vid: int, t) -> bool:
+        """Whether `t` is value `vid`'s kept buffer (not a kept value's, nor one past max_bytes): a launch that
+        writes it may be kept in memo (its result the same tensor every step)."""
+        return self._buffers.get(vid) is t
 
     def clear(self) -> None:
         """Let go of every buffer (e.g. after the warm-up's steps of every row count)."""
