@@ -220,18 +220,13 @@ def dense_gemv(x, w, *, prologue: RMSNorm | AddRMSNorm | Gated | None = None, re
                target: str = "numpy", pdl: bool | None = None):
     """y [M, N] = prologue(x) [M, K] @ w.T (+ residual [M, N]) for w [N, K] (rows contiguous), M <= 8; x may be
     1-d. Returns y, or (sum_out, y) for AddRMSNorm. y takes out's dtype (x's when out is None)."""
-    plain = prologue is None and residual is None and out is None and type(x) is not np.ndarray and len(x.shape) == 2
-    if plain:  # an eager decode step's linears: the checks, tiles and kernel of these shapes were settled before
-        key = (x.shape, x.stride(), x.dtype, w.shape, w.stride(), w.dtype, rows, block_k, num_warps, target, pdl)
-        if (plan := _PLANS.get(key)) is not None:
-            kern, n, ints = plan
-            y = x.new_empty((x.shape[0], n))
-            kern(x, x, w, y, y, w, y, *ints)  # as below: x2, g, s_out and r unread
+    if type(x) is not np.ndarray and len(x.shape) == 2:  # an eager step's GEMVs: these shapes' checks, tiles and
+        # kernel were settled before (its plan)
+        got, key = _planned(x, w, prologue, residual, out, (rows, block_k, num_warps, target, pdl))
+        if got is not None:
+            launch, args, y = got
+            launch(*args)
             return y
-    elif out is None and type(x) is not np.ndarray and len(x.shape) == 2:  # an eager step's fused chains
-        key = _fused_key(x, w, prologue, residual, (rows, block_k, num_warps, target, pdl))
-        if key is not None and (plan := _PLANS.get(key)) is not None:
-            return _run_fused(plan, x, w, prologue, residual)
     else:
         key = None
     x2d, name = _rows(x), _prologue_name(prologue)
@@ -276,9 +271,8 @@ def dense_gemv(x, w, *, prologue: RMSNorm | AddRMSNorm | Gated | None = None, re
             elem_stride(w, 0), elem_stride(y2d, 0), eps)
     launch = kern.bind(tl.cdiv(n, cfg["ROWS"]))
     launch(x2d, x2, g, s_out, r, w, y2d, *ints)
-    if plain:  # its strides are those of every later y of these shapes: a new tensor's, as y2d
-        _PLANS.put(key, (launch, n, ints))
-    elif key is not None:  # and of every later sum_out (a new tensor's too)
+    if key is not None:  # y's strides are those of every later y of these shapes (a new tensor's, as y2d, or out's
+        # of the key's strides); and so are sum_out's
         _PLANS.put(key, (launch, n, ints, name))
     one_d = len(x.shape) == 1
     y = out if out is not None else y2d[0] if one_d else y2d
@@ -289,8 +283,9 @@ def dense_gemv(x, w, *, prologue: RMSNorm | AddRMSNorm | Gated | None = None, re
 
 def _fused_key(x, w, prologue, residual, rest: tuple) -> tuple | None:
     """A fused GEMV's plan key (None: not planned): the prologue's kind, scalars and arrays' shapes, strides and dtypes
-    beside x's, w's and the residual's, and dense_gemv's other settings. A sum_out of the caller's, or a gated
-    prologue's halves of one x, take the full path."""
+    beside x's, w's, the residual's and a sum_out's, and dense_gemv's other settings (`rest`: out's signature among
+    them). A gated prologue's halves of one x take the full path. A caller's sum_out is checked against aliasing x or
+    the residual on its shapes' first call only: the runner's are buffers of their own (step_arena)."""
     t = type(prologue)
     if t is Gated:
         if prologue.up is None:
@@ -299,25 +294,43 @@ def _fused_key(x, w, prologue, residual, rest: tuple) -> tuple | None:
     elif t is RMSNorm:
         own = (prologue.eps, prologue.offset, signature(prologue.w))
     elif t is AddRMSNorm:
-        if prologue.sum_out is not None:
-            return None
-        own = (prologue.eps, prologue.offset, signature(prologue.residual, prologue.w))
+        own = (prologue.eps, prologue.offset, signature(prologue.residual, prologue.w, prologue.sum_out))
     else:
         own = ()
     return (t, own, x.shape, x.stride(), x.dtype, w.shape, w.stride(), w.dtype, signature(residual), rest)
 
 
-def _run_fused(plan, x, w, prologue, residual):
-    """dense_gemv's launch of a planned fused GEMV, with the arguments as its first call passed them."""
+def planned(x, w, *, prologue: RMSNorm | AddRMSNorm | Gated | None = None, residual=None, out=None,
+            rows: int | None = None, block_k: int | None = None, num_warps: int | None = None, target: str = "numpy",
+            pdl: bool | None = None) -> tuple | None:
+    """dense_gemv's (launch, its arguments, result) for torch x [M, K] of shapes an earlier call planned, not launched
+    (None: no plan yet, dense_gemv makes it). Given out (and AddRMSNorm's sum_out), a caller passing the same arrays
+    again (an eager step's kept buffers, backends/cuda/step_arena.py) may call launch(*arguments) again, skipping the
+    plan's lookup: the result is those arrays."""
+    if type(x) is np.ndarray or len(x.shape) != 2:
+        return None
+    return _planned(x, w, prologue, residual, out, (rows, block_k, num_warps, target, pdl))[0]
+
+
+def _planned(x, w, prologue, residual, out, opts: tuple) -> tuple:
+    """((launch, arguments, result) or None where not planned yet, the plan's key); out's (and sum_out's) shape,
+    strides and dtype are in the key: a caller's buffer takes the plan its shapes' first call made, checked then."""
+    outs = None if out is None else (out.shape, out.stride(), out.dtype)
+    if prologue is None and residual is None:  # a plain linear
+        key = (x.shape, x.stride(), x.dtype, w.shape, w.stride(), w.dtype, outs, opts)
+    else:
+        key = _fused_key(x, w, prologue, residual, (outs, opts))
+    if key is None or (plan := _PLANS.get(key)) is None:
+        return None, key
     launch, n, ints, name = plan
-    y = x.new_empty((x.shape[0], n))
+    y = x.new_empty((x.shape[0], n)) if out is None else out
     r = y if residual is None else residual
     if name == "add_rms_norm":
-        s = x.new_empty(x.shape)
-        launch(x, prologue.residual, prologue.w, s, r, w, y, *ints)
-        return s, y
-    launch(x, prologue.up if name == "gated" else x, w if name in ("none", "gated") else prologue.w, y, r, w, y, *ints)
-    return y
+        s = x.new_empty(x.shape) if prologue.sum_out is None else prologue.sum_out
+        return (launch, (x, prologue.residual, prologue.w, s, r, w, y, *ints), (s, y)), key
+    # as dense_gemv's first launch: the pointers the constexprs leave unread are x, w or y
+    return (launch, (x, prologue.up if name == "gated" else x, w if name in ("none", "gated") else prologue.w, y, r,
+                     w, y, *ints), y), key
 
 
 # --- reference ---------------------------------------------------------------------------------------------------

@@ -290,6 +290,13 @@ def num_partitions(max_context: int, partition: int) -> int:
     return max(1, tl.cdiv(int(max_context), partition))
 
 
+def decode_parts(max_context: int, partition: int, max_parts: int | None, block_n: int) -> int:
+    """paged_decode's grid partitions for these settings (its partition rounded up to whole tiles of block_n)."""
+    block_n = max(16, block_n)
+    n = num_partitions(max_context, tl.cdiv(partition, block_n) * block_n)
+    return min(n, max_parts or n)
+
+
 def reduce_block(n_parts: int, block_d: int = 128) -> int:
     """Partitions the reduce combines per round of loads (decode_combine.combine_block for one head: 64 of a
     128-wide head, 16 of MLA's 512-wide latent)."""
@@ -356,8 +363,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     """
     block_n = max(16, block_n)
     partition = tl.cdiv(partition, block_n) * block_n
-    n_parts = num_partitions(int(context_lens.max()) if max_context is None else max_context, partition)
-    n_parts = min(n_parts, max_parts or n_parts)
+    n_parts = decode_parts(int(context_lens.max()) if max_context is None else max_context, partition, max_parts,
+                           block_n)
     bt_stride, key, fused = elem_stride(block_tables, 0), None, n_parts > 1 and use_fused_reduce(target, fused)
     if type(q) is not np.ndarray:  # a runner's: the plan is kept (any table width of a class)
         key = (signature(q, k_cache, v_cache, out, counters, k_scales, v_scales), block_tables.dtype,

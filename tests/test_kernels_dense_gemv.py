@@ -184,6 +184,30 @@ def test_planned_launches(prologue, residual, rng):
     assert len({s.data_ptr() for s in sums}) == len(sums)
 
 
+@pytest.mark.parametrize("prologue", ["none", "add_rms_norm"])
+def test_planned_launches_into_callers_buffers(prologue, rng):
+    """A caller's out (and AddRMSNorm's sum_out; an eager step's kept buffers), contiguous or the rows of a wider
+    buffer, each filled with NaN first: a later call of the same shapes goes through the plan of its buffers' strides,
+    written where asked, against the reference."""
+    torch = pytest.importorskip("torch")
+    m, n, k = 2, 9, 200
+    for wide in (False, True, False, True):  # each kind of buffer twice: the second through the first's plan
+        x, w, pro, _ = inputs(rng, m, n, k, prologue, np.float32)
+        ref = dg.dense_gemv_ref(x, w, pro)
+        pad = 5 if wide else 0
+        out = torch.full((m, n + pad), float("nan"))[:, :n]
+        s_out = torch.full((m, k + pad), float("nan"))[:, :k] if prologue == "add_rms_norm" else None
+        tpro = None if pro is None else dg.AddRMSNorm(torch.from_numpy(pro.residual), torch.from_numpy(pro.w),
+                                                      pro.eps, sum_out=s_out)
+        y = dg.dense_gemv(torch.from_numpy(x), torch.from_numpy(w), prologue=tpro, out=out)
+        if s_out is not None:
+            assert y[0] is s_out
+            np.testing.assert_array_equal(s_out.numpy(), ref[0])
+            y, ref = y[1], ref[1]
+        assert y is out
+        close(out.numpy(), ref, np.float32)
+
+
 @pytest.mark.parametrize("m,prologue,extra", [(3, "add_rms_norm", dict(residual=True)), (1, "gated", {})])
 def test_simt_oracle(m, prologue, extra, rng):
     """The SIMT lowering (the Metal and CUDA C targets' form) on the CPU oracle: one warp of fibers a program."""

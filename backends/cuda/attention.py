@@ -15,6 +15,8 @@ from backends.cuda.step_meta import StepMeta
 from ir.graph import Node
 from ir.rope import long_after
 from kernels_src import kv_fp8, kv_int8, kv_write, paged_attention, paged_prefill, rope, rope_kv_write
+from kernels_src.dsl import launch as dsl_launch
+from kernels_src.dsl.launch import signature
 from kernels_src.mla_decode import mla_decode
 
 F = torch.nn.functional
@@ -50,6 +52,70 @@ def _rows(runner, lay: Layer, meta: StepMeta):
 
 def attention(runner, node: Node, args, meta: StepMeta):
     lay = layer(runner, node)
+    if runner.step_arena is not None and meta.decode and _replayable(runner, node, lay, args):  # an eager decode's
+        return _replay(runner, node, lay, args, meta)
+    return _attention(runner, node, lay, args, meta)
+
+
+class _Launches(NamedTuple):
+    """A decode node's launches, as its last step made them (step_arena.memo)."""
+
+    qkv: tuple  # its q, k, v then
+    step: tuple  # what they depend on of the step's arrays (_step_arrays)
+    qkv_sig: tuple  # q's, k's and v's shapes, strides and dtypes
+    launches: list  # (BoundLaunch, its arguments, [(an argument's index, the step array it was)])
+    out: object  # the output (a kept buffer)
+    lay: Layer  # its caches and rope tables (remade for new ones)
+
+
+def _replay(runner, node: Node, lay: Layer, args, meta: StepMeta):
+    """The node's launches as its last step made them, this step's arrays swapped in, where they depend on nothing
+    else that changed (a context a token longer: the same launches); else made again, and kept."""
+    step, sig = _step_arrays(runner, meta, lay.group)
+    q, k, v = args[:3]
+    arrays = (*step, q, k, v)  # a wider step's q, k, v: views of a new projection each step (of the same strides)
+    last = runner.step_arena.memo.get(id(node))
+    if last is not None and last.step is sig and last.lay is lay and (
+            last.qkv[0] is q and last.qkv[1] is k and last.qkv[2] is v or last.qkv_sig == signature(q, k, v)):
+        for launch, kept, swaps in last.launches:
+            a = list(kept)
+            for i, j in swaps:
+                a[i] = arrays[j]
+            launch(*a)
+        return last.out
+    with dsl_launch.recording() as launches:
+        out = _attention(runner, node, lay, args, meta)
+    if runner.step_arena.holds(node.outs[0].id, out):  # (not past the arena's bytes)
+        kept = [(f, a, [(i, j) for i, t in enumerate(a) for j, s in enumerate(arrays) if t is s]) for f, a in launches]
+        runner.step_arena.memo[id(node)] = _Launches((q, k, v), sig, signature(q, k, v), kept, out, lay)
+    return out
+
+
+def _replayable(runner, node: Node, lay: Layer, args) -> bool:
+    """Whether the node's decode is launches alone (the rope and KV write, the decode and its reduce), each a step
+    the same but for the step's arrays (_step_arrays): a rope_attention over a 16-bit cache whose rope rows are the
+    positions, q its own to rotate (no copy), values as wide as the cache, its output not a graph's output."""
+    return node.op == "rope_attention" and len(lay.caches) == 2 and lay.positions and \
+        node.inputs[0].id in runner._sole and args[2].shape[2] == lay.caches[1].shape[3] and \
+        node.outs[0].id not in runner.step_arena.keep
+
+
+def _step_arrays(runner, meta: StepMeta, group: int) -> tuple:
+    """(this step's arrays a decode of KV group `group` reads: slots, positions, tables, lengths; what the launches
+    made from them depend on: their shapes, strides and dtypes and the decode's partitions), the latter the same
+    object while it is equal (a context a token longer: the same launches): worked out once a step, not a layer."""
+    key, memo = ("attention", group), runner.step_arena.memo
+    got = memo.get(key)
+    if got is None or got[0] is not meta:
+        slots, tables = meta.kv_group(group)
+        arrays = (slots, meta.positions, tables, meta.context_lens)
+        block_n, _, _, partition, max_parts = decode_settings(runner, meta.positions.shape[0])
+        sig = (signature(*arrays), paged_attention.decode_parts(meta.max_context, partition, max_parts, block_n))
+        got = memo[key] = (meta, arrays, got[2] if got is not None and got[2] == sig else sig)
+    return got[1], got[2]
+
+
+def _attention(runner, node: Node, lay: Layer, args, meta: StepMeta):
     kc, vc, *scales = lay.caches  # an int8 or fp8 cache also has (k_scales, v_scales)
     slots, tables = meta.kv_group(lay.group)
     q, k, v = args[:3]
@@ -70,7 +136,7 @@ def attention(runner, node: Node, args, meta: StepMeta):
         cos, sin = lay.tables
         rope_kv_write.rope_kv_write(q, k, v, kc, vc, slots, _rows(runner, lay, meta), cos, sin,
                                     interleaved=lay.interleaved, target=runner.target, pdl=runner.pdl)
-    out = attend(runner, q, kc, vc, tables, meta, node.attrs, scales)
+    out = attend(runner, q, kc, vc, tables, meta, node.attrs, scales, node.outs[0].id)
     return out if out.shape[2] == dv else out[..., :dv]
 
 
@@ -107,10 +173,11 @@ def decode_settings(runner, rows: int) -> tuple[int, int, bool, int, int]:
     return found
 
 
-def attend(runner, q, kc, vc, tables, meta: StepMeta, a: dict, scales=()):
+def attend(runner, q, kc, vc, tables, meta: StepMeta, a: dict, scales=(), vid: int | None = None):
     """The decode (split-K) or prefill kernel over caches already holding this step's keys and values (int8 codes
-    or e4m3 bytes when `scales` holds their k and v scales)."""
-    out = q.new_empty((q.shape[0], q.shape[1], vc.shape[3]))
+    or e4m3 bytes when `scales` holds their k and v scales); `vid`: the output's value id (its kept buffer, if any)."""
+    shape, arena = (q.shape[0], q.shape[1], vc.shape[3]), runner.step_arena
+    out = q.new_empty(shape) if arena is None or vid is None else arena.take(vid, shape, q)
     if meta.decode:  # an eager decode's every layer: its keywords spelled out, no dict
         rows = q.shape[0]
         block_n, num_warps, fused, partition, max_parts = decode_settings(runner, rows)

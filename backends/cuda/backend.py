@@ -20,6 +20,7 @@ from backends.cuda.graphs import DecodeGraphs
 from backends.cuda.piecewise import PiecewiseGraphs
 from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
+from backends.cuda.step_arena import StepArena
 from backends.cuda.step_graphs import StepGraphs
 from backends.cuda.step_meta import StepMeta
 from backends.cuda.synthetic import random_params
@@ -158,6 +159,8 @@ class CUDABackend(Backend):
         for attr in ("pdl", "attention_pdl", "decode", "dense_gemv", "gemv_prologues", "gemv_max_rows", "dense_gemm",
                      "mmq_variant", "mmq_max_rows", "x_int8_fusion", "fused_reduce"):
             setattr(self.runner, attr, getattr(old, attr))
+        if old.arena is not None:  # its kept values are the old graph's
+            self.runner.arena = StepArena(graph)
         if self.kv:
             self.runner.set_cache(self.kv, self.runner._rope_rows)
 
@@ -307,6 +310,8 @@ class CUDABackend(Backend):
             if _graphs and self.device.type == "cuda" and not self.model.config.pooled:
                 warm_up_eager_decode(self, longest)  # every kernel an eager decode step launches
                 warm_up_eager_prefill(self, longest)  # and those of prefill steps (by token count, table width)
+                if self.runner.arena is not None:
+                    self.runner.arena.clear()  # the last warm-up batch's buffers (a serving batch keeps its own)
                 torch.cuda.empty_cache()  # its activations back to the device, as after warm_up_eager_steps
 
     # -- a step -------------------------------------------------------------------------------------

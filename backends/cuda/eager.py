@@ -9,6 +9,8 @@ GPU time for fewer launches is then a win even where it loses under graphs:
   fused norm; docs/BENCHMARKS.md 2026-12-03 afternoon), hence Runner.gemv_prologues' False there;
 - the split-K decode's partials combined by its last program (kernels_src/decode_combine.py): no reduce launch at
   contexts long enough to split (4k at batch 1). Under graphs it saved nothing (PDL already overlapped the reduce).
+And a decode step's intermediates live in buffers kept between steps (backends/cuda/step_arena.py), as a graph's
+static buffers do: no torch.empty (~7 us of host time each) for them.
 
 Decided per backend, not per step: with graphs on every decode step of up to max_num_seqs sequences replays a graph
 (DecodeGraphs.applies: a graph for each batch bucket, tables as wide as the longest context), so the steps left eager
@@ -21,15 +23,20 @@ from __future__ import annotations
 
 import os
 
+from backends.cuda.step_arena import StepArena
 from kernels_src.decode_combine import FUSED_TARGETS
 
 ENV = "LLM_ENGINE_EAGER_FUSIONS"  # "0": eager steps launch the kernels graph replays launch
 DEFAULT = os.environ.get(ENV, "1") != "0"
+ARENA_ENV = "LLM_ENGINE_STEP_ARENA"  # "0": with the fusions on, a decode step's intermediates allocated each step
+ARENA = os.environ.get(ARENA_ENV, "1") != "0"
 
 
 def use_eager_fusions(runner) -> None:
     """Set `runner` (a backend's with graphs off) to fuse for launches: GEMV prologues at one row, and the decode's
-    reduce inside the decode where the target has atomics (Triton's, and the DSL's interpreter)."""
+    reduce inside the decode where the target has atomics (Triton's, and the DSL's interpreter); and to keep a decode
+    step's intermediates between steps."""
     runner.gemv_prologues = True
+    runner.arena = StepArena(runner.graph) if ARENA else None
     if runner.target in (*FUSED_TARGETS, "numpy"):
         runner.fused_reduce = True

@@ -15,6 +15,7 @@ from backends.cuda.fp8_linear import fp8_linear
 from backends.cuda.gguf_linear import gguf_linear
 from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
+from backends.cuda.step_arena import StepArena
 from backends.cuda.step_meta import StepMeta, decode_programs
 from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
@@ -30,6 +31,7 @@ from kernels_src import (
 )
 from kernels_src.dense_gemm import dense_matmul
 from kernels_src.dense_gemv import dense_gemv
+from kernels_src.dense_gemv import planned as dense_gemv_planned
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
 
 F = torch.nn.functional
@@ -87,6 +89,10 @@ class Runner:
         self.kv_heads = max((decode_programs(n) for n in graph.attention_nodes()), default=1)
         self.group_of = kv_layout(graph).group_of  # layer -> its KV group: which tables its attention reads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        # An eager decode step's intermediates in buffers kept between steps (backends/cuda/step_arena.py; None: each
+        # allocated, as under graphs, whose captures hold static buffers of their own); step_arena: this step's
+        self.arena: StepArena | None = None
+        self.step_arena: StepArena | None = None
 
     def set_cache(self, kv: list[tuple[torch.Tensor, ...]], max_positions: int) -> None:
         """Caches per layer [num_blocks, block_size, Hkv, D] (k and v, or a latent's one); rope tables for positions
@@ -145,7 +151,15 @@ class Runner:
         """fp32 logits [len(logits_indices), vocab]."""
         env = self.input_env(token_ids, logits_indices, meta.positions)
         self._step_rows = {}
-        self.run_nodes(self.graph.nodes, env, meta)
+        arena = self.step_arena = self.arena if meta.decode else None
+        if arena is not None:
+            arena.begin(meta.positions.shape[0], (self.target, self.pdl, self.attention_pdl, self.fused_reduce,
+                                                  self.decode, self.dense_gemv, self.dense_gemm, self.gemv_max_rows,
+                                                  self.gemv_prologues))
+        try:
+            self.run_nodes(self.graph.nodes, env, meta)
+        finally:
+            self.step_arena = None  # run_nodes' other callers (piecewise pieces) allocate
         return env[self.graph.outputs[self.graph.result].id].float()
 
     def input_env(self, token_ids, logits_indices, positions) -> dict:
@@ -163,6 +177,7 @@ class Runner:
         # a chain's x has the step's rows: past the GEMV's, none is tried (gemv_fusion.run checks each x it runs)
         chains = self.dense_gemv and self.gemv_prologues and meta.positions.shape[0] <= self.gemv_max_rows
         steps, params, run_node = self._steps(nodes), self.params, self.run_node
+        memo = None if self.step_arena is None else self.step_arena.memo  # views of kept buffers, kept
         i, n = 0, len(steps)
         while i < n:
             node, ins, outs, drops, view, chain = steps[i]
@@ -170,7 +185,15 @@ class Runner:
                 drops = chain[1]
             elif view is not None:  # a view, or a run of them (node_steps): `ran` nodes, their drops merged
                 fn, ran, outs, drops = view
-                for vid, t in zip(outs, fn(env[ins[0][1]]), strict=True):
+                src = env[ins[0][1]]
+                if memo is None:
+                    got = fn(src)
+                elif (last := memo.get(id(view))) is not None and last[0] is src:  # the same tensor: its views
+                    got = last[1]
+                else:
+                    got = fn(src)
+                    memo[id(view)] = (src, got)
+                for vid, t in zip(outs, got, strict=True):
                     env[vid] = t
             else:
                 ran = 1
@@ -189,7 +212,7 @@ class Runner:
         """One node's result; an attention writes it into `out` [T, Hq, Dv] when given."""
         op = node.op
         if op == "linear":  # the commonest ops first: an eager step dispatches ~17 nodes a layer
-            return self.linear(args[0], args[1], args[2] if len(args) > 2 else None)
+            return self.linear(args[0], args[1], args[2] if len(args) > 2 else None, node.outs[0].id)
         if op == "slice" or op == "reshape":  # (run_nodes takes them itself: node_steps.view)
             return node_steps.view(node)(args[0])
         if op == "add_rms_norm" or op == "gated":  # x_int8_fusion's plan holds such nodes only
@@ -197,7 +220,10 @@ class Runner:
                 return fused
             if op == "add_rms_norm":
                 return self._add_rms_norm(node, args)
-            return activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
+            arena = self.step_arena  # an eager decode step's: the result into its kept buffer
+            out = None if arena is None else arena.take(node.outs[0].id, args[0].shape, args[0])
+            return activations.gated_act(args[0], args[1], node.attrs["act"], out=out, target=self.target,
+                                         pdl=self.pdl)
         if op in ("attention", "rope_attention"):
             return _into(out, attention.attention(self, node, args, meta))
         if op == "latent_attention":
@@ -225,22 +251,47 @@ class Runner:
         if offset not in (0.0, 1.0):  # the kernel knows w and 1 + w only
             s = x + r
             return s, torch_ops.rms_norm(s, w, node.attrs["eps"], offset)
-        return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
-                                     pdl=self.pdl)
+        arena, s, y = self.step_arena, None, None
+        if arena is not None:  # an eager decode step's: the sum and the norm into their kept buffers
+            s, y = arena.take(node.outs[0].id, x.shape, x), arena.take(node.outs[1].id, x.shape, x)
+        return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, sum_out=s, out=y,
+                                     target=self.target, pdl=self.pdl)
 
     # -- single ops ---------------------------------------------------------------------------------
-    def linear(self, x, w: Param, b=None):
+    def linear(self, x, w: Param, b=None, vid: int | None = None):
+        """x @ w.T (+ b); `vid`: the result's value id, for the step's kept buffer (step_arena) where it has one."""
+        arena = self.step_arena
+        if arena is not None and vid is not None and b is None and (last := arena.memo.get(vid)) is not None \
+                and last[1] is w:
+            if last[0] is x:  # the arrays of its last launch (below): launch it again
+                last[2](*last[3])
+                return last[4]
+            if last[0] is None:  # cuBLAS, as this node's x of these rows went last step
+                return F.linear(x, w)
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
         elif self.dense_gemv and gemv_fusion.gemv_rows(x, self.gemv_max_rows) and gemv_fusion.gemv_weight(w):
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x: no views around the GEMV
-            y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
+            if arena is None or vid is None or b is not None or x.dim() != 2 or x.stride(-1) != 1:
+                y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
+            else:  # an eager decode step's: its kept buffer, and the launch kept for the same arrays next step
+                out = arena.take(vid, (x.shape[0], w.shape[0]), x)
+                got = dense_gemv_planned(x, w, out=out, target=self.target, pdl=self.pdl)
+                if got is None:
+                    y = dense_gemv(x, w, out=out, target=self.target, pdl=self.pdl)
+                else:
+                    got[0](*got[1])
+                    y = got[2]
+                    if arena.holds(vid, out):
+                        arena.memo[vid] = (x, w, *got)
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
             y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
                              pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
         else:
             y = F.linear(x, w)
+            if arena is not None and vid is not None and b is None:
+                arena.memo[vid] = (None, w)  # the checks above need not run again for these rows
         return y if b is None else y + b
 
     def _quant_linear(self, x, w: QuantWeight):

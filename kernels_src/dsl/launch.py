@@ -8,6 +8,7 @@ float -> fp32), like Triton's JIT; each new signature is traced once. Compiled k
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -23,6 +24,21 @@ TARGETS = ("numpy", "triton", "triton-interpret")
 DIRECT_LAUNCH = True
 _compiled: dict[tuple, Callable] = {}
 _kernels: dict[tuple, Kernel] = {}
+
+
+_RECORDING: list | None = None  # the BoundLaunch calls made inside recording()
+
+
+@contextmanager
+def recording():
+    """A list of the (BoundLaunch, its arguments) calls made inside, for a caller that replays them (an eager decode
+    step's attention, backends/cuda/attention.py: the same launches a step, a few arrays swapped)."""
+    global _RECORDING
+    outer, _RECORDING = _RECORDING, []
+    try:
+        yield _RECORDING
+    finally:
+        _RECORDING = outer
 
 
 _ARRAY_TYPES: dict[tuple, str] = {}  # (type, dtype) -> signature of arrays, tensors and numpy scalars
@@ -206,6 +222,8 @@ class BoundLaunch:
         self.fast: Callable | None = None  # the kernel's direct launch for key, once it has one (never replaced)
 
     def __call__(self, *args):
+        if _RECORDING is not None:
+            _RECORDING.append((self, args))
         key = self.key
         if key and DIRECT_LAUNCH:
             fast = self.fast
