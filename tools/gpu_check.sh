@@ -288,22 +288,22 @@ pending_next() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_next "* ]] && step pending_next gpu 540 pending_next
-# Issue 13's eager steps with their fusions (by name: GPU_CHECK_STEPS=pending_eager, ~250 s; backends/cuda/eager.py,
-# on by default untimed): the 8-layer eager step against graphs, then bf16 Llama-3-8B decode with graphs off, the
-# fusions on and off in separate processes (a switch mid-run would compile inside the timed region). The ratio to
-# graphs at 128 and 4k contexts is the `eager` step's.
+# Issue 13's eager steps with their fusions (by name: GPU_CHECK_STEPS=pending_eager, ~350 s; backends/cuda/eager.py
+# and step_arena.py, on by default untimed): the 8-layer eager step against graphs, then bf16 Llama-3-8B decode with
+# graphs off: both on, the kept buffers off, both off, in separate processes (a switch mid-run would compile inside
+# the timed region). The ratio to graphs at 128 and 4k contexts is the `eager` step's.
 pending_eager() {
     local rc=0 f
     timeout 90 "$PY" -m tools.bench_launch --layers 8 --json "$OUT"/bench_launch.json || rc=1
-    for f in 1 0; do
-        echo "== eager decode after a 128-token prompt, LLM_ENGINE_EAGER_FUSIONS=$f"
-        LLM_ENGINE_EAGER_FUSIONS=$f timeout 150 "$PY" -m tools.bench_gpu --batches 1,16 --prompt 128 --gen 64 \
-            --prefill 256 --no-quant --no-peer --profile '' --ablate '' --no-graphs \
-            --json "$OUT"/eager_fusions$f.json || rc=1
+    for f in 1:1 1:0 0:0; do  # fusions : kept buffers and repeated launches (backends/cuda/step_arena.py)
+        echo "== eager decode after a 128-token prompt, LLM_ENGINE_EAGER_FUSIONS=${f%:*} LLM_ENGINE_STEP_ARENA=${f#*:}"
+        LLM_ENGINE_EAGER_FUSIONS=${f%:*} LLM_ENGINE_STEP_ARENA=${f#*:} timeout 130 "$PY" -m tools.bench_gpu \
+            --batches 1,16 --prompt 128 --gen 64 --prefill 256 --no-quant --no-peer --profile '' --ablate '' \
+            --no-graphs --json "$OUT"/eager_fusions${f/:/_}.json || rc=1
     done
     return $rc
 }
-[[ " ${GPU_CHECK_STEPS:-} " == *" pending_eager "* ]] && step pending_eager gpu 420 pending_eager
+[[ " ${GPU_CHECK_STEPS:-} " == *" pending_eager "* ]] && step pending_eager gpu 480 pending_eager
 # Issue 16's Qwen3-30B-A3B Q4_K_M batch 64 (by name: GPU_CHECK_STEPS=pending_moe, ~150 s): the MoE's grouped passes on
 # int8 tensor cores (kernels_src/moe_mmq.py, off until this decides LLM_ENGINE_MOE_MMQ, MMQ_MIN_SLOTS against the
 # GEMV, MMQ_SLOTS_PER_EXPERT against dequantize + dense, and TILES), first its GPU cases against its reference.
