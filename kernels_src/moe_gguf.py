@@ -24,10 +24,9 @@ import numpy as np
 from ir.formats.gguf_quants import QTYPES as GGUF
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src import dequantize as dq
-from kernels_src.activations import _act
 from kernels_src.dequant_gemm import STEP_ELEMS, _numel
 from kernels_src.dsl import compile, elem_stride, tl
-from kernels_src.moe_slots import block_slots
+from kernels_src.moe_slots import block_slots, swapped_block_out
 
 __all__ = ["QTYPES", "GGUFStack", "check_stack", "dequantize_stack", "is_blocks", "launch", "moe_qgemm_kernel",
            "pass_tiles", "step_blocks"]
@@ -114,17 +113,8 @@ def moe_qgemm_kernel(x, w_a, w_b, y, rows, block_expert, weights, n_slots, n_col
             return acc_a[0]
         return acc_a[0], _accumulate(accs[1:], (pb,), dec_b, xb, kbb, it * KB_B, QTYPE_B, KB_B, **tile)[0]
 
-    zero = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    # a block of padding only (most of the grid at small batches) skips the loop instead of streaming weights
-    steps = tl.where(tl.load(rows + tl.program_id(0) * BLOCK_M) < n_slots, n_steps, 0)
-    if GATED:
-        acc_a, acc_b = tl.fori_loop(0, steps, step, (zero, zero))
-        out = _act(acc_a, ACT) * acc_b
-    else:
-        acc_a = tl.fori_loop(0, steps, step, zero)
-        w_slot = tl.load(weights + src, mask=valid, other=0.0).to(tl.float32)
-        out = acc_a * w_slot[None, :]
-    tl.store(y + slot.to(tl.int64)[None, :] * y_stride + n[:, None], out, mask=valid[None, :] & (n[:, None] < n_cols))
+    swapped_block_out(step, rows, n_slots, n_steps, weights, y, slot, valid, src, n, n_cols, y_stride, GATED, ACT,
+                      BLOCK_M, BLOCK_N)
 
 
 # --- host side -------------------------------------------------------------------------------------------------

@@ -28,9 +28,8 @@ import numpy as np
 
 from kernels_src import gguf_mmq_sb as sb
 from kernels_src import moe_gguf
-from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl
-from kernels_src.moe_slots import block_slots
+from kernels_src.moe_slots import block_slots, swapped_block_out
 
 __all__ = ["BLOCK_M", "MMQ", "MMQ_MIN_SLOTS", "MMQ_QTYPES", "MMQ_SLOTS_PER_EXPERT", "TILES", "launch",
            "moe_mmq_kernel", "moe_mmq_ref", "over_gemv", "pass_tiles", "takes", "use_mmq"]
@@ -86,16 +85,8 @@ def moe_mmq_kernel(xq, xd, xs, w_a, w_b, y, rows, block_expert, weights, n_slots
             return acc_a
         return acc_a, accs[1] + term_b(wb + s * size_b, xrow, srow, drow, s, BLOCK_M, BLOCK_N)
 
-    zero = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    # a block of padding only (most of the grid at small batches) skips the loop instead of streaming weights
-    steps = tl.where(tl.load(rows + tl.program_id(0) * BLOCK_M) < n_slots, n_steps, 0)
-    if GATED:
-        acc_a, acc_b = tl.fori_loop(0, steps, step, (zero, zero))
-        out = _act(acc_a, ACT) * acc_b
-    else:
-        acc_a = tl.fori_loop(0, steps, step, zero)
-        out = acc_a * tl.load(weights + src, mask=valid, other=0.0).to(tl.float32)[None, :]
-    tl.store(y + slot.to(tl.int64)[None, :] * y_stride + n[:, None], out, mask=valid[None, :] & (n[:, None] < n_cols))
+    swapped_block_out(step, rows, n_slots, n_steps, weights, y, slot, valid, src, n, n_cols, y_stride, GATED, ACT,
+                      BLOCK_M, BLOCK_N)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
