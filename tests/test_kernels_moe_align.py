@@ -150,3 +150,10 @@ def test_aot_sm90(experts, block_m, tmp_path, monkeypatch, capsys):
         print(f"\nmoe_align {experts} experts, BLOCK_M {block_m}, {ma.tiles(experts)}: {mix.registers} registers, "
               f"stack {mix.stack}")
     assert mix.stack == 0 and _stack_bytes(c.asm["cubin"], tmp_path) == 0
+
+
+def test_simt_cpu(rng):
+    """The SIMT lowering (Metal's and CUDA C's) through the CPU fiber oracle: the barrier between the fill and the
+    scatter, experts in two chunks, slots over several tiles."""
+    ids = routing(rng, 24, 4, 128, used=range(0, 128, 5))
+    check(align("simt-cpu", ids, 128, 16), want(ids, 128, 16))
