@@ -6,9 +6,10 @@ array ops. Integers only, so its outputs are bit-identical to `_align`'s:
   expert's run padded to BLOCK_M, its start and end (exclusive, inclusive prefix of the padded sizes) by
   [E, BLOCK_C] triangular masks;
 - rows filled with S (the padding id), block_expert[b] = min(#ends <= b * BLOCK_M, E - 1) (searchsorted, right);
-- a barrier (the scatter below overwrites the fill, by other threads), then each slot's rank among the earlier
-  slots of its expert by [BLOCK_S, BLOCK_S] tile compares (S^2 / 2 of them: 131k at 512 slots), its destination
-  start[expert] + rank, where it stores its id.
+- a barrier (the scatter below overwrites the fill, by other threads), then a tile of slots at a time, in order:
+  each slot's rank among its expert's earlier slots, those of the tiles before (a running count per expert, carried
+  through the loop) plus those before it in its tile ([BLOCK_S, BLOCK_S] triangular compare), and it stores its id at
+  start[expert] + rank. Every pass is linear in the slots: S / BLOCK_S steps (8 at Qwen3's 512 slots).
 The grid is one program whatever the routing: no host sync, capturable in a CUDA graph.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from kernels_src.dsl import compile, empty, tl
 
-MAX_SLOTS = 1024  # the rank pass is quadratic in the slots (one program)
+MAX_SLOTS = 1024  # one program's passes grow with the slots, the array ops' cost barely: where they cross is untimed
 MAX_EXPERTS = 256
 NUM_WARPS = 8  # no spills on sm_90 at 8 to 256 experts (tests/test_kernels_moe_align.py)
 TILE = 8192  # elements of the launcher's [E, slots] / [blocks, E] compare tiles (32 a thread at 8 warps)
@@ -30,13 +31,13 @@ def moe_align_kernel(ids, rows, block_expert, n_slots, n_experts, n_rows, n_bloc
     ss = tl.arange(0, BLOCK_S)
     n_tiles = (n_slots + BLOCK_S - 1) // BLOCK_S
 
-    def slot_ids(it, other):
+    def slot_ids(it):  # padding lanes -1: no expert
         s = it * BLOCK_S + ss
-        return s, tl.load(ids + s, mask=s < n_slots, other=other).to(tl.int32)
+        return s, tl.load(ids + s, mask=s < n_slots, other=-1).to(tl.int32)
 
     def counter(ec):  # counts of the experts ec, over every tile of slots
         def count(it, acc):
-            _, x = slot_ids(it, -1)
+            _, x = slot_ids(it)
             return acc + tl.sum(tl.where(ec[:, None] == x[None, :], 1, 0), axis=1)
         return count
 
@@ -69,19 +70,15 @@ def moe_align_kernel(ids, rows, block_expert, n_slots, n_experts, n_rows, n_bloc
     tl.fori_loop(0, (n_blocks + BLOCK_B - 1) // BLOCK_B, blocks)
     tl.debug_barrier()  # every thread's fill stored before any slot's id overwrites it
 
-    def scatter(it):
-        si, xi = slot_ids(it, -1)
+    def scatter(it, base):  # base [BLOCK_E]: each expert's slots in the tiles before this one
+        si, xi = slot_ids(it)
+        r = tl.sum(tl.where((xi[None, :] == xi[:, None]) & (ss[None, :] < ss[:, None]), 1, 0), axis=1)
+        mine = xi[:, None] == e[None, :]
+        at = tl.sum(tl.where(mine, (starts + base)[None, :], 0), axis=1)
+        tl.store(rows + at + r, si, mask=si < n_slots)
+        return base + tl.sum(tl.where(mine, 1, 0), axis=0)
 
-        def rank(jt, acc):
-            sj, xj = slot_ids(jt, -2)
-            same = (xj[None, :] == xi[:, None]) & (sj[None, :] < si[:, None])
-            return acc + tl.sum(tl.where(same, 1, 0), axis=1)
-
-        r = tl.fori_loop(0, it + 1, rank, tl.zeros([BLOCK_S], tl.int32))
-        start = tl.sum(tl.where(xi[:, None] == e[None, :], starts[None, :], 0), axis=1)
-        tl.store(rows + start + r, si, mask=si < n_slots)
-
-    tl.fori_loop(0, n_tiles, scatter)
+    tl.fori_loop(0, n_tiles, scatter, tl.zeros([BLOCK_E], tl.int32))
 
 
 def supports(slots: int, experts: int) -> bool:

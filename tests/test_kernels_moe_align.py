@@ -98,10 +98,11 @@ def _mutant(old: str, new: str):
     return scope["moe_align_kernel"]
 
 
-@pytest.mark.parametrize("old,new", [("sj[None, :] < si[:, None]", "sj[None, :] <= si[:, None]"),  # rank + 1
+@pytest.mark.parametrize("old,new", [("ss[None, :] < ss[:, None]", "ss[None, :] <= ss[:, None]"),  # rank + 1
+                                     ("return base + tl.sum", "return base + 0 * tl.sum"),  # tiles before forgotten
                                      ("ends[None, :] <= (b", "ends[None, :] < (b")])  # searchsorted left
 def test_planted_bugs_fail(old, new, rng):
-    ids = routing(rng, 16, 4, 16, used=range(6))
+    ids = routing(rng, 40, 4, 16, used=range(6))  # 160 slots: three tiles of 64
     assert_equal = (lambda got: check(got, want(ids, 16, 16)))
     assert_equal(align("numpy", ids, 16, 16, kernel=ma.moe_align_kernel))  # the unedited kernel, the same way
     with pytest.raises(AssertionError):
