@@ -41,7 +41,7 @@ def moe_align_kernel(ids, rows, block_expert, n_slots, n_experts, n_rows, n_bloc
             return acc + tl.sum(tl.where(ec[:, None] == x[None, :], 1, 0), axis=1)
         return count
 
-    # experts a chunk at a time, so the prefix tile is [E, BLOCK_C], not [E, E] (a thread's registers at 256)
+    # experts a chunk at a time: the prefix tile [E, BLOCK_C], not [E, E] (which spills at 256 experts)
     starts = tl.zeros([BLOCK_E], tl.int32)  # exclusive prefix of the padded sizes; lanes past E: 0 padded
     ends = tl.zeros([BLOCK_E], tl.int32)  # inclusive
     for c in tl.static_range(BLOCK_E // BLOCK_C):
@@ -90,7 +90,7 @@ def tiles(experts: int) -> dict:
     [BLOCK_S, BLOCK_S] too)."""
     block_e = max(16, tl.next_power_of_2(experts))
     block_s = min(64, max(16, TILE // block_e))
-    return dict(BLOCK_E=block_e, BLOCK_C=min(block_e, 64), BLOCK_S=block_s, BLOCK_R=1024, BLOCK_B=block_s)
+    return dict(BLOCK_E=block_e, BLOCK_C=min(block_e, 128), BLOCK_S=block_s, BLOCK_R=1024, BLOCK_B=block_s)
 
 
 
