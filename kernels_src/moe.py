@@ -96,12 +96,13 @@ def max_blocks(slots: int, experts: int, block_m: int) -> int:
     return tl.cdiv(slots, block_m) + experts
 
 
-def moe_align(ids, experts: int, block_m: int, target: str | None = None):
+def moe_align(ids, experts: int, block_m: int, target: str | None = None, pdl: bool | None = None):
     """(rows [max_blocks * block_m] int32: slot ids grouped by expert, each run padded with S; block_expert
     [max_blocks] int32) for expert ids [T, top_k], in numpy or torch (the same fixed-shape ops: no host sync).
     Torch tensors on a Triton target take one launch of kernels_src/moe_align.py instead where it fits
     (moe_align.supports: up to 1,024 slots, 256 experts), unless LLM_ENGINE_MOE_ALIGN_KERNEL=0: its outputs are
-    integers computed exactly, bit-identical to the array ops' (tests/test_kernels_moe_align.py)."""
+    integers computed exactly, bit-identical to the array ops' (tests/test_kernels_moe_align.py); pdl: the kernel's
+    launch (None: where the target has it)."""
     if isinstance(ids, np.ndarray):
         return _align(np, ids.reshape(-1).astype(np.int64), experts, block_m)
     import torch
@@ -109,7 +110,7 @@ def moe_align(ids, experts: int, block_m: int, target: str | None = None):
     flat = ids.reshape(-1)
     if ALIGN_KERNEL and target in _ALIGN_TARGETS and moe_align_kernel.supports(int(flat.shape[0]), experts):
         n_blocks = max_blocks(int(flat.shape[0]), experts, block_m)
-        return moe_align_kernel.moe_align(flat.contiguous(), experts, block_m, n_blocks, target)
+        return moe_align_kernel.moe_align(flat.contiguous(), experts, block_m, n_blocks, target, pdl)
     return _align(torch, flat.long(), experts, block_m)
 
 
@@ -220,7 +221,7 @@ def _grouped(x, flat_w, ids, w_gate, w_up, w_down, hidden, y, k: int, act: str, 
     if any(mmq_passes):  # its blocks of slots, for both passes (they share the alignment)
         tiles = (moe_mmq.BLOCK_M, tiles[1])
     block_m, default_n = block_m or tiles[0], tiles[1]
-    rows, block_expert = moe_align(ids, e, block_m, target)
+    rows, block_expert = moe_align(ids, e, block_m, target, pdl)
     nblocks = block_expert.shape[0]
     for on_mmq, (gated, (a, b, src, dst, n_cols, k_dim)) in zip(mmq_passes, passes, strict=True):
         if on_mmq:

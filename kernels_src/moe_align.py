@@ -15,7 +15,7 @@ The grid is one program whatever the routing: no host sync, capturable in a CUDA
 
 from __future__ import annotations
 
-from kernels_src.dsl import compile, empty, tl
+from kernels_src.dsl import compile, empty, tl, use_pdl
 
 MAX_SLOTS = 1024  # one program's passes grow with the slots, the array ops' cost barely: where they cross is untimed
 MAX_EXPERTS = 256
@@ -25,8 +25,11 @@ TILE = 8192  # elements of the launcher's [E, slots] / [blocks, E] compare tiles
 
 def moe_align_kernel(ids, rows, block_expert, n_slots, n_experts, n_rows, n_blocks, BLOCK_M: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_B: tl.constexpr):
+                     BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
     """ids [n_slots] (any integer type) -> rows [n_rows] int32, block_expert [n_blocks] int32, as `_align`."""
+    if PDL:  # the ids come from the router
+        tl.wait_prior_grid()
+        tl.launch_dependents()
     e = tl.arange(0, BLOCK_E)
     ss = tl.arange(0, BLOCK_S)
     n_tiles = (n_slots + BLOCK_S - 1) // BLOCK_S
@@ -94,7 +97,7 @@ def tiles(experts: int) -> dict:
 
 
 
-def moe_align(flat_ids, experts: int, block_m: int, n_blocks: int, target: str):
+def moe_align(flat_ids, experts: int, block_m: int, n_blocks: int, target: str, pdl: bool | None = None):
     """(rows [n_blocks * block_m] int32, block_expert [n_blocks] int32) for expert ids [S] (numpy or torch), as
     kernels_src/moe.py's `_align` gives them; n_blocks its max_blocks(S, experts, block_m)."""
     s = int(flat_ids.shape[0])
@@ -102,6 +105,8 @@ def moe_align(flat_ids, experts: int, block_m: int, n_blocks: int, target: str):
         raise ValueError(f"{s} slots over {experts} experts: the kernel takes up to {MAX_SLOTS} slots, "
                          f"{MAX_EXPERTS} experts")
     rows, block_expert = empty(flat_ids, (n_blocks * block_m,), "int32"), empty(flat_ids, (n_blocks,), "int32")
-    kern = compile(moe_align_kernel, target, num_warps=NUM_WARPS, BLOCK_M=block_m, **tiles(experts))
+    pdl = use_pdl(target, pdl)
+    kern = compile(moe_align_kernel, target, num_warps=NUM_WARPS, launch_pdl=pdl, BLOCK_M=block_m, PDL=pdl,
+                   **tiles(experts))
     kern[1](flat_ids, rows, block_expert, s, experts, n_blocks * block_m, n_blocks)
     return rows, block_expert

@@ -316,7 +316,7 @@ register(KernelEntry(
 # Qwen3-30B-A3B's decode batch of 64 grouped by expert (512 slots over 128 experts) for the grouped passes
 _align_tiles = moe_align.tiles(128)
 register(KernelEntry(
-    "moe_align", moe_align.moe_align_kernel, dict(BLOCK_M=moe.BLOCK_M, **_align_tiles),
+    "moe_align", moe_align.moe_align_kernel, dict(BLOCK_M=moe.BLOCK_M, **_align_tiles, PDL=True),
     dict(ids="*i32", rows="*i32", block_expert="*i32"),
     dict(tokens=64, experts=128, top_k=8, block_m=moe.BLOCK_M),
     lambda tokens, experts, top_k, block_m, **_: 4 * (tokens * top_k + (block_m + 1) * moe.max_blocks(

@@ -134,7 +134,8 @@ def test_moe_align_routes_torch_on_triton_targets(monkeypatch, rng):
                     reason="AOT builds need triton, and TRITON_INTERPRET unset")
 @pytest.mark.parametrize("experts,block_m", [(128, 16), (256, 64), (8, 16)])
 def test_aot_sm90(experts, block_m, tmp_path, monkeypatch, capsys):
-    """The kernel for an H200 without a GPU: the barrier after the fill, nothing spilled; prints registers."""
+    """The kernel for an H200 without a GPU: the barrier after the fill, the grid-dependency wait, nothing spilled;
+    prints registers."""
     from test_kernels_gemv import _stack_bytes
 
     from kernels_src.dsl.triton_target import aot_compile
@@ -143,9 +144,10 @@ def test_aot_sm90(experts, block_m, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     sig = dict(ids="*i32", rows="*i32", block_expert="*i32", n_slots="i32", n_experts="i32", n_rows="i32",
                n_blocks="i32")
-    k = ma.compile(ma.moe_align_kernel, "triton", num_warps=ma.NUM_WARPS, BLOCK_M=block_m, **ma.tiles(experts))
+    k = ma.compile(ma.moe_align_kernel, "triton", num_warps=ma.NUM_WARPS, launch_pdl=True, BLOCK_M=block_m, PDL=True,
+                   **ma.tiles(experts))
     c = aot_compile(k.trace(signature=sig), arch=90, num_warps=ma.NUM_WARPS)
-    assert "bar.sync" in c.asm["ptx"]
+    assert "bar.sync" in c.asm["ptx"] and "griddepcontrol.wait" in c.asm["ptx"]
     mix = loop_mix(c.asm["cubin"])
     with capsys.disabled():
         print(f"\nmoe_align {experts} experts, BLOCK_M {block_m}, {ma.tiles(experts)}: {mix.registers} registers, "
