@@ -1,8 +1,9 @@
 """Fused mixture-of-experts over dense expert stacks [E, out, in]: DSL kernels, host launcher, reference.
 
-Each token's top_k (expert, weight) slots are grouped by expert (`moe_align`, fixed-shape array ops, so a step with
-experts stays capturable in a CUDA graph): slot ids sorted by expert, each expert's run padded to BLOCK_M with the
-out-of-range id S = tokens * top_k, and the expert of every BLOCK_M block. The grid is the bound on blocks,
+Each token's top_k (expert, weight) slots are grouped by expert (`moe_align`: one kernel launch on Triton targets,
+kernels_src/moe_align.py, else fixed-shape array ops; either way a step with experts stays capturable in a CUDA
+graph): slot ids sorted by expert, each expert's run padded to BLOCK_M with the out-of-range id S = tokens * top_k,
+and the expert of every BLOCK_M block. The grid is the bound on blocks,
 cdiv(S, BLOCK_M) + E, whatever the routing; blocks past the used ones hold padding only and store nothing.
 - moe_gemm_kernel(GATED): program (block, n tile) reads its expert once, gathers its slots' token rows of x and
   computes act(x @ gate[e].T) * (x @ up[e].T) for BLOCK_N columns of both in one pass over K: h [S, I], by slot.
@@ -23,8 +24,11 @@ dequant_gemv's per-format loop (three launches with the sum, against some thirty
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from kernels_src import moe_align as moe_align_kernel
 from kernels_src import moe_dequant, moe_gemv, moe_gguf, moe_mmq
 from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
@@ -33,6 +37,8 @@ from kernels_src.moe_slots import block_slots
 __all__ = ["moe_align", "moe_experts", "moe_experts_ref"]
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+ALIGN_KERNEL = os.environ.get("LLM_ENGINE_MOE_ALIGN_KERNEL", "1") != "0"  # moe_align's one launch (torch, Triton)
+_ALIGN_TARGETS = ("triton", "triton-interpret")
 
 
 def default_tiles(slots: int, experts: int) -> tuple[int, int]:
@@ -90,14 +96,22 @@ def max_blocks(slots: int, experts: int, block_m: int) -> int:
     return tl.cdiv(slots, block_m) + experts
 
 
-def moe_align(ids, experts: int, block_m: int):
+def moe_align(ids, experts: int, block_m: int, target: str | None = None, pdl: bool | None = None):
     """(rows [max_blocks * block_m] int32: slot ids grouped by expert, each run padded with S; block_expert
-    [max_blocks] int32) for expert ids [T, top_k], in numpy or torch (the same fixed-shape ops: no host sync)."""
+    [max_blocks] int32) for expert ids [T, top_k], in numpy or torch (the same fixed-shape ops: no host sync).
+    Torch tensors on a Triton target take one launch of kernels_src/moe_align.py instead where it fits
+    (moe_align.supports: up to 1,024 slots, 256 experts), unless LLM_ENGINE_MOE_ALIGN_KERNEL=0: its outputs are
+    integers computed exactly, bit-identical to the array ops' (tests/test_kernels_moe_align.py); pdl: the kernel's
+    launch (None: where the target has it)."""
     if isinstance(ids, np.ndarray):
         return _align(np, ids.reshape(-1).astype(np.int64), experts, block_m)
     import torch
 
-    return _align(torch, ids.reshape(-1).long(), experts, block_m)
+    flat = ids.reshape(-1)
+    if ALIGN_KERNEL and target in _ALIGN_TARGETS and moe_align_kernel.supports(int(flat.shape[0]), experts):
+        n_blocks = max_blocks(int(flat.shape[0]), experts, block_m)
+        return moe_align_kernel.moe_align(flat.contiguous(), experts, block_m, n_blocks, target, pdl)
+    return _align(torch, flat.long(), experts, block_m)
 
 
 def _align(xp, flat, experts: int, block_m: int):
@@ -207,7 +221,7 @@ def _grouped(x, flat_w, ids, w_gate, w_up, w_down, hidden, y, k: int, act: str, 
     if any(mmq_passes):  # its blocks of slots, for both passes (they share the alignment)
         tiles = (moe_mmq.BLOCK_M, tiles[1])
     block_m, default_n = block_m or tiles[0], tiles[1]
-    rows, block_expert = moe_align(ids, e, block_m)
+    rows, block_expert = moe_align(ids, e, block_m, target, pdl)
     nblocks = block_expert.shape[0]
     for on_mmq, (gated, (a, b, src, dst, n_cols, k_dim)) in zip(mmq_passes, passes, strict=True):
         if on_mmq:

@@ -19,6 +19,7 @@ from kernels_src import (
     kv_write,
     mla_decode,
     moe,
+    moe_align,
     moe_gemv,
     moe_gguf,
     moe_mmq,
@@ -245,7 +246,7 @@ register(KernelEntry(
     dict(tokens=16, hidden=2048, inner=768, experts=128, top_k=8, dtype=BF16), moe_bytes,
     flops=_moe_flops, launcher=moe.moe_experts,
     notes="the launcher runs it twice (gate and up with the activation, then down times the routing weights) "
-          "after moe_align's array ops, and sums each token's top_k rows"))
+          "after moe_align (one launch of moe_align_kernel on Triton), and sums each token's top_k rows"))
 
 # the same layer as Q4_K_M keeps it: gate and up Q4_K, down Q6_K; the gated pass at the launcher's tiles
 _block_m, _block_n = moe.default_tiles(16 * 8, 128)
@@ -311,6 +312,18 @@ register(KernelEntry(
     lambda tokens, experts, top_k, dtype: tokens * experts * ITEMSIZE[dtype] + experts * 4 + tokens * top_k * 8,
     floats=("routed_scaling",), launcher=moe_route.moe_route,
     notes="one program a token: scores, the grouped choice and top_k in one tile of the router's logits"))
+
+# Qwen3-30B-A3B's decode batch of 64 grouped by expert (512 slots over 128 experts) for the grouped passes
+_align_tiles = moe_align.tiles(128)
+register(KernelEntry(
+    "moe_align", moe_align.moe_align_kernel, dict(BLOCK_M=moe.BLOCK_M, **_align_tiles, PDL=True),
+    dict(ids="*i32", rows="*i32", block_expert="*i32"),
+    dict(tokens=64, experts=128, top_k=8, block_m=moe.BLOCK_M),
+    lambda tokens, experts, top_k, block_m, **_: 4 * (tokens * top_k + (block_m + 1) * moe.max_blocks(
+        tokens * top_k, experts, block_m)),
+    launcher=moe.moe_align,
+    notes="one program (moe_align.NUM_WARPS warps) in place of _align's ~30 array ops: latency bound, the ids "
+          "read once a pass of expert chunks and again in the quadratic rank pass"))
 
 
 # The linear kernels' entries live in their own module, which reads this one's KernelEntry and register.

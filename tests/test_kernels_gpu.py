@@ -91,6 +91,10 @@ SIZES["fp8_gemm"] = [("m9", dict(m=9, n=300, k=4096)), ("m64_g64", dict(m=64, n=
                      ("m512", dict(m=512, n=1024, k=4096)), ("m33_noswap", dict(m=33, n=130, k=2048, swap=False)),
                      ("m16_g256", dict(m=16, n=256, k=1024, group=256)), ("m300_odd", dict(m=300, n=77, k=1024))]
 SIZES["moe_route"] = [("t16", dict(tokens=16)), ("t300", dict(tokens=300))]
+# the slots grouped by expert: the bench's 64 tokens, 128 of them (the kernel's 1,024-slot bound), tokens on 3 experts
+# of 256 (empty ones, long runs), one slot
+SIZES["moe_align"] = [("t64", dict(tokens=64)), ("t128_m64", dict(tokens=128, block_m=64)),
+                      ("t100_crowd", dict(tokens=100, top_k=2, experts=256, used=3)), ("t1", dict(tokens=1, top_k=1))]
 SIZES["moe_gemm"] = [("t16", dict(tokens=16)), ("t1", dict(tokens=1)), ("t300", dict(tokens=300, experts=16))]
 # the same over GGUF stacks: Q4_K_M's (Q6_K down), then each format the issue names, a prefill, padded rows
 SIZES["moe_gemm_gguf"] = [("t16", dict(tokens=16)),

@@ -29,6 +29,7 @@ from kernels_src import (
     kv_write,
     mla_decode,
     moe,
+    moe_align,
     moe_gemv,
     moe_gguf,
     moe_mmq,
@@ -231,6 +232,7 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            moe_mmq.moe_mmq_kernel,  # its simt-cpu case: test_kernels_moe_mmq.py
            moe_gemv.moe_gemv_kernel, moe_gemv.moe_qgemv_kernel,  # their simt-cpu case: test_kernels_moe_gemv.py
            moe_route.moe_route_kernel,  # its simt-cpu case: test_kernels_moe_route.py
+           moe_align.moe_align_kernel,  # its simt-cpu case: test_kernels_moe_align.py
            mla_decode.mla_decode_kernel,  # its simt-cpu case: test_kernels_mla.py
            dense_gemv.dense_gemv_kernel,  # its simt-cpu case: test_kernels_dense_gemv.py
            dense_gemm.dense_gemm_kernel,  # its simt-cpu case: test_kernels_dense_gemm.py

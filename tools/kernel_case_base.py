@@ -22,6 +22,7 @@ QUICK = {  # small problems of the same shapes, for a smoke test
     "gemv": dict(n=512), "dense_gemv": dict(n=512), "dense_gemm": dict(n=512), "gemm": dict(n=512),
     "dequantize": dict(r=512, n=512),
     "moe_gemm": dict(tokens=4, experts=16), "moe_gemm_gguf": dict(tokens=4, experts=16), "moe_route": dict(tokens=4),
+    "moe_align": dict(tokens=4),
     "moe_gemv": dict(tokens=2, experts=16), "moe_gemv_gguf": dict(tokens=2, experts=16),
     "moe_mmq": dict(tokens=4, experts=16),
     "int_group_gemv": dict(n=512), "int_group_gemm": dict(n=512), "int_group_dequantize": dict(n=512),

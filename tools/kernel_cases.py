@@ -37,6 +37,7 @@ from tools.kernel_cases_attention import (
 from tools.kernel_cases_dense import dense_gemm_case, dense_gemv_case
 from tools.kernel_cases_fp8 import fp8_gemm_case, fp8_gemv_case
 from tools.kernel_cases_int_group import int_group_dequantize_case, int_group_gemm_case, int_group_gemv_case
+from tools.kernel_cases_moe_align import moe_align_case
 
 # --- rows of a hidden state ---------------------------------------------------------------------------------------
 
@@ -370,6 +371,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
     "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_route": _moe_route,
+    "moe_align": moe_align_case,
     **{n: functools.partial(_moe, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf",
                                                     "moe_mmq")},
     "dense_gemm": dense_gemm_case,
