@@ -306,9 +306,11 @@ pending_eager() {
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_eager "* ]] && step pending_eager gpu 480 pending_eager
 # Issue 16's Qwen3-30B-A3B Q4_K_M batch 64 (by name: GPU_CHECK_STEPS=pending_moe, ~150 s): the MoE's grouped passes on
 # int8 tensor cores (kernels_src/moe_mmq.py, off until this decides LLM_ENGINE_MOE_MMQ, MMQ_MIN_SLOTS against the
-# GEMV, MMQ_SLOTS_PER_EXPERT against dequantize + dense, and TILES), first its GPU cases against its reference.
+# GEMV, MMQ_SLOTS_PER_EXPERT against dequantize + dense, and TILES), first its GPU cases against its reference; and
+# moe_align's one launch (kernels_src/moe_align.py, on by default untimed) against the torch ops it replaces.
 pending_moe() {
-    "$PY" -m pytest -q -x tests/test_kernels_gpu.py -k "moe_mmq and triton" || return 1
+    "$PY" -m pytest -q -x tests/test_kernels_gpu.py -k "(moe_mmq or moe_align) and triton" || return 1
+    timeout 60 "$PY" -m tools.sweep_moe_align --tokens 16,64,128 || return 1
     timeout 120 "$PY" -m tools.sweep_moe --variants blocked,mmq --tokens 16,32,64,128,256 --layers 4 \
         --json "$OUT"/moe_mmq.json
 }
