@@ -267,7 +267,7 @@ class Runner:
                 last[2](*last[3])
                 return last[4]
             if last[0] is None:  # cuBLAS, as this node's x of these rows went last step
-                return F.linear(x, w)
+                return torch_ops.linear_into(x, w, self._kept_gemm(arena, vid, x, w))
         if isinstance(w, QuantWeight):
             y = self._quant_linear(x, w)
         elif self.dense_gemv and gemv_fusion.gemv_rows(x, self.gemv_max_rows) and gemv_fusion.gemv_weight(w):
@@ -288,11 +288,19 @@ class Runner:
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
             y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
                              pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
+        elif arena is not None and vid is not None and b is None:
+            y = torch_ops.linear_into(x, w, self._kept_gemm(arena, vid, x, w))
+            arena.memo[vid] = (None, w)  # the checks above need not run again for these rows
         else:
             y = F.linear(x, w)
-            if arena is not None and vid is not None and b is None:
-                arena.memo[vid] = (None, w)  # the checks above need not run again for these rows
         return y if b is None else y + b
+
+    @staticmethod
+    def _kept_gemm(arena, vid: int, x, w):
+        """The kept buffer an eager step's cuBLAS GEMM writes (x 2-D of w's dtype), else None (it allocates)."""
+        if x.dim() != 2 or x.dtype != w.dtype:
+            return None
+        return arena.take(vid, (x.shape[0], w.shape[0]), x)
 
     def _quant_linear(self, x, w: QuantWeight):
         family = weight_format(w.qtype).family
