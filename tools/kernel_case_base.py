@@ -1,5 +1,6 @@
 """What every GPU kernel case shares (tools/kernel_cases.py): the case record, random tensors on the device from
-one seed, CPU copies, and the verdict of outputs against a reference by their dtype's rounding."""
+one seed (random valid GGUF blocks among them), CPU copies, and the verdict of outputs against a reference by their
+dtype's rounding."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from ir.formats.gguf_quants import QTYPES as GGUF
 
 # (relative L2 error, largest error over the largest |ref|) an output may show, by its dtype
 OUT_EPS = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}  # an output's rounding, relative
@@ -107,3 +110,27 @@ def written(what: str, *tensors) -> Verdict:
     """Every element of the poisoned outputs written (checked whole, on the device)."""
     bad = sum(int(t.isnan().sum()) for t in tensors)
     return (0.0, None) if not bad else (np.inf, f"{what}: {bad} elements left NaN (unwritten)")
+
+
+# the spread of random blocks' values per unit of their fp16 scale fields (gguf_weights): scaled by it, the weights
+# are about 1 / sqrt(k), so activations stay moderate through an MoE's two GEMMs even in fp16
+SPREAD = {"Q4_0": 2.5, "Q4_1": 4.7, "Q5_0": 4.9, "Q5_1": 9.7, "Q8_0": 40.0, "Q2_K": 10.0, "Q3_K": 24.0, "Q4_K": 171.0,
+          "Q5_K": 339.0, "Q6_K": 723.0}
+
+
+def gguf_weights(d: Dev, qtype: str, n: int, k: int, scale: float = 0.01, padded: bool = False, align: int = 1):
+    """Random valid GGUF blocks uint8 [n, row_bytes] on the device: random bytes, fp16 scales finite and moderate.
+    `padded`: a view into rows with 6 trailing 0xFF bytes (and 2 spare rows), which decode to NaN if read; `align`:
+    those rows' stride rounded up to a multiple of it (16: what dequant_gemv's Q4_K and Q5_K loads need)."""
+    torch, spec = d.torch, GGUF[qtype]
+    nb = k // spec.block_size
+    rb = nb * spec.type_size
+    blocks = torch.randint(0, 256, (n, nb, spec.type_size), dtype=torch.uint8, device=d.dev, generator=d.gen)
+    for off in FP16_FIELDS[qtype]:
+        h = ((torch.rand((n, nb), device=d.dev, generator=d.gen) * 2 - 1) * scale).half()
+        blocks[:, :, off:off + 2] = h.view(torch.uint8).view(n, nb, 2)
+    if not padded:
+        return blocks.view(n, rb)
+    big = torch.full((n + 2, -(-(rb + 6) // align) * align), 0xFF, dtype=torch.uint8, device=d.dev)
+    big[:n, :rb] = blocks.view(n, rb)
+    return big[:n, :rb]

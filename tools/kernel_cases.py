@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ir.formats.gguf_quants import QTYPES as GGUF
 from kernels_src import (
     activations,
     dequant_gemm,
@@ -19,15 +18,11 @@ from kernels_src import (
     dequant_gemv_i8,
     dequantize,
     kv_write,
-    moe,
-    moe_gguf,
-    moe_mmq,
-    moe_route,
     rms_norm,
     rope,
     rope_kv_write,
 )
-from tools.kernel_case_base import FP16_FIELDS, OUT_EPS, Case, Dev, combine, compare, host, written
+from tools.kernel_case_base import OUT_EPS, Case, Dev, combine, compare, gguf_weights, host, written
 from tools.kernel_cases_attention import (
     mla_decode_case,
     paged_decode_case,
@@ -37,7 +32,7 @@ from tools.kernel_cases_attention import (
 from tools.kernel_cases_dense import dense_gemm_case, dense_gemv_case
 from tools.kernel_cases_fp8 import fp8_gemm_case, fp8_gemv_case
 from tools.kernel_cases_int_group import int_group_dequantize_case, int_group_gemm_case, int_group_gemv_case
-from tools.kernel_cases_moe_align import moe_align_case
+from tools.kernel_cases_moe import moe_align_case, moe_case, moe_route_case
 
 # --- rows of a hidden state ---------------------------------------------------------------------------------------
 
@@ -171,24 +166,6 @@ def _rope_kv_write(d: Dev, p: dict) -> Case:
 
 # --- dequantizing GEMV ----------------------------------------------------------------------------------------------
 
-def gguf_weights(d: Dev, qtype: str, n: int, k: int, scale: float = 0.01, padded: bool = False, align: int = 1):
-    """Random valid GGUF blocks uint8 [n, row_bytes] on the device: random bytes, fp16 scales finite and moderate.
-    `padded`: a view into rows with 6 trailing 0xFF bytes (and 2 spare rows), which decode to NaN if read; `align`:
-    those rows' stride rounded up to a multiple of it (16: what dequant_gemv's Q4_K and Q5_K loads need)."""
-    torch, spec = d.torch, GGUF[qtype]
-    nb = k // spec.block_size
-    rb = nb * spec.type_size
-    blocks = torch.randint(0, 256, (n, nb, spec.type_size), dtype=torch.uint8, device=d.dev, generator=d.gen)
-    for off in FP16_FIELDS[qtype]:
-        h = ((torch.rand((n, nb), device=d.dev, generator=d.gen) * 2 - 1) * scale).half()
-        blocks[:, :, off:off + 2] = h.view(torch.uint8).view(n, nb, 2)
-    if not padded:
-        return blocks.view(n, rb)
-    big = torch.full((n + 2, -(-(rb + 6) // align) * align), 0xFF, dtype=torch.uint8, device=d.dev)
-    big[:n, :rb] = blocks.view(n, rb)
-    return big[:n, :rb]
-
-
 def _gemv(d: Dev, p: dict, name: str) -> Case:
     """`int8_x` in p picks the path (default: the launcher's for the target). The int8-activation path is checked
     twice: against x's int8 quantization (quantize_x_ref) at the fp path's tolerance, and against x itself within
@@ -276,103 +253,13 @@ def _dequantize(d: Dev, p: dict) -> Case:
                 lambda target: out.fill_(float("nan")))
 
 
-ROUTER = dict(scoring="sigmoid", n_group=8, topk_group=4, group_score="top2_sum", norm_topk_prob=True,
-              routed_scaling=2.5)  # DeepSeek-V3's (the registry's bench configuration)
-
-
-def _near_tie(logits: np.ndarray, bias: np.ndarray, k: int, eps: float = 1e-5) -> np.ndarray:
-    """Tokens whose choice under ROUTER is decided by less than eps (float64): the 4th and 5th groups' scores, or
-    the k-th and next allowed experts'; the GPU's exp may then choose the other way."""
-    choice = 1 / (1 + np.exp(-logits.astype(np.float64))) + bias
-    grouped = np.sort(choice.reshape(len(choice), ROUTER["n_group"], -1), axis=-1)
-    gs = -np.sort(-(grouped[..., -1] + grouped[..., -2]), axis=-1)
-    keep = np.argsort(-(grouped[..., -1] + grouped[..., -2]), axis=-1, kind="stable")[:, :ROUTER["topk_group"]]
-    allowed = np.zeros(gs.shape, bool)
-    np.put_along_axis(allowed, keep, True, axis=-1)
-    c = -np.sort(-np.where(np.repeat(allowed, choice.shape[1] // gs.shape[1], axis=-1), choice, -np.inf), axis=-1)
-    t = ROUTER["topk_group"]
-    return (gs[:, t - 1] - gs[:, t] < eps) | (c[:, k - 1] - c[:, k] < eps)
-
-
-def _moe_route(d: Dev, p: dict) -> Case:
-    """DeepSeek-V3's router on random logits: the experts exactly as the IR chooses them on a CPU copy, but for tokens
-    whose choice rests on a near tie (_near_tie); the weights by fp32 rounding."""
-    t, e, k = p["tokens"], p["experts"], p["top_k"]
-    logits = d.randn((t, e), d.dtype(p["dtype"]))
-    bias = d.randn((e,), d.torch.float32, 0.1)
-    out = {}
-
-    def launch(target):
-        out["w"], out["ids"] = moe_route.moe_route(logits, bias, top_k=k, target=target, **ROUTER)
-
-    def check():
-        w_ref, ids_ref = moe_route.moe_route_ref(host(logits), host(bias), top_k=k, **ROUTER)
-        ids = host(out["ids"])
-        differ = (ids != ids_ref).any(1) & ~_near_tie(host(logits), host(bias), k)
-        if differ.any():
-            return np.inf, f"experts differ from the reference in {int(differ.sum())} of {t} tokens"
-        same = ~(ids != ids_ref).any(1)
-        return compare("weights", host(out["w"])[same], w_ref[same], "float32")
-
-    return Case("moe_route", p, launch, check)
-
-
-# the spread of random blocks' values per unit of their fp16 scale fields (gguf_weights): scaled by it, the weights
-# are about 1 / sqrt(k), so activations stay moderate through an MoE's two GEMMs even in fp16
-SPREAD = {"Q4_0": 2.5, "Q4_1": 4.7, "Q5_0": 4.9, "Q5_1": 9.7, "Q8_0": 40.0, "Q2_K": 10.0, "Q3_K": 24.0, "Q4_K": 171.0,
-          "Q5_K": 339.0, "Q6_K": 723.0}
-
-
-def _moe(d: Dev, p: dict, name: str) -> Case:
-    """Routed tokens through a stack of experts: distinct experts per token (a router's top_k), weights that sum to 1;
-    the reference on a sample of tokens in float64 (over the experts they use). With `qtype` in p (the _gguf kernels)
-    gate is GGUF blocks of it, up of `up_qtype` (default: qtype), down of `down_qtype`, random valid blocks (`padded`:
-    rows in wider ones, 16-byte aligned for the GEMV and MMQ). moe_gemm* runs the grouped path, moe_gemv* the GEMV,
-    moe_mmq the grouped passes on int8 tensor cores (its reference quantizes x and h as they do), whatever the rules
-    would pick."""
-    t, h, inner, e, k, dt = p["tokens"], p["hidden"], p["inner"], p["experts"], p["top_k"], d.dtype(p["dtype"])
-    torch, gemv, mmq = d.torch, name.startswith("moe_gemv"), name == "moe_mmq"
-    ref = functools.partial(moe_mmq.moe_mmq_ref, h_dtype=p["dtype"]) if mmq else moe.moe_experts_ref
-    x = d.randn((t, h), dt)
-    ids = torch.stack([d.perm(e)[:k] for _ in range(t)]).to(torch.int32)
-    weights = torch.softmax(torch.randn((t, k), device=d.dev, generator=d.gen), -1)
-    shapes = ((inner, h), (inner, h), (h, inner))
-    if "qtype" in p:
-        qtypes = (p["qtype"], p.get("up_qtype", p["qtype"]), p["down_qtype"])
-        stacks = [moe_gguf.GGUFStack(gguf_weights(d, q, e * n, kk, 1 / (SPREAD[q] * kk ** 0.5), p.get("padded", False),
-                                                  16 if gemv or mmq else 1), q, (e, n, kk))
-                  for q, (n, kk) in zip(qtypes, shapes, strict=True)]
-    else:
-        stacks = [d.randn((e, n, kk), dt, kk ** -0.5) for n, kk in shapes]
-    out = d.nan((t, h), dt)
-
-    def experts(w, used):
-        if not moe_gguf.is_blocks(w):
-            return host(w[used])
-        n = w.shape[1]
-        rows = np.concatenate([np.arange(ex * n, (ex + 1) * n) for ex in used])
-        return moe_gguf.GGUFStack(host(w.data[rows]), w.qtype, (len(used), *w.shape[1:]))
-
-    def check():
-        i = d.sample(t, 32)
-        used = sorted(set(host(ids[i]).ravel().tolist()))
-        remap = {ex: j for j, ex in enumerate(used)}  # the reference reads only the experts these tokens use
-        ids_i = np.vectorize(remap.get)(host(ids[i]))
-        want = ref(host(x[i]), host(weights[i]), ids_i, *(experts(w, used) for w in stacks))
-        return combine(written("out", out), compare("out", host(out[i]), want, p["dtype"]))
-
-    return Case(name, p, lambda target: moe.moe_experts(x, weights, ids, *stacks, out=out, target=target, gemv=gemv,
-                                                        mmq=mmq),
-                check, lambda target: out.fill_(float("nan")))
-
-
 BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "rms_norm": lambda d, p: _rms_norm(d, p, False), "add_rms_norm": lambda d, p: _rms_norm(d, p, True),
     "rope": _rope, "silu_mul": _silu_mul, "kv_write": _kv_write, "rope_kv_write": _rope_kv_write,
     "paged_decode": paged_decode_case, "paged_decode_reduce": paged_decode_reduce_case,
-    "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_route": _moe_route,
+    "paged_prefill": paged_prefill_case, "mla_decode": mla_decode_case, "moe_route": moe_route_case,
     "moe_align": moe_align_case,
-    **{n: functools.partial(_moe, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf",
+    **{n: functools.partial(moe_case, name=n) for n in ("moe_gemm", "moe_gemm_gguf", "moe_gemv", "moe_gemv_gguf",
                                                     "moe_mmq")},
     "dense_gemm": dense_gemm_case,
     "int_group_gemv": functools.partial(int_group_gemv_case, name="int_group_gemv"),

@@ -43,7 +43,7 @@ def _bench(fn, graph: bool = True) -> float:
 def _layers(torch, n: int, tokens: int, quant: bool):
     """n layers of (gate, up, down) stacks (GGUFStack of random valid blocks, or bf16), each with its own routing."""
     from kernels_src import moe_gguf
-    from tools.kernel_cases import SPREAD, gguf_weights
+    from tools.kernel_case_base import SPREAD, gguf_weights
 
     d = SimpleNamespace(torch=torch, dev="cuda", gen=torch.Generator("cuda").manual_seed(0))
     out = []
