@@ -312,6 +312,18 @@ def planned(x, w, *, prologue: RMSNorm | AddRMSNorm | Gated | None = None, resid
     return _planned(x, w, prologue, residual, out, (rows, block_k, num_warps, target, pdl))[0]
 
 
+def launched(x, w, **kw) -> tuple:
+    """(dense_gemv(x, w, **kw)'s result, (launch, its arguments) or None): a caller passing the same arrays again (an
+    eager step's kept buffers) may call launch(*arguments) for the same result; None on the call that plans these
+    shapes."""
+    got = planned(x, w, **kw)
+    if got is None:
+        return dense_gemv(x, w, **kw), None
+    launch, args, y = got
+    launch(*args)
+    return y, (launch, args)
+
+
 def _planned(x, w, prologue, residual, out, opts: tuple) -> tuple:
     """((launch, arguments, result) or None where not planned yet, the plan's key); out's (and sum_out's) shape,
     strides and dtype are in the key: a caller's buffer takes the plan its shapes' first call made, checked then."""

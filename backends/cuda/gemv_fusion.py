@@ -152,15 +152,10 @@ def run(chain: Chain, env: dict, runner) -> int:
         out = arena.take(chain.out, (x.shape[0], w.shape[0]), x)
         s = None if chain.sum_out is None else arena.take(chain.sum_out, x.shape, x)
         prologue = None if chain.make is None else chain.make(args, s)
-        got = dg.planned(x, w, prologue=prologue, residual=residual, out=out, target=runner.target, pdl=runner.pdl)
-        if got is not None and arena.holds(chain.out, out) and (s is None or arena.holds(chain.sum_out, s)):
-            arena.memo[id(chain)] = (w, residual, args, *got)
-        if got is None:
-            y = dg.dense_gemv(x, w, prologue=prologue, residual=residual, out=out, target=runner.target,
-                              pdl=runner.pdl)
-        else:
-            got[0](*got[1])
-            y = got[2]
+        y, again = dg.launched(x, w, prologue=prologue, residual=residual, out=out, target=runner.target,
+                               pdl=runner.pdl)
+        if again is not None and arena.holds(chain.out, out) and (s is None or arena.holds(chain.sum_out, s)):
+            arena.memo[id(chain)] = (w, residual, args, *again, y)
     else:
         y = dg.dense_gemv(x, w, prologue=None if chain.make is None else chain.make(args, None), residual=residual,
                           target=runner.target, pdl=runner.pdl)

@@ -31,7 +31,7 @@ from kernels_src import (
 )
 from kernels_src.dense_gemm import dense_matmul
 from kernels_src.dense_gemv import dense_gemv
-from kernels_src.dense_gemv import planned as dense_gemv_planned
+from kernels_src.dense_gemv import launched as dense_gemv_launched
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
 
 F = torch.nn.functional
@@ -276,14 +276,9 @@ class Runner:
                 y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
             else:  # an eager decode step's: its kept buffer, and the launch kept for the same arrays next step
                 out = arena.take(vid, (x.shape[0], w.shape[0]), x)
-                got = dense_gemv_planned(x, w, out=out, target=self.target, pdl=self.pdl)
-                if got is None:
-                    y = dense_gemv(x, w, out=out, target=self.target, pdl=self.pdl)
-                else:
-                    got[0](*got[1])
-                    y = got[2]
-                    if arena.holds(vid, out):
-                        arena.memo[vid] = (x, w, *got)
+                y, again = dense_gemv_launched(x, w, out=out, target=self.target, pdl=self.pdl)
+                if again is not None and arena.holds(vid, out):
+                    arena.memo[vid] = (x, w, *again, y)
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
             y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
