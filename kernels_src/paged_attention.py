@@ -290,11 +290,12 @@ def num_partitions(max_context: int, partition: int) -> int:
     return max(1, tl.cdiv(int(max_context), partition))
 
 
-def decode_parts(max_context: int, partition: int, max_parts: int | None, block_n: int) -> int:
-    """paged_decode's grid partitions for these settings (its partition rounded up to whole tiles of block_n)."""
+def decode_grid(max_context: int, partition: int, max_parts: int | None, block_n: int) -> tuple[int, int, int]:
+    """paged_decode's (key tile, at least 16; partition, rounded up to whole tiles; the grid's partitions)."""
     block_n = max(16, block_n)
-    n = num_partitions(max_context, tl.cdiv(partition, block_n) * block_n)
-    return min(n, max_parts or n)
+    partition = tl.cdiv(partition, block_n) * block_n
+    n = num_partitions(max_context, partition)
+    return block_n, partition, min(n, max_parts or n)
 
 
 def reduce_block(n_parts: int, block_d: int = 128) -> int:
@@ -361,10 +362,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     scales (kernels_src.kv_fp8's). `fused` (None: decode_combine.use_fused_reduce): a split grid's last program of
     each (sequence, KV head) combines the partials, on `counters` (int32, B * Hkv at least, zero; None: made here).
     """
-    block_n = max(16, block_n)
-    partition = tl.cdiv(partition, block_n) * block_n
-    n_parts = decode_parts(int(context_lens.max()) if max_context is None else max_context, partition, max_parts,
-                           block_n)
+    block_n, partition, n_parts = decode_grid(int(context_lens.max()) if max_context is None else max_context,
+                                              partition, max_parts, block_n)
     bt_stride, key, fused = elem_stride(block_tables, 0), None, n_parts > 1 and use_fused_reduce(target, fused)
     if type(q) is not np.ndarray:  # a runner's: the plan is kept (any table width of a class)
         key = (signature(q, k_cache, v_cache, out, counters, k_scales, v_scales), block_tables.dtype,

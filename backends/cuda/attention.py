@@ -110,7 +110,7 @@ def _step_arrays(runner, meta: StepMeta, group: int) -> tuple:
         slots, tables = meta.kv_group(group)
         arrays = (slots, meta.positions, tables, meta.context_lens)
         block_n, _, _, partition, max_parts = decode_settings(runner, meta.positions.shape[0])
-        sig = (signature(*arrays), paged_attention.decode_parts(meta.max_context, partition, max_parts, block_n))
+        sig = (signature(*arrays), paged_attention.decode_grid(meta.max_context, partition, max_parts, block_n)[2])
         got = memo[key] = (meta, arrays, got[2] if got is not None and got[2] == sig else sig)
     return got[1], got[2]
 
