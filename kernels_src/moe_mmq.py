@@ -29,6 +29,7 @@ import numpy as np
 from kernels_src import gguf_mmq_sb as sb
 from kernels_src import moe_gguf
 from kernels_src.dsl import compile, elem_stride, tl
+from kernels_src.dsl.interpreter import round_bf16
 from kernels_src.moe_slots import block_slots, swapped_block_out
 
 __all__ = ["BLOCK_M", "MMQ", "MMQ_MIN_SLOTS", "MMQ_QTYPES", "MMQ_SLOTS_PER_EXPERT", "TILES", "launch",
@@ -145,13 +146,12 @@ def launch(src, a, b, dst, rows, block_expert, weights, n_slots: int, *, gated: 
 
 
 def _rounded(v: np.ndarray, dtype: str) -> np.ndarray:
-    """v rounded to the activations' dtype (float32, float16, bfloat16: to nearest even, finite v) and back, fp32."""
+    """v rounded to the activations' dtype (float32, float16, bfloat16: to nearest even) and back, fp32."""
     v = np.asarray(v, np.float32)
     if dtype == "float16":
         return v.astype(np.float16).astype(np.float32)
     if dtype == "bfloat16":
-        u = v.view(np.uint32)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+        return round_bf16(v)
     return v
 
 

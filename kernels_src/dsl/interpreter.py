@@ -26,7 +26,7 @@ class Ptr:
         self.buf, self.off, self.bf16 = buf, off, bf16
 
 
-def _round_bf16(x: np.ndarray) -> np.ndarray:
+def round_bf16(x: np.ndarray) -> np.ndarray:
     """fp32 values rounded (to nearest even) to bf16, kept as fp32."""
     u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
     u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).astype(np.uint32)
@@ -87,7 +87,7 @@ def _store(p: Ptr, val, mask=None):
     if bad.any():
         raise IndexError(f"store out of bounds at offsets {off[bad][:8]} (buffer of {p.buf.size})")
     if p.bf16:
-        val = (_round_bf16(val).view(np.uint32) >> 16).astype(np.uint16)
+        val = (round_bf16(val).view(np.uint32) >> 16).astype(np.uint16)
     p.buf[off[m]] = val[m]
 
 
@@ -126,7 +126,7 @@ class _Program:
                 if not isinstance(r.dtype, PtrType):
                     out = np.asarray(out).astype(r.dtype.np, copy=False)
                     if r.dtype.name == "bf16" and op.opcode not in ("load", "const"):
-                        out = _round_bf16(out)
+                        out = round_bf16(out)
                     if out.shape != r.shape:
                         raise AssertionError(f"{op.opcode} made shape {out.shape}, IR says {r.type}")
                 env[r.id] = out
@@ -223,7 +223,7 @@ def _convert(x, src: DType, dst: DType, bitcast: bool):
     if bitcast:
         x = np.asarray(x)
         if src.name == "bf16":
-            x = (_round_bf16(x).view(np.uint32) >> 16).astype(np.uint16)
+            x = (round_bf16(x).view(np.uint32) >> 16).astype(np.uint16)
         if dst.name == "bf16":
             return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         return x.view(dst.np)
