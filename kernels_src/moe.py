@@ -41,10 +41,21 @@ ALIGN_KERNEL = os.environ.get("LLM_ENGINE_MOE_ALIGN_KERNEL", "1") != "0"  # moe_
 _ALIGN_TARGETS = ("triton", "triton-interpret")
 
 
+TALL_SLOTS_PER_EXPERT = 64  # default_tiles' 64-slot blocks from this many slots an expert on average
+
+
+def slot_bounds(experts: int) -> tuple[int, ...]:
+    """Slot counts (tokens x top_k) from which a grouped step over `experts` experts takes other kernels, besides the
+    count's own integer class: default_tiles' taller blocks, moe_dequant's bound and, with moe_mmq on, its two (the
+    start-up warm-up reaches each side of them: backends/cuda/warm_batches.counts_by_class)."""
+    bounds = (TALL_SLOTS_PER_EXPERT * experts, moe_dequant.DEQUANT_SLOTS_PER_EXPERT * experts)
+    return bounds + ((moe_mmq.MMQ_SLOTS_PER_EXPERT * experts, moe_mmq.MMQ_MIN_SLOTS) if moe_mmq.MMQ else ())
+
+
 def default_tiles(slots: int, experts: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): a decode batch has a slot or two per expert, so its programs are few and each streams
     whole weight rows; narrow N tiles give the GPU more of them. Many slots per expert (prefill) take taller tiles."""
-    block_m = 64 if slots >= 64 * experts else BLOCK_M
+    block_m = 64 if slots >= TALL_SLOTS_PER_EXPERT * experts else BLOCK_M
     block_n = 16 if slots <= 32 else 32 if slots <= 256 else BLOCK_N
     return block_m, block_n
 

@@ -12,7 +12,7 @@ from backends.cuda import attention
 from backends.cuda.runtime import torch
 from backends.cuda.step_meta import partitions_for
 from core.batch import Batch
-from kernels_src import moe_mmq
+from kernels_src import moe
 from kernels_src.dsl.triton_target import int_class
 
 log = logging.getLogger(__name__)
@@ -203,14 +203,12 @@ def counts_by_class(first: int, most: int, experts: int = 0, top_k: int = 1) -> 
     """Counts past `first` up to `most` (of tokens, rows or partitions) whose steps build every kernel a step's count
     chooses: in each power-of-two bucket (the GEMMs' tiles go by M's next power of two) the largest count of each
     integer class Triton tells apart (1, a multiple of 16, another), and with experts (a MoE), of each class of the
-    slot count tokens * top_k and side of the grouped path's slot thresholds (moe.default_tiles' taller tiles from 64
-    slots an expert; moe_dequant's 4; with moe_mmq on, its MMQ_SLOTS_PER_EXPERT and MMQ_MIN_SLOTS)."""
-    mmq = (moe_mmq.MMQ_SLOTS_PER_EXPERT * experts, moe_mmq.MMQ_MIN_SLOTS) if moe_mmq.MMQ else ()
+    slot count tokens * top_k and side of the grouped path's slot bounds (moe.slot_bounds)."""
+    bounds = moe.slot_bounds(experts) if experts else ()
 
     def key(n: int) -> tuple:
         slots = n * top_k
-        return (int_class(n), int_class(slots), slots >= 64 * experts, slots >= 4 * experts,
-                *(slots >= bound for bound in mmq)) if experts else (int_class(n),)
+        return (int_class(n), int_class(slots), *(slots >= b for b in bounds)) if experts else (int_class(n),)
 
     out, p = [], 1
     while p // 2 < most:
