@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-E, K = 128, 8  # Qwen3-30B-A3B's experts and top_k
+from tools.sweep_moe import E, K  # Qwen3-30B-A3B's experts and top_k
 
 
 def time_align(torch, tokens: int, block_m: int, layers: int, experts: int = E, top_k: int = K) -> dict:
