@@ -48,6 +48,8 @@ BUILDERS = {"gemma3": _gemma3, "phi3_longrope": _phi3, "qwen3_moe": _qwen3_moe}
 
 def _greedy(loaded, prompts, arena: bool):
     """(tokens per prompt, every step's logits) of NEW greedy steps of the prompts together, and the arena."""
+    from backend_greedy import backend_greedy
+
     from backends.cuda import eager
     from backends.cuda.backend import CUDABackend
     from backends.cuda.step_arena import StepArena
@@ -58,14 +60,8 @@ def _greedy(loaded, prompts, arena: bool):
     if arena:  # what a GPU's backend with graphs off sets (CPU tensors keep them off)
         eager.use_eager_fusions(backend.runner)
         backend.runner.arena = StepArena(backend.runner.graph, check=True)
-    backend.allocate_kv([len(prompts) * ref.blocks_per_seq] * ref.num_groups, 4)
-    chunks, cached, outs, steps = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts], []
-    for _ in range(NEW):
-        steps.append(backend.forward(ref.batch(chunks, cached)).numpy().copy())
-        for i, t in enumerate(steps[-1].argmax(-1)):
-            outs[i].append(int(t))
-            cached[i] += len(chunks[i])
-            chunks[i] = [int(t)]
+    steps: list = []
+    outs, _ = backend_greedy(backend, ref, prompts, NEW, 4, steps)
     return outs, steps, backend.runner.arena
 
 

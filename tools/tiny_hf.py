@@ -54,8 +54,9 @@ def host(logits) -> np.ndarray:
     return logits.float().cpu().numpy() if hasattr(logits, "cpu") else np.array(logits, dtype=np.float32)
 
 
-def backend_greedy(backend, ref: ReferenceRunner, prompts, n: int, block_size: int):
-    """(tokens per prompt, first step's logits [len(prompts), vocab]) of n greedy steps of all prompts together."""
+def backend_greedy(backend, ref: ReferenceRunner, prompts, n: int, block_size: int, steps: list | None = None):
+    """(tokens per prompt, first step's logits [len(prompts), vocab]) of n greedy steps of all prompts together;
+    `steps`, when given, gets every step's logits."""
     assert block_size == ref.block_size, "the reference runner's tables are of its own block size"
     pools = len(prompts) * ref.blocks_per_seq
     backend.allocate_kv(pools if ref.num_groups == 1 else [pools] * ref.num_groups, block_size)
@@ -63,6 +64,8 @@ def backend_greedy(backend, ref: ReferenceRunner, prompts, n: int, block_size: i
     for _ in range(n):
         logits = host(backend.forward(ref.batch(chunks, cached)))
         first = logits.copy() if first is None else first
+        if steps is not None:
+            steps.append(logits.copy())
         for i, t in enumerate(logits.argmax(-1)):
             outs[i].append(int(t))
             cached[i] += len(chunks[i])
