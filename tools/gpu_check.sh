@@ -235,12 +235,12 @@ step bench_gguf gpu 300 "$PY" -m tools.bench_gguf --stage all --dir /tmp/bench_g
 # 2026-12-04 set the defaults (docs/BENCHMARKS.md): X_INT8_FUSION, FP8_CVT, MOE_DEQUANT on, MOE_I8 from 64 slots,
 # FUSED_REDUCE off. Rerun them when the kernels change. A run that fails does not stop the others; lines "== A/B ..."
 # name each run.
-# - pending (~300 s): the decode's fused split-K reduce (LLM_ENGINE_FUSED_REDUCE: phi-3-mini bf16, and Q4_K_M and
+# - switches (~300 s): the decode's fused split-K reduce (LLM_ENGINE_FUSED_REDUCE: phi-3-mini bf16, and Q4_K_M and
 #   int4 at batch 1) and x's int8 codes written by the norm and the gated activation (LLM_ENGINE_X_INT8_FUSION).
-# - pending_moe (~200 s): the fp8 cache decoded by the FP8 conversion (LLM_ENGINE_FP8_CVT: paged decode at 16k,
+# - switches_moe (~200 s): the fp8 cache decoded by the FP8 conversion (LLM_ENGINE_FP8_CVT: paged decode at 16k,
 #   batch 16, against the 16-bit cache), GGUF MoE prefill through dequantized experts (LLM_ENGINE_MOE_DEQUANT:
 #   sweep_moe --dequant) and the MoE's small-batch GGUF GEMV on int8 x (LLM_ENGINE_MOE_I8: sweep_moe's i8 variant).
-pending() {
+switches() {
     local rc=0 rx
     "$PY" -m pytest -q -p no:cacheprovider --tb=short -k gpu tests/test_kernels_decode_fused.py || rc=1
     "$PY" -m tools.bench_gpu --shape phi3-mini --batches 1 --no-quant --no-peer --profile '' --prefill 256 \
@@ -252,7 +252,7 @@ pending() {
     done
     return $rc
 }
-pending_moe() {
+switches_moe() {
     local rc=0 c
     for c in 1 0; do
         echo "== A/B LLM_ENGINE_FP8_CVT=$c: the fp8 cache's paged decode, batch 16 at 16k"
@@ -267,8 +267,8 @@ pending_moe() {
     "$PY" -m tools.sweep_moe --tokens 1,8,16 --no-sweep --variants blocked,i8 --layers 4 || rc=1
     return $rc
 }
-[[ " ${GPU_CHECK_STEPS:-} " == *" pending "* ]] && step pending gpu 540 pending
-[[ " ${GPU_CHECK_STEPS:-} " == *" pending_moe "* ]] && step pending_moe gpu 540 pending_moe
+[[ " ${GPU_CHECK_STEPS:-} " == *" switches "* ]] && step switches gpu 540 switches
+[[ " ${GPU_CHECK_STEPS:-} " == *" switches_moe "* ]] && step switches_moe gpu 540 switches_moe
 # Built on a CPU and not yet timed (by name: GPU_CHECK_STEPS=pending_next, ~200 s): the fp8 cache's decode at
 # pipelining depths 1 and 2 against Triton's default (LLM_ENGINE_FP8_DECODE_STAGES; sm_90 loop steps 1,015 / 1,138
 # against 1,442 SASS), our setting alone at four batches and two contexts; eager decode after the warm-up that builds
