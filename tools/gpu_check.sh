@@ -9,6 +9,7 @@
 #                                       GPU_CHECK_K="rope or decode" to pick the kernel suite's cases; default:
 #                                       the Triton ones, "not cuda]")
 #
+# What waits for a GPU, in the order to run it: docs/GPU_QUEUE.md.
 # To add a step, add one line at the bottom: `step NAME any|gpu|gpu2 TIMEOUT_S COMMAND...` ("gpu": skipped without
 # one; "gpu2": skipped with fewer than two, as on the one-GPU kind).
 # On two GPUs (issue 19: tensor parallel), a call each (each well under 10 minutes; /tmp/bench_tp is kept between
