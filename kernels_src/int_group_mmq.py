@@ -26,14 +26,19 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats import int_groups
-from kernels_src.dequant_gemm import split_k_tile
+from kernels_src.dequant_gemm import store_tile
 from kernels_src.dequant_gemv_i8 import _MAGIC
 from kernels_src.dsl import compile, elem_stride, empty, tl
 
-__all__ = ["mmq_error_bound", "mmq_fits", "mmq_ref", "mmq_step", "quantize_x_mmq", "quantize_x_mmq_ref"]
+__all__ = ["mmq_error_bound", "mmq_fits", "mmq_ref", "mmq_step", "prefetch_for", "quantize_x_mmq",
+           "quantize_x_mmq_ref"]
 
 MAX_STEP = 128  # inputs a step (a whole group of 128: 64 q bytes a row at 4 bits)
 BASE = 0x4B400000  # the bits of 1.5 * 2**23 (_MAGIC): an int32 accumulator started here reads as _MAGIC + its sum
+# outputs a thread up to which the epilogue's loads run a step ahead (sm_90 builds: 16 x 64 tiles, 4 warps, 8 outputs
+# a thread: 70 registers; 64 x 128, 8 warps, 32 outputs: 178 registers against 128 without, which keeps 2 programs
+# an SM, whose loads then wait in turn)
+PREFETCH_OUTPUTS = 16
 PAD_ROWS = 128  # xs's rows (x's) padded to a multiple of the largest BLOCK_M: the GEMM loads them unclamped
 MIN_HALF = 32  # the int8 MMA's least depth: each 4-bit nibble half and each 8-bit step at least this deep
 
@@ -70,9 +75,12 @@ def quantize_x_mmq_kernel(x, xq, xs, x_stride, xq_stride, xs_stride, xs_plane, B
 
 def int_group_mmq_kernel(w, xq, xs, y, m_rows, n_rows, w_stride, xq_stride, xs_stride, xs_plane, y_stride,
                          split_stride, n_steps, steps_per_split, BITS: tl.constexpr, GROUP: tl.constexpr,
-                         STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                         STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. (STEP inputs each); w
-    int32 words [N, row_words]; xq, xs from quantize_x_mmq; y the output (split_stride 0) or fp32 partials."""
+    int32 words [N, row_words]; xq, xs from quantize_x_mmq; y the output (split_stride 0) or fp32 partials.
+    PREFETCH: the epilogue's scales, biases and D, P, Q (plain loads: Triton's pipeliner stages only what feeds a
+    dot) loaded a step ahead, carried in registers."""
     H = _halves(BITS)
     HALF = STEP // H  # x's inputs a dot; W's q bytes a row a step: STEP * BITS / 8 = HALF
     BW = 2 + GROUP * BITS // 32  # words a group block: scale, bias, q words
@@ -89,15 +97,19 @@ def int_group_mmq_kernel(w, xq, xs, y, m_rows, n_rows, w_stride, xq_stride, xs_s
         tl.wait_prior_grid()
         tl.launch_dependents()
 
-    def step(it, acc):
-        # the step's block and its q bytes (HALF a step: a multiple of 32, known to the compiler as such, so the
-        # bytes load as vectors; a group of SPG steps)
+    def epilogue_args(it):
+        """Step it's scales and biases [BLOCK_N, 1] (its group's block header) and x's D, P, Q [1, BLOCK_M]."""
         blk = wrow + (it // SPG) * BW
-        qb = (blk + 2).to(tl.pointer_type(tl.uint8))[:, None] + e
+        at = xsm + it * xs_stride
+        return (tl.load(blk).to(tl.float32, bitcast=True)[:, None],
+                tl.load(blk + 1).to(tl.float32, bitcast=True)[:, None],
+                tl.load(at)[None, :], tl.load(at + xs_plane)[None, :], tl.load(at + 2 * xs_plane)[None, :])
+
+    def step(it, acc, *ahead):
+        # the step's q bytes (HALF a row: a multiple of 32, known to the compiler as such, so they load as vectors)
+        qb = (wrow + (it // SPG) * BW + 2).to(tl.pointer_type(tl.uint8))[:, None] + e
         if SPG > 1:  # a slice of a longer group (per-channel)
             qb = qb + (it % SPG) * HALF
-        scale = tl.load(blk).to(tl.float32, bitcast=True)[:, None]
-        bias = tl.load(blk + 1).to(tl.float32, bitcast=True)[:, None]
         v = tl.load(qb)  # [BLOCK_N, HALF] bytes
         x0 = tl.load(xcol + it * STEP)
         if BITS == 4:
@@ -107,14 +119,17 @@ def int_group_mmq_kernel(w, xq, xs, y, m_rows, n_rows, w_stride, xq_stride, xs_s
         else:
             t = tl.dot((v ^ 0x80).to(tl.int8, bitcast=True), x0, tl.full((BLOCK_N, BLOCK_M), BASE, tl.int32))
         tf = t.to(tl.float32, bitcast=True) - _MAGIC  # exact: |t - BASE| < 2**22
-        at = xsm + it * xs_stride
-        d = tl.load(at)[None, :]
-        p = tl.load(at + xs_plane)[None, :]
-        qs = tl.load(at + 2 * xs_plane)[None, :]
+        scale, bias, d, p, qs = ahead if PREFETCH else epilogue_args(it)
         acc = acc + scale * (tf * d + p)
-        return acc + bias * qs
+        acc = acc + bias * qs
+        return (acc, *epilogue_args(tl.minimum(it + 1, n_steps - 1))) if PREFETCH else acc
 
-    split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, True)
+    hi = tl.minimum(lo + steps_per_split, n_steps)
+    if PREFETCH:
+        acc = tl.fori_loop(lo, hi, step, (tl.zeros((BLOCK_N, BLOCK_M), tl.float32), *epilogue_args(lo)))[0]
+    else:
+        acc = tl.fori_loop(lo, hi, step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
+    store_tile(acc, y, m, n, m_rows, n_rows, y_stride, split_stride, True)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
@@ -132,6 +147,11 @@ def mmq_fits(bits: int, group: int, k: int) -> bool:
     return mmq_step(bits, group, k) is not None
 
 
+def prefetch_for(block_m: int, block_n: int, num_warps: int) -> bool:
+    """PREFETCH where a thread holds up to PREFETCH_OUTPUTS outputs."""
+    return block_m * block_n <= PREFETCH_OUTPUTS * 32 * num_warps
+
+
 def quantize_x_mmq(x2, bits: int, step: int, target: str = "numpy"):
     """(xq int8 [M, K], xs fp32 [K / step, 3, M padded to PAD_ROWS]: D, P, Q; rows past M unwritten) of x2 [M, K]
     (rows contiguous), one launch."""
@@ -144,8 +164,9 @@ def quantize_x_mmq(x2, bits: int, step: int, target: str = "numpy"):
 
 def launch_mmq(x2, w, bits: int, group: int, out, cfg: dict, nw: int, ns: int | None, split: int, target: str,
                pdl: bool):
-    """The pre-pass, then int_group_mmq_kernel at cfg's BLOCK_M / BLOCK_N (w as int32 words, checked by the caller)
-    through dequant_gemm.launch_split_k."""
+    """The pre-pass, then int_group_mmq_kernel at cfg's BLOCK_M / BLOCK_N (and PREFETCH: by default where a thread
+    holds up to PREFETCH_OUTPUTS outputs) through dequant_gemm.launch_split_k; w as int32 words, checked by the
+    caller."""
     from kernels_src.dequant_gemm import launch_split_k
 
     m, k = x2.shape
@@ -155,8 +176,12 @@ def launch_mmq(x2, w, bits: int, group: int, out, cfg: dict, nw: int, ns: int | 
                          f"min(group, {MAX_STEP}) inputs is a power of two dividing the group and the row, each dot "
                          f">= {MIN_HALF} deep (4 bits: groups of 64 or more; 8 bits: 32 or more)")
     xq, xs = quantize_x_mmq(x2, bits, step, target)
+    prefetch = cfg.get("PREFETCH")
+    if prefetch is None:
+        prefetch = prefetch_for(cfg["BLOCK_M"], cfg["BLOCK_N"], nw)
     kern = compile(int_group_mmq_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
-                   GROUP=group, STEP=step, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PDL=pdl)
+                   GROUP=group, STEP=step, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PREFETCH=bool(prefetch),
+                   PDL=pdl)
     args = (m, w.shape[0], elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xs, 0), elem_stride(xs, 1))
     return launch_split_k(kern, (w, xq, xs), args, out, k // step, split, cfg["BLOCK_M"], cfg["BLOCK_N"], target,
                           pdl)

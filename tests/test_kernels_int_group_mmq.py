@@ -55,11 +55,12 @@ def check(got, x, w, bits, group, tol=TIGHT):
     assert np.abs(got - dense)[rest].max() < 0.02 * np.abs(dense)[rest].max()  # measured 0.5-0.8%
 
 
-# (bits, group (0: per-channel), sym, m, n, k, tiles): M and N off the tiles, split-K, every step form
+# (bits, group (0: per-channel), sym, m, n, k, tiles): M and N off the tiles, split-K, every step form, the epilogue's
+# loads a step ahead (the rule's choice at these tiles) and in their step
 CASES = [(4, 128, False, 20, 70, 512, dict(block_m=16, block_n=64, split_k=2)),
-         (4, 64, True, 9, 40, 256, dict(block_m=16, block_n=32, split_k=1)),
+         (4, 64, True, 9, 40, 256, dict(block_m=16, block_n=32, split_k=1, prefetch=False)),
          (4, 0, False, 33, 70, 512, dict(block_m=32, block_n=64, split_k=2)),
-         (8, 128, True, 17, 33, 256, dict(block_m=16, block_n=32, split_k=2)),
+         (8, 128, True, 17, 33, 256, dict(block_m=16, block_n=32, split_k=2, prefetch=False)),
          (8, 32, False, 5, 40, 256, dict(block_m=16, block_n=32, split_k=4)),
          (8, 0, False, 40, 33, 256, dict(block_m=64, block_n=32))]
 
@@ -194,15 +195,17 @@ def test_tuned_mmq_runs(monkeypatch, rng):
                     reason="AOT builds need triton, and TRITON_INTERPRET unset")
 @pytest.mark.parametrize("rows", [16, 64, 128])
 def test_aot_sm90(rows, tmp_path, monkeypatch, capsys):
-    """MMQ_TILES' builds for an H200 (4 bits, groups of 128, arguments 16-byte aligned as the JIT specializes): int8
-    MMAs, no I2F in the loop, nothing spilled; prints registers and the loop's mix a step."""
+    """MMQ_TILES' builds for an H200 (4 bits, groups of 128, arguments 16-byte aligned as the JIT specializes; the
+    epilogue's loads ahead by the launcher's rule): int8 MMAs, no I2F in the loop, nothing spilled; prints registers
+    and the loop's mix a step."""
     from kernels_src.dsl.triton_target import aot_compile
     from kernels_src.registry import REGISTRY
     from tools.sass_mix import loop_mix
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     t = igm.MMQ_TILES[rows]
-    kir = REGISTRY["int_group_mmq"].trace(BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"])
+    kir = REGISTRY["int_group_mmq"].trace(BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
+                                          PREFETCH=mq.prefetch_for(t["BLOCK_M"], t["BLOCK_N"], t["num_warps"]))
     c = aot_compile(kir, arch=90, num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=True)
     mix = loop_mix(c.asm["cubin"])
     with capsys.disabled():

@@ -51,7 +51,7 @@ def int_group_gemv_case(d: Dev, p: dict, name: str) -> Case:
 
 
 GEMM_KEYS = ("block_m", "block_n", "sub", "groups", "split_k", "swap", "num_warps", "num_stages", "variant", "bk",
-             "accs")
+             "accs", "prefetch")
 
 
 def int_group_gemm_case(d: Dev, p: dict, name: str) -> Case:
