@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats import int_groups
-from kernels_src.dequant_gemm import store_tile
+from kernels_src.dequant_gemm import _pow2_divisor, store_tile
 from kernels_src.dequant_gemv_i8 import _MAGIC
 from kernels_src.dsl import compile, elem_stride, empty, tl
 
@@ -40,6 +40,7 @@ BASE = 0x4B400000  # the bits of 1.5 * 2**23 (_MAGIC): an int32 accumulator star
 # an SM, whose loads then wait in turn)
 PREFETCH_OUTPUTS = 16
 PAD_ROWS = 128  # xs's rows (x's) padded to a multiple of the largest BLOCK_M: the GEMM loads them unclamped
+PRE_STEPS = 8  # steps a pre-pass program quantizes (the largest power of two dividing the row's steps, up to this)
 MIN_HALF = 32  # the int8 MMA's least depth: each 4-bit nibble half and each 8-bit step at least this deep
 
 
@@ -49,25 +50,27 @@ def _halves(BITS: int) -> int:
 
 
 def quantize_x_mmq_kernel(x, xq, xs, x_stride, xq_stride, xs_stride, xs_plane, BITS: tl.constexpr,
-                          STEP: tl.constexpr):
-    """Program (step, row): x's STEP inputs to int8 xq (at 4 bits permuted [even, odd]) and xs's D, P, Q there."""
+                          STEP: tl.constexpr, STEPS: tl.constexpr = 1):
+    """Program (steps, row): STEPS steps of x's row to int8 xq (STEP inputs a step, at 4 bits permuted [even, odd])
+    and their D, P, Q in xs."""
     tl.launch_dependents()  # the GEMM after this may start: it waits for xq before its first load of it
     H = _halves(BITS)
-    s, m = tl.program_id(0), tl.program_id(1)
-    part, j = tl.arange(0, H)[:, None], tl.arange(0, STEP // H)[None, :]  # [H, STEP / H]: input H j + part
+    m = tl.program_id(1)
+    s = tl.program_id(0) * STEPS + tl.arange(0, STEPS)[:, None, None]  # [STEPS, 1, 1]
+    part, j = tl.arange(0, H)[None, :, None], tl.arange(0, STEP // H)[None, None, :]  # input H j + part of a step
     v = tl.load(x + m * x_stride + s * STEP + H * j + part).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(v), axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
+    amax = tl.max(tl.max(tl.abs(v), axis=2, keep_dims=True), axis=1, keep_dims=True)  # [STEPS, 1, 1]
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
     q = (v * inv + _MAGIC).to(tl.int32, bitcast=True) - BASE  # round to nearest even, exact in int32
     tl.store(xq + m * xq_stride + s * STEP + part * (STEP // H) + j, q.to(tl.int8))
     sx = amax * (1.0 / 127.0)
-    total = tl.sum(tl.sum(q, axis=1, keep_dims=True), axis=0, keep_dims=True).to(tl.float32)
+    total = tl.sum(tl.sum(q, axis=2, keep_dims=True), axis=1, keep_dims=True).to(tl.float32)
     if BITS == 4:  # 16 q - 128 for the odd inputs: 8 sum_odd(xq) a scale, and D = sx / 16
-        odd = tl.sum(tl.sum(tl.where(part == 1, q, 0), axis=1, keep_dims=True), axis=0, keep_dims=True)
+        odd = tl.sum(tl.sum(tl.where(part == 1, q, 0), axis=2, keep_dims=True), axis=1, keep_dims=True)
         d, p = sx * 0.0625, sx * (8.0 * odd.to(tl.float32))
     else:  # q - 128 for all: 128 sum(xq)
         d, p = sx, sx * (128.0 * total)
-    at = xs + s * xs_stride + m + tl.zeros((1, 1), tl.int32)
+    at = xs + s * xs_stride + m
     tl.store(at, d)
     tl.store(at + xs_plane, p)
     tl.store(at + 2 * xs_plane, sx * total)
@@ -157,8 +160,11 @@ def quantize_x_mmq(x2, bits: int, step: int, target: str = "numpy"):
     (rows contiguous), one launch."""
     m, k = x2.shape
     xq, xs = empty(x2, (m, k), "int8"), empty(x2, (k // step, 3, -(-m // PAD_ROWS) * PAD_ROWS), "float32")
-    kern = compile(quantize_x_mmq_kernel, target, num_warps=1, BITS=bits, STEP=step)
-    kern[k // step, m](x2, xq, xs, elem_stride(x2, 0), elem_stride(xq, 0), elem_stride(xs, 0), elem_stride(xs, 1))
+    steps = k // step
+    per = _pow2_divisor(steps, PRE_STEPS)
+    kern = compile(quantize_x_mmq_kernel, target, num_warps=max(1, per * step // 256), BITS=bits, STEP=step,
+                   STEPS=per)
+    kern[steps // per, m](x2, xq, xs, elem_stride(x2, 0), elem_stride(xq, 0), elem_stride(xs, 0), elem_stride(xs, 1))
     return xq, xs
 
 
