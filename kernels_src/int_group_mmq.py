@@ -3,9 +3,10 @@ MMQ idea on ir/formats/int_groups.py's blocks ([scale f32][bias f32][q bytes], w
 
 - x pre-pass (quantize_x_mmq_kernel, one launch): int8 xq per step of S = min(G, 128) inputs (per-channel groups,
   G = K: S = 128), sx = max|x| / 127 of the step; at 4 bits each step's inputs stored as [even ones, odd ones], the
-  order of a step's bytes' low nibbles and then their high ones. Beside it, per (row, step), xs [3, M, steps]:
-  D = sx / 16 (4 bits) or sx (8 bits), P = sx * C * sum(xq over the odd half at 4 bits (C = 8), all of it at 8 (C
-  = 128)) and Q = sx * sum(xq).
+  order of a step's bytes' low nibbles and then their high ones. Beside it, per (step, row), xs [steps, 3, M padded
+  to PAD_ROWS] (a step's rows contiguous: the GEMM loads them without clamps or 64-bit address math): D = sx / 16 (4
+  bits) or sx (8 bits), P = sx * C * sum(xq over the odd half at 4 bits (C = 8), all of it at 8 (C = 128)) and Q =
+  sx * sum(xq).
 - A step takes the W rows' [BLOCK_N, S * b / 8] q bytes. 4 bits: `v & 15` (q of the even inputs) and `(v & 0xF0) ^
   0x80` (16 q - 128 of the odd ones; byte-wise AND / XOR, done 4 bytes a LOP3: no byte shift, which the compiler
   unpacks byte by byte) are int8 operands against x's halves: A = dot(lo, x_even) (from 0), T = dot(hi, x_odd, 16 A
@@ -13,12 +14,13 @@ MMQ idea on ir/formats/int_groups.py's blocks ([scale f32][bias f32][q bytes], w
   sum(xq). |T - BASE| <= 64 * 15 * 127 * 16 + 64 * 128 * 127 = 2,991,104 (4 bits, S = 128), 128 * 128 * 127 =
   2,080,768 (8 bits): below 2**22, so with BASE = 0x4B400000 (the bits of 1.5 * 2**23) T's bits read as the float
   1.5 * 2**23 + (T - BASE) exactly, and one FADD gives it in fp32 without I2F (int_group_gemv_i8's _DP4A_BASE).
-- Hence sum_k w_k x_k over the step ~ sx * (scale sum(q xq) + bias sum(xq)) = scale (D T + P) + bias Q: an IMAD (16 A
-  + BASE), an FADD, three FFMAs an output a step outside the MMAs.
+- Hence sum_k w_k x_k over the step ~ sx * (scale sum(q xq) + bias sum(xq)) = scale (D T + P) + bias Q: a LEA (16 A
+  + BASE), an FADD, three FFMAs an output a step outside the MMAs (sm_90 SASS of a 128-input step, 64 x 128 tiles,
+  8 warps: 304 instructions, 4 IGMMA, 128 registers; docs/ARCHITECTURE.md compares it with variant stream).
 - SWAP orientation (W the MMA's M side, 64 rows a warpgroup; the batch its N); rows past M and N clamped, not
   masked; split-K through dequant_gemm's partials and reduce.
 Accuracy: x moves by at most sx / 2 an input, so |y - x @ W.T| <= sum_k |W[n, k]| sx_k / 2 (mmq_error_bound), plus
-fp32 rounding; on random data about 0.5% of max |y|, as gguf_mmq's per-32 x (here per S, the weights' group).
+fp32 rounding; on random data 0.6-0.8% of max |y| (gguf_mmq's x is per 32 inputs; here per S, the weights' group).
 """
 
 from __future__ import annotations
