@@ -22,6 +22,7 @@ The reference is int_group_gemv_ref (x @ W.T with the numpy dequantizer).
 from __future__ import annotations
 
 import functools
+import os
 
 from kernels_src import gemm_tuned
 from kernels_src.dequant_gemm import _pow2_divisor, _sm_count, gemm_out, launch_split_k, split_k_for, split_k_tile
@@ -30,6 +31,7 @@ from kernels_src.int_group_gemm_gather import int_group_gemm_gather_kernel
 from kernels_src.int_group_gemm_stream import accs_for, int_group_gemm_stream_kernel, permute_x, stream_bk, stream_fits
 from kernels_src.int_group_gemv import _check, _words_view
 from kernels_src.int_group_gemv import int_group_gemv_ref as int_group_matmul_ref
+from kernels_src.int_group_mmq import launch_mmq, mmq_fits, mmq_step
 
 __all__ = ["MAX_ROWS", "VARIANTS", "default_tiles", "int_group_matmul", "int_group_matmul_ref"]
 
@@ -91,15 +93,25 @@ TILES = {
     64: dict(BLOCK_M=64, BLOCK_N=128, SWAP=True, num_warps=8, num_stages=3),
     128: dict(BLOCK_M=128, BLOCK_N=64, SWAP=True, num_warps=8, num_stages=3),  # 128 x 128 spills at these steps
 }
+# mmq's tiles by rows bucket (not yet swept; sm_90 AOT builds of these spill nothing, tests/test_kernels_int_group_mmq)
+MMQ_TILES = {
+    16: dict(BLOCK_M=16, BLOCK_N=64, SWAP=True, num_warps=4, num_stages=3),
+    32: dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, num_warps=4, num_stages=3),
+    64: dict(BLOCK_M=64, BLOCK_N=128, SWAP=True, num_warps=8, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=128, SWAP=True, num_warps=8, num_stages=3),
+}
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", sub="SUB", groups="KG", split_k="SPLIT", swap="SWAP",
-             num_warps="num_warps", num_stages="num_stages", bk="BK", accs="ACCS")
+             num_warps="num_warps", num_stages="num_stages", bk="BK", accs="ACCS", prefetch="PREFETCH")
 # "blocked": int_group_gemm_kernel (words [N, KG, SUB / PER] unpacked along a new axis, then reshaped); "gather":
 # kernels_src/int_group_gemm_gather.py (a word a weight element, in the dot's order); "stream":
 # kernels_src/int_group_gemm_stream.py (the word tile split by field, a dot each, x permuted to match). The GPU sweep
 # (tools/sweep_gemm --qtypes int4g128) decides the default: stream where its step tiles the row (stream_fits), whose
 # own tiles beat blocked's 1.6-3.3x at 16 and 64 rows on every Llama-3-8B shape of an H200 (2026-12-03, 22:31 UTC);
-# blocked elsewhere.
-VARIANTS = ("blocked", "gather", "stream")
+# blocked elsewhere. "mmq": kernels_src/int_group_mmq.py (x to int8 per step, W's q bytes as int8 MMA operands),
+# where mmq_fits; off until timed (tools/sweep_gemm --variants stream,mmq): LLM_ENGINE_INT_MMQ=1 (read once) makes it
+# the choice wherever it fits, over TUNED's variant (TUNED's tiles then only from an entry naming mmq).
+VARIANTS = ("blocked", "gather", "stream", "mmq")
+MMQ = os.environ.get("LLM_ENGINE_INT_MMQ", "0") == "1"
 VARIANT = "stream"
 FALLBACK = "blocked"  # where VARIANT's step does not tile the row
 GATHER_BK = 64  # inputs a gather step (its word tile is BLOCK_N x BK 32-bit loads: 32 KB a stage at BLOCK_N 128)
@@ -145,21 +157,27 @@ def step_shape(group: int, k: int, step_elems: int = STEP_ELEMS) -> tuple[int, i
     return sub, kg
 
 
-def default_tiles(m: int, n: int, k: int, bits: int, group: int, sms: int = 132) -> dict:
-    """BLOCK_M, BLOCK_N, SWAP, num_warps, num_stages from TILES by rows bucket, SUB and KG from step_shape, and SPLIT
-    (a power of two) grown until the grid fills the GPU while each split keeps MIN_SPLIT_STEPS steps."""
-    cfg = dict(TILES[rows_bucket(m)])
+def default_tiles(m: int, n: int, k: int, bits: int, group: int, sms: int = 132, variant: str | None = None) -> dict:
+    """BLOCK_M, BLOCK_N, SWAP, num_warps, num_stages from TILES (MMQ_TILES for variant mmq) by rows bucket, SUB and KG
+    from step_shape, and SPLIT (a power of two) grown until the grid fills the GPU while each split keeps
+    MIN_SPLIT_STEPS steps; then the TUNED entry's (for mmq only an entry naming it)."""
+    mmq = variant == "mmq"
+    cfg = dict((MMQ_TILES if mmq else TILES)[rows_bucket(m)])
     cfg["SUB"], cfg["KG"] = step_shape(group, k)
-    steps = k // (cfg["SUB"] * cfg["KG"])
+    steps = k // ((mmq_step(bits, group, k) or STEP_ELEMS) if mmq else cfg["SUB"] * cfg["KG"])
     cfg["SPLIT"] = split_k_for(m, n, cfg["BLOCK_M"], cfg["BLOCK_N"], steps, sms, MIN_SPLIT_STEPS)
     tuned = tuned_entry(bits, group, m, n, k)
+    if mmq and tuned.get("variant") != "mmq":
+        tuned = {}
     cfg.update({_KEYS[key]: v for key, v in tuned.items() if key in _KEYS})
     return cfg
 
 
 def tuned_variant(m: int, n: int, k: int, bits: int, group: int) -> str:
-    """The variant TUNED names for the problem (its tiles were measured with it), else VARIANT where it takes the
-    row, else FALLBACK."""
+    """mmq where LLM_ENGINE_INT_MMQ=1 (MMQ) and it fits, else the variant TUNED names for the problem (its tiles were
+    measured with it), else VARIANT where it takes the row, else FALLBACK."""
+    if MMQ and mmq_fits(bits, group, k):
+        return "mmq"
     variant = tuned_entry(bits, group, m, n, k).get("variant")
     if variant:
         return variant
@@ -193,11 +211,12 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
                      block_m: int | None = None, block_n: int | None = None, sub: int | None = None,
                      groups: int | None = None, split_k: int | None = None, swap: bool | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, variant: str | None = None,
-                     bk: int | None = None, accs: int | None = None):
+                     bk: int | None = None, accs: int | None = None, prefetch: bool | None = None):
     """y [M, N] = x2 [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); x2 fp32 / fp16
     / bf16, rows contiguous; out in x2's dtype. The keywords override default_tiles (sub = SUB, groups = KG); variant
     (VARIANTS, default VARIANT) picks the kernel, bk the gather and stream variants' step, accs stream's accumulators
-    (1 or 32 / bits; default int_group_gemm_stream.accs_for)."""
+    (1 or 32 / bits; default int_group_gemm_stream.accs_for); mmq takes swap=True only, and prefetch (its epilogue's
+    loads a step ahead; default int_group_mmq.PREFETCH_OUTPUTS' rule)."""
     variant = variant or tuned_variant(x2.shape[0], w.shape[0], x2.shape[1], bits, group)
     if variant not in VARIANTS:
         raise ValueError(f"int_group_matmul: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -210,9 +229,9 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
     out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
-    cfg = default_tiles(m, n, k, bits, group, _sm_count(x2))
+    cfg = default_tiles(m, n, k, bits, group, _sm_count(x2), variant)
     over = dict(block_m=block_m, block_n=block_n, sub=sub, groups=groups, split_k=split_k, swap=swap,
-                num_warps=num_warps, num_stages=num_stages, bk=bk, accs=accs)
+                num_warps=num_warps, num_stages=num_stages, bk=bk, accs=accs, prefetch=prefetch)
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     sub_, kg = cfg["SUB"], cfg["KG"]
     per = 32 // bits
@@ -221,7 +240,12 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
                          "(sub must divide the group; several groups a step only whole)")
     nw, ns, split, bk = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT"), cfg.pop("BK", None)
     accs = cfg.pop("ACCS", None)
+    prefetch = cfg.pop("PREFETCH", None)
     pdl = use_pdl(target, pdl)
+    if variant == "mmq":
+        if not cfg["SWAP"]:
+            raise ValueError("int_group_matmul: variant mmq runs W @ x.T only (swap=True)")
+        return launch_mmq(x2, w, bits, group, out, dict(cfg, PREFETCH=prefetch), nw, ns, split, target, pdl)
     if variant == "gather":
         step = gather_bk(group, k, bk)
         kern = compile(int_group_gemm_gather_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,

@@ -27,6 +27,7 @@ from kernels_src import (
     int_group_gemm_stream,
     int_group_gemv,
     int_group_gemv_i8,
+    int_group_mmq,
 )
 from kernels_src.registry import BF16, ITEMSIZE, KernelEntry, _ptrs, register
 
@@ -185,6 +186,17 @@ register(KernelEntry(
     notes="9-256 rows; split-K writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: the bench "
           "times both; variants gather and stream (x permuted first) by variant=; tools/bench_int_group_gemm times "
           "it against cuBLAS"))
+
+_tiles = int_group_gemm.default_tiles(16, 14336, 4096, 4, 128, variant="mmq")
+register(KernelEntry(
+    "int_group_mmq", int_group_mmq.int_group_mmq_kernel,
+    dict(BITS=4, GROUP=128, STEP=128, BLOCK_M=_tiles["BLOCK_M"], BLOCK_N=_tiles["BLOCK_N"], PREFETCH=True, PDL=True),
+    dict(w="*i32", xq="*i8", xs="*fp32", y="*fp32"),
+    dict(m=16, n=14336, k=4096, bits=4, group=128, dtype=BF16, variant="mmq"),
+    lambda variant, **p: int_group_bytes(**p), flops=lambda m, n, k, **_: 2 * m * n * k,
+    launcher=int_group_gemm.int_group_matmul, variants=(int_group_mmq.quantize_x_mmq_kernel,),
+    notes="int_group_matmul(.., variant='mmq') (LLM_ENGINE_INT_MMQ=1): the launcher runs quantize_x_mmq_kernel (x "
+          "to int8 per step) first, and split-K's reduce after"))
 
 _tiles = fp8_gemv.default_tiles(4096, 1)
 _tiles.pop("num_warps")

@@ -79,6 +79,15 @@ SIZES["int_group_gemm"] = [("m16", dict(m=16, n=300, k=4096)), ("m9_i8_g32", dic
                            ("m64_down_stream", dict(m=64, n=520, k=14336, variant="stream")),
                            ("m9_i8_g32_stream", dict(m=9, n=77, k=2048, bits=8, group=32, variant="stream")),
                            ("m33_noswap_stream", dict(m=33, n=130, k=2048, swap=False, variant="stream"))]
+# variant mmq (int8 tensor cores): the bench's 16 rows (split-K), 8 bits in groups of 32 at 9 rows (N off the tile),
+# one group a row (steps of 128 in it), Llama's down at 64 rows, groups of 64 at 33 rows, 128 rows on 128-row tiles;
+# the epilogue's loads a step ahead where the rule leaves them in their step (64 rows) and the other way (16)
+SIZES["int_group_mmq"] = [("m16", dict(m=16, n=300, k=4096)), ("m9_i8_g32", dict(m=9, n=77, k=2048, bits=8, group=32)),
+                          ("m17_row", dict(m=17, n=130, k=1024, group=1024)),
+                          ("m64_down", dict(m=64, n=520, k=14336)), ("m33_g64", dict(m=33, n=130, k=2048, group=64)),
+                          ("m128", dict(m=128, n=200, k=1024, bits=8, group=128)),
+                          ("m64_prefetch", dict(m=64, n=520, k=4096, prefetch=True)),
+                          ("m16_no_prefetch", dict(m=16, n=300, k=4096, prefetch=False))]
 SIZES["int_group_dequantize"] = [("g128", dict(n=300, k=4096)), ("i8_g64", dict(n=77, k=1024, bits=8, group=64))]
 # FP8: the bench's token, 8 rows in groups of 16 on odd N (two rows a program), one scale a row (K) at 3 rows off
 # BLOCK_K (masked steps), 4 rows a program at 5 rows
@@ -137,7 +146,8 @@ SIZES |= {n: [("m1", dict(m=1, n=300, k=4096)), ("m3_odd", dict(m=3, n=77, k=100
               ("m8_phi3", dict(m=8, n=3072, k=8192))]
           for n in REGISTRY if n.startswith("dense_gemv")}
 # their SIMT lowerings are checked on the CPU (simt-cpu: tests/test_kernels_gemm.py, tests/test_kernels_moe.py)
-TRITON_ONLY = ("dense_gemm", "dequant_gemm_", "moe_gemm", "moe_gemv", "moe_mmq", "mmq_", "int_group_gemm", "fp8_gemm")
+TRITON_ONLY = ("dense_gemm", "dequant_gemm_", "moe_gemm", "moe_gemv", "moe_mmq", "mmq_", "int_group_gemm",
+               "int_group_mmq", "fp8_gemm")
 # CUDA C builds that take NVRTC about a minute each (fully unrolled SIMT code): only the bench's configuration, which
 # CuPy's on-disk kernel cache then hands to tools/bench_kernels.py
 CUDA_C_SLOW = {"paged_prefill": ("dtype", "q_heads", "kv_heads", "head_dim"),

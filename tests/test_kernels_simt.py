@@ -26,6 +26,7 @@ from kernels_src import (
     gguf_mmq_sb,
     int_group_gemm,
     int_group_gemv,
+    int_group_mmq,
     kv_write,
     mla_decode,
     moe,
@@ -239,6 +240,7 @@ COVERED = {rms_norm.rms_norm_kernel, rms_norm.add_rms_norm_kernel, rope.rope_ker
            # their simt-cpu case: test_kernels_int_group.py
            int_group_gemv.int_group_gemv_kernel, int_group_gemv.int_group_dequantize_kernel,
            int_group_gemm.int_group_gemm_kernel,  # its simt-cpu case: test_kernels_int_group_gemm.py
+           int_group_mmq.int_group_mmq_kernel,  # its simt-cpu case: test_kernels_int_group_mmq.py
            fp8_gemv.fp8_gemv_kernel,  # its simt-cpu case: test_kernels_fp8_gemv.py
            fp8_gemm.fp8_gemm_kernel}  # FP8 dots: test_kernels_fp8_gemm.py checks that the SIMT targets refuse it
 

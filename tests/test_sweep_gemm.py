@@ -96,6 +96,33 @@ def test_the_whole_tool_on_the_cpu(sweep, monkeypatch, tmp_path, capsys):
             f.cache_clear()
 
 
+def test_stream_against_mmq(sweep, monkeypatch, tmp_path, capsys):
+    """--variants stream,mmq on int4g128: mmq's builds (block_m up to the bucket, block_n 64 / 128, 4 or 8 warps, swap
+    only) all pass the check, its search keeps to them, and its TUNED literal (the fake clock makes it the best)
+    takes int_group_matmul to mmq at those tiles."""
+    monkeypatch.setattr(sweep, "MMQ_BLOCK_N", (32, 64))  # the CPU's interpreter: small tiles
+    monkeypatch.setattr(sweep, "MMQ_BLOCK_M", (16, 32))
+    monkeypatch.setattr(sweep, "BLOCK_N", (64,))
+    monkeypatch.setattr(sweep, "CHECK_K", 256)
+    clock = iter(range(1, 10**6))
+    monkeypatch.setattr(sweep, "BENCH", lambda torch, fn: (fn(), 100.0 - 0.01 * next(clock))[1])
+    out = tmp_path / "x.json"
+    assert sweep.main(["--variants", "stream,mmq", "--ms", "32", "--shapes", "40x512", "--qtypes", "int4g128",
+                       "--quick", "--workers", "0", "--budget", "1e9", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "failed: none" in text and "skipped" not in text
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"stream", "mmq"} and rows["mmq"]["best"]
+    tiles = rows["mmq"]["tiles"]
+    assert tiles["swap"] and tiles["block_m"] in (16, 32) and tiles["block_n"] in (32, 64)
+    assert sweep.Kind("int4g32", 4, 32).variants == ("blocked", "gather", "stream")  # nibble halves of 16: no mmq
+    ints = eval("{" + text.split("TUNED = {")[1].split("}\n")[0] + "}")
+    monkeypatch.setattr(igm, "TUNED", ints)
+    assert igm.tuned_variant(32, 40, 512, 4, 128) == "mmq"
+    cfg = igm.default_tiles(32, 40, 512, 4, 128, variant="mmq")
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT"]) == (tiles["block_m"], tiles["block_n"], tiles["split_k"])
+
+
 def test_a_wrong_kernel_fails_the_check(sweep, monkeypatch, capsys):
     """The workers' check catches a decoding bug (the gather variant's nibble shift off by one field); the tool then
     times none of its settings and proposes no table entry."""

@@ -316,6 +316,23 @@ pending_moe() {
         --json "$OUT"/moe_mmq.json
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_moe "* ]] && step pending_moe gpu 240 pending_moe
+# Issue 17's GPTQ int4 g128 decode at batch 64 (by name: GPU_CHECK_STEPS=pending_int_mmq, ~250 s): the integer-group
+# GEMM on int8 tensor cores (kernels_src/int_group_mmq.py, int_group_gemm's variant mmq, off until this decides
+# LLM_ENGINE_INT_MMQ and its TUNED entries), first its GPU cases against its reference, then its sweep against stream
+# on Llama-3-8B's shapes, then int4 decode at batch 16 and 64 with the switch on and off.
+pending_int_mmq() {
+    local rc=0 on
+    "$PY" -m pytest -q -x tests/test_kernels_gpu.py -k "int_group_mmq and triton" || return 1
+    timeout 200 "$PY" -m tools.sweep_gemm --variants stream,mmq --qtypes int4g128 --ms 16,64,128 \
+        --shapes 28672x4096,4096x14336,6144x4096,4096x4096 --quick --budget 120 --json "$OUT"/int_mmq.json || rc=1
+    for on in 1 0; do
+        echo "== A/B LLM_ENGINE_INT_MMQ=$on: int4 g128 decode at batch 16 and 64"
+        LLM_ENGINE_INT_MMQ=$on "$PY" -m tools.bench_gpu --batches 16,64 --quant int4 --no-peer --profile '' \
+            --ablate '' --prefill 256 --gen 64 --json "$OUT"/int_mmq_$on.json || rc=1
+    done
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" pending_int_mmq "* ]] && step pending_int_mmq gpu 420 pending_int_mmq
 # Issue 13's "eager within 1.5x of graphs at 128 and 4k contexts" (by name: GPU_CHECK_STEPS=eager, ~200 s): bf16
 # Llama-3-8B decode at batch 1 and 16 after a 128- and a 4,000-token prompt, with CUDA graphs and without.
 eager() {

@@ -28,7 +28,8 @@ QUICK = {  # small problems of the same shapes, for a smoke test
     "moe_align": dict(tokens=4),
     "moe_gemv": dict(tokens=2, experts=16), "moe_gemv_gguf": dict(tokens=2, experts=16),
     "moe_mmq": dict(tokens=4, experts=16),
-    "int_group_gemv": dict(n=512), "int_group_gemm": dict(n=512), "int_group_dequantize": dict(n=512),
+    "int_group_gemv": dict(n=512), "int_group_gemm": dict(n=512), "int_group_mmq": dict(n=512),
+    "int_group_dequantize": dict(n=512),
     "fp8_gemv": dict(n=512), "fp8_gemm": dict(m=64, n=512),
 }
 Verdict = tuple[float, str | None]  # (worst relative error, what is wrong or None)

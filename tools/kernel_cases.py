@@ -264,6 +264,7 @@ BUILDERS: dict[str, Callable[[Dev, dict], Case]] = {
     "dense_gemm": dense_gemm_case,
     "int_group_gemv": functools.partial(int_group_gemv_case, name="int_group_gemv"),
     "int_group_gemm": functools.partial(int_group_gemm_case, name="int_group_gemm"),
+    "int_group_mmq": functools.partial(int_group_gemm_case, name="int_group_mmq"),  # bench's variant="mmq"
     "int_group_dequantize": functools.partial(int_group_dequantize_case, name="int_group_dequantize"),
     "fp8_gemv": functools.partial(fp8_gemv_case, name="fp8_gemv"),
     "fp8_gemm": functools.partial(fp8_gemm_case, name="fp8_gemm"),

@@ -9,6 +9,7 @@ from ir.formats import int_groups
 from kernels_src import int_group_gemm as igm
 from kernels_src import int_group_gemv as ig
 from kernels_src import int_group_gemv_i8 as i8
+from kernels_src import int_group_mmq as mq
 from tools.kernel_case_base import OUT_EPS, Case, Dev, combine, compare, host, written
 
 
@@ -50,20 +51,30 @@ def int_group_gemv_case(d: Dev, p: dict, name: str) -> Case:
 
 
 GEMM_KEYS = ("block_m", "block_n", "sub", "groups", "split_k", "swap", "num_warps", "num_stages", "variant", "bk",
-             "accs")
+             "accs", "prefetch")
 
 
 def int_group_gemm_case(d: Dev, p: dict, name: str) -> Case:
     """int_group_matmul at default tiles and variant unless p names launcher keywords (GEMM_KEYS); sampled columns
-    against the numpy reference."""
+    against the numpy reference. Variant mmq (int8 x): against its own arithmetic on x quantized by the numpy
+    pre-pass at the dtype's tolerance, and against x itself within mmq_error_bound plus the output's rounding."""
     m, n, k, bits, group, dt = p["m"], p["n"], p["k"], p["bits"], p["group"], d.dtype(p["dtype"])
     w, x, y = int_group_weights(d, n, k, bits, group), d.randn((m, k), dt), d.nan((m, n), dt)
     tiles = {key: p[key] for key in GEMM_KEYS if key in p}
+    mmq = (tiles.get("variant") or igm.tuned_variant(m, n, k, bits, group)) == "mmq"
 
     def check():
         i = d.sample(n)
-        want = igm.int_group_matmul_ref(host(x), host(w[i]), bits, group)
-        return combine(written("y", y), compare("y", host(y[:, i]), want, p["dtype"]))
+        xh, wh, got = host(x), host(w[i]), host(y[:, i])
+        want = igm.int_group_matmul_ref(xh, wh, bits, group)
+        if not mmq:
+            return combine(written("y", y), compare("y", got, want, p["dtype"]))
+        want_q = mq.mmq_ref(*mq.quantize_x_mmq_ref(xh, bits, mq.mmq_step(bits, group, k)), wh, bits, group)
+        bound = mq.mmq_error_bound(xh, wh, bits, group) + OUT_EPS[p["dtype"]] * np.abs(want) \
+            + 1e-5 * np.abs(want).max()
+        excess = float((np.abs(np.asarray(got, np.float64) - want) / bound).max())
+        beyond = (np.inf, f"y: {excess:.2f} x the int8 quantization bound") if excess > 1 else (0.0, None)
+        return combine(written("y", y), compare("y", got, want_q, p["dtype"]), beyond)
 
     return Case(name, p, lambda target: igm.int_group_matmul(x, w, bits, group, out=y, target=target, **tiles), check,
                 lambda target: y.fill_(float("nan")))

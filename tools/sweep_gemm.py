@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Sweep the quantized tensor-core GEMMs' variants and tiles on a CUDA GPU: `python -m tools.sweep_gemm [--variants
-blocked,words,sub64,gather,stream] [--ms 16,64,128] [--shapes 14336x4096,...] [--qtypes Q4_K,Q6_K,int4g128] [--budget S]
-[--json FILE]`.
+blocked,words,sub64,gather,stream,mmq] [--ms 16,64,128] [--shapes 14336x4096,...] [--qtypes Q4_K,Q6_K,int4g128]
+[--budget S] [--json FILE]`.
 
 GGUF types go through dequant_matmul (kernels_src/dequant_gemm.py), intBgG (GPTQ/AWQ layout, B bits, groups of G)
 through int_group_matmul; a variant runs where it takes the type. Every build (variant x block_n x num_stages, swap,
 at each row bucket) is compiled first by worker processes (Triton's disk cache is shared, so the timing loop only
 loads them), each checked at split 1 and 2 against the float64 reference on a small problem; then per problem and
-variant a coordinate search from the launcher's own tiles (block_n, num_stages, split_k, swap; stream's chunks),
+variant a coordinate search from the launcher's own tiles (block_n, num_stages, split_k, swap; stream's chunks; the
+int-group mmq's block_m and num_warps, at its block_n 64 / 128, swap only),
 CUDA-graph medians, "% of copy" against tools.bench_kernels.copy_gbps. Ends with a table, the best of each problem,
 and the literals for dequant_gemm.TUNED and int_group_gemm.TUNED (their `variant` named)."""
 
@@ -36,6 +37,8 @@ BLOCK_N = (32, 64, 128)
 STAGES = (2, 3, 4)
 SPLITS = (1, 2, 4, 8)
 CHUNKS = (1, 2, 4)  # variant stream's step: 64-input chunks of a super-block
+MMQ_BLOCK_M = (16, 32, 64, 128)  # the int-group mmq's row tiles, up to the problem's row bucket
+MMQ_BLOCK_N = (64, 128)  # its W tiles (a warpgroup's 64 rows of the MMA at least)
 CHECK_N, CHECK_K = 96, 1024  # the workers' check problem (odd N tiles at block_n 64 and 128)
 COLD_BYTES = 150 << 20  # weight bytes a timed call walks through (3x the H200's 50 MB L2)
 TOL = 2e-2  # of the largest output: bf16 x, W rounded to bf16 for the dot, y in bf16
@@ -50,8 +53,8 @@ class Kind:
 
     @property
     def variants(self) -> tuple[str, ...]:
-        if self.bits:
-            return igm.VARIANTS
+        if self.bits:  # mmq where its step fits the groups (rows of whole steps: checked in main)
+            return tuple(v for v in igm.VARIANTS if v != "mmq" or igm.mmq_fits(self.bits, self.group, 128 * self.group))
         return tuple(v for v, qs in dgm.VARIANTS.items() if qs is None or self.name in qs)
 
 
@@ -86,23 +89,28 @@ def bucket(kind: Kind, m: int) -> int:
 def rule(kind: Kind, variant: str, m: int, n: int, k: int) -> dict:
     """The launcher's own tiles for the problem, as its keywords (num_stages None -> 3)."""
     if kind.bits:
-        cfg, keys = igm.default_tiles(m, n, k, kind.bits, kind.group), igm._KEYS
+        cfg, keys = igm.default_tiles(m, n, k, kind.bits, kind.group, variant=variant), igm._KEYS
     else:
         cfg, keys = dgm.default_tiles(kind.name, m, n, k), dgm._KEYS
     inverse = {v: key for key, v in keys.items()}
     out = {inverse[key]: v for key, v in cfg.items() if key in ("BLOCK_M", "BLOCK_N", "SPLIT", "SWAP", "num_warps",
                                                                  "num_stages")}
     out["num_stages"] = out["num_stages"] or 3
-    if "accs" in axes(kind, variant):  # the launcher's own choice of stream's accumulators at these tiles
+    if "accs" in axes(kind, variant, m):  # the launcher's own choice of stream's accumulators at these tiles
         out["accs"] = accs_for(kind.bits, out["block_m"], out["block_n"], out["num_warps"], out["swap"])
-    if "chunks" in axes(kind, variant):  # the GGUF stream's step, quarters of a super-block
+    if "chunks" in axes(kind, variant, m):  # the GGUF stream's step, quarters of a super-block
         out["chunks"] = cfg.get("CHUNKS") or dgm.STREAM_CHUNKS
     return out
 
 
-def axes(kind: Kind, variant: str) -> dict:
-    """A variant's own build keywords and their values, searched beside the shared ones: the int-group stream's
-    accumulators (one or a field's each), the GGUF stream's step (chunks)."""
+def axes(kind: Kind, variant: str, m: int) -> dict:
+    """A variant's own build keywords and their values, searched beside the shared ones (and over them where named
+    alike): the int-group stream's accumulators (one or a field's each), the GGUF stream's step (chunks), the int-group
+    mmq's tiles (block_m up to m's bucket, block_n MMQ_BLOCK_N, 4 or 8 warps, swap only)."""
+    if variant == "mmq":
+        rows = bucket(kind, m)
+        return dict(block_m=tuple(b for b in MMQ_BLOCK_M if b <= rows), block_n=MMQ_BLOCK_N, num_warps=(4, 8),
+                    swap=(True,))
     if variant != "stream":
         return {}
     return dict(accs=(1, 32 // kind.bits)) if kind.bits else dict(chunks=CHUNKS)
@@ -115,7 +123,7 @@ def builds(block_m: int, quick: bool, extra: dict | None = None) -> list[dict]:
     out += [dict(block_m=block_m, block_n=64, num_stages=3, num_warps=4, swap=False)]
     for key, values in (extra or {}).items():
         out = [dict(b, **{key: v}) for b in out for v in values]
-    return out
+    return list({_build_key(b): b for b in out}.values())  # (extra's axes may make builds alike)
 
 
 def _build_key(cfg: dict) -> tuple:
@@ -243,7 +251,7 @@ class Result:
 def _search_one(kind: Kind, v: str, m: int, k: int, xws: tuple, bench, bad: set, quick: bool):
     """One variant's coordinate search on one problem over the checked builds, each call through every weight copy
     in turn: (best, its us a GEMM, own tiles' us)."""
-    allowed = {_build_key(b) for b in builds(bucket(kind, m), quick, axes(kind, v))}
+    allowed = {_build_key(b) for b in builds(bucket(kind, m), quick, axes(kind, v, m))}
     x, ws, y = xws
 
     def ok(c):
@@ -254,7 +262,7 @@ def _search_one(kind: Kind, v: str, m: int, k: int, xws: tuple, bench, bad: set,
         for w in ws:
             call(kind, v, x, w, y, c)
 
-    best, us, base, _ = search(bench, run, rule(kind, v, m, y.shape[1], k), ok, extra=axes(kind, v))
+    best, us, base, _ = search(bench, run, rule(kind, v, m, y.shape[1], k), ok, extra=axes(kind, v, m))
     return best, us / len(ws), base / len(ws)
 
 
@@ -319,7 +327,7 @@ def report(results: list[Result], gbps: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="blocked,words,sub64,gather,stream",
+    ap.add_argument("--variants", default="blocked,words,sub64,gather,stream,mmq",
                     help="kernel variants (dequant_gemm.VARIANTS, int_group_gemm.VARIANTS); each where it applies")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows of x")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K of W")
@@ -343,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         if k % max(unit, 128):
             raise SystemExit(f"sweep_gemm: K {k} is not whole {kind.name} blocks of 128-input steps")
     jobs = sorted({(kind.name, v, m, _build_key(b)) for kind in kinds for v in variants if v in kind.variants
-                   for m in ms for b in builds(bucket(kind, m), args.quick, axes(kind, v))})
+                   for m in ms for b in builds(bucket(kind, m), args.quick, axes(kind, v, m))})
     work = [(q, v, m, dict(b)) for q, v, m, b in jobs]
     if args.workers:
         with mp.get_context("spawn").Pool(args.workers) as pool:
