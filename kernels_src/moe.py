@@ -31,7 +31,7 @@ import numpy as np
 from kernels_src import moe_align as moe_align_kernel
 from kernels_src import moe_dequant, moe_gemv, moe_gguf, moe_mmq
 from kernels_src.activations import _act
-from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, empty, int_class, tl, use_pdl
 from kernels_src.moe_slots import block_slots
 
 __all__ = ["moe_align", "moe_experts", "moe_experts_ref"]
@@ -42,21 +42,53 @@ _ALIGN_TARGETS = ("triton", "triton-interpret")
 
 
 TALL_SLOTS_PER_EXPERT = 64  # default_tiles' 64-slot blocks from this many slots an expert on average
+N_TILES = ((32, 16), (256, 32))  # default_tiles' (most slots, BLOCK_N) below BLOCK_N: narrow tiles for few slots
+
+
+def _past(most: int) -> int:
+    """The first slot count a rule `slots <= most` leaves: slot_bounds lists where each upper side starts."""
+    return most + 1
 
 
 def slot_bounds(experts: int) -> tuple[int, ...]:
-    """Slot counts (tokens x top_k) from which a grouped step over `experts` experts takes other kernels, besides the
-    count's own integer class: default_tiles' taller blocks, moe_dequant's bound and, with moe_mmq on, its two (the
-    start-up warm-up reaches each side of them: backends/cuda/warm_batches.counts_by_class)."""
-    bounds = (TALL_SLOTS_PER_EXPERT * experts, moe_dequant.DEQUANT_SLOTS_PER_EXPERT * experts)
-    return bounds + ((moe_mmq.MMQ_SLOTS_PER_EXPERT * experts, moe_mmq.MMQ_MIN_SLOTS) if moe_mmq.MMQ else ())
+    """Slot counts S (tokens x top_k) from which a step over `experts` experts may launch other kernels or constexprs
+    than at S - 1 (the start of each rule's upper side), from the rules' own constants: default_tiles' taller blocks
+    and BLOCK_N steps, the GEMV's bounds (dense and GGUF: moe_gemv.gemv_slots) and the int8 GEMV's (unless
+    LLM_ENGINE_MOE_I8 fixes it), moe_dequant's (when on), moe_mmq's two (when on), moe_align's kernel's (when on:
+    moe_align.supports). The start-up warm-up reaches each side of each (backends/cuda/warm_batches.counts_by_class,
+    through slot_key). Untold: dequant_gemv.rule_tiles' ROWS over the GGUF GEMV's rows x slots, which changes below
+    1,024 / rows slots (rows: a pass's outputs), under 16 tokens at any rows x top_k >= 64: the warm-up runs those
+    one by one."""
+    bounds = {TALL_SLOTS_PER_EXPERT * experts, *(_past(most) for most, _ in N_TILES),
+              _past(moe_gemv.gemv_slots(experts, gguf=False)), _past(moe_gemv.gemv_slots(experts, gguf=True))}
+    if moe_gemv.I8 is None:
+        bounds.add(moe_gemv.I8_MIN_SLOTS)
+    if moe_dequant.DEQUANT:
+        bounds.add(moe_dequant.DEQUANT_SLOTS_PER_EXPERT * experts)
+    if moe_mmq.MMQ:
+        bounds |= {moe_mmq.MMQ_SLOTS_PER_EXPERT * experts, moe_mmq.MMQ_MIN_SLOTS}
+    if ALIGN_KERNEL:
+        bounds.add(_past(moe_align_kernel.MAX_SLOTS))
+    return tuple(sorted(bounds))
+
+
+def slot_key(slots: int, experts: int, bounds: tuple[int, ...] | None = None) -> tuple:
+    """What of a slot count a step's MoE kernels are built for, besides the count's own integer class: its side of
+    each slot_bounds bound (`bounds`, computed when not given) and, where moe_align's kernel takes the step, the
+    integer class of its block count (an argument Triton specializes on: max_blocks at each block height the step's
+    passes may take)."""
+    sides = tuple(slots >= b for b in (slot_bounds(experts) if bounds is None else bounds))
+    if not (ALIGN_KERNEL and moe_align_kernel.supports(slots, experts)):
+        return sides
+    heights = {default_tiles(slots, experts)[0], *((moe_mmq.BLOCK_M,) if moe_mmq.MMQ else ())}
+    return sides + tuple(int_class(max_blocks(slots, experts, m)) for m in sorted(heights))
 
 
 def default_tiles(slots: int, experts: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): a decode batch has a slot or two per expert, so its programs are few and each streams
     whole weight rows; narrow N tiles give the GPU more of them. Many slots per expert (prefill) take taller tiles."""
     block_m = 64 if slots >= TALL_SLOTS_PER_EXPERT * experts else BLOCK_M
-    block_n = 16 if slots <= 32 else 32 if slots <= 256 else BLOCK_N
+    block_n = next((n for most, n in N_TILES if slots <= most), BLOCK_N)
     return block_m, block_n
 
 

@@ -40,8 +40,8 @@ from kernels_src.activations import _act
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.gguf_gemv_common import _Decode
 
-__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "I8", "I8_MIN_SLOTS", "moe_gemv_kernel", "moe_qgemv_kernel", "run",
-           "stack_fits", "use_gemv", "uses_i8"]
+__all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "GGUF_GEMV_SLOTS_PER_EXPERT", "I8", "I8_MIN_SLOTS", "gemv_slots",
+           "moe_gemv_kernel", "moe_qgemv_kernel", "run", "stack_fits", "use_gemv", "uses_i8"]
 
 # At most this many slots (tokens * top_k) take the GEMV path, dense and GGUF, and no more slots than experts
 # (dense) or four times as many (GGUF). The GEMV reads an expert once per slot that routes to it, the grouped
@@ -55,6 +55,7 @@ __all__ = ["GEMV_SLOTS", "GGUF_GEMV_SLOTS", "I8", "I8_MIN_SLOTS", "moe_gemv_kern
 # each of them where the grouped kernel streams it once: hence the bound by experts.
 GEMV_SLOTS = 128
 GGUF_GEMV_SLOTS = 512
+GGUF_GEMV_SLOTS_PER_EXPERT = 4  # GGUF stacks: up to this many slots an expert (dense: one)
 # Dense tiles: at batch 1 the gated pass's 384 programs (8 slots x 48 tiles of 16 rows; 4 warps at 128 registers a
 # thread in the sm_90 build) are all resident at once, ~3 an SM, each with a step's loads of [16, 256] of gate and up
 # (16 KB) in flight together: ~48 KB an SM, above the ~36 KB an H200 needs (4.8 TB/s x ~1 us / 132 SMs). Triton does
@@ -169,12 +170,16 @@ def stack_fits(w) -> bool:
     return dg._addr(w.data) % align == 0 and elem_stride(w.data, 0) % align == 0
 
 
+def gemv_slots(experts: int, gguf: bool) -> int:
+    """The most slots the GEMV path takes over `experts` experts: GEMV_SLOTS and the experts; over GGUF stacks
+    GGUF_GEMV_SLOTS and GGUF_GEMV_SLOTS_PER_EXPERT times the experts."""
+    return min(GGUF_GEMV_SLOTS, GGUF_GEMV_SLOTS_PER_EXPERT * experts) if gguf else min(GEMV_SLOTS, experts)
+
+
 def use_gemv(slots: int, experts: int, stacks) -> bool:
-    """The rule moe.moe_experts follows: few slots (GEMV_SLOTS and experts; GGUF stacks: GGUF_GEMV_SLOTS and four
-    times the experts) over stacks it can read."""
+    """The rule moe.moe_experts follows: at most gemv_slots slots, over stacks it can read."""
     gguf = any(moe_gguf.is_blocks(w) for w in stacks)
-    limit = min(GGUF_GEMV_SLOTS, 4 * experts) if gguf else min(GEMV_SLOTS, experts)
-    return slots <= limit and all(stack_fits(w) for w in stacks)
+    return slots <= gemv_slots(experts, gguf) and all(stack_fits(w) for w in stacks)
 
 
 def uses_i8(target: str, *stacks, slots: int | None = None) -> bool:

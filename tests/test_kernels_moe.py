@@ -1,7 +1,8 @@
 """The fused MoE (kernels_src/moe.py) against its float64 reference, token by token: the DSL interpreter, Triton's
 interpreter and the SIMT CPU oracle, fp32 and fp16, routings that leave experts empty and crowd others past a
 block, one token (decode) and many; outputs poisoned first. moe_align on its own: every slot once, each block one
-expert, the bound on blocks whatever the routing, and numpy and torch giving the same layout."""
+expert, the bound on blocks whatever the routing, and numpy and torch giving the same layout. slot_bounds: every slot
+count where a rule picks other kernels or tiles, and no other."""
 
 from __future__ import annotations
 
@@ -121,3 +122,28 @@ def test_aot_sm90(gated, tmp_path, monkeypatch):
     ptx = c.asm["ptx"]
     assert ("wgmma.mma_async" in ptx or "mma.sync" in ptx) and "griddepcontrol.wait" in ptx
     assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
+
+
+@pytest.mark.parametrize("experts", [3, 8, 16, 64, 128, 256])
+@pytest.mark.parametrize("mmq", [False, True], ids=["mmq-off", "mmq-on"])
+def test_slot_bounds_are_where_the_rules_change(monkeypatch, experts, mmq):
+    """moe.slot_bounds is exactly the set of slot counts S where one of the rules that pick a step's kernels or
+    constexprs from S gives another answer than at S - 1 (read from the rules themselves, over dense and Q4_K
+    stacks, on the Triton target): default_tiles, the GEMV's, moe_dequant's, moe_mmq's two, the int8 GEMV's,
+    moe_align's kernel's."""
+    from kernels_src import moe_align, moe_dequant, moe_gemv, moe_gguf, moe_mmq
+
+    monkeypatch.setattr(moe_mmq, "MMQ", mmq)
+    dense = [np.zeros((experts, 1, 256), np.float16)] * 3
+    q4k = [moe_gguf.GGUFStack(np.zeros((experts, 144), np.uint8), "Q4_K", (experts, 1, 256))] * 3
+    assert moe_gguf.whole_words(*q4k) and moe_gemv.stack_fits(q4k[0])  # numpy's buffers are 16-byte aligned
+
+    def rules(s: int) -> tuple:
+        return (moe.default_tiles(s, experts), moe_gemv.use_gemv(s, experts, dense),
+                moe_gemv.use_gemv(s, experts, q4k), moe_dequant.use_dequant(s, experts, q4k),
+                moe_mmq.use_mmq(s, experts), moe_mmq.over_gemv(s, *q4k[:2], 256),
+                moe_gemv.uses_i8("triton", *q4k[:2], slots=s), moe.ALIGN_KERNEL and moe_align.supports(s, experts))
+
+    most = 2 * moe.TALL_SLOTS_PER_EXPERT * experts
+    changes = [s for s in range(2, most) if rules(s) != rules(s - 1)]
+    assert changes == [b for b in moe.slot_bounds(experts) if b < most]

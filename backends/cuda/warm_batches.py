@@ -92,11 +92,12 @@ def decode_batch(rows: int, context: int, block_size: int, groups: int = 1, widt
                  group_slots=(slots,) * (groups - 1), group_tables=(tables,) * (groups - 1))
 
 
-def decode_rows(max_seqs: int) -> list[int]:
+def decode_rows(max_seqs: int, experts: int = 0, top_k: int = 1) -> list[int]:
     """Row counts whose decode steps build every kernel a step's row count chooses: each count up to 16 (the GEMVs
     are built per row count, up to 8; the GGUF MMQ from 4; the dense GEMM from 9), then one of each integer class in
-    each power-of-two bucket past it (the GEMMs' tiles go by M's next power of two)."""
-    return list(range(1, min(16, max_seqs) + 1)) + counts_by_class(16, max_seqs)
+    each power-of-two bucket past it (the GEMMs' tiles go by M's next power of two), and of a MoE's slot counts
+    (counts_by_class)."""
+    return list(range(1, min(16, max_seqs) + 1)) + counts_by_class(16, max_seqs, experts, top_k)
 
 
 def split_counts(most: int) -> list[int]:
@@ -116,14 +117,16 @@ def table_widths(context: int, block_size: int) -> list[int]:
     return sorted(seen.values())
 
 
-def eager_decode_steps(runner, max_seqs: int, max_context: int, block_size: int) -> list[tuple[int, int, int]]:
+def eager_decode_steps(runner, max_seqs: int, max_context: int, block_size: int, experts: int = 0,
+                       top_k: int = 1) -> list[tuple[int, int, int]]:
     """(rows, context, table width) of the decode steps that build every kernel an eager decode of up to max_seqs
-    sequences and max_context tokens launches. A row count's kernels outside attention: decode_rows, a one-block
-    context. The attention's depend on rows only through attention.decode_settings (tile, partition, fused reduce,
-    grid cap), and on a step's partition count and table width by their integer classes: for each setting, at its
-    fewest rows (the largest grid cap), every split_counts count with every table_widths width."""
+    sequences and max_context tokens launches. A row count's kernels outside attention: decode_rows (with a MoE's
+    `experts` and `top_k`), a one-block context. The attention's depend on rows only through
+    attention.decode_settings (tile, partition, fused reduce, grid cap), and on a step's partition count and table
+    width by their integer classes: for each setting, at its fewest rows (the largest grid cap), every split_counts
+    count with every table_widths width."""
     short = min(max_context, block_size)
-    steps = [(rows, short, 1) for rows in decode_rows(max_seqs)]
+    steps = [(rows, short, 1) for rows in decode_rows(max_seqs, experts, top_k)]
     settings: dict[tuple, tuple[int, int]] = {}  # (BLOCK_N, num_warps, fused, partition) -> (rows, most partitions)
     for rows in range(1, max_seqs + 1):
         block_n, num_warps, fused, partition, cap = attention.decode_settings(runner, rows)
@@ -145,7 +148,8 @@ def warm_up_eager_decode(backend, max_context: int) -> None:
     groups, size = backend.kv_layout().num_groups, backend.block_size
     run_warm_up(backend, f"eager decode (up to {backend.max_num_seqs} sequences, contexts up to {max_context})", (
         decode_batch(rows, context, size, groups, width)
-        for rows, context, width in eager_decode_steps(backend.runner, backend.max_num_seqs, max_context, size)))
+        for rows, context, width in eager_decode_steps(backend.runner, backend.max_num_seqs, max_context, size,
+                                                       *moe_shape(backend))))
 
 
 def prefill_steps(max_tokens: int, block_size: int, experts: int = 0, top_k: int = 1) -> list[tuple[int, int]]:
@@ -203,12 +207,13 @@ def counts_by_class(first: int, most: int, experts: int = 0, top_k: int = 1) -> 
     """Counts past `first` up to `most` (of tokens, rows or partitions) whose steps build every kernel a step's count
     chooses: in each power-of-two bucket (the GEMMs' tiles go by M's next power of two) the largest count of each
     integer class Triton tells apart (1, a multiple of 16, another), and with experts (a MoE), of each class of the
-    slot count tokens * top_k and side of the grouped path's slot bounds (moe.slot_bounds)."""
+    slot count tokens * top_k and of what else of it the MoE's kernels are built for (moe.slot_key: its side of each
+    moe.slot_bounds bound, moe_align's block count's class)."""
     bounds = moe.slot_bounds(experts) if experts else ()
 
     def key(n: int) -> tuple:
         slots = n * top_k
-        return (int_class(n), int_class(slots), *(slots >= b for b in bounds)) if experts else (int_class(n),)
+        return (int_class(n), int_class(slots), *moe.slot_key(slots, experts, bounds)) if experts else (int_class(n),)
 
     out, p = [], 1
     while p // 2 < most:
