@@ -67,7 +67,7 @@ class Variants:
         return [v for v in self.seen if v.kernel == f"kernels_src.paged_attention.{kernel}"]
 
 
-def tiny_backend(monkeypatch, fused: bool = True):
+def tiny_backend(monkeypatch, fused: bool = True, seqs: int = SEQS):
     from backends.cuda.backend import CUDABackend
     from backends.cuda.decode_table import DecodeTable
     from ir.config import ModelConfig
@@ -91,8 +91,8 @@ def tiny_backend(monkeypatch, fused: bool = True):
         from backends.cuda import eager
 
         eager.use_eager_fusions(backend.runner)
-    backend.set_limits(SEQS, CONTEXT, STEP_TOKENS)
-    backend.allocate_kv(SEQS * (CONTEXT // BLOCK + 1) + 1, BLOCK)  # on CPU tensors allocate_kv warms nothing up
+    backend.set_limits(seqs, CONTEXT, STEP_TOKENS)
+    backend.allocate_kv(seqs * (CONTEXT // BLOCK + 1) + 1, BLOCK)  # on CPU tensors allocate_kv warms nothing up
     return backend
 
 
@@ -191,3 +191,26 @@ def test_no_step_compiles_after_the_eager_warm_ups(monkeypatch, fused):
             variants.step = (tuple(contexts), tuple(prompts))
             backend._forward(engine_step(backend, contexts, rng, extra=tokens % 2, prompts=prompts), mirror=False)
     assert variants.new() == [], [(s[1], v.constexprs, v.args[-9:]) for s, v in variants.new()]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_few_sequences_prefill_every_small_prompt_at_start_up(monkeypatch):
+    """With fewer than 16 sequences no decode step has 5..16 rows, yet a prompt of that many tokens runs its linears
+    at that many rows (here the dense GEMM from 9, built per row count's class and tile): the prefill warm-up runs
+    those counts itself (a 16-token prompt built a GEMM at its first request before)."""
+    backend = tiny_backend(monkeypatch, seqs=4)
+    from backends.cuda.warm_batches import warm_up_eager_decode, warm_up_eager_prefill
+
+    variants = Variants(monkeypatch)
+    variants.run = "new"
+    warm_up_eager_decode(backend, CONTEXT)
+    warm_up_eager_prefill(backend, CONTEXT)
+    assert any(v.kernel.endswith(".dense_gemm_kernel") for v in variants.seen)
+    rng = np.random.default_rng(1)
+    variants.run = "none"
+    for tokens in range(1, 33):
+        for rows in (0, 3):  # alone, and beside three decode rows
+            variants.step = (rows, tokens)
+            backend._forward(engine_step(backend, rng.integers(1, 100, rows).tolist(), rng, prompts=[tokens]),
+                             mirror=False)
+    assert variants.new() == [], [(s, v.kernel, v.constexprs) for s, v in variants.new()]
