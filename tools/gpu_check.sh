@@ -333,6 +333,17 @@ pending_int_mmq() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_int_mmq "* ]] && step pending_int_mmq gpu 420 pending_int_mmq
+# Issue 16's MoE warm-up (by name: GPU_CHECK_STEPS=moe_warmup, ~300 s, most of it compiling): after the start-up
+# warm-ups, prompts of every token count on DeepSeek-V2-Lite's shape (graphs off, then on) and Qwen3-30B-A3B's Q4_K_M
+# one (graphs off) should list no kernel variant first launched by a serving step (tools/check_moe_warmup.py).
+moe_warmup() {
+    local rc=0
+    timeout 120 "$PY" -m tools.check_moe_warmup --shape deepseek-v2-lite --layers 2 --max-tokens 1100 || rc=1
+    timeout 120 "$PY" -m tools.check_moe_warmup --shape deepseek-v2-lite --layers 2 --graphs --max-tokens 2048 || rc=1
+    timeout 120 "$PY" -m tools.check_moe_warmup --shape qwen3-30b-a3b --layers 1 --quant q4km --max-tokens 1100 || rc=1
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" moe_warmup "* ]] && step moe_warmup gpu 400 moe_warmup
 # Issue 13's "eager within 1.5x of graphs at 128 and 4k contexts" (by name: GPU_CHECK_STEPS=eager, ~200 s): bf16
 # Llama-3-8B decode at batch 1 and 16 after a 128- and a 4,000-token prompt, with CUDA graphs and without.
 eager() {
