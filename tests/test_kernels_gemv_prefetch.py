@@ -191,6 +191,9 @@ def test_the_sweeps_carry_the_forms():
                                                          (True, 4, 32, 1, False, 3), (False, 4, 32, 1, False, 0)]
     quick = sf.settings(4096, 1, quick=True)
     assert [(s["prefetch"], s["stages"]) for s in quick] == list(sf.FORMS) and len(sf.settings(4096, 1, False)) > 40
+    plain = sf.settings(4096, 1, False, sf.FORMS[:1])  # --plain: every tile, the plain loop alone
+    assert {(s["prefetch"], s["stages"]) for s in plain} == {(False, 0)}
+    assert len(plain) * len(sf.FORMS) == len(sf.settings(4096, 1, False))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the sweeps' checks run on torch tensors")

@@ -333,6 +333,11 @@ pending_int_mmq() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_int_mmq "* ]] && step pending_int_mmq gpu 420 pending_int_mmq
+# Issue 17's FP8 batch 1 (1.39x bf16, 1.7x asked; by name: GPU_CHECK_STEPS=fp8_gemv_tiles, ~300 s: 72 builds): fp8_gemv has
+# never had a TUNED entry (every projection at default_tiles: one row a program, 2 KB a step, 4 warps); the sweep
+# times ROWS x (BLOCK_K, warps) in the plain loop and prints the literal for kernels_src/fp8_gemv.py's TUNED.
+[[ " ${GPU_CHECK_STEPS:-} " == *" fp8_gemv_tiles "* ]] && step fp8_gemv_tiles gpu 450 timeout 420 "$PY" -m \
+    tools.sweep_fp8_gemv --plain
 # Issue 16's MoE warm-up (by name: GPU_CHECK_STEPS=moe_warmup, ~300 s, most of it compiling): after the start-up
 # warm-ups, prompts of every token count on DeepSeek-V2-Lite's shape (graphs off, then on) and Qwen3-30B-A3B's Q4_K_M
 # one (graphs off) should list no kernel variant first launched by a serving step (tools/check_moe_warmup.py).

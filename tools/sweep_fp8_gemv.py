@@ -1,10 +1,11 @@
 """Time fp8_gemv over tiles and its K loop's forms on a CUDA GPU for Llama-3-8B's projections at decode's rows; print
 the best per problem as a TUNED literal for kernels_src/fp8_gemv.py.
 
-    python -m tools.sweep_fp8_gemv [--shapes qkv,o,gate_up,down] [--batches 1] [--group 128] [--quick]
+    python -m tools.sweep_fp8_gemv [--shapes qkv,o,gate_up,down] [--batches 1] [--group 128] [--quick] [--plain]
 
 Settings: the default tiles in each loop form (plain, prefetch, stages 2 and 3: kernels_src/gemv_loop.py) first,
-then (without --quick) ROWS 1, 2, 4 x (BLOCK_K, warps) x the forms. Each setting is checked against fp8_gemv_ref on
+then (without --quick) ROWS 1, 2, 4 x (BLOCK_K, warps) x the forms; --plain: the plain loop alone (the other forms
+lost at every shape on the H200, 2026-12-03: a quarter of the builds). Each setting is checked against fp8_gemv_ref on
 sampled rows before it is timed; times are CUDA-graph replays (tools/bench_kernels.time_calls) cycling over enough
 weight copies that W never sits in L2, bf16 x, W random finite e4m3 codes with f32 scales per group.
 """
@@ -23,7 +24,7 @@ SPACE = ((512, 1), (1024, 1), (1024, 2), (2048, 2), (2048, 4), (4096, 4))  # (BL
 GAIN = 0.97  # a setting enters the printed table when it takes at most this fraction of the default's time
 
 
-def settings(k: int, m: int, quick: bool) -> list[dict]:
+def settings(k: int, m: int, quick: bool, forms=FORMS) -> list[dict]:
     """fp8_gemv keywords to time, the default tiles (plain) first, then in the other forms, then the space."""
     from kernels_src.fp8_gemv import default_tiles
 
@@ -32,7 +33,7 @@ def settings(k: int, m: int, quick: bool) -> list[dict]:
     if not quick:
         tiles += [dict(rows=r, block_k=b, num_warps=w) for r, (b, w) in itertools.product((1, 2, 4), SPACE)
                   if b <= max(16, k) and dict(rows=r, block_k=b, num_warps=w) != tiles[0]]
-    return [s | dict(prefetch=pf, stages=st) for s in tiles for pf, st in FORMS]
+    return [s | dict(prefetch=pf, stages=st) for s in tiles for pf, st in forms]
 
 
 def check(torch, d, x, codes, scales, s: dict) -> str | None:
@@ -72,7 +73,7 @@ def print_tuned(table: dict, where: str, others: str) -> None:
     print("}")
 
 
-def sweep(torch, shapes: dict, batches, group: int, quick: bool) -> dict:
+def sweep(torch, shapes: dict, batches, group: int, quick: bool, forms=FORMS) -> dict:
     """Time every setting of each (shape, M); print rows as they come and return the TUNED entries."""
     from kernels_src import e4m3
     from kernels_src.fp8_gemv import fp8_gemv
@@ -93,7 +94,7 @@ def sweep(torch, shapes: dict, batches, group: int, quick: bool) -> dict:
             x = d.randn((m, k), torch.bfloat16)
             y = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
             us = {}
-            for s in settings(k, m, quick):
+            for s in settings(k, m, quick, forms):
                 problem = check(torch, d, x, *ws[0], s)
                 if problem:
                     print(f"{name:8} WRONG {s}: {problem}", flush=True)
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1", help="rows M, comma-separated, 1-8")
     ap.add_argument("--group", type=int, default=128, help="inputs a scale (a multiple of 16 dividing K)")
     ap.add_argument("--quick", action="store_true", help="the default tiles in each loop form only")
+    ap.add_argument("--plain", action="store_true", help="the plain loop only (no prefetch, no stages)")
     a = ap.parse_args(argv)
     names = shape_names(ap, a)
     batches = [int(b) for b in a.batches.split(",") if b.strip()]
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--group {a.group}: a multiple of 16 dividing every K")
     import torch
 
-    table = sweep(torch, {s: SHAPES[s] for s in names}, batches, a.group, a.quick)
+    table = sweep(torch, {s: SHAPES[s] for s in names}, batches, a.group, a.quick, FORMS[:1] if a.plain else FORMS)
     print_tuned(table, "fp8_gemv.TUNED", "default_tiles")
     return 0
 
