@@ -1,8 +1,9 @@
 """The fp8 KV cache's token-minor V (kernels_src/kv_fp8.py: token_minor, V_TOKEN_MINOR): the quantizing write stores the
 same codes as into a token-major V, and decode (split, whole tiles and a last partial one, a window) and prefill (a
 prompt and a chunk, with and without a window) read bit for bit what they read from the token-major V, with the bytes
-past each context NaN codes (the last tile's vectors load them). DSL interpreter and Triton's interpreter; the sm_90
-build's loop: V's tile in 16-byte vectors, no byte-wide shared-memory reads, fewer instructions."""
+past each context NaN codes (the last tile's vectors load them). DSL interpreter, Triton's interpreter and (decode)
+the SIMT form on the CPU; the sm_90 build's loop: V's tile in 16-byte vectors, no byte-wide shared-memory reads,
+fewer instructions."""
 
 from __future__ import annotations
 
@@ -56,11 +57,14 @@ DECODE = {  # hq, hkv, d, block_size, contexts, partition, block_n, window
 }
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", [*TARGETS, "simt-cpu"])
 @pytest.mark.parametrize("case", list(DECODE))
 @pytest.mark.parametrize("cvt", [False, True])
 def test_decode_reads_either_layout_alike(target, case, cvt, rng, monkeypatch):
-    """cvt: decoded by the FP8 conversion, where the NaN codes past a context decode to NaN (integer ops: finite)."""
+    """cvt: decoded by the FP8 conversion, where the NaN codes past a context decode to NaN (integer ops: finite; the
+    SIMT targets have no FP8 type). simt-cpu: the CUDA C / Metal form of the two loops, on the CPU."""
+    if cvt and target == "simt-cpu":
+        pytest.skip("the SIMT targets have no FP8 type")
     monkeypatch.setattr(e4m3, "CVT_TARGETS", (target,) if cvt else ())
     hq, hkv, d, bs, ctx, partition, block_n, window = DECODE[case]
     kc, ks, vs, tables, vcs = _both(rng, ctx, hkv, d, bs)
