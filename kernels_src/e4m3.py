@@ -32,9 +32,10 @@ CVT_TARGETS = () if os.environ.get("LLM_ENGINE_FP8_CVT", "1") == "0" else ("trit
 F16_DOTS = os.environ.get("LLM_ENGINE_FP8_F16_DOTS", "1") == "1"
 FP16_MAX = 65504.0
 # Triton's pipelining depth for the decode over an fp8 cache (0: Triton's default of 3). The e4m3 tiles go through
-# shared memory either way, and V's (its dot runs over tokens, 128+ bytes apart) come back a byte a load; without the
-# cp.async stages the sm_90 loop step at 128 keys is 1,015 SASS against 1,442 (1,138 at 2), at 255 registers against
-# 221. Untimed: LLM_ENGINE_FP8_DECODE_STAGES=1|2 for the H200's A/B (tools/bench_decode_attention --budget 0).
+# shared memory either way, and a token-major V's (its dot runs over tokens, 128+ bytes apart) come back a byte a
+# load; without the cp.async stages the sm_90 loop step at 128 keys is 1,015 SASS against 1,442 (1,138 at 2), at 255
+# registers against 221. A token-minor V (kv_fp8.V_TOKEN_MINOR, the default) takes the pipelined step to 942.
+# Untimed: LLM_ENGINE_FP8_DECODE_STAGES=1|2 for the H200's A/B (tools/bench_decode_attention --budget 0).
 DECODE_STAGES = int(os.environ.get("LLM_ENGINE_FP8_DECODE_STAGES", "0") or 0) or None
 
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ir.interpreter import attend_cached
-from kernels_src import e4m3, kv_int8
+from kernels_src import e4m3, kv_fp8, kv_int8
 from kernels_src.decode_combine import (
     FUSED_TILE,
     NEG_BIG,
@@ -48,6 +48,7 @@ class CacheScales(NamedTuple):
     head_stride: object
     fp8: bool = False
     cvt: bool = False  # fp8: decode by the FP8 conversion (e4m3.convert), not integer ops
+    v_head_stride: int = 0  # fp8: V's codes token-minor (kv_fp8.token_minor), heads this far apart (D * BS); 0: as K's
 
 
 def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window, kv_block_stride, kv_tok_stride,
@@ -64,16 +65,22 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
         dot_type = tl.float16
         qv = tl.minimum(tl.maximum(qv.to(tl.float32), -e4m3.FP16_MAX), e4m3.FP16_MAX).to(tl.float16)
 
-    def body(it, m, den, acc):
+    def body(it, m, den, acc, tail=True):
         toks = lo + it * BLOCK_N + n
         valid = toks < hi
-        blk = tl.load(table + toks // BS, mask=valid, other=0).to(tl.int64)
+        tok_minor = scales is not None and scales.v_head_stride  # fp8's token-minor V (kv_fp8.load_v)
+        bvalid = toks // BS * BS < hi if tok_minor else valid  # its vectors' mask: whole blocks
+        blk = tl.load(table + toks // BS, mask=bvalid, other=0).to(tl.int64)
         off = blk * kv_block_stride + (toks % BS) * kv_tok_stride + kvh * kv_head_stride
         # V is loaded with K (both addresses are known once the table entries are in): where loads issue in program
         # order (Metal, CUDA C, a Triton loop left unpipelined) the two round trips overlap instead of V's waiting
         # behind the QK dot. Triton's sm_90 pipeliner already issues both as cp.async, either way.
         kt = tl.load(k_cache + off[None, :] + d[:, None], mask=dmask[:, None] & valid[None, :], other=0.0)
-        vt = tl.load(v_cache + off[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        if tok_minor:
+            vt = kv_fp8.load_v(v_cache, blk * kv_block_stride + kvh * scales.v_head_stride, toks, bvalid, d, dmask,
+                               BS, valid if tail else None)
+        else:
+            vt = tl.load(v_cache + off[:, None] + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         fp8 = scales is not None and scales.fp8
         if fp8:
             soff = blk * scales.block_stride + (toks % BS) * scales.tok_stride + kvh * scales.head_stride
@@ -102,7 +109,12 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
     init = (tl.full([rows], NEG_BIG, tl.float32), tl.zeros([rows], tl.float32),
             tl.zeros([rows, d.shape[0]], tl.float32))
     n_iter = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
-    m, den, acc = tl.fori_loop(0, n_iter, body, init)
+    if scales is not None and scales.v_head_stride:  # whole tiles (no token past hi) first: no V bytes to clear
+        n_full = tl.maximum(hi - lo, 0) // BLOCK_N
+        init = tl.fori_loop(0, n_full, lambda it, m, den, acc: body(it, m, den, acc, False), init)
+        m, den, acc = tl.fori_loop(n_full, n_iter, body, init)
+    else:
+        m, den, acc = tl.fori_loop(0, n_iter, body, init)
     if scales is not None and scales.cvt:  # whole values times vs * 2^8: the 2^8 comes off once, after the loop
         acc = acc * (1.0 / e4m3.FP16_SHIFT)
     return m, den, acc
@@ -165,11 +177,12 @@ def paged_decode_fp8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_table
                             sc_block_stride, sc_tok_stride, sc_head_stride, GROUP: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
-                            SOFTCAP: tl.constexpr, PDL: tl.constexpr = False, FP8_CVT: tl.constexpr = False):
+                            SOFTCAP: tl.constexpr, PDL: tl.constexpr = False, FP8_CVT: tl.constexpr = False,
+                            V_TOKEN_MINOR: tl.constexpr = False):
     """paged_decode_kernel over an fp8 cache (kv_fp8's layout): e4m3 decoded in registers (FP8_CVT: by the FP8
     conversion), scaled per token."""
     decode_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
-                                                    sc_head_stride, fp8=True, cvt=FP8_CVT),
+                                                    sc_head_stride, True, FP8_CVT, HEAD_DIM * BS * V_TOKEN_MINOR),
                    block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
                    q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL)
@@ -215,9 +228,10 @@ def paged_decode_fp8_fused_kernel(q, k_cache, v_cache, k_scales, v_scales, block
                                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                                   PARTITION: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
                                   BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False,
-                                  FP8_CVT: tl.constexpr = False):
+                                  FP8_CVT: tl.constexpr = False,
+                                  V_TOKEN_MINOR: tl.constexpr = False):
     decode_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
-                                                    sc_head_stride, fp8=True, cvt=FP8_CVT),
+                                                    sc_head_stride, True, FP8_CVT, HEAD_DIM * BS * V_TOKEN_MINOR),
                    block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
                    q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL,
@@ -243,7 +257,7 @@ def decode_program(q, k_cache, v_cache, scales, block_tables, context_lens, out,
         tl.wait_prior_grid()
         tl.launch_dependents()
     qv = tl.load(q + b * q_stride + heads[:, None] * q_head_stride + d[None, :], mask=mask, other=0.0)
-    lo = tl.maximum(lo, ctx - window)
+    lo = tl.maximum(lo, kv_fp8.window_start(ctx - window, BS, scales))
     qi = tl.full([BLOCK_G], ctx - 1, tl.int32)
     m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
                        kv_block_stride, kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales)

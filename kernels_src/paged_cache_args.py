@@ -13,7 +13,8 @@ def check_cache(q, k_cache, v_cache) -> tuple[int, int]:
     _, bs, hkv, dk = k_cache.shape
     if tuple(v_cache.shape) != tuple(k_cache.shape) or dk != d or hq % hkv:
         raise ValueError(f"q [.., {hq}, {d}] does not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if [elem_stride(v_cache, i) for i in range(4)] != [elem_stride(k_cache, i) for i in range(4)]:
+    fp8_v = str(v_cache.dtype).endswith("uint8") and kv_fp8.is_token_minor(v_cache)  # quant_args' V_TOKEN_MINOR
+    if not fp8_v and [elem_stride(v_cache, i) for i in range(4)] != [elem_stride(k_cache, i) for i in range(4)]:
         raise ValueError("k and v caches must share strides")
     if elem_stride(k_cache, 3) != 1 or elem_stride(q, 2) != 1:
         raise ValueError("head dims must be contiguous")
@@ -34,4 +35,6 @@ def quant_args(k_cache, v_cache, k_scales, v_scales, float_kernel, int8_kernel, 
     layout, kernel = (kv_fp8, fp8_kernel) if fp8 else (kv_int8, int8_kernel)
     layout.check_scales(k_cache, v_cache, k_scales, v_scales)
     extra = {"FP8_CVT": True} if fp8 and e4m3.use_cvt(target) else {}
+    if fp8 and kv_fp8.is_token_minor(v_cache):  # V's codes [blocks, Hkv, D, BS] (K's: contiguous, check_scales)
+        extra["V_TOKEN_MINOR"] = True
     return (k_cache, v_cache, k_scales, v_scales), kernel, layout.scale_strides(k_scales), extra

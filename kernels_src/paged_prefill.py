@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels_src import kv_fp8
 from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.paged_attention import NO_WINDOW, CacheScales, attend, paged_attention_ref
 from kernels_src.paged_cache_args import cache_strides, check_cache, quant_args
@@ -53,11 +54,12 @@ def paged_prefill_fp8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_tabl
                              kv_block_stride, kv_tok_stride, kv_head_stride, sc_block_stride, sc_tok_stride,
                              sc_head_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-                             SOFTCAP: tl.constexpr, PDL: tl.constexpr = False, FP8_CVT: tl.constexpr = False):
+                             SOFTCAP: tl.constexpr, PDL: tl.constexpr = False, FP8_CVT: tl.constexpr = False,
+                             V_TOKEN_MINOR: tl.constexpr = False):
     """paged_prefill_kernel over an fp8 cache (kv_fp8's layout): e4m3 decoded in registers (FP8_CVT: by the FP8
     conversion), scaled per token."""
     prefill_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
-                                                     sc_head_stride, fp8=True, cvt=FP8_CVT),
+                                                     sc_head_stride, True, FP8_CVT, HEAD_DIM * BS * V_TOKEN_MINOR),
                     block_tables, context_lens, query_start, out, scale, softcap, window, q_stride, q_head_stride,
                     out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride, kv_head_stride, GROUP,
                     HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BS, SOFTCAP, PDL)
@@ -121,7 +123,7 @@ def prefill_program(q, k_cache, v_cache, scales, block_tables, context_lens, que
     qi = ctx - q_len + t
     first = ctx - q_len + tile * BLOCK_M // GROUP
     last = ctx - q_len + tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
-    lo = tl.maximum(first - window + 1, 0)
+    lo = tl.maximum(kv_fp8.window_start(first - window + 1, BS, scales), 0)
     hi = tl.where(first < ctx, last + 1, 0)  # tiles past the sequence's queries do nothing
     m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
                        kv_block_stride, kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales)

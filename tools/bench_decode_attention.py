@@ -13,7 +13,8 @@ timing pass only replays. The last lines give the best setting per (batch, conte
 DecodeTable rows, and the tools/bench_gpu --decode-table that A/Bs it in the engine.
 
 `--kv-cache-dtype fp8` times the fp8 cache's kernel (e4m3 bytes and a scale a token and head, kernels_src/kv_fp8.py)
-on the same problems, its copy share counted on the bytes it reads. Split grids combine their partials in the
+on the same problems, its copy share counted on the bytes it reads; V's codes token-minor as the backend stores them
+(LLM_ENGINE_FP8_V_TOKEN_MINOR=0: token-major, for the A/B). Split grids combine their partials in the
 decode's last partition (kernels_src/decode_combine.py) with LLM_ENGINE_FUSED_REDUCE=1, and by the reduce kernel
 without it (the default), for an A/B.
 
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from backends.cuda.decode_table import DecodeTable, for_cache, pow2
 from kernels_src import paged_attention as pa
+from kernels_src.kv_fp8 import V_TOKEN_MINOR, token_minor
 
 # (q heads, KV heads, head dim) of a layer; the workers (spawned) read the choice from the environment
 SHAPES = {"llama3-8b": (32, 8, 128), "phi3-mini": (32, 32, 96), "gemma2-9b": (16, 8, 256)}
@@ -138,7 +140,7 @@ def caches(torch, batch: int, context: int, gen):
     vc = torch.randn_like(kc)
     if fp8():
         (kc, ks), (vc, vs) = e4m3_cache(torch, kc), e4m3_cache(torch, vc)
-        return kc, vc, tables, (ks, vs)
+        return kc, token_minor(vc) if V_TOKEN_MINOR else vc, tables, (ks, vs)  # the backend's V layout
     return kc, vc, tables, ()
 
 

@@ -338,6 +338,27 @@ pending_int_mmq() {
 # times ROWS x (BLOCK_K, warps) in the plain loop and prints the literal for kernels_src/fp8_gemv.py's TUNED.
 [[ " ${GPU_CHECK_STEPS:-} " == *" fp8_gemv_tiles "* ]] && step fp8_gemv_tiles gpu 450 timeout 420 "$PY" -m \
     tools.sweep_fp8_gemv --plain
+# Issue 17's fp8 KV cache at 16k (1.01x the 16-bit cache end to end, 1.3x asked; by name: GPU_CHECK_STEPS=pending_fp8_vt,
+# ~200 s): V's codes token-minor (kernels_src/kv_fp8.py, LLM_ENGINE_FP8_V_TOKEN_MINOR, on by default untimed: sm_90's
+# loop step at 128 keys 1,442 -> 942 SASS, V in 16-byte cp.async and ldmatrix, not a byte an LDS) against token-major:
+# the decode kernel at our settings, then 8 of Llama-3-8B's layers end to end at batch 16 and a 16k context.
+pending_fp8_vt() {
+    local rc=0 on
+    for on in 1 0; do
+        echo "== A/B LLM_ENGINE_FP8_V_TOKEN_MINOR=$on: the fp8 cache's decode, our setting"
+        LLM_ENGINE_FP8_V_TOKEN_MINOR=$on timeout 60 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
+            --batches 1,16,64 --contexts 4096,16384 --budget 0 --json "$OUT"/fp8_vt$on.json || rc=1
+    done
+    timeout 120 "$PY" -m tools.bench_gguf --stage prepare --files f16 --layers 8 --dir /tmp/bench_gguf_l8 || return 1
+    for on in 1 0; do
+        echo "== A/B LLM_ENGINE_FP8_V_TOKEN_MINOR=$on: 8 layers, f16 weights, fp8 cache, batch 16 at 16k"
+        LLM_ENGINE_FP8_V_TOKEN_MINOR=$on timeout 90 "$PY" -m tools.bench_gguf --stage ours --files f16 --what curve \
+            --batches 16 --contexts 16k --layers 8 --dir /tmp/bench_gguf_l8 --kv-cache-dtype fp8 --budget 80 \
+            --out "$OUT"/fp8_vt_e2e$on || rc=1
+    done
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" pending_fp8_vt "* ]] && step pending_fp8_vt gpu 480 pending_fp8_vt
 # Issue 16's MoE warm-up (by name: GPU_CHECK_STEPS=moe_warmup, ~300 s, most of it compiling): after the start-up
 # warm-ups, prompts of every token count on DeepSeek-V2-Lite's shape (graphs off, then on) and Qwen3-30B-A3B's Q4_K_M
 # one (graphs off) should list no kernel variant first launched by a serving step (tools/check_moe_warmup.py).
