@@ -6,7 +6,7 @@ head's D values, codes = e4m3(x / scale) (kernels_src/e4m3.py: nearest even, sat
 not int8's one per 32 values: e4m3 keeps 3 significant bits across 17 binades below its largest value, so a head's
 small channels beside an outlier channel keep their relative precision (int8's 254 uniform steps do not, hence its
 groups). Dequantizing is then per token, not per element: the attention kernels scale a tile's scores by its keys'
-scales and its probabilities by its values' (paged_attention.attend). A token costs D + 4 bytes a head and tensor:
+scales and its probabilities by its values' (paged_attend.attend). A token costs D + 4 bytes a head and tensor:
 1 + 4 / D bytes an element (1.03 at D = 128, 1.94x the tokens of a 16-bit cache).
 
 V's codes are stored token-minor (V_TOKEN_MINOR): the logical [num_blocks, block_size, Hkv, D] over a contiguous

@@ -3,7 +3,7 @@
 An int8 paged cache is the float one's [num_blocks, block_size, Hkv, D] as int8 codes, beside an fp32 scale per group
 of GROUP elements along the head dim ([num_blocks, block_size, Hkv, D / GROUP]). Symmetric absmax groups: a group's
 scale is max|x| / 127 and its codes round(x / scale), so dequantizing is codes * scale (the attention kernels do it
-in registers, see paged_attention.attend). Group 32, as MLX's int8 cache (backends/mlx/kv_quant.py): SmolLM2's keys
+in registers, see paged_attend.attend). Group 32, as MLX's int8 cache (backends/mlx/kv_quant.py): SmolLM2's keys
 have outlier channels that a whole-head scale spreads over every other channel. A token then costs D + 4 D / 32
 bytes a head and tensor: 1.125 bytes an element against bf16's 2 (1.78x the tokens in the same budget).
 """

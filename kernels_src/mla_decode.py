@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels_src.decode_combine import NEG_BIG
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.paged_attend import LOG2E
 from kernels_src.paged_attention import (
-    LOG2E,
-    NEG_BIG,
     empty,
     num_partitions,
     paged_decode_reduce_kernel,

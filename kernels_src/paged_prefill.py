@@ -21,7 +21,8 @@ import numpy as np
 
 from kernels_src import kv_fp8
 from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
-from kernels_src.paged_attention import NO_WINDOW, CacheScales, attend, paged_attention_ref
+from kernels_src.paged_attend import CacheScales, attend
+from kernels_src.paged_attention import NO_WINDOW, paged_attention_ref
 from kernels_src.paged_cache_args import cache_strides, check_cache, quant_args
 
 
