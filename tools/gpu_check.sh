@@ -344,6 +344,8 @@ pending_int_mmq() {
 # the decode kernel at our settings, then 8 of Llama-3-8B's layers end to end at batch 16 and a 16k context.
 pending_fp8_vt() {
     local rc=0 on
+    echo "== the fp8 cache through the backend on the GPU (token-minor V, the default since 2026-12-05)"
+    timeout 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" tests/test_cuda_kv_fp8.py || rc=1
     for on in 1 0; do
         echo "== A/B LLM_ENGINE_FP8_V_TOKEN_MINOR=$on: the fp8 cache's decode, our setting"
         LLM_ENGINE_FP8_V_TOKEN_MINOR=$on timeout 60 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
