@@ -93,12 +93,14 @@ TILES = {
     64: dict(BLOCK_M=64, BLOCK_N=128, SWAP=True, num_warps=8, num_stages=3),
     128: dict(BLOCK_M=128, BLOCK_N=64, SWAP=True, num_warps=8, num_stages=3),  # 128 x 128 spills at these steps
 }
-# mmq's tiles by rows bucket (not yet swept; sm_90 AOT builds of these spill nothing, tests/test_kernels_int_group_mmq)
+# mmq's tiles by rows bucket where TUNED has no entry (sm_90 AOT builds of these spill nothing,
+# tests/test_kernels_int_group_mmq); the H200's sweep (2026-12-05) chose 64 x 64 at 4 warps at 64 rows on every
+# Llama-3-8B shape, and 128 x 64 at 4 warps at 128
 MMQ_TILES = {
     16: dict(BLOCK_M=16, BLOCK_N=64, SWAP=True, num_warps=4, num_stages=3),
     32: dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, num_warps=4, num_stages=3),
-    64: dict(BLOCK_M=64, BLOCK_N=128, SWAP=True, num_warps=8, num_stages=3),
-    128: dict(BLOCK_M=128, BLOCK_N=128, SWAP=True, num_warps=8, num_stages=3),
+    64: dict(BLOCK_M=64, BLOCK_N=64, SWAP=True, num_warps=4, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=64, SWAP=True, num_warps=4, num_stages=3),
 }
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", sub="SUB", groups="KG", split_k="SPLIT", swap="SWAP",
              num_warps="num_warps", num_stages="num_stages", bk="BK", accs="ACCS", prefetch="PREFETCH")
@@ -108,10 +110,13 @@ _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", sub="SUB", groups="KG", split
 # (tools/sweep_gemm --qtypes int4g128) decides the default: stream where its step tiles the row (stream_fits), whose
 # own tiles beat blocked's 1.6-3.3x at 16 and 64 rows on every Llama-3-8B shape of an H200 (2026-12-03, 22:31 UTC);
 # blocked elsewhere. "mmq": kernels_src/int_group_mmq.py (x to int8 per step, W's q bytes as int8 MMA operands),
-# where mmq_fits; off until timed (tools/sweep_gemm --variants stream,mmq): LLM_ENGINE_INT_MMQ=1 (read once) makes it
-# the choice wherever it fits, over TUNED's variant (TUNED's tiles then only from an entry naming mmq).
+# where mmq_fits. On the H200 (tools/sweep_gemm --variants stream,mmq, 2026-12-05) its best tiles beat stream's at 16,
+# 64 and 128 rows on every Llama-3-8B shape, 1.1-1.6x (gate_up at 64 rows 102.6 -> 66.9 us): TUNED names it there.
+# Elsewhere stream stays the default (x's int8 per 128 inputs moves y by more than stream's bf16 rounding; the tests'
+# tolerances and other shapes' tiles are stream's) unless LLM_ENGINE_INT_MMQ=1 (MMQ True: mmq wherever it fits, TUNED's
+# tiles then only from an entry naming it); LLM_ENGINE_INT_MMQ=0 (MMQ False) skips TUNED's mmq entries too.
 VARIANTS = ("blocked", "gather", "stream", "mmq")
-MMQ = os.environ.get("LLM_ENGINE_INT_MMQ", "0") == "1"
+MMQ = {"1": True, "0": False}.get(os.environ.get("LLM_ENGINE_INT_MMQ", ""))
 VARIANT = "stream"
 FALLBACK = "blocked"  # where VARIANT's step does not tile the row
 GATHER_BK = 64  # inputs a gather step (its word tile is BLOCK_N x BK 32-bit loads: 32 KB a stage at BLOCK_N 128)
@@ -119,29 +124,38 @@ GATHER_BK = 64  # inputs a gather step (its word tile is BLOCK_N x BK 32-bit loa
 
 # (bits, group, rows bucket, n, k) -> launcher keywords (variant and bk included) measured best on a GPU:
 # tools/sweep_gemm --qtypes int4g128 prints this literal; a problem not listed takes TILES and the rules.
-TUNED: dict[tuple[int, int, int, int, int], dict] = {  # tools/sweep_gemm --variants on an H200, 2026-12-03
+TUNED: dict[tuple[int, int, int, int, int], dict] = {  # tools/sweep_gemm --variants on an H200
     # 1024 x 4096 (k or v alone; the engine runs them fused into qkv): the evening sweep, before stream existed.
     (4, 128, 16, 1024, 4096):
         dict(variant="blocked", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=8),
     (4, 128, 64, 1024, 4096):
         dict(variant="blocked", block_m=64, block_n=32, swap=True, num_warps=4, num_stages=3, split_k=8),
-    # `sweep_gemm --variants blocked,gather,stream --ms 16,64 --quick`, 22:31 UTC: stream 1.9-3.3x blocked's best.
+    # `sweep_gemm --variants stream,mmq --ms 16,64,128 --quick` on the H200, 2026-12-05: mmq's best tiles, 1.1-1.6x
+    # stream's best (LLM_ENGINE_INT_MMQ=0 skips them: stream at its default tiles)
     (4, 128, 16, 4096, 4096):
-        dict(variant="stream", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4, accs=1),
+        dict(variant="mmq", block_m=16, block_n=128, swap=True, num_warps=8, num_stages=3, split_k=8),
     (4, 128, 16, 4096, 14336):
-        dict(variant="stream", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4, accs=1),
+        dict(variant="mmq", block_m=16, block_n=128, swap=True, num_warps=8, num_stages=3, split_k=8),
     (4, 128, 16, 6144, 4096):
-        dict(variant="stream", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4, accs=1),
+        dict(variant="mmq", block_m=16, block_n=128, swap=True, num_warps=4, num_stages=3, split_k=8),
     (4, 128, 16, 28672, 4096):
-        dict(variant="stream", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=2, accs=8),
+        dict(variant="mmq", block_m=16, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=2),
     (4, 128, 64, 4096, 4096):
-        dict(variant="stream", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4, accs=1),
+        dict(variant="mmq", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=8),
     (4, 128, 64, 4096, 14336):
-        dict(variant="stream", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4, accs=1),
+        dict(variant="mmq", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=8),
     (4, 128, 64, 6144, 4096):
-        dict(variant="stream", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4, accs=1),
+        dict(variant="mmq", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4),
     (4, 128, 64, 28672, 4096):
-        dict(variant="stream", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=2, accs=1),
+        dict(variant="mmq", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=2),
+    (4, 128, 128, 4096, 4096):
+        dict(variant="mmq", block_m=128, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4),
+    (4, 128, 128, 4096, 14336):
+        dict(variant="mmq", block_m=128, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4),
+    (4, 128, 128, 6144, 4096):
+        dict(variant="mmq", block_m=128, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=2),
+    (4, 128, 128, 28672, 4096):
+        dict(variant="mmq", block_m=128, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=1),
 }
 
 
@@ -174,12 +188,12 @@ def default_tiles(m: int, n: int, k: int, bits: int, group: int, sms: int = 132,
 
 
 def tuned_variant(m: int, n: int, k: int, bits: int, group: int) -> str:
-    """mmq where LLM_ENGINE_INT_MMQ=1 (MMQ) and it fits, else the variant TUNED names for the problem (its tiles were
-    measured with it), else VARIANT where it takes the row, else FALLBACK."""
+    """mmq where LLM_ENGINE_INT_MMQ=1 (MMQ) and it fits, else the variant TUNED names for the problem (its tiles
+    were measured with it; not mmq under LLM_ENGINE_INT_MMQ=0), else VARIANT where it takes the row, else FALLBACK."""
     if MMQ and mmq_fits(bits, group, k):
         return "mmq"
     variant = tuned_entry(bits, group, m, n, k).get("variant")
-    if variant:
+    if variant and (variant != "mmq" or (MMQ is not False and mmq_fits(bits, group, k))):
         return variant
     return VARIANT if VARIANT != "stream" or stream_fits(bits, k) else FALLBACK
 

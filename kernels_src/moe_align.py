@@ -58,7 +58,8 @@ def moe_align_kernel(ids, rows, block_expert, n_slots, n_experts, n_rows, n_bloc
 
     def fill(it):
         p = it * BLOCK_R + rr
-        tl.store(rows + p, tl.full([BLOCK_R], n_slots, tl.int32), mask=p < n_rows)
+        # a sum, not tl.full: Triton 3.6 passes an integer argument equal to 1 as a constexpr, which full refuses
+        tl.store(rows + p, tl.zeros([BLOCK_R], tl.int32) + n_slots, mask=p < n_rows)
 
     tl.fori_loop(0, (n_rows + BLOCK_R - 1) // BLOCK_R, fill)
 

@@ -97,7 +97,7 @@ def _cuda(model, monkeypatch):
     from backends.cuda import int_group_linear as igl
     from backends.cuda.backend import CUDABackend
     from backends.cuda.weights import QuantWeight
-    from kernels_src import int_group_gemv_i8
+    from kernels_src import int_group_gemm, int_group_gemv_i8
 
     calls = []
     for fn in ("int_group_gemv", "int_group_matmul", "int_group_dequantize"):
@@ -106,6 +106,7 @@ def _cuda(model, monkeypatch):
     gpu = torch.cuda.is_available()
     # x stays fp32 in the GEMV (Triton's default quantizes it to int8, ~0.5% of a logit: tests/test_isq.py holds that)
     monkeypatch.setattr(int_group_gemv_i8, "I8_TARGETS", ())
+    monkeypatch.setattr(int_group_gemm, "MMQ", False)  # and in the 9-64-row GEMM (mmq's own test: below)
     backend = CUDABackend(model, device="cuda" if gpu else "cpu", dtype="f32", cuda_graph=False, progress=False)
     if not gpu:
         backend.runner.target = "numpy"  # the DSL's interpreter; Triton's runs the kernels in test_kernels_int_group

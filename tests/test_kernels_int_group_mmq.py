@@ -160,9 +160,9 @@ def test_where_it_applies():
 
 
 def test_the_switch_and_tuned(monkeypatch):
-    """Off unless LLM_ENGINE_INT_MMQ=1; on, mmq wherever it fits, over TUNED's variant, at MMQ_TILES (a stream
-    entry's tiles are not mmq's); a TUNED entry naming mmq picks it with its tiles, switch or not."""
-    assert igm.MMQ == (os.environ.get("LLM_ENGINE_INT_MMQ") == "1")
+    """LLM_ENGINE_INT_MMQ=1: mmq wherever it fits, over TUNED's variant, at MMQ_TILES (a stream entry's tiles are
+    not mmq's); unset, a TUNED entry naming mmq picks it with its tiles; =0, that entry is skipped."""
+    assert igm.MMQ == {"1": True, "0": False}.get(os.environ.get("LLM_ENGINE_INT_MMQ", ""))
     key = (4, 128, 64, 4096, 4096)
     stream = dict(variant="stream", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=4, accs=1)
     monkeypatch.setattr(igm, "TUNED", {key: stream})
@@ -174,10 +174,12 @@ def test_the_switch_and_tuned(monkeypatch):
     cfg = igm.default_tiles(64, 4096, 4096, 4, 128, variant="mmq")
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == tuple(
         igm.MMQ_TILES[64][k] for k in ("BLOCK_M", "BLOCK_N", "num_warps"))
-    monkeypatch.setattr(igm, "MMQ", False)
     mine = dict(variant="mmq", block_m=32, block_n=128, swap=True, num_warps=8, num_stages=4, split_k=2)
     monkeypatch.setattr(igm, "TUNED", {key: mine})
+    monkeypatch.setattr(igm, "MMQ", None)  # the default: TUNED decides
     assert igm.tuned_variant(64, 4096, 4096, 4, 128) == "mmq"
+    monkeypatch.setattr(igm, "MMQ", False)  # LLM_ENGINE_INT_MMQ=0: TUNED's mmq entry skipped
+    assert igm.tuned_variant(64, 4096, 4096, 4, 128) == "stream"
     cfg = igm.default_tiles(64, 4096, 4096, 4, 128, variant="mmq")
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], cfg["SPLIT"]) == (32, 128, 8, 4, 2)
 
