@@ -43,7 +43,7 @@ class Variants:
 
     def __init__(self, monkeypatch):
         from kernels_src.dsl import launch
-        from kernels_src.dsl.triton_target import direct_key
+        from kernels_src.dsl.triton_target import variant_key
 
         self.seen: dict[Variant, object] = {}
         self.step: object = "start-up"
@@ -51,8 +51,7 @@ class Variants:
         launch_fn = launch.Kernel.launch
 
         def spy(kernel, grid, args):
-            key = Variant(f"{kernel.fn.__module__}.{kernel.fn.__name__}", tuple(sorted(kernel.constexprs.items())),
-                          (kernel.num_warps, kernel.launch_pdl, kernel.num_stages), direct_key(args))
+            key = Variant(*variant_key(kernel, args))
             new = key not in self.seen
             self.seen.setdefault(key, self.step)
             return launch_fn(kernel, grid, args) if self.run == "all" or new and self.run == "new" else None

@@ -32,16 +32,14 @@ class Recorder:
 
     def __init__(self):
         from kernels_src.dsl import launch
-        from kernels_src.dsl.triton_target import direct_key
+        from kernels_src.dsl.triton_target import variant_key
 
         self.first: dict[tuple, object] = {}
         self.step = None
         real = launch.Kernel.launch
 
         def spy(kernel, grid, args):
-            key = (f"{kernel.fn.__module__}.{kernel.fn.__name__}", tuple(sorted(kernel.constexprs.items())),
-                   (kernel.num_warps, kernel.launch_pdl, kernel.num_stages), direct_key(args))
-            self.first.setdefault(key, self.step)
+            self.first.setdefault(variant_key(kernel, args), self.step)
             return real(kernel, grid, args)
 
         launch.Kernel.launch = spy

@@ -211,6 +211,14 @@ def direct_key(args) -> tuple:
     return tuple(key)
 
 
+def variant_key(kernel, args) -> tuple:
+    """(kernel name, constexprs, (num_warps, launch_pdl, num_stages), direct_key(args)) of a launch of a DSL
+    Kernel: what selects its compiled binary on a GPU. The warm-up checks (tests/test_cuda_eager_warmup.py,
+    tools/check_moe_warmup.py) record launches by it."""
+    return (f"{kernel.fn.__module__}.{kernel.fn.__name__}", tuple(sorted(kernel.constexprs.items())),
+            (kernel.num_warps, kernel.launch_pdl, kernel.num_stages), direct_key(args))
+
+
 def _hooked(hook) -> bool:
     """Whether a launch hook is set: None, or (Triton 3.5+) an empty HookChain, is not."""
     return hook is not None and bool(getattr(hook, "calls", True))
