@@ -264,10 +264,10 @@ class CUDABackend(Backend):
             if self.kv_quant:  # (k codes, v codes, k scales, v scales): kernels_src.kv_int8's or kv_fp8's layout
                 shape = (n, block_size, s.heads, s.key_dim)
                 layout, codes = (kv_fp8, torch.uint8) if self.kv_quant == "fp8" else (kv_int8, torch.int8)
-                new = [lambda s_: torch.zeros(s_, dtype=codes, device=self.device)] * len(dims)
-                if self.kv_quant == "fp8" and len(dims) == 2:  # V's codes token-minor (kv_fp8.new_v_cache)
-                    new[1] = lambda s_: kv_fp8.new_v_cache(s_, new[0])
-                return (*(f(shape) for f in new),
+                def zeros(shape_):
+                    return torch.zeros(shape_, dtype=codes, device=self.device)
+                new_v = (lambda shape_: kv_fp8.new_v_cache(shape_, zeros)) if layout is kv_fp8 else zeros  # token-minor
+                return (*(new(shape) for new in (zeros, new_v)[:len(dims)]),
                         *(torch.zeros(layout.scales_shape(shape), device=self.device) for _ in dims))
             return tuple(torch.zeros((n, block_size, s.heads, d), dtype=dt, device=self.device) for d in dims)
 
