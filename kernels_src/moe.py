@@ -13,9 +13,9 @@ Either pass may read GGUF blocks instead (kernels_src/moe_gguf.py: the same grid
 registers before the dot), so gate/up and down may each be dense or quantized, in any format of their own. At
 prefill sizes a GGUF pass may instead dequantize its experts a chunk at a time to x's dtype and run this dense kernel
 on each chunk (kernels_src/moe_dequant.py: LLM_ENGINE_MOE_DEQUANT=1, or moe_experts(dequant=True)). A pass over
-Q4_K / Q6_K stacks may run on int8 tensor cores instead, x quantized per super-block first (kernels_src/moe_mmq.py:
-LLM_ENGINE_MOE_MMQ=1 below moe_mmq.MMQ_SLOTS_PER_EXPERT slots an expert, and from MMQ_MIN_SLOTS in place of the GEMV
-below; or moe_experts(mmq=True)).
+Q4_K / Q6_K stacks may run on int8 tensor cores instead, x quantized per super-block first (kernels_src/moe_mmq.py,
+on unless LLM_ENGINE_MOE_MMQ=0: below moe_mmq.MMQ_SLOTS_PER_EXPERT slots an expert, and from MMQ_MIN_SLOTS in place
+of the GEMV below; or moe_experts(mmq=True)).
 Small batches (at most moe_gemv.GEMV_SLOTS slots and no more than the experts, or four times that over GGUF stacks:
 moe_gemv.use_gemv) group nothing:
 kernels_src/moe_gemv.py runs each slot's expert as GEMVs, its id read in the kernel, over dense rows or through

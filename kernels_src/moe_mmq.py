@@ -35,29 +35,29 @@ from kernels_src.moe_slots import block_slots, swapped_block_out
 __all__ = ["BLOCK_M", "MMQ", "MMQ_MIN_SLOTS", "MMQ_QTYPES", "MMQ_SLOTS_PER_EXPERT", "TILES", "launch",
            "moe_mmq_kernel", "moe_mmq_ref", "over_gemv", "pass_tiles", "takes", "use_mmq"]
 
-# Off until timed on a GPU (`tools/sweep_moe --variants blocked,mmq`): LLM_ENGINE_MOE_MMQ=1 turns it on (read once).
-MMQ = os.environ.get("LLM_ENGINE_MOE_MMQ", "0") == "1"
+# On since the H200's sweep (`tools/sweep_moe --variants blocked,mmq --tokens 16-256 --layers 4`, 2026-12-05, a
+# Qwen3-30B-A3B Q4_K_M layer): at 128 tokens (1,024 slots) 645 us against the GEMV's 1,127 and dequantize + dense's
+# 1,060; at 256, 932 against 1,129 and 2,239. LLM_ENGINE_MOE_MMQ=0 turns it off (read once).
+MMQ = os.environ.get("LLM_ENGINE_MOE_MMQ", "1") == "1"
 MMQ_QTYPES = ("Q4_K", "Q6_K")
 # Below this many slots an expert on average a grouped step takes this path (when on); above it dequantizing each
-# expert once and the dense tensor-core kernel (moe_dequant.py) should win, as the dense MMQ loses to dequant_gemm
-# from 64 rows (gguf_mmq.MAX_ROWS). Untimed: the sweep above places it.
-MMQ_SLOTS_PER_EXPERT = 32
+# expert once and the dense tensor-core kernel (moe_dequant.py) wins. The sweep: mmq's share of dequant's time grew
+# 0.61 -> 0.83 from 1,024 to 2,048 slots over 128 experts (mmq +287 us, dequant +69 per 1,024 slots): they meet near
+# 2,980 slots, ~23 an expert.
+MMQ_SLOTS_PER_EXPERT = 24
 # With MMQ on, a step of this many slots or more whose gate / up pass this path takes runs grouped here instead of
-# as the GEMV a slot (moe_gemv, up to its GGUF_GEMV_SLOTS, 512: 64 tokens of top 8, ~879 us a Qwen3-30B-A3B layer
-# there on an H200 against ~400 us if this path reaches ~1 TB/s); LLM_ENGINE_MOE_MMQ_MIN_SLOTS=N (read once) moves
-# it. A guess (32 tokens of top 8) until tools/sweep_moe --variants blocked,mmq times both at 16-256 tokens.
-MMQ_MIN_SLOTS = int(os.environ.get("LLM_ENGINE_MOE_MMQ_MIN_SLOTS", "256"))
+# as the GEMV a slot (moe_gemv, up to its GGUF_GEMV_SLOTS). The sweep: at 256 slots the GEMV 294 us against mmq's
+# 516; at 512 slots 572 against 530 (at TILES' 32 x 4 warps); the GEMV grows ~1.1 us a slot and mmq little below
+# 1,024. LLM_ENGINE_MOE_MMQ_MIN_SLOTS=N (read once) moves it.
+MMQ_MIN_SLOTS = int(os.environ.get("LLM_ENGINE_MOE_MMQ_MIN_SLOTS", "512"))
 # A decode batch has 1-8 slots an expert: 16-slot blocks (the MMA's N; Q4_K's minimums by FFMA below
 # gguf_mmq_sb.MMA_MINS_ROWS).
 BLOCK_M = 16
-# (BLOCK_N, num_warps) at BLOCK_M 16 by whether a pass reads Q6_K: the widest tiles whose sm_90 builds spill nothing
-# at Qwen3-30B-A3B's passes (tests/test_kernels_moe_mmq.py::test_aot_sm90; registers, stack bytes, SASS a
-# super-block). Q4_K alone at 64 x 4 warps: gated 170 / 0 / 955, down 128 / 0 / 548 (128 wide: gated 255 / 32 at 4
-# warps, 176 / 0 at 8). Q6_K at 4 warps spills from 64 (down 24 bytes, gated with two accumulators 160); at 8 warps
-# 64 wide builds clean (down 140 / 0 / 980, gated 175 / 0 / 1,796), 128 spills. (The down stack's 630-byte rows are
-# 2-byte aligned; 16-byte aligned ones would save little: 924.) Untimed: tools/sweep_moe --variants blocked,mmq
-# times the others beside these.
-TILES = {False: (64, 4), True: (64, 8)}
+# (BLOCK_N, num_warps) at BLOCK_M 16 by whether a pass reads Q6_K. The H200's sweep at 64 tokens (both passes alike,
+# a Qwen3-30B-A3B Q4_K_M layer): 32 x 4 warps 530 us, 128 x 8 567, the earlier rule's 64 x 4 (Q4_K) / 64 x 8 (Q6_K)
+# 595, 64 x 8 834. sm_90 builds (tests/test_kernels_moe_mmq.py::test_aot_sm90) spill nothing at 32 x 4; Q6_K at 4
+# warps spills from 64 wide.
+TILES = {False: (32, 4), True: (32, 4)}
 
 
 def moe_mmq_kernel(xq, xd, xs, w_a, w_b, y, rows, block_expert, weights, n_slots, n_cols, n_steps, xq_stride,

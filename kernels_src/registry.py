@@ -262,8 +262,8 @@ register(KernelEntry(
           "down pass is this kernel with GATED=False and down_qtype's blocks"))
 
 
-# the same layer's Q4_K / Q6_K passes on int8 tensor cores (moe_mmq: LLM_ENGINE_MOE_MMQ=1 or moe_experts(mmq=True))
-# at a decode batch of 64 (512 slots, ~4 an expert); the gated pass at the launcher's tiles
+# the same layer's Q4_K / Q6_K passes on int8 tensor cores (moe_mmq: on unless LLM_ENGINE_MOE_MMQ=0, or
+# moe_experts(mmq=True)) at a decode batch of 64 (512 slots, ~4 an expert); the gated pass at the launcher's tiles
 register(KernelEntry(
     "moe_mmq", moe_mmq.moe_mmq_kernel,
     dict(TOP_K=8, GATED=True, ACT="silu", QTYPE_A="Q4_K", QTYPE_B="Q4_K", BLOCK_M=moe_mmq.BLOCK_M,

@@ -219,7 +219,7 @@ def test_linear_past_the_gemm_in_chunks(rng):
 
 @pytest.mark.parametrize("m", [ig.MAX_ROWS + 1, 64])
 def test_linear_rows_through_the_gemm(m, rng, monkeypatch):
-    """9 to GEMM_ROWS (64) rows (act order's gather first) go through int_group_gemm's kernel and nothing else."""
+    """9 to GEMM_ROWS (128) rows (act order's gather first) go through int_group_gemm's kernel and nothing else."""
     torch = pytest.importorskip("torch")
     from backends.cuda import int_group_linear as igl
 

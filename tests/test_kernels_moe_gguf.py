@@ -77,7 +77,7 @@ def check(target, args, act="silu", tol=TOL[np.float32], **kw):
     x, w, ids, *stacks = args
     out = dev(np.full(x.shape, np.nan, x.dtype), target)
     got = moe.moe_experts(*(dev(a, target) for a in (x, w, ids)), *(on(target, s) for s in stacks), act, out=out,
-                          target=target, **{"gemv": False, "dequant": False} | kw)
+                          target=target, **{"gemv": False, "dequant": False, "mmq": False} | kw)
     assert got is out
     got = np.asarray(host(out), np.float64)
     want = moe.moe_experts_ref(x, w, ids, *(gguf_py_dense(s) for s in stacks), act)

@@ -208,9 +208,9 @@ def test_moe_experts_fp16(rng):
 
 
 def test_the_rule_and_the_switch(rng, monkeypatch):
-    """Off unless LLM_ENGINE_MOE_MMQ=1; on, below MMQ_SLOTS_PER_EXPERT slots an expert. A pass goes here only over
+    """On unless LLM_ENGINE_MOE_MMQ=0; on, below MMQ_SLOTS_PER_EXPERT slots an expert. A pass goes here only over
     Q4_K / Q6_K blocks of whole super-blocks (Q4_K rows 4-byte aligned); the others keep their path."""
-    assert moe_mmq.MMQ == (os.environ.get("LLM_ENGINE_MOE_MMQ") == "1")
+    assert moe_mmq.MMQ == (os.environ.get("LLM_ENGINE_MOE_MMQ", "1") == "1")
     monkeypatch.setattr(moe_mmq, "MMQ", True)
     bound = moe_mmq.MMQ_SLOTS_PER_EXPERT * 128
     assert moe_mmq.use_mmq(bound - 1, 128) and not moe_mmq.use_mmq(bound, 128)

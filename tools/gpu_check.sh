@@ -323,8 +323,8 @@ pending_moe() {
 pending_int_mmq() {
     local rc=0 on
     "$PY" -m pytest -q -x tests/test_kernels_gpu.py -k "int_group_mmq and triton" || return 1
-    timeout 200 "$PY" -m tools.sweep_gemm --variants stream,mmq --qtypes int4g128 --ms 16,64,128 \
-        --shapes 28672x4096,4096x14336,6144x4096,4096x4096 --quick --budget 120 --json "$OUT"/int_mmq.json || rc=1
+    # At 128 rows: int_group_linear.GEMM_ROWS (64) sends them to dequantize + cuBLAS; mmq (TUNED) against that.
+    timeout 90 "$PY" -m tools.bench_int_group_gemm --rows 64,128 || rc=1
     for on in "" 0; do  # unset: TUNED's mmq entries (the swept shapes); 0: stream
         echo "== A/B LLM_ENGINE_INT_MMQ='$on': int4 g128 decode at batch 16 and 64"
         LLM_ENGINE_INT_MMQ=$on "$PY" -m tools.bench_gpu --batches 16,64 --quant int4 --no-peer --profile '' \
@@ -344,6 +344,8 @@ pending_int_mmq() {
 # the decode kernel at our settings, then 8 of Llama-3-8B's layers end to end at batch 16 and a 16k context.
 pending_fp8_vt() {
     local rc=0 on
+    # FP8_VT_E2E_ONLY=1: only the end-to-end runs named in FP8_VT_RUNS (default "1 0 auto").
+    [[ ${FP8_VT_E2E_ONLY:-0} == 1 ]] || {
     echo "== the fp8 cache through the backend on the GPU (token-minor V, the default since 2026-12-05)"
     timeout 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" tests/test_cuda_kv_fp8.py || rc=1
     for on in 1 0; do
@@ -351,8 +353,9 @@ pending_fp8_vt() {
         LLM_ENGINE_FP8_V_TOKEN_MINOR=$on timeout 60 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
             --batches 1,16,64 --contexts 4096,16384 --budget 0 --json "$OUT"/fp8_vt$on.json || rc=1
     done
+    }
     timeout 120 "$PY" -m tools.bench_gguf --stage prepare --files f16 --layers 8 --dir /tmp/bench_gguf_l8 || return 1
-    for on in 1 0 auto; do  # auto: the 16-bit cache, issue 17's peer (its stage needs ~60 s after loading)
+    for on in ${FP8_VT_RUNS:-1 0 auto}; do  # auto: the 16-bit cache, issue 17's peer (its stage needs ~60 s after loading)
         echo "== A/B LLM_ENGINE_FP8_V_TOKEN_MINOR=$on: 8 layers, f16 weights, fp8 cache (auto: 16-bit), batch 16 at 16k"
         LLM_ENGINE_FP8_V_TOKEN_MINOR=${on/auto/1} timeout 130 "$PY" -m tools.bench_gguf --stage ours --files f16 \
             --what curve --batches 16 --contexts 16k --layers 8 --dir /tmp/bench_gguf_l8 \

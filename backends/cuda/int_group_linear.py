@@ -12,9 +12,10 @@ from ir.weight_formats import weight_format
 from kernels_src.int_group_gemm import int_group_matmul
 from kernels_src.int_group_gemv import MAX_ROWS, int_group_dequantize, int_group_gemv
 
-# The GEMM's rows: on the H200 (docs/BENCHMARKS.md, 2026-12-03) it beat dequantize + cuBLAS at 16 rows (1.1x on
-# 4096x4096, 2.2x on 4096x14336) and lost at 256 (0.44x, 0.85x); between them unmeasured, so the middle in doublings.
-GEMM_ROWS = 64
+# The GEMM's rows: on the H200 (docs/BENCHMARKS.md) it beat dequantize + cuBLAS at 16 rows (2026-12-03: 1.1x on
+# 4096x4096, 2.2x on 4096x14336) and lost at 256 (0.44x, 0.85x) as stream; as mmq (int_group_gemm.TUNED) it took
+# 0.18-0.43 of dequantize + cuBLAS's time at 64 rows and 0.25-0.53 at 128 on Llama-3-8B's four shapes (2026-12-05).
+GEMM_ROWS = 128
 
 
 def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tuple[int, int],
