@@ -333,6 +333,10 @@ pending_int_mmq() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_int_mmq "* ]] && step pending_int_mmq gpu 420 pending_int_mmq
+# Issue 17's int4 batch 64 (0.91x bf16 on 2026-12-05 with mmq; by name: GPU_CHECK_STEPS=profile_int4, ~90 s): the
+# decode step at batch 64 by kernel, bf16 and int4 g128 (the mmq GEMMs' x pre-pass, split-K partials and reduce).
+[[ " ${GPU_CHECK_STEPS:-} " == *" profile_int4 "* ]] && step profile_int4 gpu 150 "$PY" -m tools.bench_gpu \
+    --batches 64 --quant int4 --no-peer --profile 64 --ablate '' --prefill 256 --gen 32 --json "$OUT"/profile_int4.json
 # Issue 17's FP8 batch 1 (1.39x bf16, 1.7x asked; by name: GPU_CHECK_STEPS=fp8_gemv_tiles, ~300 s: 72 builds): fp8_gemv has
 # never had a TUNED entry (every projection at default_tiles: one row a program, 2 KB a step, 4 warps); the sweep
 # times ROWS x (BLOCK_K, warps) in the plain loop and prints the literal for kernels_src/fp8_gemv.py's TUNED.
@@ -375,6 +379,20 @@ moe_warmup() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" moe_warmup "* ]] && step moe_warmup gpu 400 moe_warmup
+# Issue 16's MoE shapes against llama.cpp in one call (by name: GPU_CHECK_STEPS=gguf_moe, ~300 s): the four
+# bench_gguf stages above for MOE_SHAPE (default qwen3-30b-a3b; or deepseek-v2-lite), Q4_K_M, MOE_WHAT (default
+# decode; decode,prefill adds the 2,048-token prefill) at batches 1, 16 and 64, then the report.
+gguf_moe() {
+    local rc=0 shape=${MOE_SHAPE:-qwen3-30b-a3b}
+    local a=(--shape "$shape" --files q4km --what "${MOE_WHAT:-decode}" --batches 1,16,64
+             --llama-cpp .peers/llama.cpp-cuda-sm90.tar.xz)
+    timeout 200 "$PY" -m tools.bench_gguf --stage prepare "${a[@]}" --budget 180 || return 1
+    timeout 160 "$PY" -m tools.bench_gguf --stage llamacpp "${a[@]}" --budget 150 || rc=1
+    timeout 230 "$PY" -m tools.bench_gguf --stage ours "${a[@]}" --budget 220 || rc=1
+    "$PY" -m tools.bench_gguf --stage report --shape "$shape" || rc=1
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" gguf_moe "* ]] && step gguf_moe gpu 560 gguf_moe
 # Issue 13's "eager within 1.5x of graphs at 128 and 4k contexts" (by name: GPU_CHECK_STEPS=eager, ~200 s): bf16
 # Llama-3-8B decode at batch 1 and 16 after a 128- and a 4,000-token prompt, with CUDA graphs and without.
 eager() {
