@@ -337,6 +337,11 @@ pending_int_mmq() {
 # decode step at batch 64 by kernel, bf16 and int4 g128 (the mmq GEMMs' x pre-pass, split-K partials and reduce).
 [[ " ${GPU_CHECK_STEPS:-} " == *" profile_int4 "* ]] && step profile_int4 gpu 150 "$PY" -m tools.bench_gpu \
     --batches 64 --quant int4 --no-peer --profile 64 --ablate '' --prefill 256 --gen 32 --json "$OUT"/profile_int4.json
+# The same at 64 rows, every mmq build (num_stages 2-4 too, where the 2026-12-05 sweep was --quick; by name:
+# GPU_CHECK_STEPS=int_mmq_sweep64, ~200 s): prints int_group_gemm.TUNED's literal.
+[[ " ${GPU_CHECK_STEPS:-} " == *" int_mmq_sweep64 "* ]] && step int_mmq_sweep64 gpu 240 timeout 230 "$PY" -m \
+    tools.sweep_gemm --variants mmq --qtypes int4g128 --ms 64 --shapes 28672x4096,4096x14336,6144x4096,4096x4096 \
+    --budget 180 --json "$OUT"/int_mmq_sweep64.json
 # Issue 17's FP8 batch 1 (1.39x bf16, 1.7x asked; by name: GPU_CHECK_STEPS=fp8_gemv_tiles, ~300 s: 72 builds): fp8_gemv has
 # never had a TUNED entry (every projection at default_tiles: one row a program, 2 KB a step, 4 warps); the sweep
 # times ROWS x (BLOCK_K, warps) in the plain loop and prints the literal for kernels_src/fp8_gemv.py's TUNED.
