@@ -17,6 +17,10 @@ MMQ idea on ir/formats/int_groups.py's blocks ([scale f32][bias f32][q bytes], w
 - Hence sum_k w_k x_k over the step ~ sx * (scale sum(q xq) + bias sum(xq)) = scale (D T + P) + bias Q: a LEA (16 A
   + BASE), an FADD, three FFMAs an output a step outside the MMAs (sm_90 SASS of a 128-input step, 64 x 128 tiles,
   8 warps: 304 instructions, 4 IGMMA, 128 registers; docs/ARCHITECTURE.md compares it with variant stream).
+- Each dot's MMAs are waited for where Triton emits them (sm_90: WARPGROUP.ARRIVE, 2 IGMMA, WARPGROUP.DEPBAR a dot;
+  the epilogue reads T each step, so no MMA runs past its step). Tried 2026-12-05: the odd half's dot from zero,
+  summed after (a subtraction, since Triton folds dot + add back into the chained dot), keeps the same two waits a
+  step and takes 168 registers against 128.
 - SWAP orientation (W the MMA's M side, 64 rows a warpgroup; the batch its N); rows past M and N clamped, not
   masked; split-K through dequant_gemm's partials and reduce.
 Accuracy: x moves by at most sx / 2 an input, so |y - x @ W.T| <= sum_k |W[n, k]| sx_k / 2 (mmq_error_bound), plus
