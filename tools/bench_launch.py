@@ -4,13 +4,13 @@ CUDA graphs). Three figures, each in microseconds of host time:
 - one DSL kernel launch (a one-row rms_norm, far shorter on the GPU than its launch) through the C launcher of its
   compiled kernel (`dsl.launch.DIRECT_LAUNCH`), through Triton's `JITFunction.run`, and a tiny `F.linear` and
   `torch.empty` for scale;
-- an eager decode step of a synthetic Llama-3-8B-shaped model (`--layers`) at batch 1, both launch paths, beside the
-  same engine's CUDA-graph step (the peer: the issue's target is eager within 1.5x of it);
+- an eager decode step of a synthetic Llama-3-8B-shaped model (`--layers`) at `--batch` (1), both launch paths,
+  beside the same engine's CUDA-graph step (the peer: the issue's target is eager within 1.5x of it);
 - a Python profile of the eager steps (the 25 largest by own time), for where the rest goes;
 - a step that prefills one prompt of 16 / 128 / 512 tokens, replayed in pieces (backends.cuda.piecewise) against
   the same step run eagerly.
 
-    python -m tools.bench_launch [--layers 8] [--steps 32] [--json FILE]
+    python -m tools.bench_launch [--layers 8] [--steps 32] [--batch 1] [--no-prefill] [--json FILE]
 """
 
 from __future__ import annotations
@@ -61,13 +61,14 @@ def launch_costs() -> dict[str, float]:
     return res
 
 
-def step_ms(engine, steps: int, vocab: int, profile: bool = False) -> tuple[float, str]:
-    """Mean ms of `steps` decode steps at batch 1 (prefill and warm-up untimed), and their profile if asked."""
+def step_ms(engine, steps: int, vocab: int, profile: bool = False, batch: int = 1) -> tuple[float, str]:
+    """Mean ms of `steps` decode steps at `batch` (prefill and warm-up untimed), and their profile if asked."""
     from core.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
-    engine.add_request(rng.integers(0, vocab, 128).tolist(),
-                       SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, vocab, 128).tolist(),
+                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
@@ -111,6 +112,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="sequences a decode step")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill steps in pieces")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_launch.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -118,7 +121,8 @@ def main() -> None:
     from tools.bench_gpu import engine_for
     from tools.bench_gpu_model import dense_params, loaded_model, model_config
 
-    res: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "launch_us": launch_costs()}
+    res: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "batch": args.batch,
+                 "launch_us": launch_costs()}
     for name, us in res["launch_us"].items():
         print(f"{us:8.1f} us  {name}", flush=True)
     cfg = model_config(args.layers)
@@ -126,18 +130,19 @@ def main() -> None:
     params = dense_params(model.graph)
     res["step_ms"] = {}
     for graphs in (True, False):
-        engine = engine_for(model, params, 1, 256, graphs=graphs)
+        engine = engine_for(model, params, args.batch, 256, graphs=graphs)
         modes = (True,) if graphs else (True, False)
         for direct in modes:
             dsl_launch.DIRECT_LAUNCH = direct
             name = "CUDA graphs" if graphs else f"eager, {'C launcher' if direct else 'JITFunction.run'}"
-            res["step_ms"][name], _ = step_ms(engine, args.steps, cfg.vocab_size)
-            print(f"{res['step_ms'][name]:8.2f} ms a step  {name} ({args.layers} layers, batch 1)", flush=True)
+            res["step_ms"][name], _ = step_ms(engine, args.steps, cfg.vocab_size, batch=args.batch)
+            print(f"{res['step_ms'][name]:8.2f} ms a step  {name} ({args.layers} layers, batch {args.batch})",
+                  flush=True)
         if not graphs:
             dsl_launch.DIRECT_LAUNCH = True
-            _, res["profile"] = step_ms(engine, args.steps, cfg.vocab_size, profile=True)
+            _, res["profile"] = step_ms(engine, args.steps, cfg.vocab_size, profile=True, batch=args.batch)
             print(res["profile"], flush=True)
-        else:
+        elif not args.no_prefill:
             res["prefill_ms"] = prefill_steps(engine, cfg.vocab_size)
         del engine
     g = res["step_ms"]["CUDA graphs"]

@@ -296,6 +296,8 @@ pending_next() {
 pending_eager() {
     local rc=0 f
     timeout 90 "$PY" -m tools.bench_launch --layers 8 --json "$OUT"/bench_launch.json || rc=1
+    # batch 16: 2.99x graphs end to end on 2026-12-05 where batch 1 was 1.44x; its eager steps' Python profile
+    timeout 90 "$PY" -m tools.bench_launch --layers 8 --batch 16 --no-prefill --json "$OUT"/bench_launch16.json || rc=1
     for f in 1:1 1:0 0:0; do  # fusions : kept buffers and repeated launches (backends/cuda/step_arena.py)
         echo "== eager decode after a 128-token prompt, LLM_ENGINE_EAGER_FUSIONS=${f%:*} LLM_ENGINE_STEP_ARENA=${f#*:}"
         LLM_ENGINE_EAGER_FUSIONS=${f%:*} LLM_ENGINE_STEP_ARENA=${f#*:} timeout 130 "$PY" -m tools.bench_gpu \
@@ -340,8 +342,8 @@ pending_int_mmq() {
 # The same at 64 rows, every mmq build (num_stages 2-4 too, where the 2026-12-05 sweep was --quick; by name:
 # GPU_CHECK_STEPS=int_mmq_sweep64, ~200 s): prints int_group_gemm.TUNED's literal.
 [[ " ${GPU_CHECK_STEPS:-} " == *" int_mmq_sweep64 "* ]] && step int_mmq_sweep64 gpu 240 timeout 230 "$PY" -m \
-    tools.sweep_gemm --variants mmq --qtypes int4g128 --ms 64 --shapes 28672x4096,4096x14336,6144x4096,4096x4096 \
-    --budget 180 --json "$OUT"/int_mmq_sweep64.json
+    tools.sweep_gemm --variants mmq --qtypes int4g128 --ms 64 --shapes ${MMQ_SHAPES:-28672x4096,4096x14336,6144x4096,4096x4096} \
+    --budget ${MMQ_BUDGET:-180} --json "$OUT"/int_mmq_sweep64.json
 # Issue 17's FP8 batch 1 (1.39x bf16, 1.7x asked; by name: GPU_CHECK_STEPS=fp8_gemv_tiles, ~300 s: 72 builds): fp8_gemv has
 # never had a TUNED entry (every projection at default_tiles: one row a program, 2 KB a step, 4 warps); the sweep
 # times ROWS x (BLOCK_K, warps) in the plain loop and prints the literal for kernels_src/fp8_gemv.py's TUNED.
