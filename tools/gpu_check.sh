@@ -340,9 +340,11 @@ pending_int_mmq() {
 [[ " ${GPU_CHECK_STEPS:-} " == *" profile_int4 "* ]] && step profile_int4 gpu 150 "$PY" -m tools.bench_gpu \
     --batches 64 --quant int4 --no-peer --profile 64 --ablate '' --prefill 256 --gen 32 --json "$OUT"/profile_int4.json
 # The same at 64 rows, every mmq build (num_stages 2-4 too, where the 2026-12-05 sweep was --quick; by name:
-# GPU_CHECK_STEPS=int_mmq_sweep64, ~200 s): prints int_group_gemm.TUNED's literal.
+# GPU_CHECK_STEPS=int_mmq_sweep64, ~200 s): prints int_group_gemm.TUNED's literal. MMQ_SHAPES, MMQ_MS, MMQ_VARIANTS
+# and MMQ_BUDGET change it: the int4 output projection, unnamed in TUNED (stream: 373 us of a batch-64 step on
+# 2026-12-05), is MMQ_SHAPES=128256x4096 MMQ_MS=16,64,128 MMQ_VARIANTS=stream,mmq.
 [[ " ${GPU_CHECK_STEPS:-} " == *" int_mmq_sweep64 "* ]] && step int_mmq_sweep64 gpu 240 timeout 230 "$PY" -m \
-    tools.sweep_gemm --variants mmq --qtypes int4g128 --ms 64 --shapes ${MMQ_SHAPES:-28672x4096,4096x14336,6144x4096,4096x4096} \
+    tools.sweep_gemm --variants ${MMQ_VARIANTS:-mmq} --qtypes int4g128 --ms ${MMQ_MS:-64} --shapes ${MMQ_SHAPES:-28672x4096,4096x14336,6144x4096,4096x4096} \
     --budget ${MMQ_BUDGET:-180} --json "$OUT"/int_mmq_sweep64.json
 # Issue 17's FP8 batch 1 (1.39x bf16, 1.7x asked; by name: GPU_CHECK_STEPS=fp8_gemv_tiles, ~300 s: 72 builds): fp8_gemv has
 # never had a TUNED entry (every projection at default_tiles: one row a program, 2 KB a step, 4 warps); the sweep
@@ -387,11 +389,12 @@ moe_warmup() {
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" moe_warmup "* ]] && step moe_warmup gpu 400 moe_warmup
 # Issue 16's MoE shapes against llama.cpp in one call (by name: GPU_CHECK_STEPS=gguf_moe, ~300 s): the four
-# bench_gguf stages above for MOE_SHAPE (default qwen3-30b-a3b; or deepseek-v2-lite), Q4_K_M, MOE_WHAT (default
-# decode; decode,prefill adds the 2,048-token prefill) at batches 1, 16 and 64, then the report.
+# bench_gguf stages above for MOE_SHAPE (default qwen3-30b-a3b; or deepseek-v2-lite), MOE_FILES (default q4km;
+# f16,q4km both), MOE_WHAT (default decode; decode,prefill adds the 2,048-token prefill) at batches 1, 16 and 64, then
+# the report.
 gguf_moe() {
     local rc=0 shape=${MOE_SHAPE:-qwen3-30b-a3b}
-    local a=(--shape "$shape" --files q4km --what "${MOE_WHAT:-decode}" --batches 1,16,64
+    local a=(--shape "$shape" --files "${MOE_FILES:-q4km}" --what "${MOE_WHAT:-decode}" --batches 1,16,64
              --llama-cpp .peers/llama.cpp-cuda-sm90.tar.xz)
     timeout 200 "$PY" -m tools.bench_gguf --stage prepare "${a[@]}" --budget 180 || return 1
     timeout 160 "$PY" -m tools.bench_gguf --stage llamacpp "${a[@]}" --budget 150 || rc=1
