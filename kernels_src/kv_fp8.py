@@ -95,12 +95,18 @@ def scales_shape(cache_shape) -> tuple[int, ...]:
     return tuple(cache_shape[:-1])
 
 
+def _logical(buf):
+    """A [num_blocks, Hkv, D, block_size] buffer (numpy or torch) seen as V's logical [num_blocks, block_size, Hkv,
+    D]."""
+    return buf.transpose(0, 3, 1, 2) if isinstance(buf, np.ndarray) else buf.permute(0, 3, 1, 2)
+
+
 def token_minor(v_cache):
     """V's codes [num_blocks, block_size, Hkv, D] (numpy or torch) copied into the token-minor layout: a view of the
     same shape over a contiguous [num_blocks, Hkv, D, block_size] buffer."""
     if isinstance(v_cache, np.ndarray):
-        return np.ascontiguousarray(v_cache.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
-    return v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        return _logical(np.ascontiguousarray(v_cache.transpose(0, 2, 3, 1)))
+    return _logical(v_cache.permute(0, 2, 3, 1).contiguous())
 
 
 def new_v_cache(shape, zeros):
@@ -109,8 +115,7 @@ def new_v_cache(shape, zeros):
     if not V_TOKEN_MINOR:
         return zeros(shape)
     nb, bs, h, d = shape
-    buf = zeros((nb, h, d, bs))
-    return buf.transpose(0, 3, 1, 2) if isinstance(buf, np.ndarray) else buf.permute(0, 3, 1, 2)
+    return _logical(zeros((nb, h, d, bs)))
 
 
 def v_strides(v_cache) -> tuple[int, int, int, int]:

@@ -17,6 +17,7 @@ import numpy as np
 from backends.base import Backend, MemoryReport, kv_cache_quant
 from backends.cuda import decode_table, eager, weights
 from backends.cuda.graphs import DecodeGraphs
+from backends.cuda.kv_tensors import layer_caches
 from backends.cuda.piecewise import PiecewiseGraphs
 from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
@@ -39,7 +40,7 @@ from ir.kv_groups import kv_layout
 from ir.loader import LoadedModel
 from ir.sharding import ShardedWeights, shard
 from ir.weight_formats import FORMATS
-from kernels_src import kv_fp8, kv_int8
+from kernels_src import kv_int8
 
 log = logging.getLogger(__name__)
 
@@ -259,20 +260,9 @@ class CUDABackend(Backend):
             raise ValueError(f"{len(pools)} pool sizes for {layout.num_groups} KV groups")
         want = sum(n * self.kv_bytes_per_block(block_size, g) for g, n in enumerate(pools))
 
-        def caches(n: int, s) -> tuple[torch.Tensor, ...]:  # a latent layer's one cache: values in its keys
-            dims = (s.key_dim,) if s.values_in_keys else (s.key_dim, s.value_dim)
-            if self.kv_quant:  # (k codes, v codes, k scales, v scales): kernels_src.kv_int8's or kv_fp8's layout
-                shape = (n, block_size, s.heads, s.key_dim)
-                layout, codes = (kv_fp8, torch.uint8) if self.kv_quant == "fp8" else (kv_int8, torch.int8)
-                def zeros(shape_):
-                    return torch.zeros(shape_, dtype=codes, device=self.device)
-                new_v = (lambda shape_: kv_fp8.new_v_cache(shape_, zeros)) if layout is kv_fp8 else zeros  # token-minor
-                return (*(new(shape) for new in (zeros, new_v)[:len(dims)]),
-                        *(torch.zeros(layout.scales_shape(shape), device=self.device) for _ in dims))
-            return tuple(torch.zeros((n, block_size, s.heads, d), dtype=dt, device=self.device) for d in dims)
-
         try:
-            self.kv = [caches(pools[g], s) for s, g in zip(layout.shapes, layout.group_of, strict=True)]
+            self.kv = [layer_caches(pools[g], block_size, s, dt, self.kv_quant, self.device)
+                       for s, g in zip(layout.shapes, layout.group_of, strict=True)]
         except torch.OutOfMemoryError as e:
             self.kv = []
             if self.device.type == "cuda":
