@@ -308,9 +308,9 @@ pending_eager() {
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_eager "* ]] && step pending_eager gpu 480 pending_eager
 # Issue 16's Qwen3-30B-A3B Q4_K_M batch 64 (by name: GPU_CHECK_STEPS=pending_moe, ~150 s): the MoE's grouped passes on
-# int8 tensor cores (kernels_src/moe_mmq.py, off until this decides LLM_ENGINE_MOE_MMQ, MMQ_MIN_SLOTS against the
-# GEMV, MMQ_SLOTS_PER_EXPERT against dequantize + dense, and TILES), first its GPU cases against its reference; and
-# moe_align's one launch (kernels_src/moe_align.py, on by default untimed) against the torch ops it replaces.
+# int8 tensor cores (kernels_src/moe_mmq.py; its sweep of 2026-12-05 set LLM_ENGINE_MOE_MMQ on, MMQ_MIN_SLOTS against
+# the GEMV, MMQ_SLOTS_PER_EXPERT against dequantize + dense, and TILES: rerun when they change), first its GPU cases
+# against its reference; and moe_align's one launch (kernels_src/moe_align.py) against the torch ops it replaces.
 pending_moe() {
     "$PY" -m pytest -q -x tests/test_kernels_gpu.py -k "(moe_mmq or moe_align) and triton" || return 1
     timeout 60 "$PY" -m tools.sweep_moe_align --tokens 16,64,128 || return 1
@@ -319,13 +319,12 @@ pending_moe() {
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_moe "* ]] && step pending_moe gpu 240 pending_moe
 # Issue 17's GPTQ int4 g128 decode at batch 64 (by name: GPU_CHECK_STEPS=pending_int_mmq, ~250 s): the integer-group
-# GEMM on int8 tensor cores (kernels_src/int_group_mmq.py, int_group_gemm's variant mmq, off until this decides
-# LLM_ENGINE_INT_MMQ and its TUNED entries), first its GPU cases against its reference, then its sweep against stream
-# on Llama-3-8B's shapes, then int4 decode at batch 16 and 64 with the switch on and off.
+# GEMM on int8 tensor cores (kernels_src/int_group_mmq.py, int_group_gemm's variant mmq where TUNED names it), first
+# its GPU cases against its reference, then at 64 and 128 rows against dequantize + cuBLAS (int_group_linear.GEMM_ROWS,
+# 128 since 2026-12-05), then int4 decode at batch 16 and 64 with LLM_ENGINE_INT_MMQ unset and 0.
 pending_int_mmq() {
     local rc=0 on
     "$PY" -m pytest -q -x tests/test_kernels_gpu.py -k "int_group_mmq and triton" || return 1
-    # At 128 rows: int_group_linear.GEMM_ROWS (64) sends them to dequantize + cuBLAS; mmq (TUNED) against that.
     timeout 90 "$PY" -m tools.bench_int_group_gemm --rows 64,128 || rc=1
     for on in "" 0; do  # unset: TUNED's mmq entries (the swept shapes); 0: stream
         echo "== A/B LLM_ENGINE_INT_MMQ='$on': int4 g128 decode at batch 16 and 64"
@@ -344,8 +343,9 @@ pending_int_mmq() {
 # and MMQ_BUDGET change it: the int4 output projection, unnamed in TUNED (stream: 373 us of a batch-64 step on
 # 2026-12-05), is MMQ_SHAPES=128256x4096 MMQ_MS=16,64,128 MMQ_VARIANTS=stream,mmq.
 [[ " ${GPU_CHECK_STEPS:-} " == *" int_mmq_sweep64 "* ]] && step int_mmq_sweep64 gpu 240 timeout 230 "$PY" -m \
-    tools.sweep_gemm --variants ${MMQ_VARIANTS:-mmq} --qtypes int4g128 --ms ${MMQ_MS:-64} --shapes ${MMQ_SHAPES:-28672x4096,4096x14336,6144x4096,4096x4096} \
-    --budget ${MMQ_BUDGET:-180} --json "$OUT"/int_mmq_sweep64.json
+    tools.sweep_gemm --variants "${MMQ_VARIANTS:-mmq}" --qtypes int4g128 --ms "${MMQ_MS:-64}" \
+    --shapes "${MMQ_SHAPES:-28672x4096,4096x14336,6144x4096,4096x4096}" --budget "${MMQ_BUDGET:-180}" \
+    --json "$OUT"/int_mmq_sweep64.json
 # Issue 17's FP8 batch 1 (1.39x bf16, 1.7x asked; by name: GPU_CHECK_STEPS=fp8_gemv_tiles, ~300 s: 72 builds): fp8_gemv has
 # never had a TUNED entry (every projection at default_tiles: one row a program, 2 KB a step, 4 warps); the sweep
 # times ROWS x (BLOCK_K, warps) in the plain loop and prints the literal for kernels_src/fp8_gemv.py's TUNED.
@@ -358,15 +358,15 @@ pending_int_mmq() {
 pending_fp8_vt() {
     local rc=0 on
     # FP8_VT_E2E_ONLY=1: only the end-to-end runs named in FP8_VT_RUNS (default "1 0 auto").
-    [[ ${FP8_VT_E2E_ONLY:-0} == 1 ]] || {
-    echo "== the fp8 cache through the backend on the GPU (token-minor V, the default since 2026-12-05)"
-    timeout 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" tests/test_cuda_kv_fp8.py || rc=1
-    for on in 1 0; do
-        echo "== A/B LLM_ENGINE_FP8_V_TOKEN_MINOR=$on: the fp8 cache's decode, our setting"
-        LLM_ENGINE_FP8_V_TOKEN_MINOR=$on timeout 60 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
-            --batches 1,16,64 --contexts 4096,16384 --budget 0 --json "$OUT"/fp8_vt$on.json || rc=1
-    done
-    }
+    if [[ ${FP8_VT_E2E_ONLY:-0} != 1 ]]; then
+        echo "== the fp8 cache through the backend on the GPU (token-minor V, the default since 2026-12-05)"
+        timeout 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" tests/test_cuda_kv_fp8.py || rc=1
+        for on in 1 0; do
+            echo "== A/B LLM_ENGINE_FP8_V_TOKEN_MINOR=$on: the fp8 cache's decode, our setting"
+            LLM_ENGINE_FP8_V_TOKEN_MINOR=$on timeout 60 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
+                --batches 1,16,64 --contexts 4096,16384 --budget 0 --json "$OUT"/fp8_vt$on.json || rc=1
+        done
+    fi
     timeout 120 "$PY" -m tools.bench_gguf --stage prepare --files f16 --layers 8 --dir /tmp/bench_gguf_l8 || return 1
     for on in ${FP8_VT_RUNS:-1 0 auto}; do  # auto: the 16-bit cache, issue 17's peer (its stage needs ~60 s after loading)
         echo "== A/B LLM_ENGINE_FP8_V_TOKEN_MINOR=$on: 8 layers, f16 weights, fp8 cache (auto: 16-bit), batch 16 at 16k"
