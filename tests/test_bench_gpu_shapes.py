@@ -78,3 +78,15 @@ def test_quantized_variants_decode_to_small_finite_weights(kind):
     else:
         vals = fp8_blocks.decode(w.data.numpy()) * np.repeat(w.scales.numpy(), 128, axis=1)
     assert np.isfinite(vals).all() and 0 < np.abs(vals).max() < 0.5
+
+
+def test_outlier_steps_single_out_a_compile_inside_the_timed_steps():
+    """decode_rate's note of a one-time cost: one 0.6 s step among 5 ms ones (a kernel compiled on first use) is
+    found with its seconds; steady steps, or a step only 3x the median, are not."""
+    from tools.bench_gpu_rates import outlier_steps
+
+    steps = [0.005] * 63 + [0.6]
+    assert outlier_steps(steps) == (1, 0.6, 0.005)
+    assert outlier_steps([0.005] * 64) is None
+    assert outlier_steps([0.005] * 63 + [0.015]) is None
+    assert outlier_steps([0.0001] * 63 + [0.01]) is None  # 100x a tiny median, yet under the 50 ms floor

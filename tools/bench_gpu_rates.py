@@ -60,10 +60,30 @@ def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int
     # Tokens of a step launched before the clock starts (overlapped steps: read back later) are not counted.
     before = engine.stats["generation_tokens"] + sum(s.pending for s in engine.scheduler.running)
     t = time.perf_counter()
+    steps = []
     while engine.has_unfinished():
+        t_step = time.perf_counter()
         engine.step()
+        steps.append(time.perf_counter() - t_step)
     torch.cuda.synchronize()
-    return (engine.stats["generation_tokens"] - before) / (time.perf_counter() - t)
+    tokens, seconds = engine.stats["generation_tokens"] - before, time.perf_counter() - t
+    if (slow := outlier_steps(steps)) is not None:
+        print(f"  decode batch {batch}: {slow[0]} step(s) took {slow[1]:.2f} s of the timed {seconds:.2f} s "
+              f"(median step {slow[2] * 1e3:.2f} ms): kernels compiled or a graph captured inside the timed steps; "
+              f"without them {tokens / (seconds - slow[1] + slow[0] * slow[2]):,.0f} tok/s", flush=True)
+    return tokens / seconds
+
+
+def outlier_steps(seconds: list[float], factor: float = 20.0, floor: float = 0.05) -> tuple[int, float, float] | None:
+    """(how many, their seconds, the median step) of the steps over `factor` x the median and `floor` seconds: a
+    one-time cost (a compile on first use, a capture) inside a rate's timed steps; None when there is none. An
+    eager step's host time is otherwise steady, so one such step is what separates a warm-up that missed a variant
+    from a step that is slow throughout."""
+    if len(seconds) < 3:
+        return None
+    med = float(np.median(seconds))
+    slow = [s for s in seconds if s > max(factor * med, floor)]
+    return (len(slow), sum(slow), med) if slow else None
 
 
 def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, top: int = 12) -> list[tuple]:

@@ -292,7 +292,9 @@ pending_next() {
 # Issue 13's eager steps with their fusions (by name: GPU_CHECK_STEPS=pending_eager, ~350 s; backends/cuda/eager.py
 # and step_arena.py, on by default untimed): the 8-layer eager step against graphs, then bf16 Llama-3-8B decode with
 # graphs off: both on, the kept buffers off, both off, in separate processes (a switch mid-run would compile inside
-# the timed region). The ratio to graphs at 128 and 4k contexts is the `eager` step's.
+# the timed region). The ratio to graphs at 128 and 4k contexts is the `eager` step's. bench_gpu's decode prints a
+# "step(s) took ... of the timed" line where a one-time cost (a compile) sits inside the timed steps: at batch 16 the
+# eager step's ~9 ms beyond batch 1's is ~0.6 s over 64 steps, one compile's time on the H200.
 pending_eager() {
     local rc=0 f
     timeout 90 "$PY" -m tools.bench_launch --layers 8 --json "$OUT"/bench_launch.json || rc=1
