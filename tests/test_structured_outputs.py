@@ -237,3 +237,72 @@ def test_min_tokens_yields_to_a_complete_grammar(make_engine, smollm):
                             structured=StructuredOutput("choice", json.dumps(CHOICES)))
     out = run_all(engine, [(tok.encode("Answer:"), params, None)])[0].outputs[0]
     assert out.text in CHOICES and out.finish_reason == "stop" and len(out.token_ids) < 10
+
+
+def test_objects_without_additional_properties_are_closed():
+    """closed_objects: each object schema listing properties, wherever it sits (nested, in items, anyOf, $defs), gets
+    additionalProperties false unless it says otherwise; a schema composing objects is left as written."""
+    from frontend.engine.grammar import closed_objects
+
+    age = {"type": "integer"}
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": age}},
+                                               "l": {"type": "array", "items": {"properties": {"c": age}}}},
+              "$defs": {"d": {"properties": {"e": age}}}, "anyOf": [{"properties": {"f": age}}, {"type": "null"}]}
+    assert closed_objects(schema) == {
+        "type": "object", "additionalProperties": False,
+        "properties": {"a": {"type": "object", "properties": {"b": age}, "additionalProperties": False},
+                       "l": {"type": "array", "items": {"properties": {"c": age}, "additionalProperties": False}}},
+        "$defs": {"d": {"properties": {"e": age}, "additionalProperties": False}},
+        "anyOf": [{"properties": {"f": age}, "additionalProperties": False}, {"type": "null"}]}
+    for kept in ({"properties": {"a": age}, "additionalProperties": True},
+                 {"properties": {"a": age}, "additionalProperties": age},
+                 {"properties": {"a": age}, "patternProperties": {"^x": age}},
+                 {"type": "object"}, {"type": "array", "items": False},
+                 {"allOf": [{"properties": {"a": age}}, {"properties": {"b": age}}]},
+                 {"properties": {"n": {"allOf": [{"properties": {"a": age}}]}}},
+                 {"$ref": "#/$defs/p", "properties": {"b": age}, "$defs": {"p": {"properties": {"a": age}}}}):
+        assert closed_objects(kept) == kept
+    assert schema == {**schema} and "additionalProperties" not in schema  # the caller's schema is not changed
+
+
+def test_open_schemas_give_their_keys_alone_on_a_random_model(chat_model):
+    """On random weights a key the schema does not list is as likely as one it does, so the mask alone keeps the
+    output to the listed keys: every sample of an object schema that says nothing of other keys has exactly its
+    properties (as vLLM's xgrammar and llama.cpp give them), one that says `additionalProperties` (an integer) takes
+    others in some samples, and allOf's parts combine (neither part closed against the other)."""
+    import jsonschema
+
+    from backends.mlx.backend import MLXBackend
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    INT = {"type": "integer", "minimum": 0, "maximum": 9}
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": INT},
+              "required": ["name", "age"]}
+    nested = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"q": INT}, "required": ["q"]}}}, "required": ["items"]}
+    open_ = {"type": "object", "properties": {"a": INT}, "required": ["a"], "additionalProperties": INT,
+             "maxProperties": 2}
+    both = {"allOf": [{"type": "object", "properties": {"a": INT}, "required": ["a"]},
+                      {"properties": {"b": INT}, "required": ["b"]}], "maxProperties": 2}
+    engine = LLMEngine(MLXBackend(chat_model, progress=False),
+                       EngineConfig(num_kv_blocks=512, block_size=16, scheduler=SchedulerConfig(max_num_seqs=32)))
+    ask = chat_model.tokenizer.encode("Describe a thing in JSON.")
+    jobs = [(ask, SamplingParams(temperature=1.0, seed=i, max_tokens=200, n=8,
+                                 structured=StructuredOutput("json_schema", json.dumps(s))), s)
+            for i, s in enumerate((person, nested, open_, both))]
+    outs = run_all(engine, jobs)
+    values = []
+    for out, (_, _, schema) in zip(outs, jobs, strict=True):
+        assert out.error is None, out.error
+        done = [c for c in out.outputs if c.finish_reason == "stop"]
+        # an open object's other keys are any strings, which random weights may not end within max_tokens
+        assert schema is open_ or len(done) == len(out.outputs), [(c.finish_reason, c.text) for c in out.outputs]
+        values.append([json.loads(c.text) for c in done])
+        for v in values[-1]:
+            jsonschema.validate(v, schema)
+    assert all(set(v) == {"name", "age"} for v in values[0]), values[0]
+    assert all(set(v) == {"items"} and all(set(i) == {"q"} for i in v["items"]) for v in values[1]), values[1]
+    # the open one: a second key in some sample (a comma: "a" is one digit), finished or not
+    assert any("," in c.text for c in outs[2].outputs), [c.text for c in outs[2].outputs]
+    assert all(set(v) == {"a", "b"} for v in values[3]), values[3]
