@@ -38,8 +38,11 @@ def parser() -> argparse.ArgumentParser:
     src = ap.add_argument_group("model")
     src.add_argument("--w", metavar="DIR", help="a local safetensors model folder (HF layout)")
     src.add_argument("--f", metavar="FILE", help="a local GGUF file; with --m, a file name in that hub repo")
-    src.add_argument("--m", metavar="ID", help="a Hugging Face model id (the local cache is used when offline) "
-                     "or a local path")
+    src.add_argument("--m", "--model", dest="m", metavar="ID", help="a Hugging Face model id (the local cache is "
+                     "used when offline) or a local path (a GGUF file or a folder; --model as vLLM and llama-server "
+                     "spell it)")
+    src.add_argument("--served-model-name", "--alias", metavar="NAME", help="the model's name in /v1/models and in "
+                     "requests (default: the id, folder or file name it was loaded by)")
     src.add_argument("--backend", choices=["auto", "mlx", "cuda"], default="auto",
                      help="auto: cuda when an NVIDIA GPU is usable, else mlx")
     src.add_argument("--dtype", choices=["bf16", "f16", "f32"], help="activations and unquantized weights "
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             return _serve_rank(args, str(source.path))
         if args.mlx_ring is not None and args.mlx_ring.rank != 0:
             return _serve_mlx_rank(args, str(source.path))
-        log.info("loading %s from %s", source.id, source.path)
+        log.info("loading %s from %s", args.served_model_name or source.id, source.path)
         spec = engine_spec(args, str(source.path))
         if args.prompt is not None or args.engine_in_process:  # else the engine process loads the weights
             engine = spec.load()
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return answer_once(engine, args)
     from frontend.run_server import serve
-    return serve(args, source.id, spec, engine)
+    return serve(args, args.served_model_name or source.id, spec, engine)
 
 
 def engine_spec(args: argparse.Namespace, model_path: str):

@@ -158,3 +158,22 @@ def test_a_launch_refuses_restarting_the_engine(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--on-engine-death", "restart"])
     assert "could not rejoin them" in capsys.readouterr().err
+
+
+def test_model_and_served_name_as_vllm_and_llama_server_spell_them(smollm_path):
+    """`--model PATH --served-model-name NAME` (vLLM's flags; llama-server's --model and --alias): the file is served
+    under NAME, which /v1/models lists and requests use; the file's own name is then not a model here."""
+    from openai import NotFoundError, OpenAI
+
+    from frontend import cli
+    from tests.serving import FRANCE, ServerProcess
+
+    assert cli.parser().parse_args(["--alias", "a", "--model", "x/y"]).served_model_name == "a"
+    assert cli.parser().parse_args(["--model", "x/y"]).m == "x/y"
+    with ServerProcess("--model", str(smollm_path), "--served-model-name", "smol", "--max-model-len", "512") as srv:
+        client = OpenAI(base_url=srv.url, api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["smol"]
+        r = client.chat.completions.create(model="smol", messages=FRANCE, temperature=0, max_tokens=12)
+        assert r.model == "smol" and "Paris" in r.choices[0].message.content
+        with pytest.raises(NotFoundError, match="serves 'smol'"):
+            client.chat.completions.create(model=smollm_path.stem, messages=FRANCE, max_tokens=2)
