@@ -118,6 +118,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="the reply continues the last message (a prefilled "
+                                         "assistant turn); implies add_generation_prompt false")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
     tools: list[ToolDef] | None = Field(None, description="functions the model may call (reach the template)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -153,6 +155,7 @@ class TokenizeRequest(_Model):
     messages: list[Message] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[ToolDef] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

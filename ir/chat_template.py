@@ -213,6 +213,7 @@ def render_chat(
     bos_token: str | None = None,
     eos_token: str | None = None,
     tools: list[dict] | None = None,
+    continue_final_message: bool = False,
     **extra: Any,
 ) -> str:
     """Render `messages` with a chat template the way transformers' `apply_chat_template` does.
@@ -220,7 +221,12 @@ def render_chat(
     Special tokens given as None stay undefined in the template, as they do in transformers when the
     tokenizer has none, so `{% if bos_token is defined %}` behaves the same. Message keys whose
     value is None are dropped too (OpenAI clients send `tool_calls: null`; templates test `is defined`).
+    `continue_final_message`: the text ends inside the last message (open_final_message), which the model goes on
+    writing (a prefilled reply); rendered without the generation prompt.
     """
+    if continue_final_message:
+        rendered = render_chat(template, messages, False, bos_token, eos_token, tools, **extra)
+        return open_final_message(rendered, str(messages[-1].get("content") or "") if messages else "")
     compiled = compile_template(template)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     context: dict[str, Any] = _plain(extra)
@@ -237,3 +243,18 @@ def render_chat(
         raise ChatTemplateError(f"chat template refused by the sandbox: {e}") from None
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template failed to render: {e}") from None
+
+
+def open_final_message(rendered: str, final: str) -> str:
+    """`rendered` cut right after the final message's text, as transformers' continue_final_message cuts it: what
+    the template writes after that text (an end-of-turn token, a newline) goes. Found by its last occurrence,
+    stripped; its trailing whitespace stays where the template kept it."""
+    text = final.strip()
+    if not text:
+        raise ChatTemplateError("continue_final_message: the final message has no text to continue")
+    at = rendered.rfind(text)
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the final message's text is not in the rendered chat (the "
+                                "template rewrites it)")
+    kept = final.lstrip()
+    return rendered[:at + (len(kept) if rendered.startswith(kept, at) else len(text))]

@@ -71,6 +71,35 @@ def test_same_text_as_transformers(src, add_generation_prompt):
     assert render_chat(src, CONVERSATION, add_generation_prompt=add_generation_prompt, **tokens) == want[0]
 
 
+# a template that trims what it is given, as many do (Llama 3's): the cut falls after the trimmed text
+TRIMMING = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] | trim + '<|eot|>' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+@pytest.mark.parametrize("src", [CHATML, LLAMA2, TRIMMING])
+@pytest.mark.parametrize("final", ["The answer is", "The answer is ", " Hello! "])
+def test_continue_final_message_as_transformers_cuts_it(src, final):
+    """The reply is prefilled: the text ends inside the last (assistant) message, nothing of the template after it,
+    as transformers' continue_final_message renders it (trailing whitespace kept where the template keeps it)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+    chat = [*CONVERSATION, {"role": "assistant", "content": final}]
+    want, _ = utils.render_jinja_template(conversations=[chat], chat_template=src, add_generation_prompt=False,
+                                          continue_final_message=True, **tokens)
+    got = render_chat(src, chat, continue_final_message=True, **tokens)
+    assert got == want[0] and got.rstrip().endswith("answer is" if "answer" in final else "Hello!")
+    assert render_chat(src, chat, add_generation_prompt=False, **tokens).startswith(got)
+
+
+def test_continue_final_message_needs_text_the_template_keeps():
+    with pytest.raises(ChatTemplateError, match="no text to continue"):
+        render_chat(CHATML, [*CONVERSATION, {"role": "assistant", "content": "  "}], continue_final_message=True)
+    upper = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="not in the rendered chat"):
+        render_chat(upper, [{"role": "assistant", "content": "ok then"}], continue_final_message=True)
+
+
 def test_missing_special_tokens_are_undefined():
     src = "{% if bos_token is defined %}{{ bos_token }}{% else %}none{% endif %}"
     assert render_chat(src, []) == "none"

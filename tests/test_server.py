@@ -198,6 +198,10 @@ def test_seeded_request_is_the_same_with_others_in_flight(aclient):
     ({"messages": FRANCE, "max_tokens": 9000}, "max_tokens", "8192"),
     ({"messages": FRANCE, "logit_bias": {"999999": 5}}, "logit_bias", "token ids"),
     ({"messages": FRANCE, "stop": 5}, "stop", "string"),
+    ({"messages": FRANCE, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message",
+     "cannot both be true"),
+    ({"messages": [*FRANCE, {"role": "assistant", "content": " "}], "continue_final_message": True}, "messages",
+     "no text to continue"),
     ([1, 2], None, "object"),
 ])
 def test_bad_chat_requests_get_400(server, body, param, words):
@@ -240,6 +244,22 @@ def test_tokenize_detokenize(server):
     assert chat["count"] == 37
     status, body = post(server, "/detokenize", {"tokens": [10**9]})
     assert status == 400 and assert_error_body(body, "tokens")
+
+
+def test_continue_final_message_prefills_the_reply(server, client):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's prefilled text (no end of turn), and the
+    reply goes on from it, as a completion of that same prompt does (greedy, the same ids through /tokenize)."""
+    chat = [*FRANCE, {"role": "assistant", "content": "The capital of France is"}]
+    status, tok = post(server, "/tokenize", {"messages": chat, "continue_final_message": True,
+                                             "add_generation_prompt": False})
+    assert status == 200
+    status, text = post(server, "/detokenize", {"tokens": tok["tokens"]})
+    assert text["prompt"].endswith("<|im_start|>assistant\nThe capital of France is")
+    reply = client.chat.completions.create(model=MODEL, messages=chat, temperature=0, max_tokens=8,
+                                           extra_body={"continue_final_message": True})
+    same = client.completions.create(model=MODEL, prompt=tok["tokens"], temperature=0, max_tokens=8)
+    assert reply.choices[0].message.content == same.choices[0].text and "Paris" in same.choices[0].text
+    assert reply.usage.prompt_tokens == tok["count"]
 
 
 def test_openapi_document(server):
