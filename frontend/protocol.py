@@ -97,6 +97,7 @@ class SamplingFields(_Model):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, description="vLLM's: not supported (a 400), rather than ignored")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -134,6 +134,9 @@ class OpenAIServing:
             raise bad_request(f"{self.model.id} is an embedding model (no LM head): it generates no text; use "
                               "/v1/embeddings", "model")
         self.limits.check_sampling(req)
+        if req.prompt_logprobs is not None:  # a client relying on them must not get a reply without them
+            raise bad_request("prompt_logprobs is not supported: this server returns logprobs of generated tokens "
+                              "only", "prompt_logprobs")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 

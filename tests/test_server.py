@@ -198,6 +198,7 @@ def test_seeded_request_is_the_same_with_others_in_flight(aclient):
     ({"messages": FRANCE, "max_tokens": 9000}, "max_tokens", "8192"),
     ({"messages": FRANCE, "logit_bias": {"999999": 5}}, "logit_bias", "token ids"),
     ({"messages": FRANCE, "stop": 5}, "stop", "string"),
+    ({"messages": FRANCE, "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
     ({"messages": FRANCE, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message",
      "cannot both be true"),
     ({"messages": [*FRANCE, {"role": "assistant", "content": " "}], "continue_final_message": True}, "messages",
