@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
 from backends.base import KV_CACHE_DTYPES, kv_cache_quant
+from frontend.cli_launch import check_flag_world, device_ids, launcher_rank, mlx_launch_rank
 from frontend.model_source import resolve
 from ir.isq import ISQ_TYPES, isq_kind
 from ir.pooling import RUNNER_TASKS, TASKS, task_of
-from ir.sharding import check_world
 
 log = logging.getLogger("frontend")
 
 # Flags of docs/FEATURES.md whose feature is not built yet: refused, never silently ignored.
 NOT_YET: dict[str, str] = {}
+
+
+_DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "float16": "f16", "half": "f16", "f32": "f32",
+           "float32": "f32", "float": "f32", "auto": None}
+
+
+def _dtype(text: str) -> str | None:
+    """--dtype in our spelling or vLLM's (auto: the backend's choice, as no flag)."""
+    if text not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from bf16, f16, f32, or vLLM's "
+                                         "bfloat16, float16, half, float32, float, auto)")
+    return _DTYPES[text]
 
 
 def _positive(kind=int, zero: bool = False):
@@ -45,8 +56,8 @@ def parser() -> argparse.ArgumentParser:
                      "requests (default: the id, folder or file name it was loaded by)")
     src.add_argument("--backend", choices=["auto", "mlx", "cuda"], default="auto",
                      help="auto: cuda when an NVIDIA GPU is usable, else mlx")
-    src.add_argument("--dtype", choices=["bf16", "f16", "f32"], help="activations and unquantized weights "
-                     "(default: the backend's choice)")
+    src.add_argument("--dtype", type=_dtype, metavar="{bf16,f16,f32}", help="activations and unquantized weights "
+                     "(default: the backend's choice; vLLM's bfloat16, float16 / half, float32 / float and auto too)")
     src.add_argument("--isq", metavar="TYPE", help="in-situ quantization: quantize the model's matrices at load to "
                      f"a GGUF block type, int4 (RTN groups of 128) or fp8 (e4m3, 128x128 block scales) "
                      f"({', '.join(ISQ_TYPES)}); the LM head as llama-quantize does (int4, fp8: kept as stored)")
@@ -101,7 +112,8 @@ def parser() -> argparse.ArgumentParser:
                      "long gap per burst instead of one per step of it); smaller arrivals ride beside the decodes. "
                      "Default: the backend's (off on every backend for now); 0: off")
     eng.add_argument("--disable-prefix-cache", action="store_true", help="no automatic prefix caching")
-    eng.add_argument("--disable-cuda-graph", action="store_true", help="CUDA backend: run decode steps eagerly")
+    eng.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph", action="store_true",
+                     help="CUDA backend: run decode steps eagerly (--enforce-eager as vLLM spells it)")
     eng.add_argument("--disable-async-scheduling", action="store_true", help="CUDA backend: read each step's "
                      "tokens back before launching the next (by default steps overlap the host's work)")
     eng.add_argument("--d", metavar="ID[,ID...]", help="CUDA backend: the GPU to use (default 0), or several: tensor "
@@ -150,7 +162,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.mem and args.kv_fraction:
         ap.error("give the KV budget with --mem or --kv-fraction, not both")
     if args.d is not None:
-        args.d = _device_ids(ap, args.d)
+        args.d = device_ids(ap, args.d)
     if args.cpu_tensors:
         args.backend = "cuda"
     if args.d is not None and len(args.d) > 1 and args.backend == "mlx":
@@ -158,15 +170,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.tp is not None:
         if args.backend == "cuda" or args.d is not None:
             ap.error("--tp N is the MLX backend's tensor parallel; the CUDA backend's ranks are its GPUs: --d 0,1")
-        _world(ap, "--tp", args.tp, "processes")
+        check_flag_world(ap, "--tp", args.tp, "processes")
         args.backend = "mlx"
     if args.kv_cache_dtype != "auto" and args.backend != "auto":
         try:
             kv_cache_quant(args.kv_cache_dtype, args.backend)
         except (ValueError, NotImplementedError) as e:
             ap.error(str(e))
-    args.launch = _launcher_rank(ap, args)
-    args.mlx_ring = _mlx_launch_rank(ap, args)
+    args.launch = launcher_rank(ap, args)
+    args.mlx_ring = mlx_launch_rank(ap, args)
     if args.w and (args.f or args.m):
         ap.error("--w names a local folder; it cannot be combined with --f or --m")
     from frontend.protocol import SamplingFields, ServerDefaults, sampling_params
@@ -193,70 +205,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error("--max-tokens applies to --prompt only; when serving, --max-gen-tokens sets the default "
                      "for requests without max_tokens")
     return args
-
-
-def _device_ids(ap: argparse.ArgumentParser, text: str) -> list[int]:
-    ids = [x.strip() for x in text.split(",")]
-    if not ids or not all(i.isdigit() for i in ids) or len(set(ids)) != len(ids):
-        ap.error(f"--d takes GPU ids separated by commas, each once (0 or 0,1,2,3), got {text!r}")
-    _world(ap, "--d", len(ids), "GPUs")
-    return [int(i) for i in ids]
-
-
-def _world(ap: argparse.ArgumentParser, flag: str, n: int, unit: str) -> None:
-    try:
-        check_world(n, unit)  # the rule the sharding pass holds ranks to
-    except ValueError as e:
-        ap.error(f"{flag}: {e}")
-
-
-def _launcher_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):
-    """This process's Rendezvous when torchrun or an MPI launcher started it as one rank of several, else None."""
-    def place():
-        from backends.cuda.distributed import Rendezvous
-        return Rendezvous.from_env()
-
-    return _launched(ap, args, ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"), place, "cuda", args.d is not None,
-                     "under torchrun or an MPI launcher each rank takes the GPU of its LOCAL_RANK; --d is not for it")
-
-
-def _mlx_launch_rank(ap: argparse.ArgumentParser, args: argparse.Namespace):
-    """This process's Ring when mlx.launch started it as one rank of a ring (MLX_RANK, MLX_HOSTFILE), else None."""
-    def place():
-        from backends.mlx.distributed import Ring
-        return Ring.from_env()
-
-    if args.launch is not None:
-        return None
-    return _launched(ap, args, ("MLX_RANK",), place, "mlx",
-                     args.d is not None or args.tp is not None or args.backend == "cuda",
-                     "under mlx.launch the ranks are its processes on the MLX backend; --d, --tp and --backend cuda "
-                     "are not for it")
-
-
-def _launched(ap: argparse.ArgumentParser, args: argparse.Namespace, markers: tuple[str, ...], place,
-              backend: str, refused: bool, refusal: str):
-    """A launcher's rank (place(), read when one of `markers` is set) of more than one, on `backend`; the flags
-    that `refused` says were given are an error."""
-    if not any(m in os.environ for m in markers):
-        return None
-    try:
-        rank = place()
-    except ValueError as e:
-        ap.error(str(e))
-    if rank is None or rank.world == 1:
-        return None
-    if refused:
-        ap.error(refusal)
-    # refused by every rank here, before any joins a group that rank 0 would never join
-    _world(ap, "the launcher's world size", rank.world, "processes")
-    if not 0 <= rank.rank < rank.world:
-        ap.error(f"the launcher gave this process rank {rank.rank}, not one of 0..{rank.world - 1}")
-    if args.on_engine_death == "restart":  # the other ranks are the launcher's: a new engine could not rejoin them
-        ap.error("--on-engine-death restart: under a launcher the other ranks end with the engine and a new one "
-                 "could not rejoin them; leave it at exit and let the launcher start the job again")
-    args.backend = backend
-    return rank
 
 
 def setup_logging(log_file: str | None) -> None:
