@@ -9,6 +9,7 @@ from typing import NamedTuple
 from kernels_src import e4m3, kv_fp8, kv_int8
 from kernels_src.decode_combine import NEG_BIG
 from kernels_src.dsl import tl
+from kernels_src.paged_attend_fp8 import attend_mma
 
 LOG2E = 1.4426950408889634
 
@@ -25,6 +26,7 @@ class CacheScales(NamedTuple):
     fp8: bool = False
     cvt: bool = False  # fp8: decode by the FP8 conversion (e4m3.convert), not integer ops
     v_head_stride: int = 0  # fp8: V's codes token-minor (kv_fp8.token_minor), heads this far apart (D * BS); 0: as K's
+    mma: bool = False  # fp8 with V token-minor: dots in e4m3 (paged_attend_fp8.attend_mma)
 
 
 def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window, kv_block_stride, kv_tok_stride,
@@ -33,6 +35,9 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
     `scales`: None for float caches, else CacheScales: int8 tiles are dequantized in registers to q's dtype before
     their dots; fp8 tiles are decoded (exactly, times 2^-8; whole with scales.cvt) and their per-token scales applied
     to the scores (keys) and to the probabilities (values), one multiply a token instead of one an element."""
+    if scales is not None and scales.mma:
+        return attend_mma(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window, kv_block_stride,
+                          kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales)
     n = tl.arange(0, BLOCK_N)
     rows = qv.shape[0]
     qk_scale = scale * LOG2E

@@ -83,11 +83,12 @@ def paged_decode_fp8_kernel(q, k_cache, v_cache, k_scales, v_scales, block_table
                             HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
                             SOFTCAP: tl.constexpr, PDL: tl.constexpr = False, FP8_CVT: tl.constexpr = False,
-                            V_TOKEN_MINOR: tl.constexpr = False):
+                            V_TOKEN_MINOR: tl.constexpr = False, FP8_MMA: tl.constexpr = False):
     """paged_decode_kernel over an fp8 cache (kv_fp8's layout): e4m3 decoded in registers (FP8_CVT: by the FP8
-    conversion), scaled per token."""
+    conversion), scaled per token; FP8_MMA (V token-minor): the dots in e4m3 instead (paged_attend_fp8)."""
     decode_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
-                                                    sc_head_stride, True, FP8_CVT, HEAD_DIM * BS * V_TOKEN_MINOR),
+                                                    sc_head_stride, True, FP8_CVT, HEAD_DIM * BS * V_TOKEN_MINOR,
+                                                    FP8_MMA),
                    block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
                    q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL)
@@ -134,9 +135,10 @@ def paged_decode_fp8_fused_kernel(q, k_cache, v_cache, k_scales, v_scales, block
                                   PARTITION: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
                                   BLOCK_P: tl.constexpr = 1, PDL: tl.constexpr = False,
                                   FP8_CVT: tl.constexpr = False,
-                                  V_TOKEN_MINOR: tl.constexpr = False):
+                                  V_TOKEN_MINOR: tl.constexpr = False, FP8_MMA: tl.constexpr = False):
     decode_program(q, k_cache, v_cache, CacheScales(k_scales, v_scales, sc_block_stride, sc_tok_stride,
-                                                    sc_head_stride, True, FP8_CVT, HEAD_DIM * BS * V_TOKEN_MINOR),
+                                                    sc_head_stride, True, FP8_CVT, HEAD_DIM * BS * V_TOKEN_MINOR,
+                                                    FP8_MMA),
                    block_tables, context_lens, out, part_m, part_l, part_acc, scale, softcap, window, max_parts,
                    q_stride, q_head_stride, out_stride, out_head_stride, bt_stride, kv_block_stride, kv_tok_stride,
                    kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS, PARTITION, SPLIT, SOFTCAP, PDL,
@@ -254,6 +256,8 @@ def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition,
     _, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
     if fused:
         extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"], FUSED_TILE)
+    if extra.get("V_TOKEN_MINOR") and e4m3.use_mma(target) and min(consts["BLOCK_D"], block_n) >= 32:
+        extra["FP8_MMA"] = True  # both dots' K (D, then keys) at least an FP8 MMA's 32
     stages = e4m3.DECODE_STAGES if target == "triton" and "FP8_CVT" in extra else None
     kern = compile(fn, target, num_warps=num_warps, launch_pdl=pdl, num_stages=stages, PDL=pdl, **consts, **extra)
     outs = (hq * d, d) if out is None else (elem_stride(out, 0), elem_stride(out, 1))  # a new out is contiguous

@@ -22,7 +22,7 @@ from frontend import cli
 from frontend.engine.engine import EngineConfig, LLMEngine
 from ir.fusion import Fusions
 from ir.reference import ReferenceRunner
-from kernels_src import kv_fp8, kv_write
+from kernels_src import e4m3, kv_fp8, kv_write
 
 torch = pytest.importorskip("torch")
 
@@ -54,6 +54,8 @@ def rounded_writes(monkeypatch) -> None:
     monkeypatch.setattr(kv_write, "kv_write", rounded)
 
 
+@pytest.mark.skipif(bool(e4m3.MMA_TARGETS), reason="LLM_ENGINE_FP8_MMA=1 rounds q and the weights too (on random "
+                    "weights' near ties, other tokens): tests/test_kernels_fp8_mma.py holds that decode")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["llama", "qwen2_swa"])
 def test_tiny_models_read_what_the_reference_rounds(case, device, tmp_path, monkeypatch):

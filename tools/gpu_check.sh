@@ -379,6 +379,32 @@ pending_fp8_vt() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_fp8_vt "* ]] && step pending_fp8_vt gpu 480 pending_fp8_vt
+# Issue 17's fp8 KV cache at 16k, the next try (by name: GPU_CHECK_STEPS=pending_fp8_mma, ~420 s): the decode's dots in
+# e4m3 on wgmma (kernels_src/paged_attend_fp8.py, LLM_ENGINE_FP8_MMA=1, off: it rounds q to ~7 bits and the weights to
+# 3), which reads the codes from shared memory with no per-element decode. Its tests and SmolLM2's 16 greedy tokens
+# with it on the GPU; the decode kernel A/B (our setting, then 30 s of the sweep); 8 layers end to end at batch 16 and
+# 16k, with the 16-bit cache as issue 17's peer (FP8_MMA_RUNS: the runs, default "1 auto").
+pending_fp8_mma() {
+    local rc=0 on
+    echo "== the FP8-MMA decode's tests, and SmolLM2 with it (LLM_ENGINE_FP8_MMA=1)"
+    timeout 120 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels_fp8_mma.py || rc=1
+    LLM_ENGINE_FP8_MMA=1 timeout 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" \
+        tests/test_cuda_kv_fp8.py || rc=1
+    for on in 1 0; do
+        echo "== A/B LLM_ENGINE_FP8_MMA=$on: the fp8 cache's decode, our setting and 30 s of others"
+        LLM_ENGINE_FP8_MMA=$on timeout 90 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
+            --batches 1,16,64 --contexts 4096,16384 --budget 30 --json "$OUT"/fp8_mma$on.json || rc=1
+    done
+    timeout 120 "$PY" -m tools.bench_gguf --stage prepare --files f16 --layers 8 --dir /tmp/bench_gguf_l8 || return 1
+    for on in ${FP8_MMA_RUNS:-1 auto}; do  # auto: the 16-bit cache (the converting loop's figure: pending_fp8_vt's, 2026-12-05)
+        echo "== A/B LLM_ENGINE_FP8_MMA=$on: 8 layers, f16 weights, fp8 cache (auto: 16-bit), batch 16 at 16k"
+        LLM_ENGINE_FP8_MMA=${on/auto/0} timeout 130 "$PY" -m tools.bench_gguf --stage ours --files f16 \
+            --what curve --batches 16 --contexts 16k --layers 8 --dir /tmp/bench_gguf_l8 \
+            --kv-cache-dtype $([[ $on == auto ]] && echo auto || echo fp8) --budget 120 --out "$OUT"/fp8_mma_e2e$on || rc=1
+    done
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" pending_fp8_mma "* ]] && step pending_fp8_mma gpu 560 pending_fp8_mma
 # Issue 16's MoE warm-up (by name: GPU_CHECK_STEPS=moe_warmup, ~300 s, most of it compiling): after the start-up
 # warm-ups, prompts of every token count on DeepSeek-V2-Lite's shape (graphs off, then on) and Qwen3-30B-A3B's Q4_K_M
 # one (graphs off) should list no kernel variant first launched by a serving step (tools/check_moe_warmup.py).

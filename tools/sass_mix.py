@@ -45,14 +45,20 @@ class LoopMix:
 
 def loop_mix(cubin: bytes) -> LoopMix:
     """Counts between the target and the source of the backward branch spanning the most instructions."""
+    return loops(cubin)[0]
+
+
+def loops(cubin: bytes) -> list[LoopMix]:
+    """Each backward branch's loop (its target to the branch; nested loops counted in their outer one too), the
+    longest first: a kernel with two loops (a whole-tile one and a last-tile one) shows both."""
     instrs = [(int(a, 16), text.strip()) for a, text in _INSTR.findall(sass(cubin))]
-    span = (0, -1)
-    for addr, text in instrs:
-        m = _BRANCH.search(text)
-        if m and int(m.group(1), 16) < addr and addr - int(m.group(1), 16) > span[1] - span[0]:
-            span = (int(m.group(1), 16), addr)
-    body = [t for a, t in instrs if span[0] <= a <= span[1]]
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    spans = sorted({(int(m.group(1), 16), addr) for addr, text in instrs
+                    if (m := _BRANCH.search(text)) and int(m.group(1), 16) < addr}, key=lambda s: s[0] - s[1])
     usage = _cuobjdump(cubin, "--dump-resource-usage")
     reg, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
-    return LoopMix(len(body), ops, reg, stack)
+    out = []
+    for lo, hi in spans or [(0, -1)]:
+        body = [t for a, t in instrs if lo <= a <= hi]
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+        out.append(LoopMix(len(body), ops, reg, stack))
+    return out

@@ -12,9 +12,9 @@ int1, int8, int16, int32, int64 = (DTYPES[n] for n in ("i1", "i8", "i16", "i32",
 uint8, uint16, uint32, uint64 = (DTYPES[n] for n in ("u8", "u16", "u32", "u64"))
 float16, bfloat16, float32, float64 = (DTYPES[n] for n in ("fp16", "bf16", "fp32", "fp64"))
 float8e4nv = DTYPES["fp8e4nv"]  # Triton's name for OCP e4m3fn (see ir.fp8e4nv)
-# what an fp8e4nv tile may go through: its bitcast in, its conversion out, moves of its registers, and a dot with
-# another (tl.dot checks the pair)
-_FP8_OPS = frozenset({"cast", "bitcast", "expand_dims", "broadcast", "reshape", "trans", "dot"})
+# what an fp8e4nv tile may go through: its bitcast in (or a load through an fp8 pointer, `other` 0 for masked
+# elements), its conversion out, moves of its registers, and a dot with another (tl.dot checks the pair)
+_FP8_OPS = frozenset({"cast", "bitcast", "expand_dims", "broadcast", "reshape", "trans", "dot", "load"})
 
 
 class constexpr:
