@@ -355,6 +355,30 @@ pending_int_mmq() {
 # times ROWS x (BLOCK_K, warps) in the plain loop and prints the literal for kernels_src/fp8_gemv.py's TUNED.
 [[ " ${GPU_CHECK_STEPS:-} " == *" fp8_gemv_tiles "* ]] && step fp8_gemv_tiles gpu 450 timeout 420 "$PY" -m \
     tools.sweep_fp8_gemv --plain
+# One Llama-3-8B layer's decode over the fp8 cache (tools/bench_decode_attention) with switch VAR on, then off: our
+# setting, and BUDGET seconds of others (0: ours alone).
+fp8_decode_ab() {  # fp8_decode_ab VAR BUDGET NAME: JSON to $OUT/NAME<1|0>.json
+    local var=$1 budget=$2 name=$3 rc=0 on
+    for on in 1 0; do
+        echo "== A/B $var=$on: the fp8 cache's decode, our setting (and $budget s of others)"
+        env "$var=$on" timeout $((60 + budget)) "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
+            --batches 1,16,64 --contexts 4096,16384 --budget "$budget" --json "$OUT/$name$on.json" || rc=1
+    done
+    return $rc
+}
+# 8 of Llama-3-8B's layers (f16 weights) end to end at batch 16 and a 16k context with the fp8 cache, switch VAR at
+# each of RUNS; "auto" is the 16-bit cache (VAR at DEFAULT), issue 17's peer (its stage needs ~60 s after loading).
+fp8_cache_e2e() {  # fp8_cache_e2e VAR DEFAULT "RUNS" NAME: JSON to $OUT/NAME<run>
+    local var=$1 default=$2 runs=$3 name=$4 rc=0 on
+    timeout 120 "$PY" -m tools.bench_gguf --stage prepare --files f16 --layers 8 --dir /tmp/bench_gguf_l8 || return 1
+    for on in $runs; do
+        echo "== A/B $var=$on: 8 layers, f16 weights, fp8 cache (auto: 16-bit), batch 16 at 16k"
+        env "$var=${on/auto/$default}" timeout 130 "$PY" -m tools.bench_gguf --stage ours --files f16 --what curve \
+            --batches 16 --contexts 16k --layers 8 --dir /tmp/bench_gguf_l8 \
+            --kv-cache-dtype "$([[ $on == auto ]] && echo auto || echo fp8)" --budget 120 --out "$OUT/$name$on" || rc=1
+    done
+    return $rc
+}
 # Issue 17's fp8 KV cache at 16k (1.01x the 16-bit cache end to end, 1.3x asked; by name: GPU_CHECK_STEPS=pending_fp8_vt,
 # ~200 s): V's codes token-minor (kernels_src/kv_fp8.py, LLM_ENGINE_FP8_V_TOKEN_MINOR, on by default untimed: sm_90's
 # loop step at 128 keys 1,442 -> 942 SASS, V in 16-byte cp.async and ldmatrix, not a byte an LDS) against token-major:
@@ -365,19 +389,9 @@ pending_fp8_vt() {
     if [[ ${FP8_VT_E2E_ONLY:-0} != 1 ]]; then
         echo "== the fp8 cache through the backend on the GPU (token-minor V, the default since 2026-12-05)"
         timeout 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" tests/test_cuda_kv_fp8.py || rc=1
-        for on in 1 0; do
-            echo "== A/B LLM_ENGINE_FP8_V_TOKEN_MINOR=$on: the fp8 cache's decode, our setting"
-            LLM_ENGINE_FP8_V_TOKEN_MINOR=$on timeout 60 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
-                --batches 1,16,64 --contexts 4096,16384 --budget 0 --json "$OUT"/fp8_vt$on.json || rc=1
-        done
+        fp8_decode_ab LLM_ENGINE_FP8_V_TOKEN_MINOR 0 fp8_vt || rc=1
     fi
-    timeout 120 "$PY" -m tools.bench_gguf --stage prepare --files f16 --layers 8 --dir /tmp/bench_gguf_l8 || return 1
-    for on in ${FP8_VT_RUNS:-1 0 auto}; do  # auto: the 16-bit cache, issue 17's peer (its stage needs ~60 s after loading)
-        echo "== A/B LLM_ENGINE_FP8_V_TOKEN_MINOR=$on: 8 layers, f16 weights, fp8 cache (auto: 16-bit), batch 16 at 16k"
-        LLM_ENGINE_FP8_V_TOKEN_MINOR=${on/auto/1} timeout 130 "$PY" -m tools.bench_gguf --stage ours --files f16 \
-            --what curve --batches 16 --contexts 16k --layers 8 --dir /tmp/bench_gguf_l8 \
-            --kv-cache-dtype $([[ $on == auto ]] && echo auto || echo fp8) --budget 120 --out "$OUT"/fp8_vt_e2e$on || rc=1
-    done
+    fp8_cache_e2e LLM_ENGINE_FP8_V_TOKEN_MINOR 1 "${FP8_VT_RUNS:-1 0 auto}" fp8_vt_e2e || rc=1
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_fp8_vt "* ]] && step pending_fp8_vt gpu 480 pending_fp8_vt
@@ -392,18 +406,9 @@ pending_fp8_mma() {
     timeout 120 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels_fp8_mma.py || rc=1
     LLM_ENGINE_FP8_MMA=1 timeout 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" \
         tests/test_cuda_kv_fp8.py || rc=1
-    for on in 1 0; do
-        echo "== A/B LLM_ENGINE_FP8_MMA=$on: the fp8 cache's decode, our setting and 30 s of others"
-        LLM_ENGINE_FP8_MMA=$on timeout 90 "$PY" -m tools.bench_decode_attention --kv-cache-dtype fp8 \
-            --batches 1,16,64 --contexts 4096,16384 --budget 30 --json "$OUT"/fp8_mma$on.json || rc=1
-    done
-    timeout 120 "$PY" -m tools.bench_gguf --stage prepare --files f16 --layers 8 --dir /tmp/bench_gguf_l8 || return 1
-    for on in ${FP8_MMA_RUNS:-1 auto}; do  # auto: the 16-bit cache (the converting loop's figure: pending_fp8_vt's, 2026-12-05)
-        echo "== A/B LLM_ENGINE_FP8_MMA=$on: 8 layers, f16 weights, fp8 cache (auto: 16-bit), batch 16 at 16k"
-        LLM_ENGINE_FP8_MMA=${on/auto/0} timeout 130 "$PY" -m tools.bench_gguf --stage ours --files f16 \
-            --what curve --batches 16 --contexts 16k --layers 8 --dir /tmp/bench_gguf_l8 \
-            --kv-cache-dtype $([[ $on == auto ]] && echo auto || echo fp8) --budget 120 --out "$OUT"/fp8_mma_e2e$on || rc=1
-    done
+    fp8_decode_ab LLM_ENGINE_FP8_MMA 30 fp8_mma || rc=1
+    # the converting loop's end-to-end figure is pending_fp8_vt's (2026-12-05): "0" adds it here
+    fp8_cache_e2e LLM_ENGINE_FP8_MMA 0 "${FP8_MMA_RUNS:-1 auto}" fp8_mma_e2e || rc=1
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_fp8_mma "* ]] && step pending_fp8_mma gpu 560 pending_fp8_mma
