@@ -41,9 +41,9 @@ DECODE_STAGES = int(os.environ.get("LLM_ENGINE_FP8_DECODE_STAGES", "0") or 0) or
 
 # Decode over an fp8 cache on FP8 tensor cores (kernels_src/paged_attend_fp8.py): q and the softmax's weights
 # quantized to e4m3 too, so the codes go from shared memory into the MMA with no per-element decode (sm_90: wgmma
-# ...e4m3.e4m3, 64 keys or dims a warpgroup's rows). It changes the numbers (q and P rounded to 3 mantissa bits, as
-# FlashAttention-3's FP8 path rounds them), so it is off until the H200 times it and checks SmolLM2's tokens:
-# LLM_ENGINE_FP8_MMA=1 (GPU_CHECK_STEPS=pending_fp8_mma).
+# ...e4m3.e4m3, 64 keys or dims a warpgroup's rows). It changes the numbers (q kept to ~7 bits in two e4m3 terms, the
+# weights rounded to 3 as FlashAttention-3's FP8 path rounds them), so it is off until the H200 times it and checks
+# SmolLM2's tokens there: LLM_ENGINE_FP8_MMA=1 (GPU_CHECK_STEPS=pending_fp8_mma).
 MMA_TARGETS = ("triton", "triton-interpret", "numpy") if os.environ.get("LLM_ENGINE_FP8_MMA", "0") == "1" else ()
 
 

@@ -53,7 +53,7 @@ def loops(cubin: bytes) -> list[LoopMix]:
     longest first: a kernel with two loops (a whole-tile one and a last-tile one) shows both."""
     instrs = [(int(a, 16), text.strip()) for a, text in _INSTR.findall(sass(cubin))]
     spans = sorted({(int(m.group(1), 16), addr) for addr, text in instrs
-                    if (m := _BRANCH.search(text)) and int(m.group(1), 16) < addr}, key=lambda s: s[0] - s[1])
+                    if (m := _BRANCH.search(text)) and int(m.group(1), 16) < addr}, key=lambda s: (s[0] - s[1], s[0]))
     usage = _cuobjdump(cubin, "--dump-resource-usage")
     reg, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
     out = []
