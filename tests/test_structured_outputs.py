@@ -257,6 +257,7 @@ def test_objects_without_additional_properties_are_closed():
     for kept in ({"properties": {"a": age}, "additionalProperties": True},
                  {"properties": {"a": age}, "additionalProperties": age},
                  {"properties": {"a": age}, "patternProperties": {"^x": age}},
+                 {"properties": {"a": age}, "required": ["a", "b"]},  # b: any value, but there
                  {"type": "object"}, {"type": "array", "items": False},
                  {"allOf": [{"properties": {"a": age}}, {"properties": {"b": age}}]},
                  {"properties": {"n": {"allOf": [{"properties": {"a": age}}]}}},

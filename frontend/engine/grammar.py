@@ -31,11 +31,12 @@ class GrammarError(ValueError):
 
 def closed_objects(schema):
     """The schema with `"additionalProperties": false` on each object schema that lists `properties` and says nothing
-    of other keys, as vLLM's default backend (xgrammar, strict mode) and llama.cpp's json-schema-to-grammar hold it:
-    a model asked for {name, age} writes those keys, not whatever else it likes (JSON Schema's own default, which
-    llguidance follows, admits any other key). `"additionalProperties": true` keeps an object open. A schema that
-    composes objects (`allOf`, or `$ref` beside `properties`) is left as written: closing one part would forbid the
-    other parts' keys, and unevaluatedProperties, which would not, is a keyword llguidance does not implement."""
+    of other keys (nor requires one it does not list), as vLLM's default backend (xgrammar, strict mode) and
+    llama.cpp's json-schema-to-grammar hold it: a model asked for {name, age} writes those keys, not whatever else it
+    likes (JSON Schema's own default, which llguidance follows, admits any other key). `"additionalProperties": true`
+    keeps an object open. A schema that composes objects (`allOf`, or `$ref` beside `properties`) is left as written:
+    closing one part would forbid the other parts' keys, and unevaluatedProperties, which would not, is a keyword
+    llguidance does not implement."""
     if _composes(schema):
         return schema
     return _close(schema)
@@ -61,7 +62,11 @@ def _close(schema):
         elif key in _ONE:
             value = _close(value)
         out[key] = value
-    if "properties" in schema and not any(key in schema for key in _OPEN):
+    props = schema.get("properties")
+    named = set(props) if isinstance(props, dict) else set()
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    # a required key the properties do not list is another key the schema asks for: closed, it could not be written
+    if props is not None and not any(key in schema for key in _OPEN) and named.issuperset(required):
         out["additionalProperties"] = False
     return out
 
