@@ -246,14 +246,15 @@ def test_objects_without_additional_properties_are_closed():
 
     age = {"type": "integer"}
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": age}},
-                                               "l": {"type": "array", "items": {"properties": {"c": age}}}},
-              "$defs": {"d": {"properties": {"e": age}}}, "anyOf": [{"properties": {"f": age}}, {"type": "null"}]}
+                                               "l": {"type": "array", "items": {"properties": {"c": age}}},
+                                               "u": {"anyOf": [{"properties": {"f": age}}, {"type": "null"}]}},
+              "$defs": {"d": {"properties": {"e": age}}}}
     assert closed_objects(schema) == {
         "type": "object", "additionalProperties": False,
         "properties": {"a": {"type": "object", "properties": {"b": age}, "additionalProperties": False},
-                       "l": {"type": "array", "items": {"properties": {"c": age}, "additionalProperties": False}}},
-        "$defs": {"d": {"properties": {"e": age}, "additionalProperties": False}},
-        "anyOf": [{"properties": {"f": age}, "additionalProperties": False}, {"type": "null"}]}
+                       "l": {"type": "array", "items": {"properties": {"c": age}, "additionalProperties": False}},
+                       "u": {"anyOf": [{"properties": {"f": age}, "additionalProperties": False}, {"type": "null"}]}},
+        "$defs": {"d": {"properties": {"e": age}, "additionalProperties": False}}}
     for kept in ({"properties": {"a": age}, "additionalProperties": True},
                  {"properties": {"a": age}, "additionalProperties": age},
                  {"properties": {"a": age}, "patternProperties": {"^x": age}},
@@ -261,7 +262,9 @@ def test_objects_without_additional_properties_are_closed():
                  {"type": "object"}, {"type": "array", "items": False},
                  {"allOf": [{"properties": {"a": age}}, {"properties": {"b": age}}]},
                  {"properties": {"n": {"allOf": [{"properties": {"a": age}}]}}},
-                 {"$ref": "#/$defs/p", "properties": {"b": age}, "$defs": {"p": {"properties": {"a": age}}}}):
+                 {"$ref": "#/$defs/p", "properties": {"b": age}, "$defs": {"p": {"properties": {"a": age}}}},
+                 {"properties": {"k": age}, "if": {"properties": {"k": {"const": 1}}}, "then": {
+                     "properties": {"x": age}, "required": ["x"]}}):
         assert closed_objects(kept) == kept
     assert schema == {**schema} and "additionalProperties" not in schema  # the caller's schema is not changed
 

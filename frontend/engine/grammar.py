@@ -23,6 +23,7 @@ _ONE = ("items", "additionalItems", "additionalProperties", "contains", "not", "
 _LIST = ("anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_BESIDE = ("$ref", "anyOf", "oneOf", "if", "dependentSchemas", "dependencies")
 
 
 class GrammarError(ValueError):
@@ -34,9 +35,9 @@ def closed_objects(schema):
     of other keys (nor requires one it does not list), as vLLM's default backend (xgrammar, strict mode) and
     llama.cpp's json-schema-to-grammar hold it: a model asked for {name, age} writes those keys, not whatever else it
     likes (JSON Schema's own default, which llguidance follows, admits any other key). `"additionalProperties": true`
-    keeps an object open. A schema that composes objects (`allOf`, or `$ref` beside `properties`) is left as written:
-    closing one part would forbid the other parts' keys, and unevaluatedProperties, which would not, is a keyword
-    llguidance does not implement."""
+    keeps an object open. A schema that composes objects (`allOf`; `$ref`, `anyOf`, `oneOf`, `if` or dependencies
+    beside `properties`) is left as written: closing one part would forbid the other parts' keys, and
+    unevaluatedProperties, which would not, is a keyword llguidance does not implement."""
     if _composes(schema):
         return schema
     return _close(schema)
@@ -47,7 +48,8 @@ def _composes(schema) -> bool:
         return any(_composes(s) for s in schema)
     if not isinstance(schema, dict):
         return False
-    return "allOf" in schema or "$ref" in schema and "properties" in schema or any(map(_composes, schema.values()))
+    beside = "properties" in schema and any(k in schema for k in _BESIDE)  # their keys add to the properties'
+    return "allOf" in schema or beside or any(map(_composes, schema.values()))
 
 
 def _close(schema):
