@@ -78,7 +78,9 @@ CASES = {  # hq, hkv, d, block size, contexts, partition, block_n, softcap, wind
     "llama_layer": (32, 8, 128, 16, [300, 129], 64, 64, None, None),
     "mha_softcap": (4, 4, 32, 16, [5, 19, 64], 512, 32, 5.0, None),
     "window": (4, 2, 32, 4, [23, 50], 512, 32, None, 13),
+    "phi3_heads_fused": (4, 4, 96, 16, [90, 257], 32, 32, None, None),  # D 96 in a 128 tile; the last program combines
 }
+FUSED = {"phi3_heads_fused"}
 
 
 def run(target, case, rng, monkeypatch, plant=None):
@@ -92,7 +94,8 @@ def run(target, case, rng, monkeypatch, plant=None):
     out = dev(np.full(q.shape, np.nan, np.float32), target)
     pa.paged_decode(dev(q, target), dev(kc, target), dev(vt, target), dev(tables, target), dev(ctx, target), 0.3,
                     softcap=softcap, sliding_window=window, out=out, partition=partition, block_n=block_n,
-                    k_scales=dev(ks_used, target), v_scales=dev(vs, target), target=target)
+                    k_scales=dev(ks_used, target), v_scales=dev(vs, target), target=target,
+                    fused=True if case in FUSED else None)
     exact = pa.paged_decode_ref(q, kv_fp8.dequantize_ref(kc, ks), kv_fp8.dequantize_ref(vc, vs), tables, ctx, 0.3,
                                 softcap=softcap, sliding_window=window)
     return host(out), emulate(q, kc, ks, vc, vs, tables, ctx, 0.3, softcap, block_n, window), exact
