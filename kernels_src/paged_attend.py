@@ -9,7 +9,6 @@ from typing import NamedTuple
 from kernels_src import e4m3, kv_fp8, kv_int8
 from kernels_src.decode_combine import NEG_BIG
 from kernels_src.dsl import tl
-from kernels_src.paged_attend_fp8 import attend_mma
 
 LOG2E = 1.4426950408889634
 
@@ -36,6 +35,8 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
     their dots; fp8 tiles are decoded (exactly, times 2^-8; whole with scales.cvt) and their per-token scales applied
     to the scores (keys) and to the probabilities (values), one multiply a token instead of one an element."""
     if scales is not None and scales.mma:
+        from kernels_src.paged_attend_fp8 import attend_mma  # it builds on this module's loop (tile_loops)
+
         return attend_mma(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window, kv_block_stride,
                           kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales)
     n = tl.arange(0, BLOCK_N)
@@ -89,16 +90,22 @@ def attend(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, window,
 
     init = (tl.full([rows], NEG_BIG, tl.float32), tl.zeros([rows], tl.float32),
             tl.zeros([rows, d.shape[0]], tl.float32))
-    n_iter = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
-    if scales is not None and scales.v_head_stride:  # whole tiles (no token past hi) first: no V bytes to clear
-        n_full = tl.maximum(hi - lo, 0) // BLOCK_N
-        init = tl.fori_loop(0, n_full, lambda it, m, den, acc: body(it, m, den, acc, False), init)
-        m, den, acc = tl.fori_loop(n_full, n_iter, body, init)
-    else:
-        m, den, acc = tl.fori_loop(0, n_iter, body, init)
+    m, den, acc = tile_loops(lo, hi, BLOCK_N, body, init, scales is not None and scales.v_head_stride)
     if scales is not None and scales.cvt:  # whole values times vs * 2^8: the 2^8 comes off once, after the loop
         acc = acc * (1.0 / e4m3.FP16_SHIFT)
     return m, den, acc
+
+
+def tile_loops(lo, hi, BLOCK_N, body, init, whole_first=False):
+    """`body(it, *carry[, tail])` over the key tiles of [lo, hi): the final carry. whole_first (a token-minor V): the
+    whole tiles (no token past hi) in a loop of their own, called with tail False, so only the last one clears the V
+    bytes past the context."""
+    n_iter = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
+    if not whole_first:
+        return tl.fori_loop(0, n_iter, body, init)
+    n_full = tl.maximum(hi - lo, 0) // BLOCK_N
+    init = tl.fori_loop(0, n_full, lambda it, *carry: body(it, *carry, False), init)
+    return tl.fori_loop(n_full, n_iter, body, init)
 
 
 def dequantize_tiles(kt, vt, scales, blk, tok, kvh, d, dmask, valid, dtype):

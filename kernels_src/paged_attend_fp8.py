@@ -17,8 +17,8 @@ from __future__ import annotations
 from kernels_src import e4m3
 from kernels_src.decode_combine import NEG_BIG
 from kernels_src.dsl import tl
+from kernels_src.paged_attend import LOG2E, tile_loops
 
-LOG2E = 1.4426950408889634
 TINY = 1e-30
 
 
@@ -87,8 +87,5 @@ def attend_mma(qv, qi, k_cache, v_cache, table, kvh, lo, hi, scale, softcap, win
     rows = qv.shape[0]
     init = (tl.full([rows], NEG_BIG, tl.float32), tl.zeros([rows], tl.float32),
             tl.zeros([d.shape[0], rows], tl.float32))
-    n_iter = (tl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
-    n_full = tl.maximum(hi - lo, 0) // BLOCK_N  # whole tiles first: no V bytes to clear
-    init = tl.fori_loop(0, n_full, lambda it, m, den, acc: body(it, m, den, acc, False), init)
-    m, den, acc = tl.fori_loop(n_full, n_iter, body, init)
+    m, den, acc = tile_loops(lo, hi, BLOCK_N, body, init, whole_first=True)
     return m, den, tl.trans(acc)

@@ -135,10 +135,10 @@ def test_aot_sm90_int8(name, tmp_path, monkeypatch):
     aot_sm90(name, kernels, dict(GROUPS=4, BLOCK_H=8, BLOCK_G=4, PDL=True), "*i8", tmp_path, monkeypatch)
 
 
-def aot_sm90(name: str, kernels: tuple, write_consts: dict, code: str, tmp_path, monkeypatch):
+def aot_sm90(name: str, kernels: tuple, write_consts: dict, code: str, tmp_path, monkeypatch, **consts_over):
     """An 8-bit cache's write, decode or prefill kernel (of `kernels`, in that order) built for sm_90 at Llama's
-    layer (bf16 q, 8 KV heads of 128, codes of pointer type `code`) as the JIT specializes the runner's tensors:
-    the build and its spills (none)."""
+    layer (bf16 q, 8 KV heads of 128, codes of pointer type `code`; `consts_over` replaces or adds constexprs) as the
+    JIT specializes the runner's tensors: the build, checked to spill nothing, returned."""
     from test_kernels_basic import _sig
     from test_kernels_gemv import _stack_bytes
 
@@ -156,7 +156,8 @@ def aot_sm90(name: str, kernels: tuple, write_consts: dict, code: str, tmp_path,
         "prefill": (kernels[2], dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, BS=16,
                                      SOFTCAP=False, PDL=True), att | {"query_start": "*i32"}),
     }[name]
-    k = dsl_compile(fn, "triton", **consts).trace(signature=_sig(fn, ptrs, floats=("scale", "softcap")))
+    k = dsl_compile(fn, "triton", **consts | consts_over).trace(signature=_sig(fn, ptrs, floats=("scale", "softcap")))
     compiled = aot_compile(k, arch=90, aligned=True)
     assert ".target sm_90a" in compiled.asm["ptx"]
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
+    return compiled
