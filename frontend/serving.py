@@ -151,15 +151,15 @@ class OpenAIServing:
         check_tools(req.tools, getattr(req, "tool_choice", None))
         self.limits.check_messages(req.messages)
         messages = template_messages(req.messages)
-        prompt = req.add_generation_prompt
+        generation_prompt = req.add_generation_prompt
         if req.continue_final_message:  # vLLM refuses both asked for; the default true gives way
-            if prompt and "add_generation_prompt" in req.model_fields_set:
+            if generation_prompt and "add_generation_prompt" in req.model_fields_set:
                 raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                                   "continue_final_message")
-            prompt = False
+            generation_prompt = False
         try:
-            text = self.tokenizer.render_chat(messages, prompt, continue_final_message=req.continue_final_message,
-                                              **template_kwargs(req))
+            text = self.tokenizer.render_chat(messages, generation_prompt,
+                                              continue_final_message=req.continue_final_message, **template_kwargs(req))
         except Exception as e:  # a template's raise_exception() (roles must alternate, ...) is the client's problem
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
         # as apply_chat_template: the template writes the special tokens itself
