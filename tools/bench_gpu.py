@@ -206,6 +206,8 @@ def main() -> None:
     ap.add_argument("--quant", default="q4km", help="quantized variants, of q4km (Q4_K/Q6_K blocks, batch 1 only), "
                     "int4 (4-bit integer groups of 128, GPTQ's once loaded), fp8 (e4m3, a scale per 128 inputs): "
                     "decode at --batches and prefill (default %(default)s)")
+    ap.add_argument("--q4km-batches", default="1", help="the --batches q4km decodes at (default %(default)s: its "
+                    "batch-16 figure is bench_gguf's, on llama.cpp's own file; others for --profile's breakdown)")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
     ap.add_argument("--ablate", default="1,64", help="batch sizes measured again with each optimisation switched "
                     "off in turn ('' for none)")
@@ -296,7 +298,7 @@ def main() -> None:
     for kind in [] if args.no_quant or world > 1 else [q for q in args.quant.split(",") if q]:
         qparams = quant_params(kind, model.graph, args.layers)
         nbytes = weight_bytes(qparams)
-        qbatches = [b for b in batches if kind != "q4km" or b == 1]  # Q4_K_M: batch 1 alone, as before --quant
+        qbatches = [b for b in batches if kind != "q4km" or str(b) in args.q4km_batches.split(",")]
         engine = engine_for(model, qparams, max(qbatches), max(args.prompt + args.gen, args.prefill),
                             not args.no_graphs, options=options)
         del qparams

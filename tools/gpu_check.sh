@@ -342,6 +342,12 @@ pending_int_mmq() {
 # decode step at batch 64 by kernel, bf16 and int4 g128 (the mmq GEMMs' x pre-pass, split-K partials and reduce).
 [[ " ${GPU_CHECK_STEPS:-} " == *" profile_int4 "* ]] && step profile_int4 gpu 150 "$PY" -m tools.bench_gpu \
     --batches 64 --quant int4 --no-peer --profile 64 --ablate '' --prefill 256 --gen 32 --json "$OUT"/profile_int4.json
+# Issue 13's Q4_K_M batch 16 (1.37x llama.cpp, 1.5x asked; by name: GPU_CHECK_STEPS=profile_q4km16, ~120 s): the
+# decode step at batch 16 by kernel (never broken down: the MMQ's per256 at 16 rows ran a 14336 x 4096 problem at
+# ~25% of copy on 2026-12-03), bf16's beside it.
+[[ " ${GPU_CHECK_STEPS:-} " == *" profile_q4km16 "* ]] && step profile_q4km16 gpu 200 "$PY" -m tools.bench_gpu \
+    --batches 16 --quant q4km --q4km-batches 16 --no-peer --profile 16 --ablate '' --prefill 256 --gen 32 \
+    --json "$OUT"/profile_q4km16.json
 # The same at 64 rows, every mmq build (num_stages 2-4 too, where the 2026-12-05 sweep was --quick; by name:
 # GPU_CHECK_STEPS=int_mmq_sweep64, ~200 s): prints int_group_gemm.TUNED's literal. MMQ_SHAPES, MMQ_MS, MMQ_VARIANTS
 # and MMQ_BUDGET change it: the int4 output projection, unnamed in TUNED (stream: 373 us of a batch-64 step on
