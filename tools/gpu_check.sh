@@ -348,6 +348,19 @@ pending_int_mmq() {
 [[ " ${GPU_CHECK_STEPS:-} " == *" profile_q4km16 "* ]] && step profile_q4km16 gpu 200 "$PY" -m tools.bench_gpu \
     --batches 16 --quant q4km --q4km-batches 16 --no-peer --profile 16 --ablate '' --prefill 256 --gen 32 \
     --json "$OUT"/profile_q4km16.json
+# Issue 13's Q4_K_M batch 16 (by name: GPU_CHECK_STEPS=mmq_sweep16, ~300 s): the MMQ's per256 variant (the default
+# since 2026-12-03) at 16 rows on every shape a Q4_K_M Llama-3-8B step runs, Q4_K then Q6_K. MMQ_TUNED has per256
+# tiles for one of them (14336 x 4096, the rest are per32's entries, ignored by per256: mmq_tiles' rule there).
+# Prints MMQ_TUNED literals for kernels_src/gguf_mmq.py.
+mmq_sweep16() {
+    local rc=0
+    timeout $((${MMQ16_BUDGET:-190} + 100)) "$PY" -m tools.sweep_mmq --ms 16 --variants per256 --budget "${MMQ16_BUDGET:-190}" \
+        --shapes 28672x4096,4096x14336,6144x4096,5120x4096,4096x4096 || rc=1
+    timeout 170 "$PY" -m tools.sweep_mmq --ms 16 --variants per256 --qtype Q6_K --budget 70 \
+        --shapes 4096x14336,1024x4096,128256x4096 || rc=1
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" mmq_sweep16 "* ]] && step mmq_sweep16 gpu 420 mmq_sweep16
 # The same at 64 rows, every mmq build (num_stages 2-4 too, where the 2026-12-05 sweep was --quick; by name:
 # GPU_CHECK_STEPS=int_mmq_sweep64, ~200 s): prints int_group_gemm.TUNED's literal. MMQ_SHAPES, MMQ_MS, MMQ_VARIANTS
 # and MMQ_BUDGET change it: the int4 output projection, unnamed in TUNED (stream: 373 us of a batch-64 step on
