@@ -43,7 +43,8 @@ from kernels_src.dequant_gemv_i8 import quantize_x
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.gguf_gemv_common import _f16
 
-__all__ = ["MAX_ROWS", "MMQ_QTYPES", "MMQ_TUNED", "MMQ_VARIANT", "VARIANTS", "mmq", "mmq_ref", "mmq_tiles"]
+__all__ = ["MAX_ROWS", "MMQ_QTYPES", "MMQ_TUNED", "MMQ_VARIANT", "VARIANTS", "mmq", "mmq_ref", "mmq_tiles",
+           "x_layout"]
 
 MMQ_QTYPES = ("Q4_K", "Q6_K")
 SUPER = {"Q4_K": (256, 144), "Q6_K": (256, 210)}  # elements, bytes of a super-block
@@ -248,6 +249,31 @@ def _variant(name: str) -> tuple[dict, object, bool]:
     raise ValueError(f"mmq: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
 
 
+def x_layout(qtype: str, m: int, n: int, k: int, variant: str | None = None) -> str:
+    """The x pre-pass an [m, k] x [n, k] problem's mmq reads: "per32" (quantize_x with sums), "per256" (quantize_x256,
+    fp32 sums) or "per256-split" (fp16 sum pairs: Q4_K from MMA_MINS_ROWS rows): x's int8 form made elsewhere
+    (backends/cuda/x_int8_fusion) serves every GEMM of that x whose layout it is."""
+    cfg = mmq_tiles(qtype, m, n, k, variant=variant)
+    return _layout(cfg["variant"], qtype, cfg["BLOCK_M"])
+
+
+def _layout(variant: str, qtype: str, block_m: int) -> str:
+    if variant != "per256":  # per32p reads per32's pre-pass
+        return "per32"
+    from kernels_src.gguf_mmq_sb import MMA_MINS_ROWS
+
+    return "per256-split" if qtype.upper() == "Q4_K" and block_m >= MMA_MINS_ROWS else "per256"
+
+
+def _check_xq(xq, m: int, k: int, layout: str) -> None:
+    """A given pre-pass triple has the shapes of `layout`'s (a mismatch would read x's codes wrongly, silently)."""
+    q, d, sums = xq
+    group, sums_cols = (32, k // 32) if layout == "per32" else (256, k // 16 if layout.endswith("split") else k // 32)
+    if tuple(q.shape) != (m, k) or tuple(d.shape) != (m, k // group) or tuple(sums.shape) != (m, sums_cols):
+        raise ValueError(f"mmq: x's given int8 form {[tuple(a.shape) for a in xq]} is not the {layout} pre-pass of "
+                         f"[{m}, {k}]")
+
+
 def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None = None, xq=None, **over):
     """y [M, N] = x2 [M, K] @ dequantize(w).T for raw GGUF blocks w (uint8 [N, >= row_bytes], rows 4-byte
     aligned), x quantized to int8 first (or given as xq: the variant's pre-pass triple, quantize_x(.., sums=True)
@@ -269,12 +295,15 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
         raise ValueError(f"{qtype} weight rows must start {align}-byte aligned (the block headers are read as words)")
     cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2), over.get("variant"))
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
-    kernels, pre_pass, sums_stride = _variant(cfg.pop("variant"))
+    variant = cfg.pop("variant")
+    kernels, pre_pass, sums_stride = _variant(variant)
     out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
     if xq is None:
         xq = pre_pass(x2 if elem_stride(x2, 1) == 1 else x2.contiguous(), qtype, cfg["BLOCK_M"], target)
+    else:
+        _check_xq(xq, m, k, _layout(variant, qtype, cfg["BLOCK_M"]))
     xq, xd, xs = xq
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
     pdl = use_pdl(target, pdl)

@@ -158,3 +158,47 @@ def test_fusion_feeds_the_int_group_gemv_the_same_arrays(device, monkeypatch):
         np.testing.assert_allclose(on, off, rtol=0, atol=1e-3 * float(np.abs(off).max()))
     else:
         np.testing.assert_array_equal(on, off)
+
+
+@pytest.mark.parametrize("tokens", [6, 20])
+def test_fusion_feeds_the_mmq_its_per256_pre_pass(tokens, model_file, monkeypatch):
+    """A prompt of 4-32 tokens takes the MMQ (kernels_src/gguf_mmq, per256) for its Q4_K / Q6_K linears: with the
+    fusion the ffn norm writes the per256 pre-pass (6 tokens: BLOCK_M 16, fp32 sums; 20: BLOCK_M 32, where Q4_K's
+    gate+up reads split fp16 sums) and the gated activation the down projection's (Q6_K: fp32 sums at both), the
+    MMQs take them instead of running quantize_x256, and the logits are equal (the same codes)."""
+    from backends.cuda import gguf_linear
+    from backends.cuda.backend import CUDABackend
+    from kernels_src import dequant_gemv_i8, gguf_mmq_sb, x_int8
+
+    model = load_model(model_file, progress=False)
+    chunk = [int(t) for t in np.random.default_rng(tokens).integers(1, VOCAB, tokens)]
+    runs = {}
+    for fusion in (False, True):
+        widen = (*dequant_gemv_i8.I8_TARGETS, "numpy")  # the interpreter takes the int8 paths, as "triton" does
+        monkeypatch.setattr(gguf_linear, "I8_TARGETS", widen)
+        monkeypatch.setattr(dequant_gemv_i8, "I8_TARGETS", widen)
+        calls: list = []
+        for module, name, given_at in ((gguf_linear, "mmq", 99), (gguf_mmq_sb, "quantize_x256", 99),
+                                       (x_int8, "add_rms_norm_q8", 99), (x_int8, "gated_act_q8", 99)):
+            _count(monkeypatch, module, name, given_at, calls)
+        real_mmq = gguf_linear.mmq
+        monkeypatch.setattr(gguf_linear, "mmq", lambda *a, **kw: calls.append(("given", kw["xq"] is not None))
+                            or real_mmq(*a, **kw))
+        backend = CUDABackend(model, device="cpu", dtype="f32", cuda_graph=False, progress=False)
+        backend.runner.x_int8_fusion = fusion
+        backend.runner.target = "numpy"
+        backend.allocate_kv(4, 8)
+        logits = host(backend.forward(make_batch([chunk], [0], [[3, 2, 1, 0]], 8)))
+        monkeypatch.undo()
+        runs[fusion] = logits, calls
+    (off, off_calls), (on, on_calls) = runs[False], runs[True]
+    mmqs = 4  # q+k (fused: both Q4_K), v (Q6_K), o, gate+up; down (Q6_K); the head reads the last token alone
+    assert sum(n == "mmq" for n, _ in off_calls) == sum(n == "mmq" for n, _ in on_calls) == mmqs + 1
+    assert sum(n == "quantize_x256" for n, _ in off_calls) == mmqs + 1 and not any(
+        g for n, g in off_calls if n == "given")
+    # on: gate+up and down take the norm's and the activation's pre-pass; layer 0's q+k and v (after a plain
+    # rms_norm) and o (attention's x) run their own
+    assert [n for n, _ in on_calls].count("add_rms_norm_q8") == [n for n, _ in on_calls].count("gated_act_q8") == 1
+    assert sum(g for n, g in on_calls if n == "given") == 2
+    assert sum(n == "quantize_x256" for n, _ in on_calls) == mmqs + 1 - 2
+    np.testing.assert_array_equal(on, off)

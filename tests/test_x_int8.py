@@ -72,20 +72,61 @@ def test_int_group_variants(bits, group, n, block, target):
             np.testing.assert_array_equal(host(a), host(b))
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("rows,n,block", [(1, 256, 1024), (3, 768, 256)])
+def test_per256_layout(rows, n, block, split, target):
+    """group 256: quantize_x256's q, d per 256 and sums of q per 32 (fp32, or split fp16 pairs) of the output as
+    written, equal to its own on that output; n 768: the norm's tile padded to 1024 (a padding group stored
+    nowhere), the activation in programs of one group."""
+    from kernels_src.gguf_mmq_sb import quantize_x256, quantize_x256_ref
+
+    rng = np.random.default_rng(n + split)
+    x, r = (rng.standard_normal((rows, n)).astype(np.float32) for _ in range(2))
+    x[-1, :256] = -r[-1, :256]  # a zero group: d 0, codes 0, sums 0
+    x[0, n - 1] += 40.0 * (rows > 1)  # an outlier (not in the zero group): its group's step ~40 / 127
+    w = rng.standard_normal(n).astype(np.float32)
+    s, out, arrays = x_int8.add_rms_norm_q8(dev(x, target), dev(r, target), dev(w, target), 1e-5, group=256,
+                                            split=split, target=target)
+    np.testing.assert_allclose(host(out), rms_norm.add_rms_norm_ref(x, r, w, 1e-5, False)[1], rtol=1e-5, atol=1e-6)
+    out2, arrays2 = x_int8.gated_act_q8(dev(x, target), dev(r, target), "gelu", block=block, group=256,
+                                        split=split, target=target)
+    np.testing.assert_allclose(host(out2), activations.gated_act_ref(x, r, "gelu"), rtol=1e-5, atol=1e-6)
+    for o, got in ((out, arrays), (out2, arrays2)):
+        q_ref, d_ref = quantize_x256_ref(host(o))
+        np.testing.assert_array_equal(host(got[0]), q_ref)
+        np.testing.assert_allclose(host(got[1]), d_ref, rtol=2e-7, atol=0)
+        sums = q_ref.reshape(rows, -1, 32).astype(np.int64).sum(-1)
+        xs = host(got[2]).astype(np.float64)
+        np.testing.assert_array_equal(xs.reshape(rows, -1, 2).sum(-1) if split else xs, sums)
+        for a, b in zip(got, quantize_x256(o, target, split=split), strict=True):
+            np.testing.assert_array_equal(host(a), host(b))
+    assert not host(arrays[0])[-1, :256].any() and host(arrays[1])[-1, 0] == 0
+
+
 def test_k_not_a_multiple_of_32():
     with pytest.raises(ValueError, match="multiple of 32"):
         x_int8.gated_act_q8(np.ones((1, 40), np.float32), np.ones((1, 40), np.float32))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        x_int8.add_rms_norm_q8(*(np.ones((1, 288), np.float32),) * 3, 1e-5, group=256)
+    with pytest.raises(ValueError, match="whole groups of 256"):
+        x_int8.gated_act_q8(np.ones((1, 512), np.float32), np.ones((1, 512), np.float32), block=384, group=256)
     with pytest.raises(ValueError, match="multiple of the group"):
         x_int8_groups.gated_act_i8g(np.ones((1, 96), np.float32), np.ones((1, 96), np.float32), "silu", 4, 64)
 
 
-_Q8 = {"xq": "*i8", "xd": "*fp32"}
+_Q8 = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32"}
 _I8G = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32", "xr": "*fp32"}
 AOT = {  # Llama-3-8B's: hidden 4096 (one row a program), the gated activation's 1024-wide tiles of 14336
     "add_rms_norm_q8": (x_int8.add_rms_norm_q8_kernel, dict(BLOCK=4096, OFFSET=False, PDL=True),
                         dict.fromkeys(("x", "residual", "w", "sum_out", "out"), "*bf16") | _Q8),
     "gated_act_q8": (x_int8.gated_act_q8_kernel, dict(BLOCK=1024, ACT="silu", PDL=True),
                      dict.fromkeys(("gate", "up", "out"), "*bf16") | _Q8),
+    "add_rms_norm_q256": (x_int8.add_rms_norm_q8_kernel, dict(BLOCK=4096, OFFSET=False, GROUP=256, PDL=True),
+                          dict.fromkeys(("x", "residual", "w", "sum_out", "out"), "*bf16") | _Q8),
+    "gated_act_q256_split": (x_int8.gated_act_q8_kernel, dict(BLOCK=1024, ACT="silu", GROUP=256, SPLIT=True,
+                                                              PDL=True),
+                             dict.fromkeys(("gate", "up", "out"), "*bf16") | _Q8 | {"xs": "*fp16"}),
     "add_rms_norm_i8g": (x_int8_groups.add_rms_norm_i8g_kernel,  # 4-bit groups of 128 (GPTQ's usual)
                          dict(BLOCK=4096, OFFSET=False, BITS=4, GROUP=128, PDL=True),
                          dict.fromkeys(("x", "residual", "w", "sum_out", "out"), "*bf16") | _I8G),

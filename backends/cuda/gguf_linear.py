@@ -29,18 +29,27 @@ def takes_gemv(rows: int, qtype: str, target: str) -> bool:
     return rows < (MMQ_MIN_ROWS[qtype] if _takes_mmq(qtype, target) else GEMV_MAX_ROWS + 1)
 
 
+def takes_mmq(rows: int, qtype: str, target: str, mmq_max_rows: int) -> bool:
+    """Whether it runs the int8 MMQ GEMM (mmq_max_rows: the runner's)."""
+    return not takes_gemv(rows, qtype, target) and rows <= mmq_max_rows and _takes_mmq(qtype, target)
+
+
 def gguf_linear(x: torch.Tensor, w: QuantWeight, target: str, *, pdl: bool | None, mmq_variant: str | None,
                 mmq_max_rows: int, chunk_bytes: int, row_ids: Callable[[int, int], torch.Tensor],
                 xq_d: tuple | None = None) -> torch.Tensor:
     """y = x @ W.T; mmq_variant, mmq_max_rows, pdl: the runner's; row_ids(r0, r1): int32 row indices on the device;
-    xq_d: x already quantized as quantize_x would (backends/cuda/x_int8_fusion), for the GEMV's int8 path."""
+    xq_d: x's int8 form made with x (backends/cuda/x_int8_fusion): quantize_x's (xq, xd) for the GEMV's int8 path,
+    or the MMQ's per256 pre-pass (xq, xd, xs), which the fusion makes only where every reader takes that layout."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
+    given = {2: "gemv", 3: "mmq"}.get(len(xq_d)) if xq_d is not None else None
     if takes_gemv(x2.shape[0], w.qtype, target):
-        return dequant_gemv(x2, w.data, w.qtype, target=target, pdl=pdl, xq_d=xq_d).reshape(*x.shape[:-1], n)
-    if x2.shape[0] <= mmq_max_rows and _takes_mmq(w.qtype, target):
+        return dequant_gemv(x2, w.data, w.qtype, target=target, pdl=pdl,
+                            xq_d=xq_d if given == "gemv" else None).reshape(*x.shape[:-1], n)
+    if takes_mmq(x2.shape[0], w.qtype, target, mmq_max_rows):
         # int8 MMAs (Q4_K: 1.1-1.3x the GEMV at 4-8 rows, 1.1-1.9x dequant_gemm at 9-32 on an H200)
-        return mmq(x2, w.data, w.qtype, target=target, pdl=pdl, variant=mmq_variant).reshape(*x.shape[:-1], n)
+        return mmq(x2, w.data, w.qtype, target=target, pdl=pdl, variant=mmq_variant,
+                   xq=xq_d if given == "mmq" else None).reshape(*x.shape[:-1], n)
     if x2.shape[0] <= GEMM_MAX_ROWS:  # W's blocks read once per 16-64 rows, no fp16 copy of W written
         from kernels_src.dequant_gemm import dequant_matmul
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from backends.cuda.gguf_linear import takes_gemv
+from backends.cuda.gguf_linear import takes_gemv, takes_mmq
 from backends.cuda.weights import QuantWeight
 from ir.graph import Graph
 from ir.weight_formats import weight_format
 from kernels_src import dequant_gemv_i8, int_group_gemv_i8, x_int8, x_int8_groups
 from kernels_src.activations import ACTIVATIONS
 from kernels_src.dequant_gemv import default_tiles
+from kernels_src.gguf_mmq import x_layout
 from kernels_src.int_group_gemv import MAX_ROWS as INT_GROUP_GEMV_ROWS
 
 ENV = "LLM_ENGINE_X_INT8_FUSION"
@@ -90,21 +91,24 @@ def produce(runner, node, args):
     x, target = args[0], runner.target
     rows = x.numel() // x.shape[-1]
     kind, what = runner.x_int8_plan.readers[id(node)]
-    if x.dim() != 2 or rows < 1 or not (_gguf_takes(rows, what, target) if kind == "gguf" else
-                                         _int_group_takes(rows, x.shape[-1], *what, target)):
+    if x.dim() != 2 or rows < 1 or not (_gguf_takes(rows, what, target) or _mmq_layout(runner, rows, what) is not None
+                                         if kind == "gguf" else _int_group_takes(rows, x.shape[-1], *what, target)):
         return None
     act, pdl = node.attrs.get("act"), runner.pdl
+    q8 = dict(target=target, pdl=pdl)
+    if kind == "gguf" and (layout := _mmq_layout(runner, rows, what)) is not None:
+        q8.update(group=256, split=layout == "per256-split")  # the MMQ's per256 pre-pass: (xq, xd, xs)
     if kind == "gguf" and node.op == "add_rms_norm":
         s, out, *arrays = x_int8.add_rms_norm_q8(x, args[1], args[2], node.attrs["eps"],
-                                                 offset=node.attrs["offset"] == 1.0, target=target, pdl=pdl)
+                                                 offset=node.attrs["offset"] == 1.0, **q8)
     elif kind == "gguf":
-        out, *arrays = x_int8.gated_act_q8(args[0], args[1], act, target=target, pdl=pdl)
+        out, *arrays = x_int8.gated_act_q8(args[0], args[1], act, **q8)
     elif node.op == "add_rms_norm":
         s, out, arrays = x_int8_groups.add_rms_norm_i8g(x, args[1], args[2], node.attrs["eps"], *what,
                                                         offset=node.attrs["offset"] == 1.0, target=target, pdl=pdl)
     else:
         out, arrays = x_int8_groups.gated_act_i8g(args[0], args[1], act, *what, target=target, pdl=pdl)
-    runner.x_int8_plan.held = (out, tuple(arrays))
+    runner.x_int8_plan.held = (out, tuple(arrays[0] if len(arrays) == 1 else arrays))
     return (s, out) if node.op == "add_rms_norm" else out
 
 
@@ -112,6 +116,15 @@ def _gguf_takes(rows: int, readers: tuple, target: str) -> bool:
     """Every reader on the GEMV (gguf_linear.takes_gemv), one at least on int8 x; K a multiple of 32."""
     return (all(takes_gemv(rows, q, target) and k % 32 == 0 for q, _, k in readers)
             and any(_int8_gemv(rows, *r, target) for r in readers))
+
+
+def _mmq_layout(runner, rows: int, readers: tuple) -> str | None:
+    """Where every reader runs the MMQ (gguf_linear's rows for it) on x's per256 pre-pass of one layout: that layout
+    ("per256" or "per256-split"), else None (per32's pre-pass, with its sums, is not fused)."""
+    if not (all(takes_mmq(rows, q, runner.target, runner.mmq_max_rows) and k % 256 == 0 for q, _, k in readers)):
+        return None
+    layouts = {x_layout(q, rows, n, k, runner.mmq_variant) for q, n, k in readers}
+    return layouts.pop() if len(layouts) == 1 and layouts <= {"per256", "per256-split"} else None
 
 
 def _int8_gemv(rows: int, qtype: str, n: int, k: int, target: str) -> bool:
