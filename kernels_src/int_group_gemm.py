@@ -225,12 +225,14 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
                      block_m: int | None = None, block_n: int | None = None, sub: int | None = None,
                      groups: int | None = None, split_k: int | None = None, swap: bool | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, variant: str | None = None,
-                     bk: int | None = None, accs: int | None = None, prefetch: bool | None = None):
+                     bk: int | None = None, accs: int | None = None, prefetch: bool | None = None,
+                     x_mmq: tuple | None = None):
     """y [M, N] = x2 [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); x2 fp32 / fp16
     / bf16, rows contiguous; out in x2's dtype. The keywords override default_tiles (sub = SUB, groups = KG); variant
     (VARIANTS, default VARIANT) picks the kernel, bk the gather and stream variants' step, accs stream's accumulators
     (1 or 32 / bits; default int_group_gemm_stream.accs_for); mmq takes swap=True only, and prefetch (its epilogue's
-    loads a step ahead; default int_group_mmq.PREFETCH_OUTPUTS' rule)."""
+    loads a step ahead; default int_group_mmq.PREFETCH_OUTPUTS' rule) and x_mmq (x's int8 form as its pre-pass
+    makes it, made with x: kernels_src/x_int8_groups; the other variants ignore it)."""
     variant = variant or tuned_variant(x2.shape[0], w.shape[0], x2.shape[1], bits, group)
     if variant not in VARIANTS:
         raise ValueError(f"int_group_matmul: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -259,7 +261,7 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
     if variant == "mmq":
         if not cfg["SWAP"]:
             raise ValueError("int_group_matmul: variant mmq runs W @ x.T only (swap=True)")
-        return launch_mmq(x2, w, bits, group, out, dict(cfg, PREFETCH=prefetch), nw, ns, split, target, pdl)
+        return launch_mmq(x2, w, bits, group, out, dict(cfg, PREFETCH=prefetch), nw, ns, split, target, pdl, x_mmq)
     if variant == "gather":
         step = gather_bk(group, k, bk)
         kern = compile(int_group_gemm_gather_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,

@@ -175,10 +175,10 @@ def quantize_x_mmq(x2, bits: int, step: int, target: str = "numpy"):
 
 
 def launch_mmq(x2, w, bits: int, group: int, out, cfg: dict, nw: int, ns: int | None, split: int, target: str,
-               pdl: bool):
-    """The pre-pass, then int_group_mmq_kernel at cfg's BLOCK_M / BLOCK_N (and PREFETCH: by default where a thread
-    holds up to PREFETCH_OUTPUTS outputs) through dequant_gemm.launch_split_k; w as int32 words, checked by the
-    caller."""
+               pdl: bool, x_mmq: tuple | None = None):
+    """The pre-pass (or x_mmq, its (xq, xs) made with x: kernels_src/x_int8_groups), then int_group_mmq_kernel at
+    cfg's BLOCK_M / BLOCK_N (and PREFETCH: by default where a thread holds up to PREFETCH_OUTPUTS outputs) through
+    dequant_gemm.launch_split_k; w as int32 words, checked by the caller."""
     from kernels_src.dequant_gemm import launch_split_k
 
     m, k = x2.shape
@@ -187,7 +187,14 @@ def launch_mmq(x2, w, bits: int, group: int, out, cfg: dict, nw: int, ns: int | 
         raise ValueError(f"mmq takes {bits}-bit groups of {group} in rows of {k} only where a step of "
                          f"min(group, {MAX_STEP}) inputs is a power of two dividing the group and the row, each dot "
                          f">= {MIN_HALF} deep (4 bits: groups of 64 or more; 8 bits: 32 or more)")
-    xq, xs = quantize_x_mmq(x2, bits, step, target)
+    if x_mmq is None:
+        xq, xs = quantize_x_mmq(x2, bits, step, target)
+    else:
+        xq, xs = x_mmq
+        rows = xs.shape[2]
+        if tuple(xq.shape) != (m, k) or tuple(xs.shape[:2]) != (k // step, 3) or rows < m or rows % PAD_ROWS:
+            raise ValueError(f"mmq: x's given int8 form {tuple(xq.shape)}, {tuple(xs.shape)} is not quantize_x_mmq's "
+                             f"of [{m}, {k}] in steps of {step}")
     prefetch = cfg.get("PREFETCH")
     if prefetch is None:
         prefetch = prefetch_for(cfg["BLOCK_M"], cfg["BLOCK_N"], nw)

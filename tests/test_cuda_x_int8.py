@@ -48,6 +48,17 @@ def _count(monkeypatch, module, name: str, given_at: int, calls: list) -> None:
     monkeypatch.setattr(module, name, counted)
 
 
+def _given(monkeypatch, module, name: str, calls: list, pick) -> None:
+    """Record ("given", whether pick(args, kwargs), x's int8 form handed to module.name, is not None) a call."""
+    real = getattr(module, name)
+
+    def recorded(*a, **kw):
+        calls.append(("given", pick(a, kw) is not None))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, recorded)
+
+
 def _gguf_counted():
     from kernels_src import dequant_gemv_i8, x_int8
 
@@ -181,9 +192,7 @@ def test_fusion_feeds_the_mmq_its_per256_pre_pass(tokens, model_file, monkeypatc
         for module, name, given_at in ((gguf_linear, "mmq", 99), (gguf_mmq_sb, "quantize_x256", 99),
                                        (x_int8, "add_rms_norm_q8", 99), (x_int8, "gated_act_q8", 99)):
             _count(monkeypatch, module, name, given_at, calls)
-        real_mmq = gguf_linear.mmq
-        monkeypatch.setattr(gguf_linear, "mmq", lambda *a, **kw: calls.append(("given", kw["xq"] is not None))
-                            or real_mmq(*a, **kw))
+        _given(monkeypatch, gguf_linear, "mmq", calls, lambda a, kw: kw["xq"])
         backend = CUDABackend(model, device="cpu", dtype="f32", cuda_graph=False, progress=False)
         backend.runner.x_int8_fusion = fusion
         backend.runner.target = "numpy"
@@ -201,4 +210,51 @@ def test_fusion_feeds_the_mmq_its_per256_pre_pass(tokens, model_file, monkeypatc
     assert [n for n, _ in on_calls].count("add_rms_norm_q8") == [n for n, _ in on_calls].count("gated_act_q8") == 1
     assert sum(g for n, g in on_calls if n == "given") == 2
     assert sum(n == "quantize_x256" for n, _ in on_calls) == mmqs + 1 - 2
+    np.testing.assert_array_equal(on, off)
+
+
+def test_fusion_feeds_the_int_group_mmq_its_pre_pass(monkeypatch):
+    """A 12-token prompt over 4-bit integer groups takes int_group_gemm (9-128 rows); where its variant is mmq for
+    every reader (LLM_ENGINE_INT_MMQ=1's rule: the tiny shapes are not in TUNED), the ffn norm and the gated
+    activation write quantize_x_mmq's xq and xs, the GEMMs take them instead of running it, the logits are equal."""
+    from backends.cuda.backend import CUDABackend
+    from ir.rope import RopeSpec
+    from kernels_src import int_group_gemm, int_group_mmq, x_int8_groups
+    from tools.bench_gpu_model import int4_params, loaded_model, model_config
+
+    cfg = model_config(LAYERS).with_(hidden_size=HIDDEN, intermediate_size=FFN, vocab_size=VOCAB, num_heads=HEADS,
+                                     num_kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS, max_position_embeddings=64,
+                                     rope=RopeSpec(theta=10000.0, rotary_dim=HIDDEN // HEADS))
+    model = loaded_model(cfg)
+    params = int4_params(model.graph, device="cpu")
+    gen = torch.Generator().manual_seed(7)
+    for name, p in params.items():
+        if not hasattr(p, "qtype"):
+            params[name] = (p + 0.5 * torch.randn(p.shape, generator=gen)).to(p.dtype)
+    chunk = [int(t) for t in np.random.default_rng(12).integers(1, VOCAB, 12)]
+    runs = {}
+    for fusion in (False, True):
+        monkeypatch.setattr(int_group_gemm, "MMQ", True)
+        calls: list = []
+        for module, name in ((int_group_mmq, "quantize_x_mmq"), (x_int8_groups, "add_rms_norm_mmq"),
+                             (x_int8_groups, "gated_act_mmq")):
+            _count(monkeypatch, module, name, 99, calls)
+        _given(monkeypatch, int_group_gemm, "launch_mmq", calls, lambda a, kw: a[-1])
+        backend = CUDABackend(model, device="cpu", dtype="f32", cuda_graph=False, progress=False,
+                              params=dict(params))
+        backend.runner.x_int8_fusion = fusion
+        backend.runner.target = "numpy"
+        backend.allocate_kv(2, 8)
+        runs[fusion] = host(backend.forward(make_batch([chunk], [0], [[1, 0]], 8))), calls
+        monkeypatch.undo()
+    (off, off_calls), (on, on_calls) = runs[False], runs[True]
+    gemms = sum(n == "given" for n, _ in off_calls)
+    assert gemms == sum(n == "given" for n, _ in on_calls) >= 4  # qkv, o, gate+up, down (the head: one row)
+    assert sum(n == "quantize_x_mmq" for n, _ in off_calls) == gemms
+    assert not any(g for n, g in off_calls if n == "given")
+    # on: gate+up after the ffn norm and down after the activation take theirs; layer 0's qkv (a plain rms_norm
+    # before it) and o run the pre-pass
+    assert [n for n, _ in on_calls].count("add_rms_norm_mmq") == [n for n, _ in on_calls].count("gated_act_mmq") == 1
+    assert sum(g for n, g in on_calls if n == "given") == 2
+    assert sum(n == "quantize_x_mmq" for n, _ in on_calls) == gemms - 2
     np.testing.assert_array_equal(on, off)

@@ -148,7 +148,8 @@ PLANTED = {  # a bug of the per256 kernel -> how it is planted
                                               None)[1],
     "scales 4-7 without their top bits": lambda mp, x: (mp.setattr(sb, "_scale_words", _no_top_bits), None)[1],
     "high nibbles' offset left out": lambda mp, x: (mp.setattr(sb, "_high_nibbles", lambda v: v & 0xF0), None)[1],
-    "x scaled per 32": lambda mp, x: quantize_x(x, sums=True),
+    # per32's pre-pass with per256's shapes (d repeated over each super-block's 8 blocks: right shapes, wrong scale)
+    "x scaled per 32": lambda mp, x: (lambda q, d, s: (q, d[:, ::8].copy(), s))(*quantize_x(x, sums=True)),
 }
 
 
@@ -171,6 +172,21 @@ def test_quantize_x_sums(target, rng):
     q, d = quantize_x_ref(x)
     np.testing.assert_array_equal(xq, q)
     np.testing.assert_allclose(xs, d * q.reshape(3, -1, 32).astype(np.float32).sum(-1), rtol=1e-6)
+
+
+def test_a_pre_pass_of_another_layout_is_refused(rng):
+    """A given pre-pass whose shapes are not the layout the tiles read is an error, not wrong numbers: per32's for
+    per256, and per256's fp32 sums where Q4_K's 32-row tiles read split fp16 pairs."""
+    w = padded_weights(rng, "Q4_K", 40, 512)
+    x = rng.standard_normal((20, 512)).astype(np.float32)
+    with pytest.raises(ValueError, match="is not the per256-split pre-pass"):
+        mq.mmq(x, w, "Q4_K", variant="per256", xq=sb.quantize_x256(x))
+    with pytest.raises(ValueError, match="is not the per256-split pre-pass"):
+        mq.mmq(x, w, "Q4_K", variant="per256", xq=quantize_x(x, sums=True))
+    assert mq.x_layout("Q4_K", 20, 40, 512, "per256") == "per256-split"
+    assert mq.x_layout("Q6_K", 20, 40, 512, "per256") == mq.x_layout("Q4_K", 9, 40, 512, "per256") == "per256"
+    np.testing.assert_array_equal(mq.mmq(x, w, "Q4_K", variant="per256", xq=sb.quantize_x256(x, split=True)),
+                                  mq.mmq(x, w, "Q4_K", variant="per256"))
 
 
 def test_mmq_takes_a_shared_pre_pass(rng):

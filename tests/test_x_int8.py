@@ -104,6 +104,34 @@ def test_per256_layout(rows, n, block, split, target):
     assert not host(arrays[0])[-1, :256].any() and host(arrays[1])[-1, 0] == 0
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("bits,step,rows,n,block", [(4, 128, 3, 384, 128), (8, 32, 2, 96, 1024), (4, 64, 1, 256, 64)])
+def test_int_group_mmq_layout(bits, step, rows, n, block, target):
+    """x_int8_groups' _mmq kernels: quantize_x_mmq's xq (a step's even inputs first at 4 bits) and D, P, Q per
+    (step, row) of the output as written, equal to its own on that output and to quantize_x_mmq_ref (n 384: the
+    norm's tile padded to 512)."""
+    from kernels_src.int_group_mmq import quantize_x_mmq, quantize_x_mmq_ref
+
+    rng = np.random.default_rng(n + bits)
+    x, r = (rng.standard_normal((rows, n)).astype(np.float32) for _ in range(2))
+    x[-1, :step] = -r[-1, :step]  # a zero step: codes 0, D = P = Q = 0
+    w = rng.standard_normal(n).astype(np.float32)
+    s, out, (xq, xs) = x_int8_groups.add_rms_norm_mmq(dev(x, target), dev(r, target), dev(w, target), 1e-5, bits,
+                                                      step, target=target)
+    np.testing.assert_allclose(host(out), rms_norm.add_rms_norm_ref(x, r, w, 1e-5, False)[1], rtol=1e-5, atol=1e-6)
+    out2, (xq2, xs2) = x_int8_groups.gated_act_mmq(dev(x, target), dev(r, target), "silu", bits, step, block=block,
+                                                   target=target)
+    np.testing.assert_allclose(host(out2), activations.gated_act_ref(x, r, "silu"), rtol=1e-5, atol=1e-6)
+    for o, q, xs_ in ((out, xq, xs), (out2, xq2, xs2)):
+        q_ref, xs_ref = quantize_x_mmq_ref(host(o), bits, step)
+        np.testing.assert_array_equal(host(q), q_ref)
+        np.testing.assert_allclose(host(xs_)[..., :rows], xs_ref, rtol=1e-6, atol=0)
+        q_own, xs_own = quantize_x_mmq(o, bits, step, target)
+        np.testing.assert_array_equal(host(q), host(q_own))
+        np.testing.assert_array_equal(host(xs_)[..., :rows], host(xs_own)[..., :rows])
+    assert not host(xq)[-1, :step].any() and not host(xs)[0, :, rows - 1].any()
+
+
 def test_k_not_a_multiple_of_32():
     with pytest.raises(ValueError, match="multiple of 32"):
         x_int8.gated_act_q8(np.ones((1, 40), np.float32), np.ones((1, 40), np.float32))
@@ -111,12 +139,16 @@ def test_k_not_a_multiple_of_32():
         x_int8.add_rms_norm_q8(*(np.ones((1, 288), np.float32),) * 3, 1e-5, group=256)
     with pytest.raises(ValueError, match="whole groups of 256"):
         x_int8.gated_act_q8(np.ones((1, 512), np.float32), np.ones((1, 512), np.float32), block=384, group=256)
+    with pytest.raises(ValueError, match="whole steps of 128"):
+        x_int8_groups.gated_act_mmq(np.ones((1, 512), np.float32), np.ones((1, 512), np.float32), "silu", 4, 128,
+                                    block=192)
     with pytest.raises(ValueError, match="multiple of the group"):
         x_int8_groups.gated_act_i8g(np.ones((1, 96), np.float32), np.ones((1, 96), np.float32), "silu", 4, 64)
 
 
 _Q8 = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32"}
 _I8G = {"xq": "*i8", "xd": "*fp32", "xs": "*fp32", "xr": "*fp32"}
+_MMQ = {"xq": "*i8", "xs": "*fp32"}
 AOT = {  # Llama-3-8B's: hidden 4096 (one row a program), the gated activation's 1024-wide tiles of 14336
     "add_rms_norm_q8": (x_int8.add_rms_norm_q8_kernel, dict(BLOCK=4096, OFFSET=False, PDL=True),
                         dict.fromkeys(("x", "residual", "w", "sum_out", "out"), "*bf16") | _Q8),
@@ -127,6 +159,11 @@ AOT = {  # Llama-3-8B's: hidden 4096 (one row a program), the gated activation's
     "gated_act_q256_split": (x_int8.gated_act_q8_kernel, dict(BLOCK=1024, ACT="silu", GROUP=256, SPLIT=True,
                                                               PDL=True),
                              dict.fromkeys(("gate", "up", "out"), "*bf16") | _Q8 | {"xs": "*fp16"}),
+    "add_rms_norm_mmq": (x_int8_groups.add_rms_norm_mmq_kernel,
+                         dict(BLOCK=4096, OFFSET=False, BITS=4, STEP=128, PDL=True),
+                         dict.fromkeys(("x", "residual", "w", "sum_out", "out"), "*bf16") | _MMQ),
+    "gated_act_mmq": (x_int8_groups.gated_act_mmq_kernel, dict(BLOCK=1024, ACT="silu", BITS=4, STEP=128, PDL=True),
+                      dict.fromkeys(("gate", "up", "out"), "*bf16") | _MMQ),
     "add_rms_norm_i8g": (x_int8_groups.add_rms_norm_i8g_kernel,  # 4-bit groups of 128 (GPTQ's usual)
                          dict(BLOCK=4096, OFFSET=False, BITS=4, GROUP=128, PDL=True),
                          dict.fromkeys(("x", "residual", "w", "sum_out", "out"), "*bf16") | _I8G),

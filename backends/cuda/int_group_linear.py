@@ -22,18 +22,22 @@ def int_group_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, shape: tup
                      perm: torch.Tensor | None, target: str, chunk_bytes: int, pdl: bool | None = None,
                      x_i8: tuple | None = None) -> torch.Tensor:
     """y = x @ W.T for W [N, K] stored as intgroup blocks `data` (uint8 [N, row_bytes]) of format `qtype`; `pdl` as
-    the runner's (None: wherever the target can); x_i8: x's int8 arrays (backends/cuda/x_int8_fusion), no perm."""
+    the runner's (None: wherever the target can); x_i8: x's int8 arrays made with x (backends/cuda/x_int8_fusion),
+    no perm: quantize_x_i8's four for the GEMV, or the GEMM's mmq pre-pass (xq, xs), made only where every reader of
+    x runs that variant."""
     bits, group = weight_format(qtype).int_group
     n, k = shape
     x2 = x.reshape(-1, k)
     if perm is not None:
         x2 = x2.index_select(1, perm)
     x2 = x2.contiguous()
+    given = {4: "gemv", 2: "mmq"}.get(len(x_i8)) if x_i8 is not None and perm is None else None
     if x2.shape[0] <= MAX_ROWS:
         return int_group_gemv(x2, data, bits, group, target=target, pdl=pdl,
-                              x_i8=x_i8 if perm is None else None).reshape(*x.shape[:-1], n)
+                              x_i8=x_i8 if given == "gemv" else None).reshape(*x.shape[:-1], n)
     if x2.shape[0] <= GEMM_ROWS:
-        return int_group_matmul(x2, data, bits, group, target=target, pdl=pdl).reshape(*x.shape[:-1], n)
+        return int_group_matmul(x2, data, bits, group, target=target, pdl=pdl,
+                                x_mmq=x_i8 if given == "mmq" else None).reshape(*x.shape[:-1], n)
     dtype = str(x.dtype).removeprefix("torch.")
 
     def rows(r0: int, r1: int):

@@ -7,10 +7,12 @@ same arrays, bit for bit, with no launch of their own, so the logits do not move
 
 `plan` finds once the producers whose output only linears of one kind read (GGUF blocks with an int8 path, or
 integer groups of one (bits, group) without an act-order permutation); `produce` runs one where the step's rows
-take the GEMV for every reader and the int8 path for one at least (dequant_gemv's TUNED may pick fp32 x for a
-problem: Llama-3-8B's Q6_K v, 1024 x 4096, at one row; that GEMV reads x as before), and holds x and its int8 form
-on the plan; `prequantized` hands them to a linear that reads that very tensor. The buffers are the step's own
-tensors, so a captured CUDA graph replays them as the other intermediates.
+take one int8 layout for every reader, and holds x and its int8 form on the plan; `prequantized` hands them to a
+linear that reads that very tensor. The layouts (`_route`): the GGUF GEMV's (every reader on it, the int8 path for
+one at least: dequant_gemv's TUNED may pick fp32 x for a problem, Llama-3-8B's Q6_K v, 1024 x 4096, at one row; that
+GEMV reads x as before), the GGUF MMQ's per256 pre-pass (4-32 rows, one of its two layouts for every reader), the
+integer-group GEMV's and the integer-group GEMM's (9-128 rows, every reader on its variant mmq). The buffers are
+the step's own tensors, so a captured CUDA graph replays them as the other intermediates.
 
 On by default: on the H200 (2026-12-04, docs/BENCHMARKS.md) it took Llama-3-8B decode at batch 1 from 398 to
 432 tok/s in Q4_K_M and from 432 to 468 in int4 (tools/bench_gpu), and the Q4_K_M file from 397 to 430 tok/s
@@ -23,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 
 from backends.cuda.gguf_linear import takes_gemv, takes_mmq
+from backends.cuda.int_group_linear import GEMM_ROWS as INT_GROUP_GEMM_ROWS
 from backends.cuda.weights import QuantWeight
 from ir.graph import Graph
 from ir.weight_formats import weight_format
@@ -30,7 +33,9 @@ from kernels_src import dequant_gemv_i8, int_group_gemv_i8, x_int8, x_int8_group
 from kernels_src.activations import ACTIVATIONS
 from kernels_src.dequant_gemv import default_tiles
 from kernels_src.gguf_mmq import x_layout
+from kernels_src.int_group_gemm import tuned_variant
 from kernels_src.int_group_gemv import MAX_ROWS as INT_GROUP_GEMV_ROWS
+from kernels_src.int_group_mmq import mmq_step
 
 ENV = "LLM_ENGINE_X_INT8_FUSION"
 DEFAULT = os.environ.get(ENV, "1") != "0"
@@ -38,7 +43,7 @@ DEFAULT = os.environ.get(ENV, "1") != "0"
 
 @dataclass
 class Plan:
-    # id(producer) -> ("gguf", its readers' (qtype, N, K)) or ("intgroup", (bits, group))
+    # id(producer) -> ("gguf", its readers' (qtype, N, K)) or ("intgroup", (bits, group, its readers' (N, K)))
     readers: dict[int, tuple] = field(default_factory=dict)
     held: tuple | None = None  # (x, its int8 arrays) of the producer that ran last
 
@@ -68,8 +73,9 @@ def plan(graph: Graph, params: dict) -> Plan:
         kinds = {_kind(w) for w in weights}
         if len(kinds) == 1 and None not in kinds:
             kind = kinds.pop()
+            shapes = tuple(sorted({tuple(w.shape) for w in weights}))
             found.readers[id(node)] = (kind[0], tuple(sorted({(w.qtype.upper(), *w.shape) for w in weights}))
-                                       if kind[0] == "gguf" else kind[1])
+                                       if kind[0] == "gguf" else (*kind[1], shapes))
     return found
 
 
@@ -85,31 +91,45 @@ def _kind(w) -> tuple | None:
 
 def produce(runner, node, args):
     """node's outputs through x_int8 / x_int8_groups (holding x's int8 form on the plan), or None where it does not
-    apply: fusion off, or a step whose rows some reader runs elsewhere than the GEMV or none on int8 x."""
+    apply: fusion off, or a step whose rows some reader runs elsewhere than the int8 kernels one layout serves."""
     if not enabled(runner.x_int8_fusion):
         return None
-    x, target = args[0], runner.target
+    x = args[0]
     rows = x.numel() // x.shape[-1]
     kind, what = runner.x_int8_plan.readers[id(node)]
-    if x.dim() != 2 or rows < 1 or not (_gguf_takes(rows, what, target) or _mmq_layout(runner, rows, what) is not None
-                                         if kind == "gguf" else _int_group_takes(rows, x.shape[-1], *what, target)):
+    route = _route(runner, kind, what, rows, x.shape[-1]) if x.dim() == 2 and rows >= 1 else None
+    if route is None:
         return None
-    act, pdl = node.attrs.get("act"), runner.pdl
-    q8 = dict(target=target, pdl=pdl)
-    if kind == "gguf" and (layout := _mmq_layout(runner, rows, what)) is not None:
-        q8.update(group=256, split=layout == "per256-split")  # the MMQ's per256 pre-pass: (xq, xd, xs)
-    if kind == "gguf" and node.op == "add_rms_norm":
-        s, out, *arrays = x_int8.add_rms_norm_q8(x, args[1], args[2], node.attrs["eps"],
-                                                 offset=node.attrs["offset"] == 1.0, **q8)
-    elif kind == "gguf":
-        out, *arrays = x_int8.gated_act_q8(args[0], args[1], act, **q8)
-    elif node.op == "add_rms_norm":
-        s, out, arrays = x_int8_groups.add_rms_norm_i8g(x, args[1], args[2], node.attrs["eps"], *what,
-                                                        offset=node.attrs["offset"] == 1.0, target=target, pdl=pdl)
+    how, pos, kw = route
+    kw.update(target=runner.target, pdl=runner.pdl)
+    norm_fn, act_fn = {"q8": (x_int8.add_rms_norm_q8, x_int8.gated_act_q8),
+                       "i8g": (x_int8_groups.add_rms_norm_i8g, x_int8_groups.gated_act_i8g),
+                       "mmq": (x_int8_groups.add_rms_norm_mmq, x_int8_groups.gated_act_mmq)}[how]
+    if node.op == "add_rms_norm":
+        s, out, *arrays = norm_fn(x, args[1], args[2], node.attrs["eps"], *pos, offset=node.attrs["offset"] == 1.0,
+                                  **kw)
     else:
-        out, arrays = x_int8_groups.gated_act_i8g(args[0], args[1], act, *what, target=target, pdl=pdl)
+        out, *arrays = act_fn(args[0], args[1], node.attrs["act"], *pos, **kw)
+    # the GEMV's (xq, xd) come flat; the other layouts as one tuple: (xq, xd, xs) (per256), quantize_x_i8's four,
+    # (xq, xs) (the integer-group GEMM's)
     runner.x_int8_plan.held = (out, tuple(arrays[0] if len(arrays) == 1 else arrays))
     return (s, out) if node.op == "add_rms_norm" else out
+
+
+def _route(runner, kind: str, what: tuple, rows: int, k: int) -> tuple | None:
+    """(kernels, their positional and keyword extras) writing the layout every reader of x takes at `rows`, or
+    None: "q8" (the GGUF GEMV's per 32, or the MMQ's per256), "i8g" (the integer-group GEMV's) or "mmq" (its GEMM's)."""
+    target = runner.target
+    if kind == "gguf":
+        if _gguf_takes(rows, what, target):
+            return "q8", (), {}
+        layout = _mmq_layout(runner, rows, what)
+        return None if layout is None else ("q8", (), dict(group=256, split=layout == "per256-split"))
+    bits, group, shapes = what
+    if _int_group_takes(rows, k, bits, group, target):
+        return "i8g", (bits, group), {}
+    step = _int_group_mmq_step(rows, bits, group, shapes)
+    return None if step is None else ("mmq", (bits, step), {})
 
 
 def _gguf_takes(rows: int, readers: tuple, target: str) -> bool:
@@ -131,6 +151,16 @@ def _int8_gemv(rows: int, qtype: str, n: int, k: int, target: str) -> bool:
     """Whether dequant_gemv runs this problem on int8 x (as it decides: its TUNED entry's int8_x on I8_TARGETS)."""
     tuned = default_tiles(qtype, rows, n, k).get("int8_x") if target in dequant_gemv_i8.I8_TARGETS else None
     return dequant_gemv_i8.uses_int8(qtype, target, tuned)
+
+
+def _int_group_mmq_step(rows: int, bits: int, group: int, shapes: tuple) -> int | None:
+    """The integer-group GEMM's step where int_group_linear runs every reader on it in variant mmq, else None."""
+    if not INT_GROUP_GEMV_ROWS < rows <= INT_GROUP_GEMM_ROWS:
+        return None
+    steps = {mmq_step(bits, group, k) for _, k in shapes}
+    if len(steps) != 1 or None in steps or any(tuned_variant(rows, n, k, bits, group) != "mmq" for n, k in shapes):
+        return None
+    return steps.pop()
 
 
 def _int_group_takes(rows: int, k: int, bits: int, group: int, target: str) -> bool:
