@@ -361,6 +361,12 @@ mmq_sweep16() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" mmq_sweep16 "* ]] && step mmq_sweep16 gpu 420 mmq_sweep16
+# Issues 13 and 17 (by name: GPU_CHECK_STEPS=x_int8_mmq, ~240 s): x's int8 form written by the norm and the gated
+# activation for the MMQs too (backends/cuda/x_int8_fusion.py, 2026-12-05: gguf_mmq's per256 pre-pass at 4-32 rows,
+# int_group_mmq's at 9-128), its "no x int8 fusion" ablation at Q4_K_M batch 16 and int4 batch 16 and 64.
+[[ " ${GPU_CHECK_STEPS:-} " == *" x_int8_mmq "* ]] && step x_int8_mmq gpu 330 "$PY" -m tools.bench_gpu \
+    --batches 16,64 --quant q4km,int4 --q4km-batches 16 --no-peer --profile '' --ablate 16,64 \
+    --ablations "no x int8 fusion" --prefill 256 --gen 64 --json "$OUT"/x_int8_mmq.json
 # The same at 64 rows, every mmq build (num_stages 2-4 too, where the 2026-12-05 sweep was --quick; by name:
 # GPU_CHECK_STEPS=int_mmq_sweep64, ~200 s): prints int_group_gemm.TUNED's literal. MMQ_SHAPES, MMQ_MS, MMQ_VARIANTS
 # and MMQ_BUDGET change it: the int4 output projection, unnamed in TUNED (stream: 373 us of a batch-64 step on
