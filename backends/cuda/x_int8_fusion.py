@@ -46,6 +46,8 @@ class Plan:
     # id(producer) -> ("gguf", its readers' (qtype, N, K)) or ("intgroup", (bits, group, its readers' (N, K)))
     readers: dict[int, tuple] = field(default_factory=dict)
     held: tuple | None = None  # (x, its int8 arrays) of the producer that ran last
+    # (producer, rows, the runner's settings) -> _route's answer: asked once, not at every eager step's every layer
+    routes: dict[tuple, tuple | None] = field(default_factory=dict)
 
     def __contains__(self, node_id: int) -> bool:
         return node_id in self.readers
@@ -97,11 +99,16 @@ def produce(runner, node, args):
     x = args[0]
     rows = x.numel() // x.shape[-1]
     kind, what = runner.x_int8_plan.readers[id(node)]
-    route = _route(runner, kind, what, rows, x.shape[-1]) if x.dim() == 2 and rows >= 1 else None
-    if route is None:
+    if x.dim() != 2 or rows < 1:
         return None
-    how, pos, kw = route
-    kw.update(target=runner.target, pdl=runner.pdl)
+    key = (id(node), rows, runner.target, runner.mmq_variant, runner.mmq_max_rows)
+    fused = runner.x_int8_plan
+    if key not in fused.routes:
+        fused.routes[key] = _route(runner, kind, what, rows, x.shape[-1])
+    if fused.routes[key] is None:
+        return None
+    how, pos, kw = fused.routes[key]
+    kw = dict(kw, target=runner.target, pdl=runner.pdl)
     norm_fn, act_fn = {"q8": (x_int8.add_rms_norm_q8, x_int8.gated_act_q8),
                        "i8g": (x_int8_groups.add_rms_norm_i8g, x_int8_groups.gated_act_i8g),
                        "mmq": (x_int8_groups.add_rms_norm_mmq, x_int8_groups.gated_act_mmq)}[how]
@@ -112,7 +119,7 @@ def produce(runner, node, args):
         out, *arrays = act_fn(args[0], args[1], node.attrs["act"], *pos, **kw)
     # the GEMV's (xq, xd) come flat; the other layouts as one tuple: (xq, xd, xs) (per256), quantize_x_i8's four,
     # (xq, xs) (the integer-group GEMM's)
-    runner.x_int8_plan.held = (out, tuple(arrays[0] if len(arrays) == 1 else arrays))
+    fused.held = (out, tuple(arrays[0] if len(arrays) == 1 else arrays))
     return (s, out) if node.op == "add_rms_norm" else out
 
 
