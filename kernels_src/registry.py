@@ -97,10 +97,13 @@ register(KernelEntry(
     "add_rms_norm", rms_norm.add_rms_norm_kernel, dict(BLOCK=4096, OFFSET=False, PDL=True),
     _ptrs(BF16, "x", "residual", "w", "sum_out", "out"), _ROWS,
     lambda rows, hidden, dtype: (4 * rows * hidden + hidden) * ITEMSIZE[dtype], floats=("eps",),
-    launcher=rms_norm.add_rms_norm, variants=(x_int8.add_rms_norm_q8_kernel, x_int8_groups.add_rms_norm_i8g_kernel),
+    launcher=rms_norm.add_rms_norm, variants=(x_int8.add_rms_norm_q8_kernel, x_int8_groups.add_rms_norm_i8g_kernel,
+                                              x_int8_groups.add_rms_norm_mmq_kernel),
     notes="x_int8.add_rms_norm_q8_kernel also writes out's int8 codes and per-32 scales (quantize_x's) for the GGUF "
-          "int8 GEMV after it, x_int8_groups.add_rms_norm_i8g_kernel quantize_x_i8's arrays for the integer-group "
-          "one (backends/cuda/x_int8_fusion.py)"))
+          "int8 GEMV after it (GROUP=256: quantize_x256's for gguf_mmq's per256), x_int8_groups' "
+          "add_rms_norm_i8g_kernel quantize_x_i8's arrays for the integer-group one, add_rms_norm_mmq_kernel "
+          "quantize_x_mmq's for its GEMM "
+          "(backends/cuda/x_int8_fusion.py)"))
 register(KernelEntry(
     "rope", rope.rope_kernel, dict(HALF=64, BLOCK_H=32, BLOCK_R=64, INTERLEAVED=False, PDL=True),
     _ptrs(BF16, "q", "k", positions="*i32", cos="*fp32", sin="*fp32"),
@@ -113,8 +116,9 @@ register(KernelEntry(
     _ptrs(BF16, "gate", "up", "out"),
     dict(tokens=4096, inner=14336, dtype=BF16),
     lambda tokens, inner, dtype: 3 * tokens * inner * ITEMSIZE[dtype], launcher=activations.gated_act,
-    variants=(x_int8.gated_act_q8_kernel, x_int8_groups.gated_act_i8g_kernel), notes="x_int8.gated_act_q8_kernel "
-    "and x_int8_groups.gated_act_i8g_kernel also write out's int8 form (as add_rms_norm's variants)"))
+    variants=(x_int8.gated_act_q8_kernel, x_int8_groups.gated_act_i8g_kernel, x_int8_groups.gated_act_mmq_kernel),
+    notes="x_int8.gated_act_q8_kernel and x_int8_groups' gated_act_i8g_kernel and gated_act_mmq_kernel also write "
+          "out's int8 form (as add_rms_norm's variants)"))
 register(KernelEntry(
     "kv_write", kv_write.kv_write_kernel, dict(BLOCK_H=8, BLOCK_D=128, PDL=True),
     _ptrs(BF16, "k", "v", "k_cache", "v_cache", slots="*i64"), dict(tokens=4096, kv_heads=8, head_dim=128, dtype=BF16),
