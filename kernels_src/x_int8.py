@@ -37,16 +37,31 @@ def _store_q8(v, xq, xd, xs, row, first, n_cols, xq_stride, xd_stride, xs_stride
             tl.store(xs + row * xs_stride + b32, sums.to(tl.float32), mask=b32 < n_cols // 32)
 
 
-def add_rms_norm_q8_kernel(x, residual, w, sum_out, out, xq, xd, xs, n_cols, x_stride, r_stride, s_stride,
-                           out_stride, xq_stride, xd_stride, xs_stride, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr,
-                           GROUP: tl.constexpr = 32, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
-    row = tl.program_id(0)
+def stored_norm_row(x, residual, w, sum_out, out, row, n_cols, x_stride, r_stride, s_stride, out_stride, eps, BLOCK,
+                    OFFSET, PDL):
+    """add_rms_norm's row, stored in out's dtype; returned as stored, in fp32 (0 past the row): what is quantized."""
     y, cols, mask = add_norm_row(x, residual, w, sum_out, row, n_cols, x_stride, r_stride, s_stride, eps, BLOCK,
                                  OFFSET, PDL)
     y = y.to(out.dtype.element_ty)  # the codes are the stored output's
     tl.store(out + row * out_stride + cols, y, mask=mask)
-    _store_q8(tl.where(mask, y.to(tl.float32), 0.0), xq, xd, xs, row, 0, n_cols, xq_stride, xd_stride, xs_stride,
-              BLOCK, GROUP, SPLIT)
+    return tl.where(mask, y.to(tl.float32), 0.0)
+
+
+def stored_gated_row(gate, up, out, row, first, n_cols, gate_stride, up_stride, out_stride, BLOCK, ACT, PDL):
+    """The gated activation's inputs first .. first + BLOCK of a row, stored and returned as stored_norm_row's."""
+    y, cols, mask = gated_row(gate, up, row, first, n_cols, gate_stride, up_stride, BLOCK, ACT, PDL)
+    y = y.to(out.dtype.element_ty)
+    tl.store(out + row * out_stride + cols, y, mask=mask)
+    return tl.where(mask, y.to(tl.float32), 0.0)
+
+
+def add_rms_norm_q8_kernel(x, residual, w, sum_out, out, xq, xd, xs, n_cols, x_stride, r_stride, s_stride,
+                           out_stride, xq_stride, xd_stride, xs_stride, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr,
+                           GROUP: tl.constexpr = 32, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
+    row = tl.program_id(0)
+    v = stored_norm_row(x, residual, w, sum_out, out, row, n_cols, x_stride, r_stride, s_stride, out_stride, eps,
+                        BLOCK, OFFSET, PDL)
+    _store_q8(v, xq, xd, xs, row, 0, n_cols, xq_stride, xd_stride, xs_stride, BLOCK, GROUP, SPLIT)
 
 
 def gated_act_q8_kernel(gate, up, out, xq, xd, xs, n_cols, gate_stride, up_stride, out_stride, xq_stride, xd_stride,
@@ -54,11 +69,8 @@ def gated_act_q8_kernel(gate, up, out, xq, xd, xs, n_cols, gate_stride, up_strid
                         SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
     row = tl.program_id(0)
     first = tl.program_id(1) * BLOCK
-    y, cols, mask = gated_row(gate, up, row, first, n_cols, gate_stride, up_stride, BLOCK, ACT, PDL)
-    y = y.to(out.dtype.element_ty)
-    tl.store(out + row * out_stride + cols, y, mask=mask)
-    _store_q8(tl.where(mask, y.to(tl.float32), 0.0), xq, xd, xs, row, first, n_cols, xq_stride, xd_stride,
-              xs_stride, BLOCK, GROUP, SPLIT)
+    v = stored_gated_row(gate, up, out, row, first, n_cols, gate_stride, up_stride, out_stride, BLOCK, ACT, PDL)
+    _store_q8(v, xq, xd, xs, row, first, n_cols, xq_stride, xd_stride, xs_stride, BLOCK, GROUP, SPLIT)
 
 
 # --- host side -------------------------------------------------------------------------------------------------

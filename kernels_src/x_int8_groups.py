@@ -20,6 +20,7 @@ from kernels_src.int_group_gemv import _words
 from kernels_src.int_group_gemv_i8 import _planes, _quantize_chunks
 from kernels_src.int_group_mmq import BASE, PAD_ROWS, _halves
 from kernels_src.rms_norm import _empty_like, add_norm_row
+from kernels_src.x_int8 import stored_gated_row, stored_norm_row
 
 
 def _requantize(out_row, xq, xd, xs, xr, row, first, n_cols, xq_stride, xd_stride, BLOCK: int, BITS: int,
@@ -82,12 +83,9 @@ def add_rms_norm_mmq_kernel(x, residual, w, sum_out, out, xq, xs, n_cols, x_stri
                             xq_stride, xs_stride, xs_plane, eps, BLOCK: tl.constexpr, OFFSET: tl.constexpr,
                             BITS: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
-    y, cols, mask = add_norm_row(x, residual, w, sum_out, row, n_cols, x_stride, r_stride, s_stride, eps, BLOCK,
-                                 OFFSET, PDL)
-    y = y.to(out.dtype.element_ty)  # the codes are the stored output's
-    tl.store(out + row * out_stride + cols, y, mask=mask)
-    _store_mmq(tl.where(mask, y.to(tl.float32), 0.0), xq, xs, row, 0, n_cols, xq_stride, xs_stride, xs_plane, BLOCK,
-               BITS, STEP)
+    v = stored_norm_row(x, residual, w, sum_out, out, row, n_cols, x_stride, r_stride, s_stride, out_stride, eps,
+                        BLOCK, OFFSET, PDL)
+    _store_mmq(v, xq, xs, row, 0, n_cols, xq_stride, xs_stride, xs_plane, BLOCK, BITS, STEP)
 
 
 def gated_act_mmq_kernel(gate, up, out, xq, xs, n_cols, gate_stride, up_stride, out_stride, xq_stride, xs_stride,
@@ -95,11 +93,8 @@ def gated_act_mmq_kernel(gate, up, out, xq, xs, n_cols, gate_stride, up_stride, 
                          PDL: tl.constexpr = False):
     row = tl.program_id(0)
     first = tl.program_id(1) * BLOCK
-    y, cols, mask = gated_row(gate, up, row, first, n_cols, gate_stride, up_stride, BLOCK, ACT, PDL)
-    y = y.to(out.dtype.element_ty)
-    tl.store(out + row * out_stride + cols, y, mask=mask)
-    _store_mmq(tl.where(mask, y.to(tl.float32), 0.0), xq, xs, row, first, n_cols, xq_stride, xs_stride, xs_plane,
-               BLOCK, BITS, STEP)
+    v = stored_gated_row(gate, up, out, row, first, n_cols, gate_stride, up_stride, out_stride, BLOCK, ACT, PDL)
+    _store_mmq(v, xq, xs, row, first, n_cols, xq_stride, xs_stride, xs_plane, BLOCK, BITS, STEP)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
