@@ -437,6 +437,17 @@ pending_fp8_mma() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_fp8_mma "* ]] && step pending_fp8_mma gpu 560 pending_fp8_mma
+# The same decode A/B alone, for a short lease (by name: GPU_CHECK_STEPS=fp8_mma_ab, ~150 s): our setting only, with
+# the 16-bit cache's decode at the same points beside it.
+fp8_mma_ab() {
+    local rc=0
+    fp8_decode_ab LLM_ENGINE_FP8_MMA 0 fp8_mma || rc=1
+    echo "== the 16-bit cache's decode at the same points"
+    timeout 60 "$PY" -m tools.bench_decode_attention --batches 1,16,64 --contexts 4096,16384 --budget 0 \
+        --json "$OUT"/bf16_cache.json || rc=1
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" fp8_mma_ab "* ]] && step fp8_mma_ab gpu 240 fp8_mma_ab
 # Issue 16's MoE warm-up (by name: GPU_CHECK_STEPS=moe_warmup, ~300 s, most of it compiling): after the start-up
 # warm-ups, prompts of every token count on DeepSeek-V2-Lite's shape (graphs off, then on) and Qwen3-30B-A3B's Q4_K_M
 # one (graphs off) should list no kernel variant first launched by a serving step (tools/check_moe_warmup.py).
