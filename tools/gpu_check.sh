@@ -342,30 +342,26 @@ pending_int_mmq() {
 # decode step at batch 64 by kernel, bf16 and int4 g128 (the mmq GEMMs' x pre-pass, split-K partials and reduce).
 [[ " ${GPU_CHECK_STEPS:-} " == *" profile_int4 "* ]] && step profile_int4 gpu 150 "$PY" -m tools.bench_gpu \
     --batches 64 --quant int4 --no-peer --profile 64 --ablate '' --prefill 256 --gen 32 --json "$OUT"/profile_int4.json
-# Issue 13's Q4_K_M batch 16 (1.37x llama.cpp, 1.5x asked; by name: GPU_CHECK_STEPS=profile_q4km16, ~120 s): the
-# decode step at batch 16 by kernel (never broken down: the MMQ's per256 at 16 rows ran a 14336 x 4096 problem at
-# ~25% of copy on 2026-12-03), bf16's beside it.
-[[ " ${GPU_CHECK_STEPS:-} " == *" profile_q4km16 "* ]] && step profile_q4km16 gpu 200 "$PY" -m tools.bench_gpu \
-    --batches 16 --quant q4km --q4km-batches 16 --no-peer --profile 16 --ablate '' --prefill 256 --gen 32 \
-    --json "$OUT"/profile_q4km16.json
 # Issue 13's Q4_K_M batch 16 (by name: GPU_CHECK_STEPS=mmq_sweep16, ~300 s): the MMQ's per256 variant (the default
 # since 2026-12-03) at 16 rows on every shape a Q4_K_M Llama-3-8B step runs, Q4_K then Q6_K. MMQ_TUNED has per256
 # tiles for one of them (14336 x 4096, the rest are per32's entries, ignored by per256: mmq_tiles' rule there).
 # Prints MMQ_TUNED literals for kernels_src/gguf_mmq.py.
 mmq_sweep16() {
     local rc=0
-    timeout $((${MMQ16_BUDGET:-190} + 100)) "$PY" -m tools.sweep_mmq --ms 16 --variants per256 --budget "${MMQ16_BUDGET:-190}" \
-        --shapes 28672x4096,4096x14336,6144x4096,5120x4096,4096x4096 || rc=1
+    timeout $((${MMQ16_BUDGET:-190} + 100)) "$PY" -m tools.sweep_mmq --ms 16 --variants per256 \
+        --budget "${MMQ16_BUDGET:-190}" --shapes 28672x4096,4096x14336,6144x4096,5120x4096,4096x4096 || rc=1
     timeout 170 "$PY" -m tools.sweep_mmq --ms 16 --variants per256 --qtype Q6_K --budget 70 \
         --shapes 4096x14336,1024x4096,128256x4096 || rc=1
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" mmq_sweep16 "* ]] && step mmq_sweep16 gpu 420 mmq_sweep16
-# Issues 13 and 17 (by name: GPU_CHECK_STEPS=x_int8_mmq, ~240 s): x's int8 form written by the norm and the gated
+# Issues 13 and 17 (by name: GPU_CHECK_STEPS=x_int8_mmq, ~260 s): x's int8 form written by the norm and the gated
 # activation for the MMQs too (backends/cuda/x_int8_fusion.py, 2026-12-05: gguf_mmq's per256 pre-pass at 4-32 rows,
-# int_group_mmq's at 9-128), its "no x int8 fusion" ablation at Q4_K_M batch 16 and int4 batch 16 and 64.
-[[ " ${GPU_CHECK_STEPS:-} " == *" x_int8_mmq "* ]] && step x_int8_mmq gpu 330 "$PY" -m tools.bench_gpu \
-    --batches 16,64 --quant q4km,int4 --q4km-batches 16 --no-peer --profile '' --ablate 16,64 \
+# int_group_mmq's at 9-128), its "no x int8 fusion" ablation at Q4_K_M batch 16 and int4 batch 16 and 64; and each
+# batch-16 step by kernel (bf16, int4 and Q4_K_M's, never broken down: 1.37x llama.cpp, 1.5x asked; the MMQ's
+# per256 at 16 rows ran a 14336 x 4096 problem at ~25% of copy on 2026-12-03).
+[[ " ${GPU_CHECK_STEPS:-} " == *" x_int8_mmq "* ]] && step x_int8_mmq gpu 360 "$PY" -m tools.bench_gpu \
+    --batches 16,64 --quant q4km,int4 --q4km-batches 16 --no-peer --profile 16 --ablate 16,64 \
     --ablations "no x int8 fusion" --prefill 256 --gen 64 --json "$OUT"/x_int8_mmq.json
 # The same at 64 rows, every mmq build (num_stages 2-4 too, where the 2026-12-05 sweep was --quick; by name:
 # GPU_CHECK_STEPS=int_mmq_sweep64, ~200 s): prints int_group_gemm.TUNED's literal. MMQ_SHAPES, MMQ_MS, MMQ_VARIANTS
@@ -426,7 +422,7 @@ pending_fp8_vt() {
 # with it on the GPU; the decode kernel A/B (our setting, then 30 s of the sweep); 8 layers end to end at batch 16 and
 # 16k, with the 16-bit cache as issue 17's peer (FP8_MMA_RUNS: the runs, default "1 auto").
 pending_fp8_mma() {
-    local rc=0 on
+    local rc=0
     echo "== the FP8-MMA decode's tests, and SmolLM2 with it (LLM_ENGINE_FP8_MMA=1)"
     timeout 120 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels_fp8_mma.py || rc=1
     LLM_ENGINE_FP8_MMA=1 timeout 150 "$PY" -m pytest -q -p no:cacheprovider --tb=short -k "$CUDA_K" \
