@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve_rank(args, str(source.path))
         if args.mlx_ring is not None and args.mlx_ring.rank != 0:
             return _serve_mlx_rank(args, str(source.path))
-        log.info("loading %s from %s", args.served_model_name or source.id, source.path)
+        name = args.served_model_name or source.id  # what /v1/models lists and requests give
+        log.info("loading %s from %s", name, source.path)
         spec = engine_spec(args, str(source.path))
         if args.prompt is not None or args.engine_in_process:  # else the engine process loads the weights
             engine = spec.load()
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return answer_once(engine, args)
     from frontend.run_server import serve
-    return serve(args, args.served_model_name or source.id, spec, engine)
+    return serve(args, name, spec, engine)
 
 
 def engine_spec(args: argparse.Namespace, model_path: str):

@@ -148,7 +148,7 @@ def _gguf_takes(rows: int, readers: tuple, target: str) -> bool:
 def _mmq_layout(runner, rows: int, readers: tuple) -> str | None:
     """Where every reader runs the MMQ (gguf_linear's rows for it) on x's per256 pre-pass of one layout: that layout
     ("per256" or "per256-split"), else None (per32's pre-pass, with its sums, is not fused)."""
-    if not (all(takes_mmq(rows, q, runner.target, runner.mmq_max_rows) and k % 256 == 0 for q, _, k in readers)):
+    if not all(takes_mmq(rows, q, runner.target, runner.mmq_max_rows) and k % 256 == 0 for q, _, k in readers):
         return None
     layouts = {x_layout(q, rows, n, k, runner.mmq_variant) for q, n, k in readers}
     return layouts.pop() if len(layouts) == 1 and layouts <= {"per256", "per256-split"} else None
