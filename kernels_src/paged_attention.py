@@ -148,9 +148,10 @@ def paged_decode_fp8_fused_kernel(q, k_cache, v_cache, k_scales, v_scales, block
 def decode_program(q, k_cache, v_cache, scales, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
                    softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
                    kv_block_stride, kv_tok_stride, kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS,
-                   PARTITION, SPLIT, SOFTCAP, PDL, counters=None, BLOCK_P=1):
+                   PARTITION, SPLIT, SOFTCAP, PDL, counters=None, BLOCK_P=1, rope=None):
     """One (sequence, KV head, partition) program of the decode kernels (`scales` as attend takes them; `counters`:
-    the fused kernels')."""
+    the fused kernels'; `rope`: paged_decode_rope's RopeIn, q rotated here and this step's keys and values written
+    by the program that reads them)."""
     b, kvh, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     gmask, dmask = g < GROUP, d < HEAD_DIM
@@ -160,10 +161,18 @@ def decode_program(q, k_cache, v_cache, scales, block_tables, context_lens, out,
     # waiting for the kernel that writes q and the caches: one dependent load off each layer's critical path.
     ctx = tl.load(context_lens + b)
     lo, hi = partition_keys(ctx, part, max_parts, PARTITION, BLOCK_N, SPLIT)
+    if rope is not None:  # the rotation's rows come from the host too: cos and sin are loaded before the wait
+        from kernels_src.paged_decode_rope import rotation, write_kv
+
+        cs = rotation(rope, b, d)
     if PDL:  # q and the caches are earlier kernels' outputs
         tl.wait_prior_grid()
         tl.launch_dependents()
-    qv = tl.load(q + b * q_stride + heads[:, None] * q_head_stride + d[None, :], mask=mask, other=0.0)
+    if rope is None:
+        qv = tl.load(q + b * q_stride + heads[:, None] * q_head_stride + d[None, :], mask=mask, other=0.0)
+    else:
+        qv = write_kv(rope, cs, q + b * q_stride + heads[:, None] * q_head_stride, mask, b, kvh, d, dmask, ctx, lo,
+                      hi, k_cache, v_cache, kv_block_stride, kv_tok_stride, kv_head_stride, BS)
     lo = tl.maximum(lo, kv_fp8.window_start(ctx - window, BS, scales))
     qi = tl.full([BLOCK_G], ctx - 1, tl.int32)
     m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
@@ -237,7 +246,7 @@ _DECODE_PLANS = Plans()
 
 
 def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition, softcap, out, num_warps, k_scales,
-                 v_scales, target, pdl, fused, counters) -> tuple:
+                 v_scales, target, pdl, fused, counters, rope) -> tuple:
     """What paged_decode decides from shapes, strides and options: the decode's launch and its arguments after the
     pointers (before the table's stride and after it), fused, the reduce's launch (or None) and its arguments."""
     group, bs = check_cache(q, k_cache, v_cache)
@@ -254,6 +263,16 @@ def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition,
     kernels = ((paged_decode_fused_kernel, paged_decode_int8_fused_kernel, paged_decode_fp8_fused_kernel) if fused
                else (paged_decode_kernel, paged_decode_int8_kernel, paged_decode_fp8_kernel))
     _, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
+    if rope is not None:  # q rotated and the step's keys and values written by the decode (paged_decode_rope)
+        from kernels_src import paged_decode_rope as pdr
+
+        if target not in pdr.TARGETS:
+            raise ValueError(f"target {target!r}: the rope decode needs a barrier over global memory ({pdr.TARGETS})")
+        k, v, slots, rows, cos, sin, interleaved = rope
+        pdr.check_rope(q, k, v, k_cache, slots, rows, cos, sin)
+        fn = pdr.paged_decode_rope_fused_kernel if fused else pdr.paged_decode_rope_kernel
+        extra = {"HALF": cos.shape[1], "INTERLEAVED": bool(interleaved)}
+        sc_strides = (elem_stride(k, 0), elem_stride(k, 1), elem_stride(v, 0), elem_stride(v, 1), elem_stride(cos, 0))
     if fused:
         extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"], FUSED_TILE)
     if extra.get("V_TOKEN_MINOR") and e4m3.use_mma(target) and min(consts["BLOCK_D"], block_n) >= 32:
@@ -273,7 +292,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
                  softcap: float | None = None, out=None, max_context: int | None = None, partition: int = 512,
                  max_parts: int | None = None, block_n: int = 64, workspace=None, num_warps: int = 4,
                  k_scales=None, v_scales=None, target: str = "numpy", pdl: bool | None = None,
-                 fused: bool | None = None, counters=None):
+                 fused: bool | None = None, counters=None, rope=None):
     """Attention of q [B, Hq, D] (one token per sequence, the last of its context) over the paged caches.
 
     The grid has cdiv(max_context, partition) partitions (max_context: context_lens' maximum unless given, e.g. to
@@ -284,6 +303,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     are int8 codes with these group scales (kernels_src.kv_int8's layout) or e4m3 bytes (uint8) with these token
     scales (kernels_src.kv_fp8's). `fused` (None: decode_combine.use_fused_reduce): a split grid's last program of
     each (sequence, KV head) combines the partials, on `counters` (int32, B * Hkv at least, zero; None: made here).
+    `rope` (k, v, slots, rows, cos, sin, interleaved): q is unrotated and this step's k and v [B, Hkv, D] are not yet
+    in the (float) caches: the decode rotates q and k as rope_kv_write does and writes k and v at `slots` itself
+    (kernels_src/paged_decode_rope.py); q is left as it was.
     """
     block_n, partition, n_parts = decode_grid(int(context_lens.max()) if max_context is None else max_context,
                                               partition, max_parts, block_n)
@@ -291,11 +313,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     if type(q) is not np.ndarray:  # a runner's: the plan is kept (any table width of a class)
         key = (signature(q, k_cache, v_cache, out, counters, k_scales, v_scales), block_tables.dtype,
                int_class(bt_stride), context_lens.dtype, scale, softcap, sliding_window, n_parts, partition, block_n,
-               num_warps, target, pdl, fused, FUSED_TILE)
+               num_warps, target, pdl, fused, FUSED_TILE,
+               None if rope is None else (signature(*rope[:6]), rope[6]))
     plan = _DECODE_PLANS.get(key) if key is not None else None
     if plan is None:
         plan = _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition, softcap, out, num_warps,
-                            k_scales, v_scales, target, pdl, fused, counters)
+                            k_scales, v_scales, target, pdl, fused, counters, rope)
         if key is not None:
             _DECODE_PLANS.put(key, plan)
     (launch, *before), after, fused, reduce, reduce_ints = plan
@@ -305,8 +328,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     if fused and counters is None:
         counters = decode_counters(q, q.shape[0] * k_cache.shape[2])
     caches = (k_cache, v_cache) if k_scales is None else (k_cache, v_cache, k_scales, v_scales)
-    launch(q, *caches, block_tables, context_lens, out, m, den, acc, *([counters] if fused else []), float(scale),
-           float(softcap or 0.0), int(sliding_window or NO_WINDOW), n_parts, *before, bt_stride, *after)
+    launch(q, *caches, block_tables, context_lens, out, m, den, acc, *([counters] if fused else []),
+           *(() if rope is None else rope[:6]), float(scale), float(softcap or 0.0), int(sliding_window or NO_WINDOW),
+           n_parts, *before, bt_stride, *after)
     if reduce is not None:
         reduce(m, den, acc, context_lens, out, *reduce_ints)
     return out

@@ -25,6 +25,7 @@ from kernels_src import (
     moe_mmq,
     moe_route,
     paged_attention,
+    paged_decode_rope,
     paged_prefill,
     rms_norm,
     rope,
@@ -162,11 +163,13 @@ register(KernelEntry(
     * head_dim, launcher=paged_attention.paged_decode,
     variants=(paged_attention.paged_decode_int8_kernel, paged_attention.paged_decode_fp8_kernel,
               paged_attention.paged_decode_fused_kernel, paged_attention.paged_decode_int8_fused_kernel,
-              paged_attention.paged_decode_fp8_fused_kernel),
+              paged_attention.paged_decode_fp8_fused_kernel, paged_decode_rope.paged_decode_rope_kernel,
+              paged_decode_rope.paged_decode_rope_fused_kernel),
     notes="grid (B, Hkv, partitions); the bench time is this kernel plus paged_decode_reduce; variants: the int8 "
-    "cache's (codes and scales, dequantized in registers) and the fp8 cache's (e4m3 decoded, scaled per token), and "
+    "cache's (codes and scales, dequantized in registers) and the fp8 cache's (e4m3 decoded, scaled per token), "
     "the three *_fused ones that Triton targets run with LLM_ENGINE_FUSED_REDUCE=1 (the last partition combines: no "
-    "paged_decode_reduce)"))
+    "paged_decode_reduce), and the float cache's two that rotate q and write the step's keys and values themselves "
+    "(paged_decode_rope: no rope_kv_write before them)"))
 register(KernelEntry(
     "paged_decode_reduce", paged_attention.paged_decode_reduce_kernel,
     dict(HEAD_DIM=128, BLOCK_D=128, PARTITION=512, BLOCK_N=64, BLOCK_P=8, PDL=True),

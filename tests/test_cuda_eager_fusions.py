@@ -92,7 +92,8 @@ def test_fused_eager_decode_matches_unfused(launches):
         # the reduce inside the decode at every row count; the prologues at one row: rms_norm (layer 0) or
         # add_rms_norm -> qkv, add_rms_norm -> gate_up, gated -> down, 3 launches a layer
         assert launches["paged_decode_reduce_kernel"] == 0 and unfused["paged_decode_reduce_kernel"] == layers
-        assert launches["paged_decode_fused_kernel"] == layers
+        assert launches["paged_decode_rope_fused_kernel"] == layers  # rope and the cache write inside the decode
+        assert not launches["rope_kv_write_kernel"] and not unfused["rope_kv_write_kernel"]
         fewer = sum(unfused.values()) - sum(launches.values())
         assert fewer == layers * (4 if len(contexts) == 1 else 1), (unfused, launches)
         # the prologue keeps x' in fp32 and scales the finished dot product: fp32 rounding apart

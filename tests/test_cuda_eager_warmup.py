@@ -10,6 +10,7 @@ the direct launch path keys its binaries by). An H200 saw the steps the warm-up 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from typing import NamedTuple
 
@@ -62,8 +63,17 @@ class Variants:
         """(the step, the variant) of each variant that no start-up step launched."""
         return [(step, key) for key, step in self.seen.items() if step != "start-up"]
 
-    def of(self, kernel: str) -> list[Variant]:
-        return [v for v in self.seen if v.kernel == f"kernels_src.paged_attention.{kernel}"]
+    def of(self, *kernels: str) -> list[Variant]:
+        """The variants of the decode kernels named (paged_attention's, or paged_decode_rope's)."""
+        return [v for v in self.seen if v.kernel.rsplit(".", 1)[-1] in kernels]
+
+
+def arg(v: Variant, name: str):
+    """The direct_key class of the variant's argument `name` (the decode kernels differ in their arguments' order)."""
+    import inspect
+
+    module, fn = v.kernel.rsplit(".", 1)
+    return v.args[list(inspect.signature(getattr(importlib.import_module(module), fn)).parameters).index(name)]
 
 
 def tiny_backend(monkeypatch, fused: bool = True, seqs: int = SEQS):
@@ -134,16 +144,16 @@ def test_no_step_compiles_after_the_eager_warm_ups(monkeypatch, fused):
     variants.run = "new"
     warm_up_eager_decode(backend, CONTEXT)
     assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in backend.kv for t in layer), strict=True))
-    # the decode split or not, by the class of its table's stride (argument 17: 1, 16 a multiple of 16, 0 another;
-    # 18 in the fused kernel, after its counters)
-    decodes = {(v.const("SPLIT"), v.args[17]) for v in variants.of("paged_decode_kernel")}
-    split = {(v.const("SPLIT"), v.args[18]) for v in variants.of("paged_decode_fused_kernel")}
+    # the decode split or not, by the class of its table's stride (1, 16 a multiple of 16, 0 another); decode steps
+    # rotate and write the cache inside the decode (paged_decode_rope), so no plain decode kernel is built
+    assert not variants.of("paged_decode_kernel", "paged_decode_fused_kernel")
+    decodes = {(v.const("SPLIT"), arg(v, "bt_stride")) for v in variants.of("paged_decode_rope_kernel")}
+    split = {(v.const("SPLIT"), arg(v, "bt_stride")) for v in variants.of("paged_decode_rope_fused_kernel")}
     assert decodes | split == {(False, 1), (False, 0), (False, 16), (True, 0), (True, 16)}
     assert not (split if not fused else {d for d in decodes if d[0]})  # a split decode: fused, or with its reduce
-    # the combine by BLOCK_P and the class of the partition count (the reduce's argument 5, the fused decode's 13): up
-    # to the grid cap of 16 partitions
-    reduces = {(v.const("BLOCK_P"), v.args[5]) for v in variants.of("paged_decode_reduce_kernel")}
-    combines = {(v.const("BLOCK_P"), v.args[13]) for v in variants.of("paged_decode_fused_kernel")}
+    # the combine by BLOCK_P and the class of the partition count: up to the grid cap of 16 partitions
+    reduces = {(v.const("BLOCK_P"), arg(v, "max_parts")) for v in variants.of("paged_decode_reduce_kernel")}
+    combines = {(v.const("BLOCK_P"), arg(v, "max_parts")) for v in variants.of("paged_decode_rope_fused_kernel")}
     assert (combines, reduces)[::1 if fused else -1] == ({(2, 0), (4, 0), (8, 0), (16, 0), (16, 16)}, set())
     # the GEMVs with every prologue at the rows they take (1 and 2 here): none unfused left with the eager fusions
     gemvs = {(v.const("PROLOGUE"), v.const("M")) for v in variants.seen if v.kernel.endswith(".dense_gemv_kernel")}

@@ -70,7 +70,9 @@ def test_kept_buffers_give_the_same_logits(launches, monkeypatch):  # noqa: F811
     launches.clear()
     backend.forward(_step([45]))
     assert launches["dense_gemv_kernel"] == 4 * layers + 1 and len(looked) == 3, (launches, looked)
-    assert launches["rope_kv_write_kernel"] == launches["paged_decode_fused_kernel"] == layers and not attended
+    # (the rope and cache write inside the decode: kernels_src/paged_decode_rope.py)
+    assert launches["paged_decode_rope_fused_kernel"] == layers and not launches["rope_kv_write_kernel"]
+    assert not attended
 
 
 def test_planted_escape_is_seen(launches, monkeypatch):  # noqa: F811

@@ -8,6 +8,7 @@ changes)."""
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from backends.cuda.runtime import torch
@@ -18,8 +19,10 @@ from kernels_src import kv_fp8, kv_int8, kv_write, paged_attention, paged_prefil
 from kernels_src.dsl import launch as dsl_launch
 from kernels_src.dsl.launch import signature
 from kernels_src.mla_decode import mla_decode
+from kernels_src.paged_decode_rope import TARGETS as ROPE_DECODE_TARGETS
 
 F = torch.nn.functional
+ROPE_DECODE = os.environ.get("LLM_ENGINE_ROPE_DECODE", "1") != "0"  # "0": decode steps launch rope_kv_write first
 
 
 class Layer(NamedTuple):
@@ -115,11 +118,22 @@ def _step_arrays(runner, meta: StepMeta, group: int) -> tuple:
     return got[1], got[2]
 
 
+def use_rope_decode(runner) -> bool:
+    """Whether the runner's decode steps rotate and write the cache inside the decode kernel (Runner.rope_decode)."""
+    if runner.rope_decode is None:
+        return ROPE_DECODE and runner.target in ROPE_DECODE_TARGETS
+    return runner.rope_decode
+
+
 def _attention(runner, node: Node, lay: Layer, args, meta: StepMeta):
     kc, vc, *scales = lay.caches  # an int8 or fp8 cache also has (k_scales, v_scales)
     slots, tables = meta.kv_group(lay.group)
     q, k, v = args[:3]
     dv = v.shape[2]
+    if node.op == "rope_attention" and meta.decode and not scales and dv == kc.shape[3] and use_rope_decode(runner):
+        # one launch: the decode rotates q and k and writes k and v itself (q is not rotated in place)
+        rope_in = (k, v, slots, _rows(runner, lay, meta), *lay.tables, lay.interleaved)
+        return attend(runner, q, kc, vc, tables, meta, node.attrs, (), node.outs[0].id, rope=rope_in)
     if dv < kc.shape[3]:  # values narrower than keys, cached at the keys' width (CUDABackend.kv_layout)
         v = F.pad(v, (0, kc.shape[3] - dv))
     if scales:  # 8-bit: q and k rotated in place (rope_kv_write writes 16-bit caches), then the quantizing write
@@ -173,9 +187,10 @@ def decode_settings(runner, rows: int) -> tuple[int, int, bool, int, int]:
     return found
 
 
-def attend(runner, q, kc, vc, tables, meta: StepMeta, a: dict, scales=(), vid: int | None = None):
+def attend(runner, q, kc, vc, tables, meta: StepMeta, a: dict, scales=(), vid: int | None = None, rope=None):
     """The decode (split-K) or prefill kernel over caches already holding this step's keys and values (int8 codes
-    or e4m3 bytes when `scales` holds their k and v scales); `vid`: the output's value id (its kept buffer, if any)."""
+    or e4m3 bytes when `scales` holds their k and v scales); `vid`: the output's value id (its kept buffer, if any);
+    `rope`: a decode's paged_decode `rope` (q unrotated, the keys and values not yet written)."""
     shape, arena = (q.shape[0], q.shape[1], vc.shape[3]), runner.step_arena
     out = q.new_empty(shape) if arena is None or vid is None else arena.take(vid, shape, q)
     if meta.decode:  # an eager decode's every layer: its keywords spelled out, no dict
@@ -188,7 +203,7 @@ def attend(runner, q, kc, vc, tables, meta: StepMeta, a: dict, scales=(), vid: i
                                             max_context=meta.max_context, partition=partition, max_parts=max_parts,
                                             block_n=block_n, num_warps=num_warps, k_scales=k_scales,
                                             v_scales=v_scales, target=runner.target, pdl=runner._attend_pdl,
-                                            fused=fused, counters=counters,
+                                            fused=fused, counters=counters, rope=rope,
                                             workspace=lambda parts: runner.decode_scratch(q, parts))
     kw = dict(sliding_window=a.get("sliding_window"), softcap=a.get("softcap"), out=out, target=runner.target,
               pdl=runner._attend_pdl)

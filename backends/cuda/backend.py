@@ -158,7 +158,7 @@ class CUDABackend(Backend):
         self.graph, old = graph, self.runner
         self.runner = Runner(graph, self.params, weights.DTYPES[self.dtype], self.device)
         for attr in ("pdl", "attention_pdl", "decode", "dense_gemv", "gemv_prologues", "gemv_max_rows", "dense_gemm",
-                     "mmq_variant", "mmq_max_rows", "x_int8_fusion", "fused_reduce"):
+                     "mmq_variant", "mmq_max_rows", "x_int8_fusion", "fused_reduce", "rope_decode"):
             setattr(self.runner, attr, getattr(old, attr))
         if old.arena is not None:  # its kept values are the old graph's
             self.runner.arena = StepArena(graph)

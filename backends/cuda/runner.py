@@ -62,6 +62,9 @@ class Runner:
         # decode_combine.py; None: where the target has atomics when LLM_ENGINE_FUSED_REDUCE=1)
         self.fused_reduce: bool | None = None
         self._counters: list[torch.Tensor] = []  # its counters, smallest first (decode_counters)
+        # a decode step's rope and KV write done by the decode kernel, one launch fewer a layer (kernels_src/
+        # paged_decode_rope.py; None: on where the target takes it, unless LLM_ENGINE_ROPE_DECODE=0)
+        self.rope_decode: bool | None = None
         self.decode_scratch = decode_scratch.DecodeScratch(device)  # its partials, kept between layers and steps
         self.attention_layers: tuple = (None, None, {})  # attention.layer's (kv, rope tables, per node) lookups
         self.decode_settings: tuple = (None, None, None, {})  # attention.decode_settings' by rows, and their inputs
@@ -155,7 +158,7 @@ class Runner:
         if arena is not None:
             arena.begin(meta.positions.shape[0], (self.target, self.pdl, self.attention_pdl, self.fused_reduce,
                                                   self.decode, self.dense_gemv, self.dense_gemm, self.gemv_max_rows,
-                                                  self.gemv_prologues))
+                                                  self.gemv_prologues, self.rope_decode))
         try:
             self.run_nodes(self.graph.nodes, env, meta)
         finally:
