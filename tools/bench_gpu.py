@@ -94,6 +94,9 @@ ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): ea
     "no PDL": ({"pdl": False}, None, True),
     "no PDL on attention": ({"attention_pdl": False}, None, True),  # the decode/reduce (or prefill) launches only
     "no fused rope+KV write": ({}, {"rope_attention": False}, True),
+    # the runner's default: a decode step's rope and cache write inside the decode kernel (kernels_src/
+    # paged_decode_rope.py); off, rope_kv_write's launch before it (LLM_ENGINE_ROPE_DECODE=0)
+    "no rope decode": ({"rope_decode": False}, None, True),
     "no small decode partitions": ({"decode": DecodeTable(partitions=())}, None, True),
     # split-K partials combined by the decode's last partition, not the reduce kernel (LLM_ENGINE_FUSED_REDUCE=1)
     "fused decode reduce": ({"fused_reduce": True}, None, True),
@@ -110,7 +113,9 @@ ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): ea
     # weights only, so on --quant's engines
     "no x int8 fusion": ({"x_int8_fusion": False}, None, True),
 }
-QUANT_ABLATIONS = {"no x int8 fusion": ("q4km", "int4")}  # those that change quantized linears only: on these kinds
+# the kinds of engine an ablation runs on, where not the bf16 one alone ("bf16": that one too): the x int8 fusion
+# changes quantized linears only; the rope decode every model's attention
+QUANT_ABLATIONS = {"no x int8 fusion": ("q4km", "int4"), "no rope decode": ("bf16", "q4km", "int4")}
 
 
 def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int,
@@ -286,7 +291,7 @@ def main() -> None:
     res["prefill_tflops"] = prefill_flops(cfg, args.prefill) * res["prefill_tps"] / args.prefill / 1e12
     say(f"  prefill {args.prefill}: {res['prefill_tps']:,.0f} tok/s, {res['prefill_tflops']:.0f} TFLOP/s")
     ablate = [int(x) for x in args.ablate.split(",") if x] if world == 1 else []  # last: graphs captured again
-    dense = {n: e for n, e in entries.items() if n not in QUANT_ABLATIONS}
+    dense = {n: e for n, e in entries.items() if "bf16" in QUANT_ABLATIONS.get(n, ("bf16",))}
     res["ablations"] = ablations(engine, ablate, args.prompt, args.gen, cfg.vocab_size, dense) if ablate else {}
     if engine.backend.workers is not None:  # tensor parallel: the workers' GPUs freed now, not at exit
         engine.backend.workers.close()

@@ -444,6 +444,20 @@ fp8_mma_ab() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" fp8_mma_ab "* ]] && step fp8_mma_ab gpu 240 fp8_mma_ab
+# Issues 13, 14, 17 (by name: GPU_CHECK_STEPS=rope_decode, ~300 s): a decode step's rope and cache write inside the
+# decode kernel (kernels_src/paged_decode_rope.py, 2026-12-05 session 16: one launch fewer a layer, on by default),
+# its GPU test, then its "no rope decode" ablation at batch 1 on bf16, Q4_K_M and int4 (Llama-3-8B) and phi-3-mini.
+rope_decode() {
+    local rc=0 end=$((SECONDS + ${STEP_LIMIT:-560}))
+    within() { local t=$((end - SECONDS)); ((t > $1)) && t=$1; ((t < 5)) && t=5; echo $t; }
+    timeout "$(within 100)" "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_decode_rope.py || rc=1
+    timeout "$(within 130)" "$PY" -m tools.bench_gpu --shape phi3-mini --batches 1 --no-quant --no-peer --profile '' \
+        --ablate 1 --ablations "no rope decode" --prefill 256 --gen 64 --json "$OUT"/rope_decode_phi3.json || rc=1
+    timeout "$(within 300)" "$PY" -m tools.bench_gpu --batches 1 --quant q4km,int4 --no-peer --profile '' --ablate 1 \
+        --ablations "no rope decode" --prefill 256 --gen 64 --json "$OUT"/rope_decode.json || rc=1
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" rope_decode "* ]] && step rope_decode gpu 560 rope_decode
 # Issue 16's MoE warm-up (by name: GPU_CHECK_STEPS=moe_warmup, ~300 s, most of it compiling): after the start-up
 # warm-ups, prompts of every token count on DeepSeek-V2-Lite's shape (graphs off, then on) and Qwen3-30B-A3B's Q4_K_M
 # one (graphs off) should list no kernel variant first launched by a serving step (tools/check_moe_warmup.py).
