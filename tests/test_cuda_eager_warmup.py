@@ -76,7 +76,8 @@ def arg(v: Variant, name: str):
     return v.args[list(inspect.signature(getattr(importlib.import_module(module), fn)).parameters).index(name)]
 
 
-def tiny_backend(monkeypatch, fused: bool = True, seqs: int = SEQS):
+def tiny_backend(monkeypatch, fused: bool = True, seqs: int = SEQS, dense_gemm: bool | None = None):
+    """`dense_gemm`: the runner's switch set after the eager fusions' (which turn it off), None: as they leave it."""
     from backends.cuda.backend import CUDABackend
     from backends.cuda.decode_table import DecodeTable
     from ir.config import ModelConfig
@@ -100,6 +101,9 @@ def tiny_backend(monkeypatch, fused: bool = True, seqs: int = SEQS):
         from backends.cuda import eager
 
         eager.use_eager_fusions(backend.runner)
+        assert not backend.runner.dense_gemm  # cuBLAS from 9 rows: less host time a call
+    if dense_gemm is not None:
+        backend.runner.dense_gemm = dense_gemm
     backend.set_limits(seqs, CONTEXT, STEP_TOKENS)
     backend.allocate_kv(seqs * (CONTEXT // BLOCK + 1) + 1, BLOCK)  # on CPU tensors allocate_kv warms nothing up
     return backend
@@ -164,7 +168,7 @@ def test_no_step_compiles_after_the_eager_warm_ups(monkeypatch, fused):
     variants.run = "all"
     rng = np.random.default_rng(0)
     # run: long contexts (split-K: 13 and 8 partitions, the reduce's BLOCK_P 16 and 8), 4 short ones (one
-    # partition), 17 rows (the dense GEMM's second row bucket)
+    # partition), 17 rows (the GEMMs' second row bucket)
     for contexts in ([200], [CONTEXT, 200], [12, 3, 9, 16], [int(c) for c in rng.integers(100, CONTEXT, 17)]):
         variants.step = tuple(contexts)
         logits = backend._forward(engine_step(backend, contexts, rng), mirror=False)
@@ -207,7 +211,7 @@ def test_few_sequences_prefill_every_small_prompt_at_start_up(monkeypatch):
     """With fewer than 16 sequences no decode step has 5..16 rows, yet a prompt of that many tokens runs its linears
     at that many rows (here the dense GEMM from 9, built per row count's class and tile): the prefill warm-up runs
     those counts itself (a 16-token prompt built a GEMM at its first request before)."""
-    backend = tiny_backend(monkeypatch, seqs=4)
+    backend = tiny_backend(monkeypatch, seqs=4, dense_gemm=True)  # LLM_ENGINE_EAGER_FUSIONS=0's, or a prefill's
     from backends.cuda.warm_batches import warm_up_eager_decode, warm_up_eager_prefill
 
     variants = Variants(monkeypatch)
