@@ -32,6 +32,28 @@ DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 BF16_TOL = 0.1  # of max |logit|
 
 
+def counting_steps(monkeypatch, backend, module, name: str, rows_of) -> list:
+    """module.name's calls, as rows_of(args) each, made inside backend.forward only: on a GPU with graphs off,
+    allocate_kv's eager warm-ups also launch every linear at every row count a step may have."""
+    calls, inside, real, forward = [], [False], getattr(module, name), backend.forward
+
+    def counted(*a, **kw):
+        if inside[0]:
+            calls.append(rows_of(a))
+        return real(*a, **kw)
+
+    def stepping(batch):
+        inside[0] = True
+        try:
+            return forward(batch)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(module, name, counted)
+    monkeypatch.setattr(backend, "forward", stepping)
+    return calls
+
+
 def make_backend(model, device: str, **kw):
     from backends.cuda.backend import CUDABackend
 
@@ -94,9 +116,6 @@ def test_gguf_batch_through_the_gemm(device, files, monkeypatch):  # noqa: F811
     from backends.cuda import gguf_linear
     from kernels_src import dequant_gemm
 
-    calls, real = [], dequant_gemm.dequant_matmul
-    monkeypatch.setattr(dequant_gemm, "dequant_matmul", lambda x2, *a, **kw: calls.append(x2.shape[0]) or
-                        real(x2, *a, **kw))
     path, _, _ = files("qwen3")
     model = load_model(path, progress=False)
     prompts = [gguf_prompt(10 + i, 2 + i % 3) for i in range(10)]
@@ -104,6 +123,7 @@ def test_gguf_batch_through_the_gemm(device, files, monkeypatch):  # noqa: F811
     ref_tokens, ref_first = ref.greedy(prompts, 3)
     # Eager steps: graphs would also run the GEMM at every batch bucket while they are captured.
     backend = make_backend(model, device, dtype="f32", cuda_graph=False)
+    calls = counting_steps(monkeypatch, backend, dequant_gemm, "dequant_matmul", lambda a: a[0].shape[0])
     tokens, first = backend_greedy(backend, ref, prompts, 3, 8)
     assert float(np.abs(first - ref_first).max()) <= 1e-4 * float(np.abs(ref_first).max())
     assert tokens == ref_tokens
@@ -273,11 +293,9 @@ def test_one_row_steps_take_the_dense_gemv(saved, monkeypatch):  # noqa: F811
     reference's."""
     from backends.cuda import runner as runner_mod
 
-    calls = []
-    real = runner_mod.dense_gemv
-    monkeypatch.setattr(runner_mod, "dense_gemv", lambda x, w, **kw: calls.append(x.shape[0]) or real(x, w, **kw))
     model = load_model(saved("qwen2")[1], progress=False)
     b = make_backend(model, "cuda", dtype="f16", cuda_graph=False)
+    calls = counting_steps(monkeypatch, b, runner_mod, "dense_gemv", lambda a: a[0].shape[0])
     assert b.runner.dense_gemv and b.runner.gemv_prologues and b.runner.fused_reduce and b.runner.gemv_max_rows == 1
     ref = ReferenceRunner(model, max_tokens=64, block_size=4)
     for prompts in ([prompt(1, 5)], [prompt(1, 5), prompt(2, 7)]):
