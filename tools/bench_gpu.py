@@ -112,10 +112,15 @@ ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): ea
     # (backends/cuda/x_int8_fusion.py); off, each GEMV quantizes x in a quantize_x(_i8) launch of its own: quantized
     # weights only, so on --quant's engines
     "no x int8 fusion": ({"x_int8_fusion": False}, None, True),
+    # Q4_K / Q6_K linears of 33-64 rows on the int8 MMQ (kernels_src/gguf_mmq, per256, x's codes from the norm and
+    # activation) instead of dequant_gemm: the runner's MMQ stops at 32 rows (it lost at 64 on 2026-12-03, before the
+    # x int8 fusion, with 16-row tiles)
+    "MMQ to 64 rows": ({"mmq_max_rows": 64}, None, True),
 }
 # the kinds of engine an ablation runs on, where not the bf16 one alone ("bf16": that one too): the x int8 fusion
 # changes quantized linears only; the rope decode every model's attention
-QUANT_ABLATIONS = {"no x int8 fusion": ("q4km", "int4"), "no rope decode": ("bf16", "q4km", "int4")}
+QUANT_ABLATIONS = {"no x int8 fusion": ("q4km", "int4"), "no rope decode": ("bf16", "q4km", "int4"),
+                   "MMQ to 64 rows": ("q4km",)}
 
 
 def ablations(engine, batches: list[int], prompt: int, gen: int, vocab: int,

@@ -355,6 +355,18 @@ mmq_sweep16() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" mmq_sweep16 "* ]] && step mmq_sweep16 gpu 420 mmq_sweep16
+# Issue 13's Q4_K_M batch 64 (1.09x llama.cpp on 2026-12-03, 1.5x asked; by name: GPU_CHECK_STEPS=mmq64, ~400 s):
+# per256 at 64 rows against dequant_gemm on the Q4_K shapes (the MMQ stops at 32 rows: it lost at 64 on 2026-12-03,
+# with 16-row tiles and x's own pre-pass, both changed since), then the step A/B: bench_gpu's "MMQ to 64 rows".
+mmq64() {
+    local rc=0
+    timeout 220 "$PY" -m tools.sweep_mmq --ms 64 --variants per256 --budget 180 \
+        --shapes 28672x4096,4096x14336,6144x4096,4096x4096 || rc=1
+    timeout 170 "$PY" -m tools.bench_gpu --batches 64 --quant q4km --q4km-batches 64 --no-peer --profile '' \
+        --ablate 64 --ablations "MMQ to 64 rows" --prefill 256 --gen 64 --json "$OUT"/mmq64.json || rc=1
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" mmq64 "* ]] && step mmq64 gpu 420 mmq64
 # Issues 13 and 17 (by name: GPU_CHECK_STEPS=x_int8_mmq, ~260 s): x's int8 form written by the norm and the gated
 # activation for the MMQs too (backends/cuda/x_int8_fusion.py, 2026-12-05: gguf_mmq's per256 pre-pass at 4-32 rows,
 # int_group_mmq's at 9-128), its "no x int8 fusion" ablation at Q4_K_M batch 16 and int4 batch 16 and 64; and each
