@@ -246,7 +246,7 @@ _DECODE_PLANS = Plans()
 
 
 def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition, softcap, out, num_warps, k_scales,
-                 v_scales, target, pdl, fused, counters, rope) -> tuple:
+                 v_scales, target, pdl, fused, counters, rope=None) -> tuple:
     """What paged_decode decides from shapes, strides and options: the decode's launch and its arguments after the
     pointers (before the table's stride and after it), fused, the reduce's launch (or None) and its arguments."""
     group, bs = check_cache(q, k_cache, v_cache)
