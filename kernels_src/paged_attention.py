@@ -262,17 +262,18 @@ def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition,
     pdl = use_pdl(target, pdl)
     kernels = ((paged_decode_fused_kernel, paged_decode_int8_fused_kernel, paged_decode_fp8_fused_kernel) if fused
                else (paged_decode_kernel, paged_decode_int8_kernel, paged_decode_fp8_kernel))
-    _, fn, sc_strides, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
+    # the integers after the caches' strides: an 8-bit cache's scale strides, or the rope decode's k, v, cos strides
+    _, fn, tail_ints, extra = quant_args(k_cache, v_cache, k_scales, v_scales, *kernels, target)
     if rope is not None:  # q rotated and the step's keys and values written by the decode (paged_decode_rope)
         from kernels_src import paged_decode_rope as pdr
 
         if target not in pdr.TARGETS:
             raise ValueError(f"target {target!r}: the rope decode needs a barrier over global memory ({pdr.TARGETS})")
         k, v, slots, rows, cos, sin, interleaved = rope
-        pdr.check_rope(q, k, v, k_cache, slots, rows, cos, sin)
+        pdr.check_rope(q, k, v, k_cache, v_cache, slots, rows, cos, sin)
         fn = pdr.paged_decode_rope_fused_kernel if fused else pdr.paged_decode_rope_kernel
         extra = {"HALF": cos.shape[1], "INTERLEAVED": bool(interleaved)}
-        sc_strides = (elem_stride(k, 0), elem_stride(k, 1), elem_stride(v, 0), elem_stride(v, 1), elem_stride(cos, 0))
+        tail_ints = (elem_stride(k, 0), elem_stride(k, 1), elem_stride(v, 0), elem_stride(v, 1), elem_stride(cos, 0))
     if fused:
         extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"], FUSED_TILE)
     if extra.get("V_TOKEN_MINOR") and e4m3.use_mma(target) and min(consts["BLOCK_D"], block_n) >= 32:
@@ -285,7 +286,7 @@ def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition,
         PARTITION=partition, BLOCK_N=block_n, BLOCK_P=reduce_block(n_parts, consts["BLOCK_D"]), PDL=pdl)
     reduce = reduce and reduce.bind((n_seq, hq))
     return (kern.bind((n_seq, k_cache.shape[2], n_parts)), elem_stride(q, 0), elem_stride(q, 1), *outs), \
-        (*cache_strides(k_cache), *sc_strides), fused, reduce, (n_parts, *outs)
+        (*cache_strides(k_cache), *tail_ints), fused, reduce, (n_parts, *outs)
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, *, sliding_window: int | None = None,

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kernels_src.dsl import elem_stride, tl
+from kernels_src.dsl import tl
 from kernels_src.paged_attention import decode_program
+from kernels_src.rope_kv_write import _check as check_rope_kv_write
 
 TARGETS = ("triton", "triton-interpret", "numpy")
 
@@ -128,17 +129,12 @@ def paged_decode_rope_fused_kernel(q, k_cache, v_cache, block_tables, context_le
 
 # --- host side ---------------------------------------------------------------------------------------------------
 
-def check_rope(q, k, v, k_cache, slots, rows, cos, sin) -> None:
-    """What paged_decode's `rope` must hold: k and v [B, Hkv, D] beside q [B, Hq, D], contiguous head dims, a slot
-    and a row a sequence, cos and sin [*, HALF] with 2 HALF <= D, a float cache."""
-    (n, _, d), hk = q.shape, k_cache.shape[2]
-    if tuple(k.shape) != (n, hk, d) or tuple(v.shape) != (n, hk, d):
-        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}: want [{n}, {hk}, {d}] beside q {tuple(q.shape)}")
-    if d > 1 and (elem_stride(k, 2) != 1 or elem_stride(v, 2) != 1):
-        raise ValueError("k and v need contiguous head dims")
-    if len(slots) < n or len(rows) < n:
-        raise ValueError(f"{n} sequences but {len(slots)} slots and {len(rows)} rope rows")
-    if tuple(sin.shape) != tuple(cos.shape) or len(cos.shape) != 2 or 2 * cos.shape[1] > d:
-        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: want equal [*, <= {d // 2}]")
+def check_rope(q, k, v, k_cache, v_cache, slots, rows, cos, sin) -> None:
+    """What paged_decode's `rope` must hold: rope_kv_write's arguments (k and v [B, Hkv, D] beside q [B, Hq, D] and
+    the caches, contiguous head dims, a slot and a row a sequence, cos and sin [*, HALF] with 2 HALF <= D), cos and
+    sin 2-D tables, a float cache."""
+    check_rope_kv_write(q, k, v, k_cache, v_cache, slots, rows, cos, sin)
+    if len(cos.shape) != 2:
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: want equal [*, <= {q.shape[2] // 2}]")
     if str(k_cache.dtype).endswith(("int8", "uint8")):
         raise ValueError("the rope decode writes float caches only (8-bit caches quantize on their write)")

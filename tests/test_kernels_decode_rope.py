@@ -81,12 +81,12 @@ def test_rope_decode_refuses_what_it_cannot_do():
     rope = (k, v, slots, rows, cos, sin, inter)
     with pytest.raises(ValueError, match="needs a barrier over global memory"):
         pa.paged_decode(q, kc, vc, tables, ctx, 0.3, target="c", **{**kw, "fused": False}, rope=rope)
-    with pytest.raises(ValueError, match="want \\[5, 2, 32\\]"):
+    with pytest.raises(ValueError, match="v \\(5, 2, 32\\): want \\[T, H, D\\], v like k"):
         pa.paged_decode(q, kc, vc, tables, ctx, 0.3, target="numpy", **kw, rope=(k[:, :1], *rope[1:]))
-    with pytest.raises(ValueError, match="rope rows"):
+    with pytest.raises(ValueError, match="5 tokens but 5 slots and 2 positions"):
         pa.paged_decode(q, kc, vc, tables, ctx, 0.3, target="numpy", **kw, rope=(*rope[:3], rows[:2], *rope[4:]))
     with pytest.raises(ValueError, match="float caches only"):
-        pdr.check_rope(q, k, v, np.zeros(kc.shape, np.int8), slots, rows, cos, sin)
+        pdr.check_rope(q, k, v, np.zeros(kc.shape, np.int8), vc, slots, rows, cos, sin)
 
 
 LLAMA = dict(GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, BS=16, PARTITION=64, SPLIT=True,
