@@ -181,7 +181,8 @@ MIN_ROWS = {"Q4_K": 4, "Q6_K": 4}
 # activations (as ggml's CPU dot products, whose Q8_K is per 256). per256 is the default: on an H200 (2026-12-03) its
 # Q4_K at 16 rows of 14336 x 4096 took 31.7 us against per32's 38.4 and per32p's 35.9 (tools/sweep_mmq), and a
 # Q4_K_M Llama-3-8B decoded batch 16 at 2,703 tok/s against 2,425 with per32 (tools/bench_gguf --mmq); at 64 rows
-# it lost to dequant_gemm (4,554 against 4,878), so MAX_ROWS stays 32.
+# it lost to dequant_gemm (4,554 against 4,878), so MAX_ROWS stays 32; again on 2026-12-05 with x's codes from the
+# norm and 64-row tiles (sweep_mmq --ms 64: 0.61-0.82x dequant_gemm; the step 4,606 against 7,224 tok/s).
 VARIANTS = ("per32", "per32p", "per256")
 MMQ_VARIANT = "per256"
 MAX_ROWS = 32  # and up to here: at 64 rows dequant_gemm is 1.1-1.3x faster (Q4_K, H200)
@@ -189,11 +190,18 @@ MAX_ROWS = 32  # and up to here: at 64 rows dequant_gemm is 1.1-1.3x faster (Q4_
 # literal; 2026-12-01 for per32, whose entries name no variant: 1.1-1.9x dequant_gemm's tuned tiles; 2026-12-03 the
 # per256 one); a problem not listed, or listed for another variant, takes mmq_tiles' rule.
 MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
-    ('Q4_K', 16, 28672, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 2},
+    # per256 at 16 rows (tools/sweep_mmq --ms 16 --variants per256, H200, 2026-12-05): 1.1-1.9x dequant_gemm, and
+    # 2-11% ahead of mmq_tiles' rule (GPU_CHECK_STEPS=mmq_sweep16; docs/BENCHMARKS.md)
+    ('Q4_K', 16, 28672, 4096): {'variant': 'per256', 'block_n': 128, 'num_warps': 4, 'num_stages': 3, 'split_k': 1},
     ('Q4_K', 16, 14336, 4096): {'variant': 'per256', 'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 2},
-    ('Q4_K', 16, 4096, 14336): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 8},
-    ('Q4_K', 16, 6144, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 2, 'split_k': 4},
-    ('Q4_K', 16, 4096, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 4},
+    ('Q4_K', 16, 4096, 14336): {'variant': 'per256', 'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 8},
+    ('Q4_K', 16, 6144, 4096): {'variant': 'per256', 'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 4},
+    ('Q4_K', 16, 5120, 4096): {'variant': 'per256', 'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 8},
+    ('Q4_K', 16, 4096, 4096): {'variant': 'per256', 'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 4},
+    ('Q6_K', 16, 4096, 14336): {'variant': 'per256', 'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 16},
+    ('Q6_K', 16, 1024, 4096): {'variant': 'per256', 'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 16},
+    ('Q6_K', 16, 128256, 4096): {'variant': 'per256', 'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 2},
+    # per32's (entries without a variant; 2026-12-01), not read by per256
     ('Q4_K', 16, 128256, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 1},
     ('Q4_K', 32, 28672, 4096): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 1},
     ('Q4_K', 32, 14336, 4096): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 2},
@@ -201,10 +209,6 @@ MMQ_TUNED: dict[tuple[str, int, int, int], dict] = {
     ('Q4_K', 32, 6144, 4096): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 4},
     ('Q4_K', 32, 4096, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 2, 'split_k': 4},
     ('Q4_K', 32, 128256, 4096): {'block_n': 128, 'num_warps': 4, 'num_stages': 2, 'split_k': 2},
-    # tools/sweep_mmq --qtype Q6_K (same day; Q4_K_M keeps ffn_down of some layers, attn_v and the head in Q6_K)
-    ('Q6_K', 16, 4096, 14336): {'block_n': 64, 'num_warps': 4, 'num_stages': 3, 'split_k': 16},
-    ('Q6_K', 16, 1024, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 4, 'split_k': 16},
-    ('Q6_K', 16, 128256, 4096): {'block_n': 64, 'num_warps': 4, 'num_stages': 4, 'split_k': 2},
 }
 
 

@@ -156,6 +156,14 @@ TUNED: dict[tuple[int, int, int, int, int], dict] = {  # tools/sweep_gemm --vari
         dict(variant="mmq", block_m=128, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=2),
     (4, 128, 128, 28672, 4096):
         dict(variant="mmq", block_m=128, block_n=64, swap=True, num_warps=4, num_stages=3, split_k=1),
+    # the output projection (sweep_gemm --variants stream,mmq --ms 16,64,128 --shapes 128256x4096, H200, 2026-12-05):
+    # mmq 1.2-1.8x stream's best; untuned it ran as stream (373 us of a 6.2 ms batch-64 step)
+    (4, 128, 16, 128256, 4096):
+        dict(variant="mmq", block_m=16, block_n=128, swap=True, num_warps=4, num_stages=3, split_k=1),
+    (4, 128, 64, 128256, 4096):
+        dict(variant="mmq", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=4, split_k=2),
+    (4, 128, 128, 128256, 4096):
+        dict(variant="mmq", block_m=64, block_n=64, swap=True, num_warps=4, num_stages=4, split_k=1),
 }
 
 
