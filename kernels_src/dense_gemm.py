@@ -27,8 +27,9 @@ import os
 
 import numpy as np
 
-from kernels_src.dequant_gemm import MIN_SPLIT_STEPS, _sm_count, gemm_out, launch_split_k, split_k_for, split_k_tile
-from kernels_src.dsl import compile, elem_stride, tl, use_pdl
+from kernels_src.dequant_gemm import (MIN_SPLIT_STEPS, REDUCE_BLOCK, _sm_count, dequant_gemm_reduce_kernel, gemm_out,
+                                     launch_split_k, split_k_for, split_k_tile)
+from kernels_src.dsl import Plans, compile, elem_stride, empty, signature, tl, use_pdl
 
 MIN_ROWS = 9  # fewer rows: dense_gemv or cuBLAS (the MMA's 16-row tile would be mostly padding)
 MAX_BLOCK_M = 64
@@ -123,17 +124,35 @@ def _pow2_at_least_16(v) -> bool:
     return isinstance(v, int) and v >= 16 and not v & (v - 1)
 
 
-def dense_matmul(x2, w, *, out=None, target: str = "numpy", pdl: bool | None = None, block_m: int | None = None,
-                 block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                 swap: bool | None = None, num_warps: int | None = None, num_stages: int | None = None):
-    """y [M, N] = x2 [M, K] @ w.T for w [N, K] (rows contiguous) of x2's dtype (fp16 / bf16; fp32 runs too, as full
-    IEEE dots); out (made when not given) [M, N] with contiguous rows. The keywords override default_tiles."""
+def _check(x2, w) -> None:
     if len(x2.shape) != 2 or len(w.shape) != 2 or x2.shape[1] != w.shape[1] or x2.shape[1] == 0:
         raise ValueError(f"x {tuple(x2.shape)} and w {tuple(w.shape)} do not make a GEMM x @ w.T")
     if str(x2.dtype) != str(w.dtype):
         raise ValueError(f"x is {x2.dtype} and w {w.dtype}: the dense GEMM takes one dtype for both")
     if w.shape[0] and elem_stride(w, 1) != 1:
         raise ValueError(f"w {tuple(w.shape)} must have contiguous rows (stride {elem_stride(w, 1)} along K)")
+
+
+def _kernel(x2, n: int, target: str, pdl: bool, over: dict) -> tuple:
+    """(the GEMM kernel, its tiles, SPLIT) for x2 [M, K] @ W[n, K].T: default_tiles, `over`'s keywords over them."""
+    m, k = x2.shape
+    cfg = default_tiles(m, n, k, _sm_count(x2))
+    cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
+    nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
+    if not all(_pow2_at_least_16(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) or split < 1:
+        raise ValueError(f"dense_matmul tiles {cfg} (split {split}): BLOCK_M, BLOCK_N and BLOCK_K must be powers of "
+                         "two of at least 16 (the MMA's smallest), split_k at least 1")
+    kern = compile(dense_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl,
+                   EVEN_K=k % cfg["BLOCK_K"] == 0, PDL=pdl, **cfg)
+    return kern, cfg, split
+
+
+def dense_matmul(x2, w, *, out=None, target: str = "numpy", pdl: bool | None = None, block_m: int | None = None,
+                 block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                 swap: bool | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """y [M, N] = x2 [M, K] @ w.T for w [N, K] (rows contiguous) of x2's dtype (fp16 / bf16; fp32 runs too, as full
+    IEEE dots); out (made when not given) [M, N] with contiguous rows. The keywords override default_tiles."""
+    _check(x2, w)
     m, k = x2.shape
     n = w.shape[0]
     if m and elem_stride(x2, 1) != 1:
@@ -141,19 +160,65 @@ def dense_matmul(x2, w, *, out=None, target: str = "numpy", pdl: bool | None = N
     out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
-    cfg = default_tiles(m, n, k, _sm_count(x2))
     over = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, swap=swap, num_warps=num_warps,
                 num_stages=num_stages)
-    cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
-    nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
-    if not all(_pow2_at_least_16(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) or split < 1:
-        raise ValueError(f"dense_matmul tiles {cfg} (split {split}): BLOCK_M, BLOCK_N and BLOCK_K must be powers of "
-                         "two of at least 16 (the MMA's smallest), split_k at least 1")
     pdl = use_pdl(target, pdl)
-    kern = compile(dense_gemm_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl,
-                   EVEN_K=k % cfg["BLOCK_K"] == 0, PDL=pdl, **cfg)
+    kern, cfg, split = _kernel(x2, n, target, pdl, over)
     return launch_split_k(kern, (w, x2), (m, n, k, elem_stride(w, 0), elem_stride(x2, 0)), out,
                           tl.cdiv(k, cfg["BLOCK_K"]), split, cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
+
+
+# (x2, w, out: shapes, strides, dtypes; target, pdl) -> launched's plan: an eager step's decisions, made once
+_PLANS = Plans()
+
+
+def _plan(x2, w, out, target: str, pdl: bool) -> tuple:
+    """(the GEMM's BoundLaunch, its integers after y, the reduce's BoundLaunch and its integers after part and out,
+    or None, None; SPLIT): launch_split_k's launches, worked out once for arrays of these shapes."""
+    (m, k), n = x2.shape, w.shape[0]
+    kern, cfg, split = _kernel(x2, n, target, pdl, {})
+    n_steps = tl.cdiv(k, cfg["BLOCK_K"])
+    per_split = tl.cdiv(n_steps, split)
+    split = tl.cdiv(n_steps, per_split)  # as launch_split_k: no split left without steps
+    gemm = kern.bind((tl.cdiv(m, cfg["BLOCK_M"]), tl.cdiv(n, cfg["BLOCK_N"]), split))
+    ints = (m, n, k, elem_stride(w, 0), elem_stride(x2, 0))
+    if split == 1:
+        return gemm, (*ints, elem_stride(out, 0), 0, n_steps, per_split), None, None, 1
+    block = min(REDUCE_BLOCK, tl.next_power_of_2(n))
+    red = compile(dequant_gemm_reduce_kernel, target, num_warps=4, launch_pdl=pdl, SPLIT=split, BLOCK=block, PDL=pdl)
+    return (gemm, (*ints, n, m * n, n_steps, per_split), red.bind((tl.cdiv(n, block), m)),
+            (n, elem_stride(out, 0), m * n), split)
+
+
+def _split_launch(gemm, gemm_args: tuple, red, red_args: tuple) -> None:
+    gemm(*gemm_args)
+    red(*red_args)
+
+
+def launched(x2, w, *, out, target: str = "numpy", pdl: bool | None = None) -> tuple:
+    """(dense_matmul(x2, w, out=out)'s result, (launch, its arguments) or None) for x2 [M, K] and out [M, N] with
+    contiguous rows, at the default tiles: a caller passing the same arrays again (an eager step's kept buffers,
+    backends/cuda/step_arena.py) may call launch(*arguments) for the same result, skipping the tiles, the kernels'
+    lookups and the split-K partials' allocation (those made here are kept in the arguments). As dense_gemv's
+    `launched`: this is what makes the GEMM as cheap to launch eagerly as cuBLAS (~4x torch.mm's host time
+    without it, 2026-12-05)."""
+    if type(x2) is np.ndarray or out is None or elem_stride(x2, 1) != 1 or not x2.shape[0] or not w.shape[0]:
+        return dense_matmul(x2, w, out=out, target=target, pdl=pdl), None
+    pdl = use_pdl(target, pdl)
+    key = (signature(x2, w, out), target, pdl)
+    plan = _PLANS.get(key)
+    if plan is None:
+        _check(x2, w)
+        gemm_out(x2, out, w.shape[0])
+        plan = _PLANS.put(key, _plan(x2, w, out, target, pdl))
+    gemm, ints, red, red_ints, split = plan
+    if red is None:
+        launch, args = gemm, (w, x2, out, *ints)
+    else:
+        part = empty(out, (split, *out.shape), "float32")
+        launch, args = _split_launch, (gemm, (w, x2, part, *ints), red, (part, out, *red_ints))
+    launch(*args)
+    return out, (launch, args)
 
 
 def dense_matmul_ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:

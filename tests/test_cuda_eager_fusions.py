@@ -37,7 +37,7 @@ def launches(monkeypatch):
     return seen
 
 
-def _backend():
+def _backend(seqs: int = 4):
     from backends.cuda.backend import CUDABackend
     from backends.cuda.decode_table import DecodeTable
     from ir.config import ModelConfig
@@ -52,8 +52,8 @@ def _backend():
     runner = backend.runner
     runner.target, runner.dense_gemv, runner.gemv_max_rows = "numpy", True, 1  # a GPU's GEMVs: one-row steps
     runner.decode = DecodeTable.parse("64:32/16x4,max=16")  # 32-key partitions: a 200-token context in 7
-    backend.set_limits(4, CONTEXT)
-    backend.allocate_kv(4 * (CONTEXT // BLOCK), BLOCK)
+    backend.set_limits(seqs, CONTEXT)
+    backend.allocate_kv(max(4 * (CONTEXT // BLOCK), seqs * 4), BLOCK)
     gen = torch.Generator().manual_seed(0)
     for layer in backend.kv:  # a cache of random keys and values: the attention reads what the step did not write
         for t in layer:
@@ -103,6 +103,46 @@ def test_fused_eager_decode_matches_unfused(launches):
         # a repeated step launches through the plans its first call made: the same logits
         np.testing.assert_array_equal(backend.forward(step).numpy(), fused)
 
+
+
+def test_eager_dense_gemm_replays(launches, monkeypatch):
+    """From 9 rows, an eager step's linears that dense_gemm's table lists run it (as under graphs), launched again
+    from the step before through dense_gemm.launched: F.linear's logits (fp32 rounding apart); a repeated step plans
+    nothing, calls no dense_matmul, launches the same GEMMs and split-K reduces, and gives the same logits."""
+    from backends.cuda import eager
+    from backends.cuda import runner as runner_mod
+    from kernels_src import dense_gemm as dgm
+
+    backend = _backend(seqs=12)
+    runner = backend.runner
+    eager.use_eager_fusions(runner)
+    shapes = {tuple(p.shape) for p in runner.params.values() if isinstance(p, torch.Tensor) and p.dim() == 2}
+    monkeypatch.setattr(dgm, "TUNED", {(16, n, k): dict(block_n=16, block_k=32, split_k=2) for n, k in shapes})
+    monkeypatch.setattr(dgm, "_PLANS", type(dgm._PLANS)())
+    planned, matmuls, calls = [], [], []
+    real_plan, real_matmul, real_launched = dgm._plan, runner_mod.dense_matmul, runner_mod.dense_gemm_launched
+    monkeypatch.setattr(dgm, "_plan", lambda *a: planned.append(a[1].shape) or real_plan(*a))
+    monkeypatch.setattr(runner_mod, "dense_matmul", lambda *a, **k: matmuls.append(1) or real_matmul(*a, **k))
+    monkeypatch.setattr(runner_mod, "dense_gemm_launched", lambda *a, **k: calls.append(1) or real_launched(*a, **k))
+    step = _step([20 + 7 * i for i in range(12)])  # 12 rows: the table's 16-row bucket
+    runner.dense_gemm = False  # F.linear (cuBLAS on a GPU)
+    plain = backend.forward(step).numpy().copy()
+    runner.dense_gemm = True
+    launches.clear()
+    first = backend.forward(step).numpy().copy()
+    gemms = launches["dense_gemm_kernel"]
+    assert gemms >= 3 * backend.model.config.num_layers and launches["dequant_gemm_reduce_kernel"] == gemms
+    assert len(planned) == len(set(planned)) > 0 and not matmuls  # one plan a problem, each made once
+    np.testing.assert_allclose(first, plain, rtol=1e-5, atol=1e-5 * float(np.abs(plain).max()))
+    assert (first.argmax(-1) == plain.argmax(-1)).all()
+    planned.clear()
+    launches.clear()
+    calls.clear()
+    again = backend.forward(step).numpy()
+    # every GEMM relaunched from the arena's memo (not even launched's plan lookup) but two whose x is a new tensor
+    # each step: layer 0's qkv (rms_norm of the gathered embeddings) and the head's (the rows at logits_indices)
+    assert not planned and not matmuls and len(calls) == 2 and launches["dense_gemm_kernel"] == gemms
+    np.testing.assert_array_equal(again, first)
 
 def test_view_runs_match_their_nodes():
     """node_steps folds the q/k/v slices and their reshapes (and the gate/up slices) into one split each: the same

@@ -77,7 +77,8 @@ def arg(v: Variant, name: str):
 
 
 def tiny_backend(monkeypatch, fused: bool = True, seqs: int = SEQS, dense_gemm: bool | None = None):
-    """`dense_gemm`: the runner's switch set after the eager fusions' (which turn it off), None: as they leave it."""
+    """`dense_gemm`: the runner's switch set after the eager fusions' (which keep it unless
+    LLM_ENGINE_EAGER_DENSE_GEMM=0), None: as they leave it."""
     from backends.cuda.backend import CUDABackend
     from backends.cuda.decode_table import DecodeTable
     from ir.config import ModelConfig
@@ -101,7 +102,7 @@ def tiny_backend(monkeypatch, fused: bool = True, seqs: int = SEQS, dense_gemm: 
         from backends.cuda import eager
 
         eager.use_eager_fusions(backend.runner)
-        assert not backend.runner.dense_gemm  # cuBLAS from 9 rows: less host time a call
+        assert backend.runner.dense_gemm == eager.DENSE_GEMM  # dense_gemm from 9 rows, its launches kept
     if dense_gemm is not None:
         backend.runner.dense_gemm = dense_gemm
     backend.set_limits(seqs, CONTEXT, STEP_TOKENS)

@@ -145,3 +145,44 @@ def test_aot_sm90(m, n, k, tmp_path, monkeypatch):
     assert "ld.global" not in ptx
     assert _stack_bytes(c.asm["cubin"], tmp_path) == 0
     assert split > 1  # 96 and 64 tiles of 64 rows of W: fewer than two programs an SM
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs torch")
+@pytest.mark.parametrize("target", ["numpy", "triton-interpret", "triton"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_launched_again(target, split, monkeypatch, rng):
+    """launched: dense_matmul's result bit for bit, at TUNED's tiles (split-K through its own partials, or straight
+    into out), planned once for these shapes; its launch called again after x changes in place (an eager step's kept
+    buffer) writes the new x's product into the same out; numpy arrays and a missing out fall back to dense_matmul."""
+    import torch
+
+    if target == "triton" and not _cuda():
+        pytest.skip("needs a CUDA GPU")
+    dev_ = "cuda" if target == "triton" else "cpu"
+    monkeypatch.setattr(dgm, "TUNED", {(16, 40, 200): dict(block_n=16, block_k=32, split_k=split)})
+    monkeypatch.setattr(dgm, "_PLANS", type(dgm._PLANS)())  # plans are made from TUNED, fixed outside tests
+    planned = []
+    real_plan = dgm._plan
+    monkeypatch.setattr(dgm, "_plan", lambda *a: planned.append(a[0].shape) or real_plan(*a))
+    x, w = (torch.from_numpy(a).to(dev_) for a in _inputs(rng, 12, 40, 200))
+    out = torch.full((12, 40), float("nan"), dtype=torch.float16, device=dev_)
+    y, (launch, args) = dgm.launched(x, w, out=out, target=target)
+    assert y is out and planned == [(12, 200)]
+    assert torch.equal(out, dgm.dense_matmul(x, w, target=target))
+    x.copy_(torch.from_numpy(_inputs(rng, 12, 40, 200)[0]).to(dev_))  # the same tensor, new numbers
+    out.fill_(float("nan"))
+    launch(*args)
+    assert torch.equal(out, dgm.dense_matmul(x, w, target=target))
+    close(out.cpu().numpy(), dgm.dense_matmul_ref(x.cpu().numpy(), w.cpu().numpy()), TOL[np.float16])
+    other = torch.empty_like(out)
+    y2, again = dgm.launched(x, w, out=other, target=target)  # other arrays of the same shapes: the same plan
+    assert y2 is other and again is not None and planned == [(12, 200)] and torch.equal(other, out)
+    assert dgm.launched(x.cpu().numpy(), w.cpu().numpy(), out=None)[1] is None  # numpy: dense_matmul itself, nothing to repeat
+    with pytest.raises(ValueError, match="one dtype"):
+        dgm.launched(x.float(), w, out=torch.empty((12, 40), device=dev_), target=target)

@@ -30,18 +30,21 @@ ENV = "LLM_ENGINE_EAGER_FUSIONS"  # "0": eager steps launch the kernels graph re
 DEFAULT = os.environ.get(ENV, "1") != "0"
 ARENA_ENV = "LLM_ENGINE_STEP_ARENA"  # "0": with the fusions on, a decode step's intermediates allocated each step
 ARENA = os.environ.get(ARENA_ENV, "1") != "0"
+DENSE_GEMM_ENV = "LLM_ENGINE_EAGER_DENSE_GEMM"  # "0": an eager step's 9+ row linears on cuBLAS, not dense_gemm
+DENSE_GEMM = os.environ.get(DENSE_GEMM_ENV, "1") != "0"
 
 
 def use_eager_fusions(runner) -> None:
     """Set `runner` (a backend's with graphs off) to fuse for launches: GEMV prologues at one row, and the decode's
-    reduce inside the decode where the target has atomics (Triton's, and the DSL's interpreter); cuBLAS, not
-    dense_gemm, from 9 rows; and to keep a decode step's intermediates between steps."""
+    reduce inside the decode where the target has atomics (Triton's, and the DSL's interpreter); and to keep a decode
+    step's intermediates between steps, and the launches of its GEMVs and GEMMs."""
     runner.gemv_prologues = True
-    # cuBLAS for the 9+ row linears, not dense_gemm: under graphs it saves 1-3 us of GPU time a projection at 16 rows
-    # (TUNED's problems), but an eager call of it costs ~4x torch.mm's host time (tiles, split-K partials, a reduce
-    # launch each): on an H100 (2026-12-05, tools/bench_launch --batch 16, 8 layers) its 3 calls a layer held 119 of
-    # the 244 ms of host time profiled over 32 eager steps, torch.mm's 1 call a layer 10 ms
-    runner.dense_gemm = False
+    # dense_gemm where its table lists the problem, as under graphs, its launches kept for the step's arrays
+    # (dense_gemm.launched: two C launches a linear, the split-K partials kept); without them a call of it cost ~4x
+    # torch.mm's host time (an H100 profile, 2026-12-05, tools/bench_launch --batch 16: its 3 calls a layer held 119
+    # of the 244 ms profiled over 32 eager steps), hence cuBLAS in eager steps before. LLM_ENGINE_EAGER_DENSE_GEMM=0:
+    # cuBLAS (the A/B)
+    runner.dense_gemm = runner.dense_gemm and DENSE_GEMM
     runner.arena = StepArena(runner.graph) if ARENA else None
     if runner.target in (*FUSED_TARGETS, "numpy"):
         runner.fused_reduce = True

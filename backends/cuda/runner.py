@@ -30,6 +30,7 @@ from kernels_src import (
     rope,
 )
 from kernels_src.dense_gemm import dense_matmul
+from kernels_src.dense_gemm import launched as dense_gemm_launched
 from kernels_src.dense_gemv import dense_gemv
 from kernels_src.dense_gemv import launched as dense_gemv_launched
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
@@ -284,8 +285,14 @@ class Runner:
                     arena.memo[vid] = (x, w, *again, y)
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
-            y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
-                             pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
+            if arena is None or vid is None or b is not None or x.dim() != 2 or x.stride(-1) != 1:
+                y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
+                                 pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
+            else:  # an eager decode step's: its kept buffer, and the launches kept for the same arrays next step
+                out = arena.take(vid, (x.shape[0], w.shape[0]), x)
+                y, again = dense_gemm_launched(x, w, out=out, target=self.target, pdl=self.pdl)
+                if again is not None and arena.holds(vid, out):
+                    arena.memo[vid] = (x, w, *again, y)
         elif arena is not None and vid is not None and b is None:
             y = torch_ops.linear_into(x, w, self._kept_gemm(arena, vid, x, w))
             arena.memo[vid] = (None, w)  # the checks above need not run again for these rows
