@@ -27,8 +27,16 @@ import os
 
 import numpy as np
 
-from kernels_src.dequant_gemm import (MIN_SPLIT_STEPS, REDUCE_BLOCK, _sm_count, dequant_gemm_reduce_kernel, gemm_out,
-                                     launch_split_k, split_k_for, split_k_tile)
+from kernels_src.dequant_gemm import (
+    MIN_SPLIT_STEPS,
+    REDUCE_BLOCK,
+    _sm_count,
+    dequant_gemm_reduce_kernel,
+    gemm_out,
+    launch_split_k,
+    split_k_for,
+    split_k_tile,
+)
 from kernels_src.dsl import Plans, compile, elem_stride, empty, signature, tl, use_pdl
 
 MIN_ROWS = 9  # fewer rows: dense_gemv or cuBLAS (the MMA's 16-row tile would be mostly padding)

@@ -183,6 +183,7 @@ def test_launched_again(target, split, monkeypatch, rng):
     other = torch.empty_like(out)
     y2, again = dgm.launched(x, w, out=other, target=target)  # other arrays of the same shapes: the same plan
     assert y2 is other and again is not None and planned == [(12, 200)] and torch.equal(other, out)
-    assert dgm.launched(x.cpu().numpy(), w.cpu().numpy(), out=None)[1] is None  # numpy: dense_matmul itself, nothing to repeat
+    # numpy: dense_matmul itself, nothing to repeat
+    assert dgm.launched(x.cpu().numpy(), w.cpu().numpy(), out=None)[1] is None
     with pytest.raises(ValueError, match="one dtype"):
         dgm.launched(x.float(), w, out=torch.empty((12, 40), device=dev_), target=target)
