@@ -198,6 +198,20 @@ def _plan(x2, w, out, target: str, pdl: bool) -> tuple:
             (n, elem_stride(out, 0), m * n), split)
 
 
+# One fp32 scratch a device for every launched GEMM's split-K partials (an 8B model's 16-row step would otherwise keep
+# ~90 MB of them, a layer's three projections' at a time): each reduce reads its partials before the next GEMM writes
+# (one stream; under PDL every program of the next GEMM waits for the kernel before it ahead of its first store).
+_PARTIALS: dict = {}
+
+
+def _partials(out, split: int):
+    need = split * out.shape[0] * out.shape[1]
+    buf = _PARTIALS.get(out.device)
+    if buf is None or buf.shape[0] < need:  # a larger one: launches kept with the old one keep it alive
+        buf = _PARTIALS[out.device] = empty(out, (need,), "float32")
+    return buf[:need].view(split, *out.shape)
+
+
 def _split_launch(gemm, gemm_args: tuple, red, red_args: tuple) -> None:
     gemm(*gemm_args)
     red(*red_args)
@@ -207,9 +221,8 @@ def launched(x2, w, *, out, target: str = "numpy", pdl: bool | None = None) -> t
     """(dense_matmul(x2, w, out=out)'s result, (launch, its arguments) or None) for x2 [M, K] and out [M, N] with
     contiguous rows, at the default tiles: a caller passing the same arrays again (an eager step's kept buffers,
     backends/cuda/step_arena.py) may call launch(*arguments) for the same result, skipping the tiles, the kernels'
-    lookups and the split-K partials' allocation (those made here are kept in the arguments). As dense_gemv's
-    `launched`: this is what makes the GEMM as cheap to launch eagerly as cuBLAS (~4x torch.mm's host time
-    without it, 2026-12-05)."""
+    lookups and the split-K partials' allocation (the device's one scratch, _PARTIALS). As dense_gemv's `launched`:
+    an eager step's GEMM for two C launches (a dense_matmul call cost ~4x torch.mm's host time, 2026-12-05)."""
     if type(x2) is np.ndarray or out is None or elem_stride(x2, 1) != 1 or not x2.shape[0] or not w.shape[0]:
         return dense_matmul(x2, w, out=out, target=target, pdl=pdl), None
     pdl = use_pdl(target, pdl)
@@ -223,7 +236,7 @@ def launched(x2, w, *, out, target: str = "numpy", pdl: bool | None = None) -> t
     if red is None:
         launch, args = gemm, (w, x2, out, *ints)
     else:
-        part = empty(out, (split, *out.shape), "float32")
+        part = _partials(out, split)
         launch, args = _split_launch, (gemm, (w, x2, part, *ints), red, (part, out, *red_ints))
     launch(*args)
     return out, (launch, args)

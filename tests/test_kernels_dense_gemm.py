@@ -183,6 +183,9 @@ def test_launched_again(target, split, monkeypatch, rng):
     other = torch.empty_like(out)
     y2, again = dgm.launched(x, w, out=other, target=target)  # other arrays of the same shapes: the same plan
     assert y2 is other and again is not None and planned == [(12, 200)] and torch.equal(other, out)
+    if split > 1:  # another problem's partials: the same scratch
+        _, (_, small) = dgm.launched(x[:10], w, out=torch.empty((10, 40), dtype=x.dtype, device=dev_), target=target)
+        assert small[1][2].data_ptr() == args[1][2].data_ptr()
     # numpy: dense_matmul itself, nothing to repeat
     assert dgm.launched(x.cpu().numpy(), w.cpu().numpy(), out=None)[1] is None
     with pytest.raises(ValueError, match="one dtype"):
