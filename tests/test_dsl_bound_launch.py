@@ -16,13 +16,13 @@ from kernels_src.dsl.triton_target import direct_key
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Kernels 'built' for target triton record (grid, specialization) per path: 'built' (Kernel.launch's) and
-    'direct' (the C launcher's)."""
+    """Kernels 'built' for target triton record (grid, specialization, arguments) per path: 'built' (Kernel.launch's)
+    and 'direct' (the C launcher's)."""
     calls = []
     monkeypatch.setattr(dsl_launch.Kernel, "_build", lambda self, *a, signature=None: (
-        lambda grid, *args: calls.append(("built", grid, direct_key(args))) or "compiled"))
+        lambda grid, *args: calls.append(("built", grid, direct_key(args), tuple(args))) or "compiled"))
     monkeypatch.setattr(dsl_launch, "direct_launcher", lambda compiled: (
-        lambda grid, args: calls.append(("direct", grid, direct_key(args))) or True))
+        lambda grid, args: calls.append(("direct", grid, direct_key(args), tuple(args))) or True))
     monkeypatch.setattr(dsl_launch, "DIRECT_LAUNCH", True)
     return calls
 
@@ -39,10 +39,30 @@ def test_bound_launch_takes_the_c_launcher_only_for_aligned_arrays(recorded, mon
     launch(shifted, w, out, 64, 64, 64, 1e-5)
     assert recorded[-1][0] == "built" and isinstance(recorded[-1][2][0], tuple)  # its own specialization
     launch(torch.zeros(3, 64), w, out, 64, 64, 64, 1e-5)  # aligned again: the first call's C launcher
-    assert recorded[-1][:2] == ("direct", (3,)) and recorded[-1][2] == recorded[0][2]
+    assert recorded[-1][:2] == ("direct", (3,))
     monkeypatch.setattr(dsl_launch, "DIRECT_LAUNCH", False)  # tools/bench_launch's comparison: Triton's launcher
     launch(x, w, out, 64, 64, 64, 1e-5)
     assert recorded[-1][0] == "built"
+
+
+def test_direct_path_passes_addresses(recorded, monkeypatch):
+    """The C launcher gets each array as its address (an int: Triton's launcher then neither calls data_ptr() nor
+    asks the driver about it), every other argument as given; the first call (Kernel.launch's) and, with
+    INT_POINTERS off, every call pass the tensors."""
+    torch = pytest.importorskip("torch")
+    kern = dsl_launch.Kernel(rms_norm.rms_norm_kernel, "triton", dict(BLOCK=64, OFFSET=False, PDL=False))
+    launch = kern.bind(3)
+    x, w, out = torch.zeros(3, 64), torch.ones(64), torch.zeros(3, 64)
+    launch(x, w, out, 64, 64, 64, 1e-5)
+    assert recorded[-1][3][0] is x and recorded[-1][3][2] is out
+    y = torch.ones(3, 64)  # another array of the same class: the same plan
+    launch(y, w, out, 64, 64, 64, 1e-5)
+    assert recorded[-1][0] == "direct"
+    assert recorded[-1][3] == (y.data_ptr(), w.data_ptr(), out.data_ptr(), 64, 64, 64, 1e-5)
+    assert all(type(a) is int for a in recorded[-1][3][:3])
+    monkeypatch.setattr(dsl_launch, "INT_POINTERS", False)
+    launch(y, w, out, 64, 64, 64, 1e-5)
+    assert recorded[-1][0] == "direct" and recorded[-1][3][0] is y and recorded[-1][3][1] is w
 
 
 def test_bound_launch_off_the_direct_path():

@@ -3,7 +3,8 @@ CUDA graphs). Three figures, each in microseconds of host time:
 
 - one DSL kernel launch (a one-row rms_norm, far shorter on the GPU than its launch) through the C launcher of its
   compiled kernel (`dsl.launch.DIRECT_LAUNCH`), through Triton's `JITFunction.run`, and a tiny `F.linear` and
-  `torch.empty` for scale;
+  `torch.empty` for scale; and a kept launch (a BoundLaunch called again, as an eager step's memo does: the
+  one-row GEMV's, 7 array arguments) with its arrays passed as addresses or as tensors (`dsl.launch.INT_POINTERS`);
 - an eager decode step of a synthetic Llama-3-8B-shaped model (`--layers`) at `--batch` (1), both launch paths,
   beside the same engine's CUDA-graph step (the peer: the issue's target is eager within 1.5x of it);
 - a Python profile of the eager steps (the 25 largest by own time), for where the rest goes;
@@ -56,6 +57,17 @@ def launch_costs() -> dict[str, float]:
         name = "DSL launch, C launcher" if direct else "DSL launch, Triton's JITFunction.run"
         res[name] = per_call_us(lambda: rms_norm.rms_norm(x, w, 1e-5, out=out, target="triton"))
     dsl_launch.DIRECT_LAUNCH = True
+    from kernels_src.dense_gemv import launched
+
+    wg = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty((1, 64), device="cuda", dtype=torch.bfloat16)
+    launched(x, wg, out=y, target="triton")  # plans it
+    _, (again, args) = launched(x, wg, out=y, target="triton")
+    given = dsl_launch.INT_POINTERS  # LLM_ENGINE_INT_POINTERS's, for the steps after this
+    for ints in (True, False):
+        dsl_launch.INT_POINTERS = ints
+        res[f"kept GEMV launch, arrays as {'addresses' if ints else 'tensors'}"] = per_call_us(lambda: again(*args))
+    dsl_launch.INT_POINTERS = given
     res["torch.empty"] = per_call_us(lambda: torch.empty((1, 4096), device="cuda", dtype=torch.bfloat16))
     res["F.linear 1x64x64"] = per_call_us(lambda: torch.nn.functional.linear(small_x, small_w))
     return res

@@ -311,26 +311,28 @@ pending_eager() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" pending_eager "* ]] && step pending_eager gpu 480 pending_eager
-# Issue 13's eager batch 16 (by name: GPU_CHECK_STEPS=eager_gemm, ~330 s): eager steps' 9+ row linears on dense_gemm
+# Issue 13's eager batch 16 (by name: GPU_CHECK_STEPS=eager_gemm, ~300 s): eager steps' 9+ row linears on dense_gemm
 # with their launches kept (dense_gemm.launched, the default since session 17) against cuBLAS
-# (LLM_ENGINE_EAGER_DENSE_GEMM=0), the 8-layer step and bf16 Llama-3-8B end to end, then graphs in the same call.
+# (LLM_ENGINE_EAGER_DENSE_GEMM=0), and kept launches' arrays passed to Triton's C launcher as addresses (the default
+# since session 17) against tensors (LLM_ENGINE_INT_POINTERS=0): the 8-layer step and bf16 Llama-3-8B end to end,
+# then graphs in the same call.
 eager_gemm() {
-    local rc=0 v
+    local rc=0 c
     "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_dense_gemm.py -k launched || rc=1
-    for v in 1 0; do
-        echo "== LLM_ENGINE_EAGER_DENSE_GEMM=$v"
-        LLM_ENGINE_EAGER_DENSE_GEMM=$v timeout 80 "$PY" -m tools.bench_launch --layers 8 --batch 16 --no-prefill \
-            --json "$OUT"/eager_gemm_launch$v.json || rc=1
-        LLM_ENGINE_EAGER_DENSE_GEMM=$v timeout 130 "$PY" -m tools.bench_gpu --batches 1,16 --prompt 128 --gen 64 \
-            --prefill 256 --no-quant --no-peer --profile "$([[ $v == 1 ]] && echo 16)" --ablate '' --no-graphs \
-            --json "$OUT"/eager_gemm$v.json || rc=1
+    for c in 1:1 0:1 1:0; do  # dense_gemm : int pointers
+        echo "== LLM_ENGINE_EAGER_DENSE_GEMM=${c%:*} LLM_ENGINE_INT_POINTERS=${c#*:}"
+        LLM_ENGINE_EAGER_DENSE_GEMM=${c%:*} LLM_ENGINE_INT_POINTERS=${c#*:} timeout 80 "$PY" -m tools.bench_launch \
+            --layers 8 --batch 16 --no-prefill --json "$OUT"/eager_gemm_launch${c/:/_}.json || rc=1
+        LLM_ENGINE_EAGER_DENSE_GEMM=${c%:*} LLM_ENGINE_INT_POINTERS=${c#*:} timeout 130 "$PY" -m tools.bench_gpu \
+            --batches 1,16 --prompt 128 --gen 64 --prefill 256 --no-quant --no-peer --ablate '' --no-graphs \
+            --profile "$([[ $c == 1:1 ]] && echo 16)" --json "$OUT"/eager_gemm${c/:/_}.json || rc=1
     done
     echo "== graphs"
     timeout 110 "$PY" -m tools.bench_gpu --batches 1,16 --prompt 128 --gen 64 --prefill 256 --no-quant --no-peer \
         --profile '' --ablate '' --json "$OUT"/eager_gemm_graphs.json || rc=1
     return $rc
 }
-[[ " ${GPU_CHECK_STEPS:-} " == *" eager_gemm "* ]] && step eager_gemm gpu 420 eager_gemm
+[[ " ${GPU_CHECK_STEPS:-} " == *" eager_gemm "* ]] && step eager_gemm gpu 480 eager_gemm
 # Issue 16's Qwen3-30B-A3B Q4_K_M batch 64 (by name: GPU_CHECK_STEPS=pending_moe, ~150 s): the MoE's grouped passes on
 # int8 tensor cores (kernels_src/moe_mmq.py; its sweep of 2026-12-05 set LLM_ENGINE_MOE_MMQ on, MMQ_MIN_SLOTS against
 # the GEMV, MMQ_SLOTS_PER_EXPERT against dequantize + dense, and TILES: rerun when they change), first its GPU cases

@@ -7,6 +7,7 @@ float -> fp32), like Triton's JIT; each new signature is traced once. Compiled k
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -22,6 +23,12 @@ TARGETS = ("numpy", "triton", "triton-interpret")
 # Target "triton": launch compiled kernels through their C launcher (False: always through Triton's JITFunction.run,
 # for comparison: tools/bench_launch)
 DIRECT_LAUNCH = True
+# A BoundLaunch's direct launch passes its arrays as the addresses it reads for the alignment check, not the tensors:
+# Triton's C launcher takes an int as the pointer itself, where for a tensor it calls data_ptr() again and asks the
+# driver (cuPointerGetAttribute) whether the address is a device one, for each pointer argument (a decode launch has
+# up to 16). The first call of a BoundLaunch goes through the checked path. LLM_ENGINE_INT_POINTERS=0: tensors (the
+# A/B, tools/bench_launch)
+INT_POINTERS = os.environ.get("LLM_ENGINE_INT_POINTERS", "1") != "0"
 _compiled: dict[tuple, Callable] = {}
 _kernels: dict[tuple, Kernel] = {}
 
@@ -231,10 +238,19 @@ class BoundLaunch:
                 fast = self.fast = self.kernel._direct.get(key)
             if fast is not None:
                 addresses = 0
-                for i in self.ptrs:
-                    addresses |= args[i].data_ptr()
-                if not addresses & 15 and fast(self.grid, args):
-                    return None
+                if INT_POINTERS:
+                    given, args = args, list(args)
+                    for i in self.ptrs:
+                        args[i] = p = given[i].data_ptr()
+                        addresses |= p
+                    if not addresses & 15 and fast(self.grid, args):
+                        return None
+                    args = given
+                else:
+                    for i in self.ptrs:
+                        addresses |= args[i].data_ptr()
+                    if not addresses & 15 and fast(self.grid, args):
+                        return None
         elif key is None:
             self._learn(args)
         return self.kernel.launch(self.grid, args)
