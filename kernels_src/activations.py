@@ -53,6 +53,13 @@ _PLANS = Plans()
 def gated_act(gate, up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy",
               pdl: bool | None = None):
     """act(gate) * up for gate, up [T, I]; out [T, I] (gate's dtype by default)."""
+    return gated_act_launched(gate, up, act, out=out, block=block, target=target, pdl=pdl)[0]
+
+
+def gated_act_launched(gate, up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy",
+                       pdl: bool | None = None) -> tuple:
+    """(gated_act's result, (launch, its arguments)): a caller passing the same arrays again (an eager step's kept
+    buffers, backends/cuda/step_arena.py) may call launch(*arguments) for the same result."""
     fresh = out is None  # made here: its shape, strides and dtype follow from gate's
     if out is None:
         out = np.empty(gate.shape, gate.dtype) if isinstance(gate, np.ndarray) else gate.new_empty(gate.shape)
@@ -60,8 +67,9 @@ def gated_act(gate, up, act: str = "silu", *, out=None, block: int = 1024, targe
     if type(gate) is not np.ndarray:  # a runner's: the kernel and grid of these shapes are kept
         key = (signature(gate, up, None if fresh else out), act, block, target, pdl)
         if (plan := _PLANS.get(key)) is not None:
-            plan[0](gate, up, out, *plan[1])
-            return out
+            args = (gate, up, out, *plan[1])
+            plan[0](*args)
+            return out, (plan[0], args)
     n = gate.shape[1]
     block = min(block, tl.next_power_of_2(n))
     pdl = use_pdl(target, pdl)
@@ -71,7 +79,7 @@ def gated_act(gate, up, act: str = "silu", *, out=None, block: int = 1024, targe
     launch(gate, up, out, *ints)
     if key is not None:
         _PLANS.put(key, (launch, ints))
-    return out
+    return out, (launch, (gate, up, out, *ints))
 
 
 def gated_act_fused(gate_up, act: str = "silu", *, out=None, block: int = 1024, target: str = "numpy",

@@ -71,15 +71,17 @@ def _empty_like(x):
 _PLANS = Plans()
 
 
-def _launch(kernel, arrays: tuple, eps: float, offset: bool, target: str, pdl: bool | None, fresh: int) -> None:
+def _launch(kernel, arrays: tuple, eps: float, offset: bool, target: str, pdl: bool | None, fresh: int) -> tuple:
     """`kernel` over x = arrays[0] [rows, n] and the other arrays, each with its row stride (w has none); the last
-    `fresh` were made here by _empty_like (their shapes, strides and dtype follow from x's)."""
+    `fresh` were made here by _empty_like (their shapes, strides and dtype follow from x's). Returns (launch, its
+    arguments): the same launch again for the same arrays."""
     key = None
     if type(arrays[0]) is not np.ndarray:
         key = (kernel, signature(*arrays[:len(arrays) - fresh]), fresh, eps, offset, target, pdl)
         if (plan := _PLANS.get(key)) is not None:
-            plan[0](*arrays, *plan[1])
-            return
+            args = (*arrays, *plan[1])
+            plan[0](*args)
+            return plan[0], args
     x, n = arrays[0], arrays[0].shape[-1]
     pdl = use_pdl(target, pdl)
     launch = compile(kernel, target, launch_pdl=pdl, BLOCK=tl.next_power_of_2(n), OFFSET=bool(offset),
@@ -89,6 +91,7 @@ def _launch(kernel, arrays: tuple, eps: float, offset: bool, target: str, pdl: b
     launch(*arrays, *ints)
     if key is not None:
         _PLANS.put(key, (launch, ints))
+    return launch, (*arrays, *ints)
 
 
 def rms_norm(x, w, eps: float, *, offset: bool = False, out=None, target: str = "numpy", pdl: bool | None = None):
@@ -102,11 +105,19 @@ def rms_norm(x, w, eps: float, *, offset: bool = False, out=None, target: str = 
 def add_rms_norm(x, residual, w, eps: float, *, offset: bool = False, sum_out=None, out=None,
                  target: str = "numpy", pdl: bool | None = None):
     """(x + residual, rms_norm(x + residual)); the outputs may alias the inputs (each row is read, then written)."""
+    return add_rms_norm_launched(x, residual, w, eps, offset=offset, sum_out=sum_out, out=out, target=target,
+                                 pdl=pdl)[0]
+
+
+def add_rms_norm_launched(x, residual, w, eps: float, *, offset: bool = False, sum_out=None, out=None,
+                          target: str = "numpy", pdl: bool | None = None) -> tuple:
+    """(add_rms_norm's (sum, norm), (launch, its arguments)): a caller passing the same arrays again (an eager step's
+    kept buffers, backends/cuda/step_arena.py) may call launch(*arguments) for the same results."""
     fresh = 2 if sum_out is None and out is None else 0  # else every array keys the plan
     sum_out = _empty_like(x) if sum_out is None else sum_out
     out = _empty_like(x) if out is None else out
-    _launch(add_rms_norm_kernel, (x, residual, w, sum_out, out), eps, offset, target, pdl, fresh)
-    return sum_out, out
+    again = _launch(add_rms_norm_kernel, (x, residual, w, sum_out, out), eps, offset, target, pdl, fresh)
+    return (sum_out, out), again
 
 
 # --- references ------------------------------------------------------------------------------------------------

@@ -138,7 +138,16 @@ def test_eager_dense_gemm_replays(launches, monkeypatch):
     planned.clear()
     launches.clear()
     calls.clear()
+    from kernels_src import activations, rms_norm
+
+    norms, acts, real_norm, real_act = [], [], rms_norm._launch, activations.gated_act_launched
+    monkeypatch.setattr(rms_norm, "_launch", lambda kernel, *a: norms.append(kernel.__name__) or real_norm(kernel, *a))
+    monkeypatch.setattr(activations, "gated_act_launched", lambda *a, **k: acts.append(1) or real_act(*a, **k))
     again = backend.forward(step).numpy()
+    # the add_rms_norms and gated activations relaunched from the memo too, but for layer 0's two norms, which read
+    # the gathered embeddings (a new tensor each step): its rms_norm, and its add_rms_norm's residual
+    assert sorted(norms) == ["add_rms_norm_kernel", "rms_norm_kernel"] and not acts
+    assert launches["add_rms_norm_kernel"] == 2 * backend.model.config.num_layers  # (the last one: the final norm)
     # every GEMM relaunched from the arena's memo (not even launched's plan lookup) but two whose x is a new tensor
     # each step: layer 0's qkv (rms_norm of the gathered embeddings) and the head's (the rows at logits_indices)
     assert not planned and not matmuls and len(calls) == 2 and launches["dense_gemm_kernel"] == gemms
