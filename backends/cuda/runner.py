@@ -227,7 +227,7 @@ class Runner:
             arena = self.step_arena  # an eager decode step's: the result into its kept buffer
             if arena is None:
                 return activations.gated_act(args[0], args[1], node.attrs["act"], target=self.target, pdl=self.pdl)
-            return self._kept_launch(arena, node, args[:2], lambda outs: activations.gated_act_launched(
+            return arena.kept_launch(node, args[:2], lambda outs: activations.gated_act_launched(
                 args[0], args[1], node.attrs["act"], out=outs[0], target=self.target, pdl=self.pdl))
         if op in ("attention", "rope_attention"):
             return _into(out, attention.attention(self, node, args, meta))
@@ -261,25 +261,9 @@ class Runner:
             return rms_norm.add_rms_norm(x, r, w, node.attrs["eps"], offset=offset == 1.0, target=self.target,
                                          pdl=self.pdl)
         # an eager decode step's: the sum and the norm into their kept buffers
-        return self._kept_launch(arena, node, (x, r, w), lambda outs: rms_norm.add_rms_norm_launched(
+        return arena.kept_launch(node, (x, r, w), lambda outs: rms_norm.add_rms_norm_launched(
             x, r, w, node.attrs["eps"], offset=offset == 1.0, sum_out=outs[0], out=outs[1], target=self.target,
             pdl=self.pdl))
-
-    @staticmethod
-    def _kept_launch(arena, node: Node, ins: tuple, run):
-        """An eager decode step's launch of `node` into its outputs' kept buffers: launched again where the node's
-        inputs are last step's tensors (kept buffers, their views, parameters), else `run(buffers)` -> (result,
-        (launch, its arguments)) and kept in the arena's memo while every output is a kept buffer."""
-        key = ("kept", node.outs[0].id)
-        last = arena.memo.get(key)
-        if last is not None and all(a is b for a, b in zip(last[0], ins, strict=True)):
-            last[1](*last[2])
-            return last[3]
-        outs = [arena.take(v.id, ins[0].shape, ins[0]) for v in node.outs]
-        result, (launch, args) = run(outs)
-        if all(arena.holds(v.id, t) for v, t in zip(node.outs, outs, strict=True)):
-            arena.memo[key] = (ins, launch, args, result)
-        return result
 
     # -- single ops ---------------------------------------------------------------------------------
     def linear(self, x, w: Param, b=None, vid: int | None = None):
