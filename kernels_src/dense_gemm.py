@@ -141,7 +141,7 @@ def _check(x2, w) -> None:
         raise ValueError(f"w {tuple(w.shape)} must have contiguous rows (stride {elem_stride(w, 1)} along K)")
 
 
-def _kernel(x2, n: int, target: str, pdl: bool, over: dict) -> tuple:
+def _build(x2, n: int, target: str, pdl: bool, over: dict) -> tuple:
     """(the GEMM kernel, its tiles, SPLIT) for x2 [M, K] @ W[n, K].T: default_tiles, `over`'s keywords over them."""
     m, k = x2.shape
     cfg = default_tiles(m, n, k, _sm_count(x2))
@@ -171,7 +171,7 @@ def dense_matmul(x2, w, *, out=None, target: str = "numpy", pdl: bool | None = N
     over = dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, swap=swap, num_warps=num_warps,
                 num_stages=num_stages)
     pdl = use_pdl(target, pdl)
-    kern, cfg, split = _kernel(x2, n, target, pdl, over)
+    kern, cfg, split = _build(x2, n, target, pdl, over)
     return launch_split_k(kern, (w, x2), (m, n, k, elem_stride(w, 0), elem_stride(x2, 0)), out,
                           tl.cdiv(k, cfg["BLOCK_K"]), split, cfg["BLOCK_M"], cfg["BLOCK_N"], target, pdl)
 
@@ -184,7 +184,7 @@ def _plan(x2, w, out, target: str, pdl: bool) -> tuple:
     """(the GEMM's BoundLaunch, its integers after y, the reduce's BoundLaunch and its integers after part and out,
     or None, None; SPLIT): launch_split_k's launches, worked out once for arrays of these shapes."""
     (m, k), n = x2.shape, w.shape[0]
-    kern, cfg, split = _kernel(x2, n, target, pdl, {})
+    kern, cfg, split = _build(x2, n, target, pdl, {})
     n_steps = tl.cdiv(k, cfg["BLOCK_K"])
     per_split = tl.cdiv(n_steps, split)
     split = tl.cdiv(n_steps, per_split)  # as launch_split_k: no split left without steps
