@@ -46,5 +46,6 @@ def use_eager_fusions(runner) -> None:
     # cuBLAS (the A/B)
     runner.dense_gemm = runner.dense_gemm and DENSE_GEMM
     runner.arena = StepArena(runner.graph) if ARENA else None
-    if runner.target in (*FUSED_TARGETS, "numpy"):
+    # (LLM_ENGINE_FUSED_REDUCE=0 said outright keeps the reduce kernel here too: the A/B of eager decode at 4k)
+    if runner.target in (*FUSED_TARGETS, "numpy") and os.environ.get("LLM_ENGINE_FUSED_REDUCE") != "0":
         runner.fused_reduce = True
