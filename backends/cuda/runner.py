@@ -282,27 +282,30 @@ class Runner:
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x: no views around the GEMV
             if arena is None or vid is None or b is not None or x.dim() != 2 or x.stride(-1) != 1:
                 y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
-            else:  # an eager decode step's: its kept buffer, and the launch kept for the same arrays next step
-                out = arena.take(vid, (x.shape[0], w.shape[0]), x)
-                y, again = dense_gemv_launched(x, w, out=out, target=self.target, pdl=self.pdl)
-                if again is not None and arena.holds(vid, out):
-                    arena.memo[vid] = (x, w, *again, y)
+            else:
+                y = self._kept_linear(dense_gemv_launched, arena, vid, x, w)
             y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
         elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
             if arena is None or vid is None or b is not None or x.dim() != 2 or x.stride(-1) != 1:
                 y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
                                  pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
-            else:  # an eager decode step's: its kept buffer, and the launches kept for the same arrays next step
-                out = arena.take(vid, (x.shape[0], w.shape[0]), x)
-                y, again = dense_gemm_launched(x, w, out=out, target=self.target, pdl=self.pdl)
-                if again is not None and arena.holds(vid, out):
-                    arena.memo[vid] = (x, w, *again, y)
+            else:
+                y = self._kept_linear(dense_gemm_launched, arena, vid, x, w)
         elif arena is not None and vid is not None and b is None:
             y = torch_ops.linear_into(x, w, self._kept_gemm(arena, vid, x, w))
             arena.memo[vid] = (None, w)  # the checks above need not run again for these rows
         else:
             y = F.linear(x, w)
         return y if b is None else y + b
+
+    def _kept_linear(self, launched, arena, vid: int, x, w):
+        """An eager decode step's x @ w.T by `launched` (dense_gemv's or dense_gemm's) into its kept buffer, the launch
+        kept in the arena's memo for the same arrays next step (linear's first lines launch it again)."""
+        out = arena.take(vid, (x.shape[0], w.shape[0]), x)
+        y, again = launched(x, w, out=out, target=self.target, pdl=self.pdl)
+        if again is not None and arena.holds(vid, out):
+            arena.memo[vid] = (x, w, *again, y)
+        return y
 
     @staticmethod
     def _kept_gemm(arena, vid: int, x, w):
