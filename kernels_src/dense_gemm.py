@@ -29,12 +29,11 @@ import numpy as np
 
 from kernels_src.dequant_gemm import (
     MIN_SPLIT_STEPS,
-    REDUCE_BLOCK,
     _sm_count,
-    dequant_gemm_reduce_kernel,
     gemm_out,
     launch_split_k,
     split_k_for,
+    split_k_plan,
     split_k_tile,
 )
 from kernels_src.dsl import Plans, compile, elem_stride, empty, signature, tl, use_pdl
@@ -182,20 +181,13 @@ _PLANS = Plans()
 
 def _plan(x2, w, out, target: str, pdl: bool) -> tuple:
     """(the GEMM's BoundLaunch, its integers after y, the reduce's BoundLaunch and its integers after part and out,
-    or None, None; SPLIT): launch_split_k's launches, worked out once for arrays of these shapes."""
+    or None, None; SPLIT): launch_split_k's launches (split_k_plan), worked out once for arrays of these shapes."""
     (m, k), n = x2.shape, w.shape[0]
     kern, cfg, split = _build(x2, n, target, pdl, {})
-    n_steps = tl.cdiv(k, cfg["BLOCK_K"])
-    per_split = tl.cdiv(n_steps, split)
-    split = tl.cdiv(n_steps, per_split)  # as launch_split_k: no split left without steps
-    gemm = kern.bind((tl.cdiv(m, cfg["BLOCK_M"]), tl.cdiv(n, cfg["BLOCK_N"]), split))
-    ints = (m, n, k, elem_stride(w, 0), elem_stride(x2, 0))
-    if split == 1:
-        return gemm, (*ints, elem_stride(out, 0), 0, n_steps, per_split), None, None, 1
-    block = min(REDUCE_BLOCK, tl.next_power_of_2(n))
-    red = compile(dequant_gemm_reduce_kernel, target, num_warps=4, launch_pdl=pdl, SPLIT=split, BLOCK=block, PDL=pdl)
-    return (gemm, (*ints, n, m * n, n_steps, per_split), red.bind((tl.cdiv(n, block), m)),
-            (n, elem_stride(out, 0), m * n), split)
+    grid, ints, red, red_grid, red_ints, split = split_k_plan(
+        (m, n, k, elem_stride(w, 0), elem_stride(x2, 0)), out, tl.cdiv(k, cfg["BLOCK_K"]), split, cfg["BLOCK_M"],
+        cfg["BLOCK_N"], target, pdl)
+    return kern.bind(grid), ints, None if red is None else red.bind(red_grid), red_ints, split
 
 
 # One fp32 scratch a device for every launched GEMM's split-K partials (an 8B model's 16-row step would otherwise keep

@@ -247,23 +247,35 @@ def split_k_for(m: int, n: int, block_m: int, block_n: int, steps: int, sms: int
     return split
 
 
-def launch_split_k(kern, inputs: tuple, args: tuple, out, n_steps: int, split: int, block_m: int, block_n: int,
-                   target: str, pdl: bool):
-    """Runs a split-K GEMM kernel (signature: *inputs, y, *args, y_stride, split_stride, n_steps, steps_per_split)
-    over (M / block_m, N / block_n, split) programs: straight into out for one split, else into fp32 partials
-    [split, M, N] summed by dequant_gemm_reduce_kernel."""
+def split_k_plan(args: tuple, out, n_steps: int, split: int, block_m: int, block_n: int, target: str,
+                 pdl: bool) -> tuple:
+    """launch_split_k's launches for out [M, N]: (the GEMM's grid, its arguments after y; the reduce kernel, its grid
+    and its arguments after (partials, out), or None, None, None; the split, 1 where y is out itself)."""
     m, n = out.shape
     per_split = tl.cdiv(n_steps, split)
     split = tl.cdiv(n_steps, per_split)  # no split left without steps
     grid = (tl.cdiv(m, block_m), tl.cdiv(n, block_n), split)
     if split == 1:
-        kern[grid](*inputs, out, *args, elem_stride(out, 0), 0, n_steps, per_split)
-        return out
-    part = empty(out, (split, m, n), "float32")
-    kern[grid](*inputs, part, *args, n, m * n, n_steps, per_split)
+        return grid, (*args, elem_stride(out, 0), 0, n_steps, per_split), None, None, None, 1
     block = min(REDUCE_BLOCK, tl.next_power_of_2(n))
     red = compile(dequant_gemm_reduce_kernel, target, num_warps=4, launch_pdl=pdl, SPLIT=split, BLOCK=block, PDL=pdl)
-    red[tl.cdiv(n, block), m](part, out, n, elem_stride(out, 0), m * n)
+    return (grid, (*args, n, m * n, n_steps, per_split), red, (tl.cdiv(n, block), m), (n, elem_stride(out, 0), m * n),
+            split)
+
+
+def launch_split_k(kern, inputs: tuple, args: tuple, out, n_steps: int, split: int, block_m: int, block_n: int,
+                   target: str, pdl: bool):
+    """Runs a split-K GEMM kernel (signature: *inputs, y, *args, y_stride, split_stride, n_steps, steps_per_split)
+    over (M / block_m, N / block_n, split) programs: straight into out for one split, else into fp32 partials
+    [split, M, N] summed by dequant_gemm_reduce_kernel."""
+    grid, ints, red, red_grid, red_ints, split = split_k_plan(args, out, n_steps, split, block_m, block_n, target,
+                                                              pdl)
+    if red is None:
+        kern[grid](*inputs, out, *ints)
+        return out
+    part = empty(out, (split, *out.shape), "float32")
+    kern[grid](*inputs, part, *ints)
+    red[red_grid](part, out, *red_ints)
     return out
 
 
