@@ -19,7 +19,9 @@ from kernels_src.dsl import tl
 
 NEG_BIG = -1.0e30  # running maxima start finite: rows with every key masked stay NaN-free
 FUSED_TARGETS = ("triton", "triton-interpret")  # targets with atomics
-FUSED_DEFAULT = os.environ.get("LLM_ENGINE_FUSED_REDUCE", "0") == "1"  # read once: eager steps launch per layer
+FUSED_ENV = os.environ.get("LLM_ENGINE_FUSED_REDUCE")  # read once: eager steps launch per layer
+FUSED_DEFAULT = FUSED_ENV == "1"
+FUSED_REFUSED = FUSED_ENV == "0"  # said outright: eager steps keep the reduce kernel too (backends/cuda/eager.py)
 # fp32 partials one round of a combine loads: 64 partitions of a 128-wide head (the reduce kernel: 118 registers on
 # sm_90). A batch-1 decode at 4k has 64 partitions: one round instead of four dependent ones (Triton does not
 # pipeline these loops)

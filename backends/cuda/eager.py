@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from backends.cuda.step_arena import StepArena
-from kernels_src.decode_combine import FUSED_TARGETS
+from kernels_src.decode_combine import FUSED_REFUSED, FUSED_TARGETS
 
 ENV = "LLM_ENGINE_EAGER_FUSIONS"  # "0": eager steps launch the kernels graph replays launch
 DEFAULT = os.environ.get(ENV, "1") != "0"
@@ -47,5 +47,5 @@ def use_eager_fusions(runner) -> None:
     runner.dense_gemm = runner.dense_gemm and DENSE_GEMM
     runner.arena = StepArena(runner.graph) if ARENA else None
     # (LLM_ENGINE_FUSED_REDUCE=0 said outright keeps the reduce kernel here too: the A/B of eager decode at 4k)
-    if runner.target in (*FUSED_TARGETS, "numpy") and os.environ.get("LLM_ENGINE_FUSED_REDUCE") != "0":
+    if runner.target in (*FUSED_TARGETS, "numpy") and not FUSED_REFUSED:
         runner.fused_reduce = True

@@ -237,20 +237,12 @@ class BoundLaunch:
             if fast is None:
                 fast = self.fast = self.kernel._direct.get(key)
             if fast is not None:
-                addresses = 0
-                if INT_POINTERS:
-                    given, args = args, list(args)
-                    for i in self.ptrs:
-                        args[i] = p = given[i].data_ptr()
-                        addresses |= p
-                    if not addresses & 15 and fast(self.grid, args):
-                        return None
-                    args = given
-                else:
-                    for i in self.ptrs:
-                        addresses |= args[i].data_ptr()
-                    if not addresses & 15 and fast(self.grid, args):
-                        return None
+                addresses, passed = 0, list(args)
+                for i in self.ptrs:
+                    passed[i] = p = args[i].data_ptr()
+                    addresses |= p
+                if not addresses & 15 and fast(self.grid, passed if INT_POINTERS else args):
+                    return None
         elif key is None:
             self._learn(args)
         return self.kernel.launch(self.grid, args)
