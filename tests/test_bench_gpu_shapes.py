@@ -90,3 +90,15 @@ def test_outlier_steps_single_out_a_compile_inside_the_timed_steps():
     assert outlier_steps([0.005] * 64) is None
     assert outlier_steps([0.005] * 63 + [0.015]) is None
     assert outlier_steps([0.0001] * 63 + [0.01]) is None  # 100x a tiny median, yet under the 50 ms floor
+
+
+def test_step_spread_reports_slow_steps_under_the_outlier_bar():
+    """Steps a rate averages in that outlier_steps lets through (31 steps of 10 ms and one of 150 ms: under 20x the
+    median, yet the mean 44% over it) are named with the median, mean and slowest; steady steps give None."""
+    from tools.bench_gpu_rates import outlier_steps, step_spread
+
+    steps = [0.010] * 31 + [0.150]
+    assert outlier_steps(steps) is None
+    assert step_spread(steps) == "median 10.00 ms, mean 14.37 ms, slowest 150.0, 10.0, 10.0 ms (step 31)"
+    assert step_spread([0.010] * 32) is None
+    assert step_spread([0.010, 0.011] * 16) is None

@@ -38,6 +38,7 @@ from tools.bench_gpu_rates import (
     copy_bandwidth,
     decode_rate,
     gemm_rate,
+    host_profile,
     kernel_profile,
     prefill_flops,
     prefill_rate,
@@ -229,6 +230,8 @@ def main() -> None:
                     "decode_table.py)")
     ap.add_argument("--profile", default="1,64", help="batch sizes whose decode steps are profiled by kernel ('' for "
                     "none)")
+    ap.add_argument("--host-profile", default="", help="batch sizes whose decode steps' host time is profiled: the "
+                    "wall per step and the CUDA runtime calls by host time (a sync shows as milliseconds)")
     ap.add_argument("--d", metavar="ID", help="the GPU, given as the server's --d (backends.base.create_backend, as "
                     "`python -m frontend --d ID` builds the backend); default: CUDABackend's own")
     ap.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "bench_gpu.json")
@@ -292,6 +295,16 @@ def main() -> None:
         say(f"  decode batch {b}, GPU time by kernel (us per step):")
         for name, share, us in res["profile"][b]:
             say(f"    {us:9.1f} {share:6.1%}  {name}")
+    res["host_profile"] = {}
+    for b in [int(x) for x in args.host_profile.split(",") if x]:
+        try:
+            res["host_profile"][b] = host_profile(engine, b, args.prompt, cfg.vocab_size)
+        except Exception as e:  # noqa: BLE001  (a diagnostic, as the kernel profile)
+            say(f"  (host profile of batch {b} failed: {type(e).__name__}: {e})")
+            continue
+        say(f"  decode batch {b}, host time in CUDA runtime calls (us per step; calls per step):")
+        for name, calls, us in res["host_profile"][b]:
+            say(f"    {us:9.1f} {calls:7.1f}  {name}")
     res["prefill_tps"] = prefill_rate(engine, args.prefill, cfg.vocab_size)
     res["prefill_tflops"] = prefill_flops(cfg, args.prefill) * res["prefill_tps"] / args.prefill / 1e12
     say(f"  prefill {args.prefill}: {res['prefill_tps']:,.0f} tok/s, {res['prefill_tflops']:.0f} TFLOP/s")

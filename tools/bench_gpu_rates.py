@@ -71,7 +71,21 @@ def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int
         print(f"  decode batch {batch}: {slow[0]} step(s) took {slow[1]:.2f} s of the timed {seconds:.2f} s "
               f"(median step {slow[2] * 1e3:.2f} ms): kernels compiled or a graph captured inside the timed steps; "
               f"without them {tokens / (seconds - slow[1] + slow[0] * slow[2]):,.0f} tok/s", flush=True)
+    elif (spread := step_spread(steps)) is not None:
+        print(f"  decode batch {batch}: steps {spread}", flush=True)
     return tokens / seconds
+
+
+def step_spread(seconds: list[float], factor: float = 1.15) -> str | None:
+    """The timed steps' median, mean and slowest three (ms) when the mean is over `factor` x the median: a few slow
+    steps (under outlier_steps' bar) or a slow start that the rate averages in; None when steps are steady."""
+    if len(seconds) < 3:
+        return None
+    med, mean = float(np.median(seconds)), float(np.mean(seconds))
+    if mean <= factor * med:
+        return None
+    top = ", ".join(f"{s * 1e3:.1f}" for s in sorted(seconds)[-3:][::-1])
+    return f"median {med * 1e3:.2f} ms, mean {mean * 1e3:.2f} ms, slowest {top} ms (step {int(np.argmax(seconds))})"
 
 
 def outlier_steps(seconds: list[float], factor: float = 20.0, floor: float = 0.05) -> tuple[int, float, float] | None:
@@ -111,6 +125,36 @@ def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, 
     total = sum(t for _, t in rows) or 1
     rows.sort(key=lambda r: -r[1])
     return [("(all kernels)", 1.0, total / steps)] + [(k[:60], t / total, t / steps) for k, t in rows[:top]]
+
+
+def host_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, top: int = 10) -> list[tuple]:
+    """Where the host's time goes in `steps` decode steps at `batch`: the wall per step, then the CUDA runtime and
+    driver calls by their own host time (a synchronize or a copy that waits on the stream shows as milliseconds
+    here, a launch as microseconds). Returns [(name, calls per step, us per step)], ("(wall)", 1, us) first. The
+    profiler's own cost is in the wall: compare it with an unprofiled step, not with the GPU's time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from core.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(3)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    while engine.has_unfinished():
+        engine.step()
+    rows = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("cu")]
+    rows.sort(key=lambda r: -r[2])
+    return [("(wall)", 1.0, wall * 1e6 / steps)] + [(k[:60], c / steps, us / steps) for k, c, us in rows[:top]]
 
 
 def prefill_seconds(engine, tokens: int, vocab: int, rng) -> float:
