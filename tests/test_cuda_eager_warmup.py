@@ -149,12 +149,13 @@ def test_no_step_compiles_after_the_eager_warm_ups(monkeypatch, fused):
     variants.run = "new"
     warm_up_eager_decode(backend, CONTEXT)
     assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in backend.kv for t in layer), strict=True))
-    # the decode split or not, by the class of its table's stride (1, 16 a multiple of 16, 0 another); decode steps
-    # rotate and write the cache inside the decode (paged_decode_rope), so no plain decode kernel is built
+    # the decode split or not, by the class of its table's stride: always 16 (a multiple of 16), an eager step's
+    # tables padded to step_meta.TABLE_BUCKET blocks; decode steps rotate and write the cache inside the decode
+    # (paged_decode_rope), so no plain decode kernel is built
     assert not variants.of("paged_decode_kernel", "paged_decode_fused_kernel")
     decodes = {(v.const("SPLIT"), arg(v, "bt_stride")) for v in variants.of("paged_decode_rope_kernel")}
     split = {(v.const("SPLIT"), arg(v, "bt_stride")) for v in variants.of("paged_decode_rope_fused_kernel")}
-    assert decodes | split == {(False, 1), (False, 0), (False, 16), (True, 0), (True, 16)}
+    assert decodes | split == {(False, 16), (True, 16)}
     assert not (split if not fused else {d for d in decodes if d[0]})  # a split decode: fused, or with its reduce
     # the combine by BLOCK_P and the class of the partition count: up to the grid cap of 16 partitions
     reduces = {(v.const("BLOCK_P"), arg(v, "max_parts")) for v in variants.of("paged_decode_reduce_kernel")}

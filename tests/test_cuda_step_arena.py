@@ -42,7 +42,7 @@ def _run(backend, arena) -> list[np.ndarray]:
 
 
 def test_kept_buffers_give_the_same_logits(launches, monkeypatch):  # noqa: F811
-    from backends.cuda import attention
+    from backends.cuda import attention, step_meta
     from backends.cuda.step_arena import StepArena
     from kernels_src import dense_gemv as dg
 
@@ -66,13 +66,20 @@ def test_kept_buffers_give_the_same_logits(launches, monkeypatch):  # noqa: F811
     # the attention's too (a token longer: the same tables and partitions)
     looked, real, attended = [], dg._planned, []
     monkeypatch.setattr(dg, "_planned", lambda *a: looked.append(1) or real(*a))
-    monkeypatch.setattr(attention, "_attention", lambda *a: attended.append(1))
+    real_attention = attention._attention
+    monkeypatch.setattr(attention, "_attention", lambda *a: attended.append(1) or real_attention(*a))
     launches.clear()
     backend.forward(_step([45]))
     assert launches["dense_gemv_kernel"] == 4 * layers + 1 and len(looked) == 3, (launches, looked)
     # (the rope and cache write inside the decode: kernels_src/paged_decode_rope.py)
     assert launches["paged_decode_rope_fused_kernel"] == layers and not launches["rope_kv_write_kernel"]
     assert not attended
+    # a block more in the table (49 tokens): padded to the same width (step_meta.TABLE_BUCKET), still kept
+    backend.forward(_step([49]))
+    assert not attended
+    monkeypatch.setattr(step_meta, "TABLE_BUCKET", 1)  # as before the padding: the table's shape changes
+    backend.forward(_step([50]))
+    assert len(attended) == layers
 
 
 def test_planted_escape_is_seen(launches, monkeypatch):  # noqa: F811

@@ -23,7 +23,7 @@ from backends.cuda.runner import Runner
 from backends.cuda.runtime import torch
 from backends.cuda.step_arena import StepArena
 from backends.cuda.step_graphs import StepGraphs
-from backends.cuda.step_meta import StepMeta
+from backends.cuda.step_meta import StepMeta, step_table
 from backends.cuda.synthetic import random_params
 from backends.cuda.warm_batches import (
     one_sequence,
@@ -339,9 +339,9 @@ class CUDABackend(Backend):
         def up(a: np.ndarray, dtype=torch.int32) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype, non_blocking=True)
 
-        more = tuple((up(s, torch.int64), up(np.maximum(t, 0)))
+        more = tuple((up(s, torch.int64), up(step_table(t)))
                      for s, t in zip(batch.group_slots, batch.group_tables, strict=True))
-        meta = StepMeta(up(batch.positions), up(batch.slot_mapping, torch.int64), up(np.maximum(batch.block_tables, 0)),
+        meta = StepMeta(up(batch.positions), up(batch.slot_mapping, torch.int64), up(step_table(batch.block_tables)),
                         up(batch.context_lens), up(batch.query_start), batch.is_decode,
                         int(np.diff(batch.query_start).max(initial=0)), int(batch.context_lens.max(initial=1)),
                         more)

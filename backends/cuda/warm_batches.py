@@ -108,13 +108,10 @@ def split_counts(most: int) -> list[int]:
 
 
 def table_widths(context: int, block_size: int) -> list[int]:
-    """Block-table widths for a `context`, one of each integer class Triton tells apart (1, a multiple of 16,
-    another) that can hold it: the decode kernels take the table's row stride, and a step's table is as wide as its
-    longest sequence's blocks (core.batch.make_batch)."""
-    need, seen = -(-context // block_size), {}
-    for w in (need, need + 1, -(-need // 16) * 16):
-        seen.setdefault(int_class(w), w)
-    return sorted(seen.values())
+    """Block-table widths to warm up for a `context`: one. The kernels take the table's row stride, whose integer
+    class (1, a multiple of 16, another) Triton tells apart, but an eager step pads its tables to a multiple of
+    step_meta.TABLE_BUCKET blocks, so every step's stride is of one class (a list: the callers' loops stay)."""
+    return [-(-context // block_size)]
 
 
 def eager_decode_steps(runner, max_seqs: int, max_context: int, block_size: int, experts: int = 0,
