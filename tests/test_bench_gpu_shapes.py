@@ -102,3 +102,19 @@ def test_step_spread_reports_slow_steps_under_the_outlier_bar():
     assert step_spread(steps) == "median 10.00 ms, mean 14.37 ms, slowest 150.0, 10.0, 10.0 ms (step 31)"
     assert step_spread([0.010] * 32) is None
     assert step_spread([0.010, 0.011] * 16) is None
+
+
+def test_gc_pauses_counts_collections_by_generation():
+    """decode_rate's note of the garbage collector's pauses: two forced collections (generations 0 and 2) are
+    counted with their time, and the callback is gone afterwards."""
+    import gc
+
+    from tools.bench_gpu_rates import GcPauses
+
+    with GcPauses() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+    assert pauses.counts == [1, 0, 1] and pauses.seconds > 0
+    assert pauses._note not in gc.callbacks
+    gc.collect()
+    assert pauses.counts == [1, 0, 1]

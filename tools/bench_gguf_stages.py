@@ -94,6 +94,7 @@ def engine_over(backend, max_batch: int, max_len: int):
     """An engine over `backend` sized for `max_batch` sequences of `max_len` tokens, as bench_gpu's engine_for
     sizes it, and allowed contexts past the file's trained length (the 32k curve point plus its 128 new tokens)."""
     from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.gc_pauses import freeze_startup
     from frontend.engine.scheduler import SchedulerConfig
 
     blocks = max_batch * (-(-max_len // BLOCK) + 1) + 64
@@ -101,7 +102,9 @@ def engine_over(backend, max_batch: int, max_len: int):
                           max_model_len=max_len,
                           scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
                                                     prefill_chunk_size=4096, decode_step_tokens=0))
-    return LLMEngine(backend, config)
+    engine = LLMEngine(backend, config)
+    freeze_startup()  # as the server does after loading (frontend/engine/gc_pauses.py)
+    return engine
 
 
 def engine_groups(figs: list[Figure]) -> dict[int, list[Figure]]:

@@ -78,6 +78,7 @@ def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, bac
     again)."""
     from backends.base import create_backend
     from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.gc_pauses import freeze_startup
     from frontend.engine.scheduler import SchedulerConfig
 
     weights = {"params": params} if params is not None else {"random_weights": SEED}
@@ -87,7 +88,9 @@ def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, bac
     config = EngineConfig(num_kv_blocks=blocks, prefix_caching=False, async_scheduling=overlap,
                           scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
                                                     prefill_chunk_size=4096, decode_step_tokens=0))
-    return LLMEngine(backend, config)
+    engine = LLMEngine(backend, config)
+    freeze_startup()  # as the server does after loading (frontend/engine/gc_pauses.py)
+    return engine
 
 
 ABLATIONS = {  # name -> (runner attribute changes, fusions, engine overlap): each switches one thing off (or on)

@@ -3,6 +3,7 @@ engine's decode and prefill rates, its kernels' time by name, and the flops and 
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -61,12 +62,15 @@ def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int
     before = engine.stats["generation_tokens"] + sum(s.pending for s in engine.scheduler.running)
     t = time.perf_counter()
     steps = []
-    while engine.has_unfinished():
-        t_step = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t_step)
-    torch.cuda.synchronize()
+    with GcPauses() as gc_pauses:
+        while engine.has_unfinished():
+            t_step = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t_step)
+        torch.cuda.synchronize()
     tokens, seconds = engine.stats["generation_tokens"] - before, time.perf_counter() - t
+    if gc_pauses.seconds > 0.01 * seconds:
+        print(f"  decode batch {batch}: garbage collections took {gc_pauses}", flush=True)
     if (slow := outlier_steps(steps)) is not None:
         print(f"  decode batch {batch}: {slow[0]} step(s) took {slow[1]:.2f} s of the timed {seconds:.2f} s "
               f"(median step {slow[2] * 1e3:.2f} ms): kernels compiled or a graph captured inside the timed steps; "
@@ -74,6 +78,30 @@ def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int
     elif (spread := step_spread(steps)) is not None:
         print(f"  decode batch {batch}: steps {spread}", flush=True)
     return tokens / seconds
+
+
+class GcPauses:
+    """Python's garbage collections while active (gc.callbacks): how many of each generation and their seconds."""
+
+    def __init__(self):
+        self.counts, self.seconds, self._start = [0, 0, 0], 0.0, 0.0
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.counts[info["generation"]] += 1
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._note)
+
+    def __str__(self) -> str:
+        return f"{self.seconds * 1e3:.1f} ms ({'/'.join(map(str, self.counts))} of generations 0/1/2)"
 
 
 def step_spread(seconds: list[float], factor: float = 1.15) -> str | None:

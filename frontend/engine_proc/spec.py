@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from frontend.engine.engine import EngineConfig, LLMEngine
+from frontend.engine.gc_pauses import freeze_startup
 from frontend.model_source import ModelNotFound
 from ir.formats.errors import ModelFormatError
 
@@ -35,4 +36,5 @@ class EngineSpec:
         engine = LLMEngine(backend, self.config)
         log.info("%s model on %s (%s); %s", model.arch.name, backend.name, backend.describe(),
                  backend.memory().line())
+        freeze_startup()  # the loaded model's objects out of the collector's walks: no full-collection pauses in steps
         return engine
