@@ -115,3 +115,25 @@ def make_batch(
     want = np.arange(total) if all_logits else starts[1:] - 1
     return Batch(i32(ids), i32(pos), slots, tables, i32(n_cached + lens), i32(starts), i32(want),
                  group_slots=tuple(s for s, _ in groups), group_tables=tuple(t for _, t in groups))
+
+
+def pad_decode(batch: Batch, rows: int) -> Batch:
+    """A decode batch of `rows` sequences: `batch` (one token a sequence) and padding sequences after it, each a
+    token 0 at position 0 with a negative slot (nothing written) and an empty context (nothing read), as a CUDA
+    graph's padding rows are. Its logits_indices are batch's: no padding row's logits are asked for."""
+    n = batch.num_tokens
+    if rows <= n:
+        return batch
+    pad = rows - n
+
+    def more(a: np.ndarray, fill: int) -> np.ndarray:
+        return np.concatenate([a, np.full(pad, fill, a.dtype)])
+
+    def wider(t: np.ndarray) -> np.ndarray:
+        return np.concatenate([t, np.full((pad, t.shape[1]), -1, t.dtype)])
+
+    return Batch(more(batch.token_ids, 0), more(batch.positions, 0), more(batch.slot_mapping, -1),
+                 wider(batch.block_tables), more(batch.context_lens, 0),
+                 np.concatenate([batch.query_start, batch.query_start[-1] + np.arange(1, pad + 1, dtype=np.int32)]),
+                 batch.logits_indices, None if batch.prev_rows is None else more(batch.prev_rows, -1),
+                 tuple(more(s, -1) for s in batch.group_slots), tuple(wider(t) for t in batch.group_tables))

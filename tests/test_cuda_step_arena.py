@@ -132,3 +132,36 @@ def test_past_its_bytes_values_are_allocated(launches):  # noqa: F811
     # arguments, y): views (x, its views), cuBLAS decisions (None, w) and a step's arrays (meta, arrays, signature)
     assert not any(isinstance(m, attention._Launches) or len(m) in (5, 6) for m in arena.memo.values())
     assert any(len(m) == 2 for m in arena.memo.values())
+
+
+def test_a_shrinking_batch_keeps_its_padded_rows_launches(launches, monkeypatch):  # noqa: F811
+    """An eager decode step's rows padded to a batch bucket (eager.padded_rows): 4, 3 and 3 sequences all run 4 rows,
+    so the arena keeps its buffers and launches (the 3-row steps plan no attention; unpadded the first of them plans
+    every layer's), and every real row's logits are
+    those of the same step unpadded (LLM_ENGINE_EAGER_PAD_ROWS=0) to float32 rounding; no padding row's logits are
+    returned."""
+    from backends.cuda import attention, eager
+    from backends.cuda.step_arena import StepArena
+
+    steps = ([40, 33, 21, 50], [41, 34, 51], [42, 35, 52])
+
+    def run(pad: bool) -> list[np.ndarray]:
+        monkeypatch.setattr(eager, "PAD_ROWS", pad)
+        backend = _backend()
+        eager.use_eager_fusions(backend.runner)
+        backend.runner.arena = StepArena(backend.runner.graph, check=True)
+        out = []
+        for contexts in steps:
+            out.append(backend.forward(_step(contexts)).numpy().copy())
+            if contexts is steps[0]:  # the steps after it: a sequence fewer
+                real = attention._attention
+                attended = []
+                monkeypatch.setattr(attention, "_attention", lambda *a: attended.append(1) or real(*a))
+        monkeypatch.setattr(attention, "_attention", real)
+        assert backend.runner.arena.rows == (4 if pad else 3)
+        assert len(attended) == (0 if pad else backend.model.config.num_layers)
+        return out
+
+    for got, want, contexts in zip(run(True), run(False), steps, strict=True):
+        assert got.shape == (len(contexts), 97)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -149,17 +149,16 @@ def warm_up_eager_decode(backend, max_context: int) -> None:
                                                        *moe_shape(backend))))
 
 
-def prefill_steps(max_tokens: int, block_size: int, experts: int = 0, top_k: int = 1,
-                  max_seqs: int = 16) -> list[tuple[int, int]]:
-    """(prompt tokens, table width) of one-sequence steps that, beside the decode warm-up's row counts (each up to
-    16 or max_seqs), build the kernels a prefill step chooses: a 2-token prompt with tables of each width class (the
-    prefill attention's tiles do not depend on the tokens, its table stride's class does); each count past max_seqs
-    up to 16 (a prompt's tokens are its linears' rows, and with fewer than 16 sequences no decode step has that many:
-    the GEMVs and the small GEMMs are built per row count); then, past 16 tokens, one count of each integer class in
-    each power-of-two bucket (the GEMMs' tiles go by M's next power of two; a MoE's slot counts too:
-    counts_by_class)."""
+def prefill_steps(max_tokens: int, block_size: int, experts: int = 0, top_k: int = 1) -> list[tuple[int, int]]:
+    """(prompt tokens, table width) of one-sequence steps that, beside the decode warm-up's row counts, build the
+    kernels a prefill step chooses: a 2-token prompt with tables of each width class (the prefill attention's tiles
+    do not depend on the tokens, its table stride's class does); each count from 3 up to 16 (a prompt's tokens are
+    its linears' rows, the GEMVs and the small GEMMs are built per row count, and an eager decode step's rows are
+    padded to a batch bucket, eager.padded_rows: a mixed step of 14 tokens has no decode step of 14 rows before it);
+    then, past 16 tokens, one count of each integer class in each power-of-two bucket (the GEMMs' tiles go by M's
+    next power of two; a MoE's slot counts too: counts_by_class)."""
     return [(min(2, max_tokens), w) for w in table_widths(1, block_size)] + [
-        (n, -(-n // block_size)) for n in range(max_seqs + 1, min(16, max_tokens) + 1)] + [
+        (n, -(-n // block_size)) for n in range(3, min(16, max_tokens) + 1)] + [
         (n, -(-n // block_size)) for n in counts_by_class(16, max_tokens, experts, top_k)]
 
 
@@ -171,7 +170,7 @@ def warm_up_eager_prefill(backend, max_positions: int) -> None:
     run_warm_up(backend, f"eager prefill (up to {backend.max_step_tokens} tokens)", (
         one_sequence(np.zeros(n, np.int32), np.arange(n, dtype=np.int32) % max_positions, np.full(n, -1, np.int32),
                      np.zeros((1, width), np.int32), groups)
-        for n, width in prefill_steps(backend.max_step_tokens, size, *moe_shape(backend), backend.max_num_seqs)))
+        for n, width in prefill_steps(backend.max_step_tokens, size, *moe_shape(backend))))
     warm_up_eager_steps(backend, max_positions)
 
 
