@@ -150,12 +150,10 @@ def test_a_shrinking_batch_keeps_its_padded_rows_launches(launches, monkeypatch)
         backend = _backend()
         eager.use_eager_fusions(backend.runner)
         backend.runner.arena = StepArena(backend.runner.graph, check=True)
-        out = []
+        out, attended, real = [], [], attention._attention
         for contexts in steps:
             out.append(backend.forward(_step(contexts)).numpy().copy())
             if contexts is steps[0]:  # the steps after it: a sequence fewer
-                real = attention._attention
-                attended = []
                 monkeypatch.setattr(attention, "_attention", lambda *a: attended.append(1) or real(*a))
         monkeypatch.setattr(attention, "_attention", real)
         assert backend.runner.arena.rows == (4 if pad else 3)
