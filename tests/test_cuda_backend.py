@@ -113,7 +113,7 @@ def test_gguf_q8_0_stays_quantized(device, files):  # noqa: F811
 def test_gguf_batch_through_the_gemm(device, files, monkeypatch):  # noqa: F811
     """Ten sequences at once: prefill (29 rows) and every decode step (10 rows) take the dequantizing GEMM past
     GEMV_MAX_ROWS (counted through a pass-through wrapper), against the reference."""
-    from backends.cuda import gguf_linear
+    from backends.cuda import eager, gguf_linear
     from kernels_src import dequant_gemm
 
     path, _, _ = files("qwen3")
@@ -127,7 +127,9 @@ def test_gguf_batch_through_the_gemm(device, files, monkeypatch):  # noqa: F811
     tokens, first = backend_greedy(backend, ref, prompts, 3, 8)
     assert float(np.abs(first - ref_first).max()) <= 1e-4 * float(np.abs(ref_first).max())
     assert tokens == ref_tokens
-    assert set(calls) == {10, 29} and gguf_linear.GEMV_MAX_ROWS < 10 <= gguf_linear.GEMM_MAX_ROWS
+    # (a GPU's eager decode steps run their rows padded to a batch bucket, 16 here: backends/cuda/eager.padded_rows)
+    rows = 16 if backend.runner.arena is not None and eager.PAD_ROWS else 10
+    assert set(calls) == {rows, 29} and gguf_linear.GEMV_MAX_ROWS < 10 <= gguf_linear.GEMM_MAX_ROWS
 
 
 @pytest.mark.parametrize("case", ["llama3_rope", "qwen3"])
