@@ -333,10 +333,11 @@ eager_gemm() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" eager_gemm "* ]] && step eager_gemm gpu 480 eager_gemm
-# Issue 13's eager batch 16 after a 4,000-token prompt (by name: GPU_CHECK_STEPS=eager4k, ~250 s): on an H100 its
-# step took 20 ms where its kernels took 8.9 (graphs: 11.6 ms, 9.3 in kernels; session 18), and bench_eager_host on
-# CPU finds the host's work in backend.forward the same at 128 and 4,000 tokens. Each step by kernel and by the host's
-# CUDA runtime calls (a wait on the stream shows as milliseconds), and the timed steps' spread, eager then graphs.
+# Issue 13's eager batch 16 after a 4,000-token prompt (by name: GPU_CHECK_STEPS=eager4k, ~170 s): on an H100
+# (session 18) its rate was 0.5x graphs' with kernels as fast, its median step at graphs' speed: the steps of a batch
+# shrinking a sequence at a time planned every launch again, until eager.padded_rows (1.03x graphs since). Each step by
+# kernel and by the host's CUDA runtime calls (a wait on the stream shows as milliseconds), and the timed steps' spread
+# where it is wide, eager then graphs.
 eager4k() {
     local rc=0
     echo "== eager"
