@@ -12,7 +12,8 @@ def test_freeze_startup_takes_the_live_objects_out_of_full_collections():
 
     held = [{"i": i, "l": [i]} for i in range(50_000)]  # a loaded engine's long-lived objects, roughly
     try:
-        assert freeze_startup() == gc.get_freeze_count() >= 2 * len(held)
+        assert freeze_startup() >= 2 * len(held)  # (a frozen object freed by its count leaves the permanent one)
+        assert gc.get_freeze_count() >= 2 * len(held)
         walked = {id(o) for o in gc.get_objects()}
         assert not walked & {id(h) for h in held[::97]}
         later = [[1]]
