@@ -335,7 +335,7 @@ class CUDABackend(Backend):
             if logits is not None:
                 return logits
         dev = self.device
-        if batch.is_decode and self.runner.arena is not None and eager.PAD_ROWS:
+        if batch.is_decode and eager.pads_rows(self.runner):
             batch = eager.padded_rows(batch, self.max_num_seqs)  # the step arena's launches kept as rows change
 
         def up(a: np.ndarray, dtype=torch.int32) -> torch.Tensor:

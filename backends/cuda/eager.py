@@ -61,6 +61,14 @@ def padded_rows(batch: Batch, max_seqs: int) -> Batch:
     time (requests finishing) made each step plan every launch again: on an H100 (session 18) such steps at a 4k
     context took 13-21 ms where the 16-row ones took 9.5. The padding rows cost little GPU time at these row counts
     (the weights' reads dominate; their attention reads nothing)."""
-    n = batch.num_tokens
-    rows = min(next((b for b in BATCH_BUCKETS if b >= n), n), max(n, max_seqs))
-    return pad_decode(batch, rows)
+    return pad_decode(batch, step_rows(batch.num_tokens, max_seqs))
+
+
+def pads_rows(runner) -> bool:
+    """Whether `runner`'s eager decode steps run padded rows (padded_rows): with its step arena, unless switched off."""
+    return runner.arena is not None and PAD_ROWS
+
+
+def step_rows(n: int, max_seqs: int) -> int:
+    """The rows a padded eager decode step of n sequences runs: n's batch bucket, at most max_seqs (or n)."""
+    return min(next((b for b in BATCH_BUCKETS if b >= n), n), max(n, max_seqs))
