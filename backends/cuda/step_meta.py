@@ -37,8 +37,9 @@ class StepMeta:
 
 # An eager step's block tables are padded (with block 0, never read: the kernels stop at each context's length) to a
 # multiple of this many blocks, so that their shape, which the step arena's kept attention launches are keyed on
-# (backends/cuda/attention.py), changes once every 1,024 tokens rather than at every block: on an H100 (session 18)
-# the eager batch-16 steps at a 4k context where the tables grew by a block took 23.7 ms against a median of 10.6.
+# (backends/cuda/attention.py), changes once every 1,024 tokens rather than whenever the longest sequence takes a
+# new block (tests/test_cuda_step_arena.py sees every layer's attention planned again without it), and every table's
+# stride is of one integer class (the warm-ups build one width).
 TABLE_BUCKET = 64
 
 
