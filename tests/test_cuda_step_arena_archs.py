@@ -3,7 +3,8 @@ architectures whose steps differ from the tiny llama of tests/test_cuda_step_are
 KV group, sliding windows, q/k norms, a rope of its own per layer type), phi3 with longrope (its rope rows are not
 the positions: the attention is not replayed) and qwen3_moe (a dense layer, then routed experts). Greedy decoding
 through the CUDA backend on CPU tensors (Triton's interpreter) with the arena (every kept buffer NaN before each
-step) gives the tokens and the logits of the same backend without it, bit for bit."""
+step; three sequences, so its decode steps run padded to a batch bucket of 4) gives the tokens and the logits of the
+same backend without it (three rows), bit for bit."""
 
 from __future__ import annotations
 
@@ -72,13 +73,14 @@ def test_kept_buffers_on_each_architecture(case, tmp_path):
     hf, prompt = BUILDERS[case](tmp_path)
     hf.save_pretrained(tmp_path / "hf")
     loaded = load_model(tmp_path / "hf", progress=False)
-    prompts = [prompt, prompt[:5]]
+    prompts = [prompt, prompt[:5], prompt[:7]]  # 3 rows: with the arena, decode steps padded to 4 (eager.padded_rows)
     want, want_logits, _ = _greedy(loaded, prompts, arena=False)
     got, got_logits, arena = _greedy(loaded, prompts, arena=True)
     assert got == want
     for g, w in zip(got_logits, want_logits, strict=True):
         np.testing.assert_array_equal(g, w)
     assert arena._buffers and arena.memo, "the decode steps kept nothing: the test would prove little"
+    assert arena.rows == 4  # the 3-row decode steps ran padded
     from backends.cuda.attention import _Launches
 
     replayed = any(isinstance(v, _Launches) for v in arena.memo.values())
