@@ -118,3 +118,11 @@ def test_gc_pauses_counts_collections_by_generation():
     assert pauses._note not in gc.callbacks
     gc.collect()
     assert pauses.counts == [1, 0, 1]
+
+
+def test_step_listing_names_each_change_of_sequences():
+    """decode_rate --step-times: a step's sequence count is written where it changes, each step's ms after it."""
+    from tools.bench_gpu_rates import step_listing
+
+    assert step_listing([16, 16, 16, 15, 14, 14], [0.0095, 0.0095, 0.0096, 0.0142, 0.021, 0.013]) == \
+        "16:9.5 9.5 9.6 15:14.2 14:21.0 13.0"

@@ -233,6 +233,7 @@ def main() -> None:
                     "decode_table.py)")
     ap.add_argument("--profile", default="1,64", help="batch sizes whose decode steps are profiled by kernel ('' for "
                     "none)")
+    ap.add_argument("--step-times", action="store_true", help="print every timed decode step's sequences and ms")
     ap.add_argument("--host-profile", default="", help="batch sizes whose decode steps' host time is profiled: the "
                     "wall per step and the CUDA runtime calls by host time (a sync shows as milliseconds)")
     ap.add_argument("--d", metavar="ID", help="the GPU, given as the server's --d (backends.base.create_backend, as "
@@ -286,7 +287,7 @@ def main() -> None:
         f"{time.perf_counter() - t0:.1f} s")
     res["decode"] = {}
     for b in batches:
-        res["decode"][b] = decode_rate(engine, b, args.prompt, args.gen, cfg.vocab_size)
+        res["decode"][b] = decode_rate(engine, b, args.prompt, args.gen, cfg.vocab_size, show_steps=args.step_times)
         say(f"  decode batch {b}: {res['decode'][b]:,.0f} tok/s")
     res["profile"] = {}
     for b in [int(x) for x in args.profile.split(",") if x]:

@@ -47,8 +47,10 @@ def gemm_rate() -> float:
     return 2 * n**3 / t / 1e12
 
 
-def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int = 0) -> float:
-    """Generated tokens per second once every sequence has its first token (prefill untimed)."""
+def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int = 0,
+                show_steps: bool = False) -> float:
+    """Generated tokens per second once every sequence has its first token (prefill untimed). show_steps: print every
+    timed step's sequences and milliseconds (step_listing)."""
     from core.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -61,13 +63,16 @@ def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int
     # Tokens of a step launched before the clock starts (overlapped steps: read back later) are not counted.
     before = engine.stats["generation_tokens"] + sum(s.pending for s in engine.scheduler.running)
     t = time.perf_counter()
-    steps = []
+    steps, rows = [], []
     with GcPauses() as gc_pauses:
         while engine.has_unfinished():
+            rows.append(len(engine.scheduler.running))
             t_step = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - t_step)
         torch.cuda.synchronize()
+    if show_steps:
+        print(f"  decode batch {batch}, every timed step (sequences:ms): {step_listing(rows, steps)}", flush=True)
     tokens, seconds = engine.stats["generation_tokens"] - before, time.perf_counter() - t
     if gc_pauses.seconds > 0.01 * seconds:
         print(f"  decode batch {batch}: garbage collections took {gc_pauses}", flush=True)
@@ -78,6 +83,16 @@ def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int
     elif (spread := step_spread(steps)) is not None:
         print(f"  decode batch {batch}: steps {spread}", flush=True)
     return tokens / seconds
+
+
+def step_listing(rows: list[int], seconds: list[float]) -> str:
+    """Steps as "sequences:ms", runs of equal sequence counts shown once ("16:9.5 9.5 9.6 15:14.2"): where a rate's
+    slow steps lie (session 18 found an eager batch's slow steps were those where it shrank)."""
+    out, last = [], None
+    for n, s in zip(rows, seconds, strict=True):
+        out.append(f"{n}:{s * 1e3:.1f}" if n != last else f"{s * 1e3:.1f}")
+        last = n
+    return " ".join(out)
 
 
 class GcPauses:

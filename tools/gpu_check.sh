@@ -341,7 +341,7 @@ eager_gemm() {
 eager4k() {
     local rc=0
     echo "== eager"
-    timeout 200 "$PY" -m tools.bench_gpu --batches 16 --prompt 4000 --gen 64 --prefill 256 --no-quant --no-peer \
+    timeout 200 "$PY" -m tools.bench_gpu --batches 16 --prompt 4000 --gen 64 --prefill 256 --no-quant --no-peer --step-times \
         --profile 16 --host-profile 16 --ablate '' --no-graphs --json "$OUT"/eager4k.json || rc=1
     echo "== graphs"
     timeout 120 "$PY" -m tools.bench_gpu --batches 16 --prompt 4000 --gen 64 --prefill 256 --no-quant --no-peer \
