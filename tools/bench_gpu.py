@@ -323,9 +323,12 @@ def main() -> None:
 
     res["quant"] = {}
     for kind in [] if args.no_quant or world > 1 else [q for q in args.quant.split(",") if q]:
+        qbatches = [b for b in batches if kind != "q4km" or str(b) in args.q4km_batches.split(",")]
+        if not qbatches:
+            say(f"  {kind}: none of --batches {args.batches} is in --q4km-batches {args.q4km_batches}: skipped")
+            continue
         qparams = quant_params(kind, model.graph, args.layers)
         nbytes = weight_bytes(qparams)
-        qbatches = [b for b in batches if kind != "q4km" or str(b) in args.q4km_batches.split(",")]
         engine = engine_for(model, qparams, max(qbatches), max(args.prompt + args.gen, args.prefill),
                             not args.no_graphs, options=options)
         del qparams
