@@ -293,11 +293,11 @@ def test_one_row_steps_take_the_dense_gemv(saved, monkeypatch):  # noqa: F811
     here, with their prologues: backends/cuda/eager.py) and a two-row step's through cuBLAS (fp16 weights: the GEMV's
     dtypes); the same tokens as with cuBLAS throughout, and first logits within fp16's reach of the fp32
     reference's."""
-    from backends.cuda import runner as runner_mod
+    from backends.cuda import linears
 
     model = load_model(saved("qwen2")[1], progress=False)
     b = make_backend(model, "cuda", dtype="f16", cuda_graph=False)
-    calls = counting_steps(monkeypatch, b, runner_mod, "dense_gemv", lambda a: a[0].shape[0])
+    calls = counting_steps(monkeypatch, b, linears, "dense_gemv", lambda a: a[0].shape[0])
     assert b.runner.dense_gemv and b.runner.gemv_prologues and b.runner.fused_reduce and b.runner.gemv_max_rows == 1
     ref = ReferenceRunner(model, max_tokens=64, block_size=4)
     for prompts in ([prompt(1, 5)], [prompt(1, 5), prompt(2, 7)]):

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 def gemm_calls(monkeypatch):
     """fp32 weights admitted, every runner on the DSL interpreter, TUNED emptied; the (rows, N, K) of each
     dense_matmul call the runner makes."""
-    from backends.cuda import gemv_fusion, runner
+    from backends.cuda import gemv_fusion, linears, runner
     from kernels_src import dense_gemm as dgm
 
     monkeypatch.setattr(gemv_fusion, "DTYPES", (*gemv_fusion.DTYPES, torch.float32))
@@ -39,7 +39,7 @@ def gemm_calls(monkeypatch):
         return real(x, w, **kw)
 
     monkeypatch.setattr(runner.Runner, "__init__", on_numpy)
-    monkeypatch.setattr(runner, "dense_matmul", spy)
+    monkeypatch.setattr(linears, "dense_matmul", spy)
     return calls
 
 

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 @pytest.fixture
 def gemv_calls(monkeypatch):
     """fp32 weights admitted; every dense_gemv call recorded as (prologue kind, residual epilogue)."""
-    from backends.cuda import gemv_fusion, runner
+    from backends.cuda import gemv_fusion, linears
     from kernels_src import dense_gemv as dg
 
     monkeypatch.setattr(gemv_fusion, "DTYPES", (*gemv_fusion.DTYPES, torch.float32))
@@ -35,7 +35,7 @@ def gemv_calls(monkeypatch):
         return real(*a, prologue=prologue, residual=residual, **kw)
 
     monkeypatch.setattr(dg, "dense_gemv", spy)  # gemv_fusion's calls
-    monkeypatch.setattr(runner, "dense_gemv", spy)  # the runner's plain linears
+    monkeypatch.setattr(linears, "dense_gemv", spy)  # the runner's plain linears
     return calls
 
 

@@ -109,8 +109,7 @@ def test_eager_dense_gemm_replays(launches, monkeypatch):
     """From 9 rows, an eager step's linears that dense_gemm's table lists run it (as under graphs), launched again
     from the step before through dense_gemm.launched: F.linear's logits (fp32 rounding apart); a repeated step plans
     nothing, calls no dense_matmul, launches the same GEMMs and split-K reduces, and gives the same logits."""
-    from backends.cuda import eager
-    from backends.cuda import runner as runner_mod
+    from backends.cuda import eager, linears
     from kernels_src import dense_gemm as dgm
 
     backend = _backend(seqs=12)
@@ -120,10 +119,10 @@ def test_eager_dense_gemm_replays(launches, monkeypatch):
     monkeypatch.setattr(dgm, "TUNED", {(16, n, k): dict(block_n=16, block_k=32, split_k=2) for n, k in shapes})
     monkeypatch.setattr(dgm, "_PLANS", type(dgm._PLANS)())
     planned, matmuls, calls = [], [], []
-    real_plan, real_matmul, real_launched = dgm._plan, runner_mod.dense_matmul, runner_mod.dense_gemm_launched
+    real_plan, real_matmul, real_launched = dgm._plan, linears.dense_matmul, linears.dense_gemm_launched
     monkeypatch.setattr(dgm, "_plan", lambda *a: planned.append(a[1].shape) or real_plan(*a))
-    monkeypatch.setattr(runner_mod, "dense_matmul", lambda *a, **k: matmuls.append(1) or real_matmul(*a, **k))
-    monkeypatch.setattr(runner_mod, "dense_gemm_launched", lambda *a, **k: calls.append(1) or real_launched(*a, **k))
+    monkeypatch.setattr(linears, "dense_matmul", lambda *a, **k: matmuls.append(1) or real_matmul(*a, **k))
+    monkeypatch.setattr(linears, "dense_gemm_launched", lambda *a, **k: calls.append(1) or real_launched(*a, **k))
     step = _step([20 + 7 * i for i in range(12)])  # 12 rows: the table's 16-row bucket
     runner.dense_gemm = False  # F.linear (cuBLAS on a GPU)
     plain = backend.forward(step).numpy().copy()

@@ -31,7 +31,7 @@ def _problem(torch, n: int, k: int, bits: int, group: int, copies: int):
 
 
 def bench(torch, name: str, n: int, k: int, m: int, bits: int, group: int, ws: list) -> dict:
-    from backends.cuda.runner import DEQUANT_CHUNK_BYTES
+    from backends.cuda.linears import DEQUANT_CHUNK_BYTES
     from backends.cuda.torch_ops import dequantized_matmul
     from kernels_src.int_group_gemm import int_group_matmul, int_group_matmul_ref
     from kernels_src.int_group_gemv import MAX_ROWS, int_group_dequantize, int_group_gemv

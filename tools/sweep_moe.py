@@ -5,7 +5,7 @@ At Qwen3-30B-A3B's layer shape (128 experts of 768 x 2048, top 8; gate/up Q4_K a
 them), bf16 x, random routings: each pass (gated, down) at every (block_m, block_n, num_warps) the tile rules could
 pick, timed with do_bench_cudagraph over `layers` copies of the stacks so that no expert stays in L2; then the
 launcher's own choice end to end, against the per-expert loop it replaced (tokens grouped on the host, each
-expert's rows through dequant_gemv / mmq / dequant_matmul as Runner._quant_linear picks) and the dense bf16 fused
+expert's rows through dequant_gemv / mmq / dequant_matmul as linears.quant_linear picks) and the dense bf16 fused
 MoE; up to GEMV_TOKENS tokens, both paths of the launcher forced (grouped, and a GEMV a slot: kernels_src/moe_gemv.py),
 GGUF and dense, to place moe_gemv.GEMV_SLOTS (--variants blocked,i8: the GGUF GEMV on int8 x too, moe_gemv.I8;
 `--tokens 1,8,16 --no-sweep --variants blocked,i8` times it against fp x). GB/s counts the routed experts' blocks

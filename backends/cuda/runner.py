@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.cuda import attention, decode_scratch, distributed, gemv_fusion, node_steps, torch_ops, x_int8_fusion
+from backends.cuda import (
+    attention,
+    decode_scratch,
+    distributed,
+    gemv_fusion,
+    linears,
+    node_steps,
+    torch_ops,
+    x_int8_fusion,
+)
 from backends.cuda.decode_table import DecodeTable
 from backends.cuda.fp8_linear import dequantize as fp8_dequantize
-from backends.cuda.fp8_linear import fp8_linear
-from backends.cuda.gguf_linear import gguf_linear
-from backends.cuda.int_group_linear import int_group_linear
 from backends.cuda.runtime import kernel_target, torch
 from backends.cuda.step_arena import StepArena
 from backends.cuda.step_meta import StepMeta, decode_programs
@@ -21,7 +27,6 @@ from backends.cuda.weights import Param, QuantWeight
 from ir.graph import Graph, Node, Value
 from ir.kv_groups import kv_layout
 from ir.rope import RopeSpec, cos_sin, long_after
-from ir.weight_formats import weight_format
 from kernels_src import (
     activations,
     moe,
@@ -29,14 +34,7 @@ from kernels_src import (
     rms_norm,
     rope,
 )
-from kernels_src.dense_gemm import dense_matmul
-from kernels_src.dense_gemm import launched as dense_gemm_launched
-from kernels_src.dense_gemv import dense_gemv
-from kernels_src.dense_gemv import launched as dense_gemv_launched
 from kernels_src.gguf_mmq import MAX_ROWS as MMQ_MAX_ROWS
-
-F = torch.nn.functional
-DEQUANT_CHUNK_BYTES = 64 * 2**20  # scratch for one chunk of a dequantized weight
 
 
 class Runner:
@@ -268,62 +266,7 @@ class Runner:
     # -- single ops ---------------------------------------------------------------------------------
     def linear(self, x, w: Param, b=None, vid: int | None = None):
         """x @ w.T (+ b); `vid`: the result's value id, for the step's kept buffer (step_arena) where it has one."""
-        arena = self.step_arena
-        if arena is not None and vid is not None and b is None and (last := arena.memo.get(vid)) is not None \
-                and last[1] is w:
-            if last[0] is x:  # the arrays of its last launch (below): launch it again
-                last[2](*last[3])
-                return last[4]
-            if last[0] is None:  # cuBLAS, as this node's x of these rows went last step
-                return torch_ops.linear_into(x, w, self._kept_gemm(arena, vid, x, w))
-        if isinstance(w, QuantWeight):
-            y = self._quant_linear(x, w)
-        elif self.dense_gemv and gemv_fusion.gemv_rows(x, self.gemv_max_rows) and gemv_fusion.gemv_weight(w):
-            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's x: no views around the GEMV
-            if arena is None or vid is None or b is not None or x.dim() != 2 or x.stride(-1) != 1:
-                y = dense_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, target=self.target, pdl=self.pdl)
-            else:
-                y = self._kept_linear(dense_gemv_launched, arena, vid, x, w)
-            y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.shape[0])
-        elif self.dense_gemm and gemv_fusion.dense_gemm_takes(x, w):
-            if arena is None or vid is None or b is not None or x.dim() != 2 or x.stride(-1) != 1:
-                y = dense_matmul(x.reshape(-1, x.shape[-1]), w, target=self.target,
-                                 pdl=self.pdl).reshape(*x.shape[:-1], w.shape[0])
-            else:
-                y = self._kept_linear(dense_gemm_launched, arena, vid, x, w)
-        elif arena is not None and vid is not None and b is None:
-            y = torch_ops.linear_into(x, w, self._kept_gemm(arena, vid, x, w))
-            arena.memo[vid] = (None, w)  # the checks above need not run again for these rows
-        else:
-            y = F.linear(x, w)
-        return y if b is None else y + b
-
-    def _kept_linear(self, launched, arena, vid: int, x, w):
-        """An eager decode step's x @ w.T by `launched` (dense_gemv's or dense_gemm's) into its kept buffer, the launch
-        kept in the arena's memo for the same arrays next step (linear's first lines launch it again)."""
-        out = arena.take(vid, (x.shape[0], w.shape[0]), x)
-        y, again = launched(x, w, out=out, target=self.target, pdl=self.pdl)
-        if again is not None and arena.holds(vid, out):
-            arena.memo[vid] = (x, w, *again, y)
-        return y
-
-    @staticmethod
-    def _kept_gemm(arena, vid: int, x, w):
-        """The kept buffer an eager step's cuBLAS GEMM writes (x 2-D of w's dtype), else None (it allocates)."""
-        if x.dim() != 2 or x.dtype != w.dtype:
-            return None
-        return arena.take(vid, (x.shape[0], w.shape[0]), x)
-
-    def _quant_linear(self, x, w: QuantWeight):
-        family = weight_format(w.qtype).family
-        if family == "intgroup":
-            return int_group_linear(x, w.data, w.qtype, w.shape, w.perm, self.target, DEQUANT_CHUNK_BYTES,
-                                    pdl=self.pdl, x_i8=x_int8_fusion.prequantized(self, x))
-        if family == "fp8":
-            return fp8_linear(x, w.data, w.scales, DEQUANT_CHUNK_BYTES, self.target, pdl=self.pdl, blocks=w.blocks)
-        return gguf_linear(x, w, self.target, pdl=self.pdl, mmq_variant=self.mmq_variant,
-                           mmq_max_rows=self.mmq_max_rows, chunk_bytes=DEQUANT_CHUNK_BYTES, row_ids=self._row_ids,
-                           xq_d=x_int8_fusion.prequantized(self, x))
+        return linears.linear(self, x, w, b, vid)
 
     def _moe_experts(self, x, weights, ids, w_gate, w_up, w_down, *, act: str):
         """The DSL's fused MoE (kernels_src/moe.py): a GEMV a slot at small batches, else grouped by expert on the
