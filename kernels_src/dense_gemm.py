@@ -11,7 +11,7 @@ A decode step's linears at 16-64 rows are still memory bound: W is streamed once
 - Rows of x past M and of W past N are clamped (read again, not stored), so only a ragged K tail is masked (EVEN_K
   off when BLOCK_K does not divide K).
 - Split-K (the grid of N / BLOCK_N tiles is 64 programs at N = 4096): SPLIT programs share a tile's K range and
-  write fp32 partials that dequant_gemm_reduce_kernel adds (dequant_gemm.launch_split_k, shared with the quantized
+  write fp32 partials that dequant_gemm_reduce_kernel adds (split_k.launch_split_k, shared with the quantized
   GEMMs). The DSL has no atomics, and they would not save the second pass: an fp32 atomic sum still needs y zeroed
   first and a cast to bf16 after, and bf16 atomics round every partial. The partials (<= 16 MiB) stay in L2 and the
   reduce is a PDL launch, so it starts while the GEMM's last programs run.
@@ -27,16 +27,16 @@ import os
 
 import numpy as np
 
-from kernels_src.dequant_gemm import (
+from kernels_src.dsl import Plans, compile, elem_stride, empty, signature, tl, use_pdl
+from kernels_src.split_k import (
     MIN_SPLIT_STEPS,
-    _sm_count,
     gemm_out,
     launch_split_k,
+    sm_count,
     split_k_for,
     split_k_plan,
     split_k_tile,
 )
-from kernels_src.dsl import Plans, compile, elem_stride, empty, signature, tl, use_pdl
 
 MIN_ROWS = 9  # fewer rows: dense_gemv or cuBLAS (the MMA's 16-row tile would be mostly padding)
 MAX_BLOCK_M = 64
@@ -143,7 +143,7 @@ def _check(x2, w) -> None:
 def _build(x2, n: int, target: str, pdl: bool, over: dict) -> tuple:
     """(the GEMM kernel, its tiles, SPLIT) for x2 [M, K] @ W[n, K].T: default_tiles, `over`'s keywords over them."""
     m, k = x2.shape
-    cfg = default_tiles(m, n, k, _sm_count(x2))
+    cfg = default_tiles(m, n, k, sm_count(x2))
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT")
     if not all(_pow2_at_least_16(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) or split < 1:

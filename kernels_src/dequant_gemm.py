@@ -14,9 +14,10 @@ re-reads the whole matrix. Here W is read once per BLOCK_M rows of x and never w
   is its N. Without SWAP it is x @ W.T (mma.sync's 16-row tiles on Hopper).
 - KB divides the row's block count (no tail step); rows of x past M and of W past N are clamped (read again, not
   stored), so no load is masked.
-- Split-K: when the grid (M tiles x N tiles) would not fill the GPU (N = 4096 with K = 14336: 64 programs), SPLIT
-  programs share a tile's K range, write fp32 partials [SPLIT, M, N] and dequant_gemm_reduce_kernel adds them.
-  The grid and the scratch depend on (M, N, K) only, so the launch is safe inside CUDA graphs.
+- Split-K (kernels_src/split_k.py): when the grid (M tiles x N tiles) would not fill the GPU (N = 4096 with
+  K = 14336: 64 programs), SPLIT programs share a tile's K range, write fp32 partials [SPLIT, M, N] and
+  dequant_gemm_reduce_kernel adds them. The grid and the scratch depend on (M, N, K) only, so the launch is safe
+  inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -29,8 +30,17 @@ from ir.formats.gguf_quants import QTYPES as GGUF
 from ir.formats.gguf_quants import dequantize, row_bytes
 from kernels_src import dequantize as dq
 from kernels_src import gemm_tuned
-from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
+from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.dsl.ir import TileType
+from kernels_src.split_k import (
+    MIN_SPLIT_STEPS,
+    SMS,
+    gemm_out,
+    launch_split_k,
+    sm_count,
+    split_k_for,
+    split_k_tile,
+)
 
 __all__ = ["MAX_ROWS", "VARIANTS", "default_tiles", "dequant_matmul", "dequant_matmul_ref"]
 
@@ -52,23 +62,6 @@ def word_tile(w, x, m_rows, n_rows, w_stride, x_stride, BLOCK_M: int, BLOCK_N: i
         tl.wait_prior_grid()
         tl.launch_dependents()
     return m, n, wrow, xrow
-
-
-def split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP: bool):
-    """A GEMM program's K loop (`acc = step(it, acc)` over its split's steps) and the store of its tile of y (or of
-    its split's fp32 partial): acc is [len(n), len(m)] under SWAP (W @ x.T), else [len(m), len(n)]."""
-    shape = (n.shape[0], m.shape[0]) if SWAP else (m.shape[0], n.shape[0])
-    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros(shape, tl.float32))
-    store_tile(acc, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
-
-
-def store_tile(acc, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP: bool):
-    """A GEMM program's store of its tile of y (or of its split's fp32 partial), acc [len(n), len(m)] under SWAP."""
-    dst = y + tl.program_id(2).to(tl.int64) * split_stride
-    if SWAP:
-        tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
-    else:
-        tl.store(dst + m[:, None] * y_stride + n[None, :], acc, mask=(m[:, None] < m_rows) & (n[None, :] < n_rows))
 
 
 def dequant_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, split_stride, n_steps,
@@ -108,29 +101,9 @@ def dequant_gemm_kernel(w, x, y, m_rows, n_rows, w_stride, x_stride, y_stride, s
     split_k_tile(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, SWAP)
 
 
-def dequant_gemm_reduce_kernel(part, y, n_rows, y_stride, split_stride, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                               PDL: tl.constexpr = False):
-    """y[m, n] = sum over s of part[s, m, n] (part [SPLIT, M, N] contiguous); program (i, m)."""
-    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = tl.program_id(1)
-    if PDL:
-        tl.wait_prior_grid()
-        tl.launch_dependents()
-    src = part + m * n_rows + n
-    acc = tl.load(src, mask=n < n_rows, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc = acc + tl.load(src + s * split_stride, mask=n < n_rows, other=0.0)
-    tl.store(y + m * y_stride + n, acc, mask=n < n_rows)
-
-
 # --- host side -------------------------------------------------------------------------------------------------
 
-SMS = 132  # H200 (and H100 SXM) SMs: the grid the split-K choice aims to fill when the device does not say
-WAVE_PROGRAMS = 2  # programs an SM should get before K is split (2-3 fit an SM at the default tiles)
-MIN_SPLIT_STEPS = 4  # steps a split keeps at least (each ends in a partial's store and a read in the reduce)
-PART_BYTES = 16 * 2**20  # fp32 partials at most: they stay in L2 between the GEMM and the reduce
 STEP_ELEMS = 128  # elements of a row a step covers (KB blocks of 32-element formats; 256 takes 235+ registers)
-REDUCE_BLOCK = 1024
 # (qtype, row bucket 16 / 32 / 64, n, k) -> launcher keywords measured best on an H200 (tools/sweep_gemm.py prints
 # this literal); a problem not listed takes default_tiles' rule.
 # Q4_K at 16 and 64 rows on Llama-3-8B's fused shapes: `sweep_gemm --variants words,stream --qtypes Q4_K --quick`,
@@ -210,20 +183,6 @@ WORD_VARIANTS = ("words", "sub64", "stream")  # rows read as 32-bit words: they 
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", blocks="KB", split_k="SPLIT", swap="SWAP", num_warps="num_warps",
              num_stages="num_stages", chunks="CHUNKS")
 STREAM_CHUNKS = 2  # stream's step when no table names one: half a super-block (fewer registers than a whole one)
-_sms: dict = {}
-
-
-def _sm_count(like) -> int:
-    dev = getattr(like, "device", None)
-    if dev is None or getattr(dev, "type", "cpu") != "cuda":
-        return SMS
-    if dev not in _sms:
-        import torch
-
-        _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return _sms[dev]
-
-
 def _pow2_divisor(n: int, cap: int) -> int:
     """The largest power of two <= cap dividing n."""
     d = 1
@@ -235,48 +194,6 @@ def _pow2_divisor(n: int, cap: int) -> int:
 def row_block(m: int) -> int:
     """BLOCK_M for M rows: 16 / 32 / 64 (the MMA's smallest M is 16)."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
-
-
-def split_k_for(m: int, n: int, block_m: int, block_n: int, steps: int, sms: int, min_steps: int) -> int:
-    """SPLIT for a K of `steps` steps: a power of two, grown until the grid gives every SM WAVE_PROGRAMS programs,
-    while each split keeps min_steps steps and the fp32 partials fit PART_BYTES."""
-    programs, split = tl.cdiv(m, block_m) * tl.cdiv(n, block_n), 1
-    while (programs * split < WAVE_PROGRAMS * sms and steps // (2 * split) >= min_steps
-           and 8 * split * m * n <= PART_BYTES):
-        split *= 2
-    return split
-
-
-def split_k_plan(args: tuple, out, n_steps: int, split: int, block_m: int, block_n: int, target: str,
-                 pdl: bool) -> tuple:
-    """launch_split_k's launches for out [M, N]: (the GEMM's grid, its arguments after y; the reduce kernel, its grid
-    and its arguments after (partials, out), or None, None, None; the split, 1 where y is out itself)."""
-    m, n = out.shape
-    per_split = tl.cdiv(n_steps, split)
-    split = tl.cdiv(n_steps, per_split)  # no split left without steps
-    grid = (tl.cdiv(m, block_m), tl.cdiv(n, block_n), split)
-    if split == 1:
-        return grid, (*args, elem_stride(out, 0), 0, n_steps, per_split), None, None, None, 1
-    block = min(REDUCE_BLOCK, tl.next_power_of_2(n))
-    red = compile(dequant_gemm_reduce_kernel, target, num_warps=4, launch_pdl=pdl, SPLIT=split, BLOCK=block, PDL=pdl)
-    return (grid, (*args, n, m * n, n_steps, per_split), red, (tl.cdiv(n, block), m), (n, elem_stride(out, 0), m * n),
-            split)
-
-
-def launch_split_k(kern, inputs: tuple, args: tuple, out, n_steps: int, split: int, block_m: int, block_n: int,
-                   target: str, pdl: bool):
-    """Runs a split-K GEMM kernel (signature: *inputs, y, *args, y_stride, split_stride, n_steps, steps_per_split)
-    over (M / block_m, N / block_n, split) programs: straight into out for one split, else into fp32 partials
-    [split, M, N] summed by dequant_gemm_reduce_kernel."""
-    grid, ints, red, red_grid, red_ints, split = split_k_plan(args, out, n_steps, split, block_m, block_n, target,
-                                                              pdl)
-    if red is None:
-        kern[grid](*inputs, out, *ints)
-        return out
-    part = empty(out, (split, *out.shape), "float32")
-    kern[grid](*inputs, part, *ints)
-    red[red_grid](part, out, *red_ints)
-    return out
 
 
 def default_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS) -> dict:
@@ -308,15 +225,6 @@ def tuned(qtype: str, m: int, n: int, k: int) -> dict:
 def _env_tuned() -> dict:
     return gemm_tuned.table(lambda r: None if gemm_tuned.INT_TYPE.fullmatch(r["type"].lower()) else
                             (r["type"].upper(), row_block(r["m"]), r["n"], r["k"]))
-
-
-def gemm_out(x2, out, n: int):
-    """out [M, N] (made in x2's dtype when None), checked to be that shape with contiguous rows."""
-    m = x2.shape[0]
-    out = empty(x2, (m, n)) if out is None else out
-    if tuple(out.shape) != (m, n) or (m and n and elem_stride(out, 1) != 1):
-        raise ValueError(f"out {tuple(out.shape)} is not [{m}, {n}] with contiguous rows")
-    return out
 
 
 def _addr(a) -> int:
@@ -353,7 +261,7 @@ def dequant_matmul(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: b
     out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
-    cfg = default_tiles(qtype, m, n, k, _sm_count(x2))
+    cfg = default_tiles(qtype, m, n, k, sm_count(x2))
     over = dict(block_m=block_m, block_n=block_n, blocks=blocks, split_k=split_k, swap=swap, num_warps=num_warps,
                 num_stages=num_stages, chunks=chunks)
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})

@@ -11,9 +11,10 @@ A row's two (scale, min) pairs of the step come from three scale words by scalar
 
 from __future__ import annotations
 
-from kernels_src.dequant_gemm import split_k_tile, word_tile
+from kernels_src.dequant_gemm import word_tile
 from kernels_src.dsl import tl
 from kernels_src.gguf_gemv_common import _f16
+from kernels_src.split_k import split_k_tile
 
 BLOCK_WORDS = 36  # a Q4_K super-block: d, dmin (1 word), 12 scale bytes (3), 128 quant bytes (32)
 STEP = 64  # inputs a step: a super-block's sub-blocks 2p, 2p + 1

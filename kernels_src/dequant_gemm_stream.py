@@ -20,8 +20,9 @@ Rows past N are clamped (read again, not stored); no load is masked.
 from __future__ import annotations
 
 from kernels_src import dequantize as dq
-from kernels_src.dequant_gemm import split_k_tile, word_tile
+from kernels_src.dequant_gemm import word_tile
 from kernels_src.dsl import tl
+from kernels_src.split_k import split_k_tile
 
 BLOCK_WORDS = 36  # a Q4_K super-block: d, dmin (1 word), 12 scale bytes (3), 128 quant bytes (32)
 

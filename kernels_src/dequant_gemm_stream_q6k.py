@@ -16,8 +16,9 @@ from the words shifted down 16 bits, to stay under bit 23), OR-ed into 2**23's m
 from __future__ import annotations
 
 from kernels_src import dequantize as dq
-from kernels_src.dequant_gemm import split_k_tile, word_tile
+from kernels_src.dequant_gemm import word_tile
 from kernels_src.dsl import tl
+from kernels_src.split_k import split_k_tile
 
 QL, QH, SCALES, D = 0, 32, 48, 52  # a block's word offsets (d: the low half of word 52, in its own frame)
 

@@ -24,17 +24,10 @@ import numpy as np
 
 from ir.formats import fp8_blocks
 from kernels_src import e4m3
-from kernels_src.dequant_gemm import (
-    _pow2_divisor,
-    _sm_count,
-    gemm_out,
-    launch_split_k,
-    row_block,
-    split_k_for,
-    split_k_tile,
-)
+from kernels_src.dequant_gemm import _pow2_divisor, row_block
 from kernels_src.dsl import compile, elem_stride, empty, tl, use_pdl
 from kernels_src.fp8_gemv import weight_group
+from kernels_src.split_k import gemm_out, launch_split_k, sm_count, split_k_for, split_k_tile
 
 MIN_GROUP = 32  # the FP8 MMA's K: smaller groups (16) keep backends/cuda/fp8_linear.py's dequantized path
 STEP_ELEMS = 128  # inputs a step at most (one 128-input block of DeepSeek's a dot)
@@ -172,7 +165,7 @@ def fp8_matmul(x2, codes, scales, *, out=None, target: str = "numpy", pdl: bool 
     if m == 0 or n == 0:
         return out
     bk = step_of(group)
-    cfg = default_tiles(m, n, k, group, _sm_count(x2))
+    cfg = default_tiles(m, n, k, group, sm_count(x2))
     over = dict(block_m=block_m, block_n=block_n, split_k=split_k, swap=swap, num_warps=num_warps,
                 num_stages=num_stages)
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})

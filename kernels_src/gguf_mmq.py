@@ -30,18 +30,11 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats.gguf_quants import row_bytes
-from kernels_src.dequant_gemm import (
-    SMS,
-    _sm_count,
-    dequant_matmul_ref,
-    gemm_out,
-    launch_split_k,
-    row_block,
-    split_k_for,
-)
+from kernels_src.dequant_gemm import dequant_matmul_ref, row_block
 from kernels_src.dequant_gemv_i8 import quantize_x
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.gguf_gemv_common import _f16
+from kernels_src.split_k import SMS, gemm_out, launch_split_k, sm_count, split_k_for
 
 __all__ = ["MAX_ROWS", "MMQ_QTYPES", "MMQ_TUNED", "MMQ_VARIANT", "VARIANTS", "mmq", "mmq_ref", "mmq_tiles",
            "x_layout"]
@@ -297,7 +290,7 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
     align = 4 if qtype == "Q4_K" else 2
     if addr % align or (n > 1 and elem_stride(w, 0) % align):
         raise ValueError(f"{qtype} weight rows must start {align}-byte aligned (the block headers are read as words)")
-    cfg = mmq_tiles(qtype, m, n, k, _sm_count(x2), over.get("variant"))
+    cfg = mmq_tiles(qtype, m, n, k, sm_count(x2), over.get("variant"))
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     variant = cfg.pop("variant")
     kernels, pre_pass, sums_stride = _variant(variant)

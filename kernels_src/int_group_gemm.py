@@ -25,13 +25,14 @@ import functools
 import os
 
 from kernels_src import gemm_tuned
-from kernels_src.dequant_gemm import _pow2_divisor, _sm_count, gemm_out, launch_split_k, split_k_for, split_k_tile
+from kernels_src.dequant_gemm import _pow2_divisor
 from kernels_src.dsl import compile, elem_stride, tl, use_pdl
 from kernels_src.int_group_gemm_gather import int_group_gemm_gather_kernel
 from kernels_src.int_group_gemm_stream import accs_for, int_group_gemm_stream_kernel, permute_x, stream_bk, stream_fits
 from kernels_src.int_group_gemv import _check, _words_view
 from kernels_src.int_group_gemv import int_group_gemv_ref as int_group_matmul_ref
 from kernels_src.int_group_mmq import launch_mmq, mmq_fits, mmq_step
+from kernels_src.split_k import gemm_out, launch_split_k, sm_count, split_k_for, split_k_tile
 
 __all__ = ["MAX_ROWS", "VARIANTS", "default_tiles", "int_group_matmul", "int_group_matmul_ref"]
 
@@ -253,7 +254,7 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
     out = gemm_out(x2, out, n)
     if m == 0 or n == 0:
         return out
-    cfg = default_tiles(m, n, k, bits, group, _sm_count(x2), variant)
+    cfg = default_tiles(m, n, k, bits, group, sm_count(x2), variant)
     over = dict(block_m=block_m, block_n=block_n, sub=sub, groups=groups, split_k=split_k, swap=swap,
                 num_warps=num_warps, num_stages=num_stages, bk=bk, accs=accs, prefetch=prefetch)
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})

@@ -11,8 +11,9 @@ Scales and biases: one per row a step when BK divides GROUP, else one per (row, 
 
 from __future__ import annotations
 
-from kernels_src.dequant_gemm import split_k_tile, word_tile
+from kernels_src.dequant_gemm import word_tile
 from kernels_src.dsl import tl
+from kernels_src.split_k import split_k_tile
 
 
 def gather_q(words, k, BITS: int, GROUP: int):

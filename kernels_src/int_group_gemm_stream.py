@@ -16,8 +16,9 @@ reshape, so the sm_90 build streams them (cp.async, 3-4 stages) and decodes in r
 
 from __future__ import annotations
 
-from kernels_src.dequant_gemm import store_tile, word_tile
+from kernels_src.dequant_gemm import word_tile
 from kernels_src.dsl import tl
+from kernels_src.split_k import store_tile
 
 STREAM_BK = 128  # inputs a step: 16 words a row at 4 bits (the dot's least depth), 32 at 8
 MIN_DEPTH = 16  # a dot's least depth for 16-bit inputs: words a row a step

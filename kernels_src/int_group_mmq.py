@@ -32,9 +32,10 @@ from __future__ import annotations
 import numpy as np
 
 from ir.formats import int_groups
-from kernels_src.dequant_gemm import _pow2_divisor, store_tile
+from kernels_src.dequant_gemm import _pow2_divisor
 from kernels_src.dequant_gemv_i8 import _MAGIC
 from kernels_src.dsl import compile, elem_stride, empty, tl
+from kernels_src.split_k import store_tile
 
 __all__ = ["mmq_error_bound", "mmq_fits", "mmq_ref", "mmq_step", "prefetch_for", "quantize_x_mmq",
            "quantize_x_mmq_ref"]
@@ -178,8 +179,8 @@ def launch_mmq(x2, w, bits: int, group: int, out, cfg: dict, nw: int, ns: int | 
                pdl: bool, x_mmq: tuple | None = None):
     """The pre-pass (or x_mmq, its (xq, xs) made with x: kernels_src/x_int8_groups), then int_group_mmq_kernel at
     cfg's BLOCK_M / BLOCK_N (and PREFETCH: by default where a thread holds up to PREFETCH_OUTPUTS outputs) through
-    dequant_gemm.launch_split_k; w as int32 words, checked by the caller."""
-    from kernels_src.dequant_gemm import launch_split_k
+    split_k.launch_split_k; w as int32 words, checked by the caller."""
+    from kernels_src.split_k import launch_split_k
 
     m, k = x2.shape
     step = mmq_step(bits, group, k)

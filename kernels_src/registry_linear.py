@@ -28,6 +28,7 @@ from kernels_src import (
     int_group_gemv,
     int_group_gemv_i8,
     int_group_mmq,
+    split_k,
 )
 from kernels_src.registry import BF16, ITEMSIZE, KernelEntry, _ptrs, register
 
@@ -116,7 +117,7 @@ for _q in dequant_gemv.QTYPES:
         f"dequant_gemm_{_q.lower()}", dequant_gemm.dequant_gemm_kernel,
         dict(QTYPE=_q, WIDE=True, WORDS=False, PDL=True, **_tiles), _ptrs(BF16, "x", w="*u8", y="*fp32"),
         dict(m=16, n=14336, k=4096, qtype=_q, dtype=BF16), gemv_bytes, flops=lambda m, n, k, **_: 2 * m * n * k,
-        launcher=dequant_gemm.dequant_matmul, variants=(dequant_gemm.dequant_gemm_reduce_kernel,) + (
+        launcher=dequant_gemm.dequant_matmul, variants=(split_k.dequant_gemm_reduce_kernel,) + (
             (dequant_gemm_q4k.dequant_gemm_q4k_kernel, dequant_gemm_stream.dequant_gemm_stream_kernel)
             if _q == "Q4_K" else (dequant_gemm_stream_q6k.dequant_gemm_stream_q6k_kernel,) if _q == "Q6_K" else ()),
         notes="split-K (default_tiles) writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: "
@@ -181,7 +182,7 @@ register(KernelEntry(
     "int_group_gemm", int_group_gemm.int_group_gemm_kernel, dict(BITS=4, GROUP=128, PDL=True, **_tiles),
     _ptrs(BF16, "x", w="*i32", y="*fp32"), dict(m=16, n=14336, k=4096, bits=4, group=128, dtype=BF16),
     int_group_bytes, flops=lambda m, n, k, **_: 2 * m * n * k, launcher=int_group_gemm.int_group_matmul,
-    variants=(dequant_gemm.dequant_gemm_reduce_kernel, int_group_gemm_gather.int_group_gemm_gather_kernel,
+    variants=(split_k.dequant_gemm_reduce_kernel, int_group_gemm_gather.int_group_gemm_gather_kernel,
               int_group_gemm_stream.int_group_gemm_stream_kernel),
     notes="9-256 rows; split-K writes fp32 partials (y here) that dequant_gemm_reduce_kernel adds into y: the bench "
           "times both; variants gather and stream (x permuted first) by variant=; tools/bench_int_group_gemm times "

@@ -15,6 +15,7 @@ from test_kernels_gemv import _stack_bytes, k_for, padded_weights
 
 from kernels_src import dequant_gemm as dgm
 from kernels_src import dequantize as dq
+from kernels_src import split_k
 
 TOL = {np.float32: 1e-5, np.float16: 2e-3}  # of the largest output (fp16: W and y rounded to fp16)
 needs_aot = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
@@ -137,10 +138,10 @@ def test_default_tiles(monkeypatch):
                 t = dgm.default_tiles(qtype, m, n, k)
                 blocks = k // dgm.GGUF[qtype].block_size
                 assert t["BLOCK_M"] == bm and blocks % t["KB"] == 0
-                assert t["SPLIT"] == 1 or 8 * t["SPLIT"] * m * n <= dgm.PART_BYTES
-                assert blocks // t["KB"] // t["SPLIT"] >= dgm.MIN_SPLIT_STEPS or t["SPLIT"] == 1
+                assert t["SPLIT"] == 1 or 8 * t["SPLIT"] * m * n <= split_k.PART_BYTES
+                assert blocks // t["KB"] // t["SPLIT"] >= split_k.MIN_SPLIT_STEPS or t["SPLIT"] == 1
         down = dgm.default_tiles(qtype, 16, 4096, 14336)
-        assert down["SPLIT"] * 4096 // down["BLOCK_N"] >= 2 * dgm.SMS
+        assert down["SPLIT"] * 4096 // down["BLOCK_N"] >= 2 * split_k.SMS
 
 
 # --- Triton AOT for sm_90 ----------------------------------------------------------------------------------------
@@ -188,7 +189,7 @@ def test_aot_sm90_reduce(tmp_path, monkeypatch):
     from kernels_src.dsl.triton_target import aot_compile
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    kern = dsl_compile(dgm.dequant_gemm_reduce_kernel, "triton", SPLIT=8, BLOCK=dgm.REDUCE_BLOCK, PDL=True)
+    kern = dsl_compile(split_k.dequant_gemm_reduce_kernel, "triton", SPLIT=8, BLOCK=split_k.REDUCE_BLOCK, PDL=True)
     kir = kern.trace(signature=dict(part="*fp32", y="*bf16", n_rows="i32", y_stride="i32", split_stride="i32"))
     c = aot_compile(kir, arch=90, num_warps=4)
     assert "griddepcontrol.wait" in c.asm["ptx"] and _stack_bytes(c.asm["cubin"], tmp_path) == 0

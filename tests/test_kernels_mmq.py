@@ -18,6 +18,7 @@ from test_kernels_gemv import _stack_bytes, padded_weights
 from kernels_src import dequant_gemm as dgm
 from kernels_src import gguf_mmq as mq
 from kernels_src import gguf_mmq_sb as sb
+from kernels_src import split_k
 from kernels_src.dequant_gemv_i8 import int8_error_bound, quantize_x, quantize_x_ref
 from kernels_src.dsl import compile as dsl_compile
 from kernels_src.dsl import launch as dsl_launch
@@ -213,7 +214,7 @@ def test_mmq_errors(rng):
 def test_mmq_tiles_rule_and_tuned(monkeypatch):
     """The rule fills the GPU within the partials' budget; a MMQ_TUNED entry replaces it for its problem only."""
     t = mq.mmq_tiles("Q4_K", 16, 4096, 14336)
-    assert t["SPLIT"] > 1 and 8 * t["SPLIT"] * 16 * 4096 <= dgm.PART_BYTES
+    assert t["SPLIT"] > 1 and 8 * t["SPLIT"] * 16 * 4096 <= split_k.PART_BYTES
     assert mq.mmq_tiles("Q4_K", 64, 100, 512)["BLOCK_M"] == 64
     monkeypatch.setitem(mq.MMQ_TUNED, ("Q6_K", 16, 300, 512), dict(block_n=128, split_k=1, num_stages=2))
     t = mq.mmq_tiles("Q6_K", 12, 300, 512, variant="per32")  # an entry naming no variant is per32's
