@@ -143,27 +143,37 @@ def outlier_steps(seconds: list[float], factor: float = 20.0, floor: float = 0.0
     return (len(slow), sum(slow), med) if slow else None
 
 
-def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, top: int = 12) -> list[tuple]:
-    """The GPU time of `steps` decode steps at `batch` by kernel (CUDA graph replays included): where the time goes.
-    Returns [(kernel, share of GPU time, us per step)], largest first, plus ("(all kernels)", 1, us) first."""
+def _profiled_steps(engine, batch: int, prompt: int, vocab: int, steps: int, seed: int, activity: str) -> tuple:
+    """(the torch profiler's record, wall seconds) of `steps` decode steps of `batch` random prompts, recording
+    `activity` ("CUDA": the kernels, "CPU": the host's calls): every prefill done first (a long prompt takes several
+    steps) and one step more, so only decode steps are seen; the requests finished after."""
     from torch.profiler import ProfilerActivity, profile
 
     from core.sampling_params import SamplingParams
 
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
     while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
-        engine.step()  # every prefill done (a long prompt takes several steps): the profile sees decode steps only
+        engine.step()
     engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
+        t = time.perf_counter()
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t
     while engine.has_unfinished():
         engine.step()
+    return prof, wall
+
+
+def kernel_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, top: int = 12) -> list[tuple]:
+    """The GPU time of `steps` decode steps at `batch` by kernel (CUDA graph replays included): where the time goes.
+    Returns [(kernel, share of GPU time, us per step)], largest first, plus ("(all kernels)", 1, us) first."""
+    prof, _ = _profiled_steps(engine, batch, prompt, vocab, steps, 2, "CUDA")
     rows = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(t for _, t in rows) or 1
     rows.sort(key=lambda r: -r[1])
@@ -175,26 +185,7 @@ def host_profile(engine, batch: int, prompt: int, vocab: int, steps: int = 8, to
     driver calls by their own host time (a synchronize or a copy that waits on the stream shows as milliseconds
     here, a launch as microseconds). Returns [(name, calls per step, us per step)], ("(wall)", 1, us) first. The
     profiler's own cost is in the wall: compare it with an unprofiled step, not with the GPU's time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from core.sampling_params import SamplingParams
-
-    rng = np.random.default_rng(3)
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
-    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
-        engine.step()
-    engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    while engine.has_unfinished():
-        engine.step()
+    prof, wall = _profiled_steps(engine, batch, prompt, vocab, steps, 3, "CPU")
     rows = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages() if e.key.startswith("cu")]
     rows.sort(key=lambda r: -r[2])
     return [("(wall)", 1.0, wall * 1e6 / steps)] + [(k[:60], c / steps, us / steps) for k, c, us in rows[:top]]
