@@ -123,13 +123,18 @@ def test_gguf_batch_through_the_gemm(device, files, monkeypatch):  # noqa: F811
     ref_tokens, ref_first = ref.greedy(prompts, 3)
     # Eager steps: graphs would also run the GEMM at every batch bucket while they are captured.
     backend = make_backend(model, device, dtype="f32", cuda_graph=False)
-    calls = counting_steps(monkeypatch, backend, dequant_gemm, "dequant_matmul", lambda a: a[0].shape[0])
+    calls = counting_steps(monkeypatch, backend, dequant_gemm, "dequant_matmul",
+                           lambda a: (a[0].shape[0], a[1].shape[0]))  # (rows, N)
     tokens, first = backend_greedy(backend, ref, prompts, 3, 8)
     assert float(np.abs(first - ref_first).max()) <= 1e-4 * float(np.abs(ref_first).max())
     assert tokens == ref_tokens
-    # (a GPU's eager decode steps run their rows padded to a batch bucket, 16 here: backends/cuda/eager.padded_rows)
-    rows = 16 if backend.runner.arena is not None and eager.PAD_ROWS else 10
-    assert set(calls) == {rows, 29} and gguf_linear.GEMV_MAX_ROWS < 10 <= gguf_linear.GEMM_MAX_ROWS
+    # A GPU's eager decode steps run their rows padded to a batch bucket, 16 here (backends/cuda/eager.padded_rows),
+    # while the head's GEMM takes the 10 rows that want logits (padding rows ask for none).
+    padded = backend.runner.arena is not None and eager.PAD_ROWS
+    vocab = model.config.vocab_size
+    assert {m for m, n in calls if n != vocab} == {16 if padded else 10, 29}
+    assert {m for m, n in calls if n == vocab} == {10}  # the head: prefill's last rows and the decode rows
+    assert gguf_linear.GEMV_MAX_ROWS < 10 <= gguf_linear.GEMM_MAX_ROWS
 
 
 @pytest.mark.parametrize("case", ["llama3_rope", "qwen3"])
