@@ -126,3 +126,26 @@ def test_step_listing_names_each_change_of_sequences():
 
     assert step_listing([16, 16, 16, 15, 14, 14], [0.0095, 0.0095, 0.0096, 0.0142, 0.021, 0.013]) == \
         "16:9.5 9.5 9.6 15:14.2 14:21.0 13.0"
+
+
+def test_start_batch_says_when_sequences_finish_before_the_last_first_token(make_engine, capsys):
+    """bench_gpu_rates.start_batch on a real engine (SmolLM2 on MLX's CPU build): four 100-token prompts prefilled 64
+    tokens a step. With 2 new tokens the first sequences finish before the last has its first token, and it says the
+    timed steps would run fewer rows; with 60 every sequence is still decoding, nothing is said, and the aborted
+    requests free their blocks (the fixture checks)."""
+    from tools.bench_gpu_rates import start_batch
+
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64)
+    vocab = engine.backend.model.config.vocab_size
+    start_batch(engine, 4, 100, 2, vocab, seed=0)
+    running = len(engine.scheduler.running)
+    said = capsys.readouterr().out
+    assert running < 4 and f"the timed steps run {running} rows, not 4" in said
+    while engine.has_unfinished():
+        engine.step()
+    ids = start_batch(engine, 4, 100, 60, vocab, seed=1)
+    assert len(engine.scheduler.running) == 4 and capsys.readouterr().out == ""
+    assert all(s.output_token_ids for s in engine.scheduler.running)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    assert not engine.has_unfinished()

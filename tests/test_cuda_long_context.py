@@ -178,3 +178,35 @@ def test_long_prompts_decode_with_graphs_as_eager_steps(overlap, saved):  # noqa
         assert engine.all_blocks_free()
         runs.append(outs)
     assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0].values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_a_cache_allocated_again_lets_go_of_the_old_one(device, saved):  # noqa: F811
+    """allocate_kv after a decoded request holds no tensor of the old cache (the layers' lookup of them,
+    attention.layer's, used to keep it until the next step's attention): an ablation's engine at 16 x 32k tokens
+    otherwise needed room for two 64 GiB caches and ran out of the H200's memory (session 19). On a GPU the memory
+    torch holds after the second allocation is what it held after the first."""
+    import gc
+    import weakref
+
+    from backends.cuda.backend import CUDABackend
+    from core.sampling_params import SamplingParams
+    from frontend.engine.engine import EngineConfig, LLMEngine
+    from frontend.engine.scheduler import SchedulerConfig
+
+    model = load_model(saved("llama3_rope")[1], progress=False)
+    backend = CUDABackend(model, device=device, dtype="f32", progress=False, cuda_graph=False)
+    config = EngineConfig(num_kv_blocks=64, block_size=16, scheduler=SchedulerConfig(max_num_seqs=2))
+    engine = LLMEngine(backend, config)
+    engine.add_request(list(range(1, 40)), SamplingParams(temperature=0, max_tokens=3))
+    while engine.has_unfinished():
+        engine.step()
+    old = [weakref.ref(t) for layer in backend.kv for t in layer]
+    held = torch.cuda.memory_allocated() if device == "cuda" else 0
+    del engine
+    gc.collect()
+    backend.allocate_kv(64, 16)
+    gc.collect()
+    assert old and all(r() is None for r in old)
+    if device == "cuda":
+        assert torch.cuda.memory_allocated() <= held

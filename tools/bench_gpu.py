@@ -6,7 +6,7 @@ transformers peer (llama's shape) are measured in the same run; every figure is 
 
     python -m tools.bench_gpu [--shape llama3-8b|llama3-70b|gemma2-9b|phi3-mini|qwen3-30b-a3b] [--batches 1,16,64]
         [--layers N] [--no-peer] [--no-quant | --quant q4km,int4,fp8] [--ablate 1,64] [--ablations NAMES|none]
-        [--decode-table SPEC] [--d ID[,ID..]] [--json FILE]
+        [--decode-table SPEC] [--d ID[,ID..]] [--no-pdl] [--json FILE]
 
 --d ID builds the backend as `python -m frontend --d ID` does (one process, no tensor-parallel workers): the figures
 of the path the server takes on one GPU. --d 0,1 is tensor parallel over those GPUs, as the server's `--d 0,1`: a
@@ -72,10 +72,10 @@ def devices_of(options: dict) -> list[str]:
 
 
 def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, backend=None, overlap: bool = True,
-               options: dict | None = None, dtype: str = "bf16"):
+               options: dict | None = None, dtype: str = "bf16", pdl: bool = True):
     """An engine over a new backend for `params` (None: the backend's random weights of SEED, each rank making its
     slice), built as the server builds it with `options` (cli_options), or over `backend` (its graphs captured
-    again)."""
+    again). pdl=False: every kernel launched without programmatic dependent launch (before the graphs' capture)."""
     from backends.base import create_backend
     from frontend.engine.engine import EngineConfig, LLMEngine
     from frontend.engine.gc_pauses import freeze_startup
@@ -84,6 +84,8 @@ def engine_for(model, params, max_batch: int, ctx: int, graphs: bool = True, bac
     weights = {"params": params} if params is not None else {"random_weights": SEED}
     backend = backend or create_backend("cuda", model, dtype=dtype, cuda_graph=graphs, progress=False, **weights,
                                         **(options or {}))
+    if not pdl:
+        backend.runner.pdl = backend.runner.attention_pdl = False
     blocks = max_batch * (-(-ctx // 16) + 1) + 64
     config = EngineConfig(num_kv_blocks=blocks, prefix_caching=False, async_scheduling=overlap,
                           scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=4096,
@@ -223,6 +225,8 @@ def main() -> None:
     ap.add_argument("--q4km-batches", default="1", help="the --batches q4km decodes at (default %(default)s: its "
                     "batch-16 figure is bench_gguf's, on llama.cpp's own file; others for --profile's breakdown)")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (for comparison)")
+    ap.add_argument("--no-pdl", action="store_true", help="kernels without programmatic dependent launch: "
+                    "--profile's times then hold no kernel's wait for the one before it (with PDL they do)")
     ap.add_argument("--ablate", default="1,64", help="batch sizes measured again with each optimisation switched "
                     "off in turn ('' for none)")
     ap.add_argument("--ablations", default="", help="comma-separated names of the ablations to run ('': all, "
@@ -282,7 +286,7 @@ def main() -> None:
     res["rank_bytes"] = active_bytes(rank_graph, meta_params(rank_graph))
     res["bf16_bytes"] = world * res["rank_bytes"]
     engine = engine_for(model, None, max(batches), max(args.prompt + args.gen, args.prefill), not args.no_graphs,
-                        options=options)
+                        options=options, pdl=not args.no_pdl)
     say(f"ours: bf16 model {res['bf16_bytes'] / GB:.2f} GB ({res['rank_bytes'] / GB:.2f} GB a rank) ready in "
         f"{time.perf_counter() - t0:.1f} s")
     res["decode"] = {}
@@ -330,7 +334,7 @@ def main() -> None:
         qparams = quant_params(kind, model.graph, args.layers)
         nbytes = weight_bytes(qparams)
         engine = engine_for(model, qparams, max(qbatches), max(args.prompt + args.gen, args.prefill),
-                            not args.no_graphs, options=options)
+                            not args.no_graphs, options=options, pdl=not args.no_pdl)
         del qparams
         fig = res["quant"][kind] = {"bytes": nbytes, "decode": {}}
         for b in qbatches:

@@ -47,18 +47,33 @@ def gemm_rate() -> float:
     return 2 * n**3 / t / 1e12
 
 
+def start_batch(engine, batch: int, prompt: int, max_tokens: int, vocab: int, seed: int) -> list[str]:
+    """Add `batch` random prompts and step until every sequence has its first token (a long prompt takes several
+    prefill steps, and the sequences prefilled first decode meanwhile); returns the request ids. Says so when some
+    sequences finished in that time: the steps timed after it then run fewer rows than `batch` (16 prompts of 32k
+    tokens take ~125 prefill steps of 4,096 tokens, so max_tokens of 32 left 1-row steps to time, session 19)."""
+    from core.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(rng.integers(0, vocab, prompt).tolist(), params) for _ in range(batch)]
+    steps = 0
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()
+        steps += 1
+    running = len(engine.scheduler.running)
+    if running < batch:
+        print(f"  batch {batch}: {batch - running} of its sequences finished during the {steps} steps that gave every "
+              f"one its first token: the timed steps run {running} rows, not {batch} (ask for more than {steps} new "
+              f"tokens)", flush=True)
+    return ids
+
+
 def decode_rate(engine, batch: int, prompt: int, gen: int, vocab: int, seed: int = 0,
                 show_steps: bool = False) -> float:
     """Generated tokens per second once every sequence has its first token (prefill untimed). show_steps: print every
     timed step's sequences and milliseconds (step_listing)."""
-    from core.sampling_params import SamplingParams
-
-    rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
-    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
-        engine.step()
+    start_batch(engine, batch, prompt, gen, vocab, seed)
     torch.cuda.synchronize()
     # Tokens of a step launched before the clock starts (overlapped steps: read back later) are not counted.
     before = engine.stats["generation_tokens"] + sum(s.pending for s in engine.scheduler.running)
@@ -146,17 +161,12 @@ def outlier_steps(seconds: list[float], factor: float = 20.0, floor: float = 0.0
 def _profiled_steps(engine, batch: int, prompt: int, vocab: int, steps: int, seed: int, activity: str) -> tuple:
     """(the torch profiler's record, wall seconds) of `steps` decode steps of `batch` random prompts, recording
     `activity` ("CUDA": the kernels, "CPU": the host's calls): every prefill done first (a long prompt takes several
-    steps) and one step more, so only decode steps are seen; the requests finished after."""
+    steps) and one step more, so only decode steps are seen; the requests aborted after."""
     from torch.profiler import ProfilerActivity, profile
 
-    from core.sampling_params import SamplingParams
-
-    rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, vocab, prompt).tolist(), params)
-    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
-        engine.step()
+    # as many new tokens as the context allows, so that no sequence finishes while the others prefill; the requests
+    # are aborted after the profiled steps, not decoded to their end
+    ids = start_batch(engine, batch, prompt, max(1, engine.max_model_len - prompt), vocab, seed)
     engine.step()
     torch.cuda.synchronize()
     with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
@@ -165,7 +175,9 @@ def _profiled_steps(engine, batch: int, prompt: int, vocab: int, steps: int, see
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    while engine.has_unfinished():
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished():  # steps launched before the aborts (overlapped steps) are read back
         engine.step()
     return prof, wall
 

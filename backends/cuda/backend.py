@@ -248,12 +248,16 @@ class CUDABackend(Backend):
         self.forward(one_sequence(ids, positions, np.arange(tokens, dtype=np.int32),
                                   np.arange(blocks, dtype=np.int32)[None], self.kv_layout().num_groups))
         torch.cuda.synchronize(self.device)
-        self.kv = self.runner.kv = []
+        self.kv = []
+        self.runner.drop_cache()
 
     def allocate_kv(self, num_blocks: int | Sequence[int], block_size: int, _graphs: bool = True) -> None:
         if self.mirror is not None:  # the workers capture their graphs as this rank does, collectives in step
             self.mirror("allocate_kv", num_blocks, block_size, _graphs=_graphs)
-        self.kv, self.graphs, self.pieces, self.whole, self.runner.kv = [], None, None, None, []  # old cache first
+        # the old cache first, and everything that holds its tensors: a long context's cache allocated again (an
+        # ablation's engine) would otherwise need room for both (session 19: 2 x 64 GiB at 16 x 32k tokens)
+        self.kv, self.graphs, self.pieces, self.whole = [], None, None, None
+        self.runner.drop_cache()
         dt, layout = weights.DTYPES[self.dtype], self.kv_layout()
         pools = [num_blocks] * layout.num_groups if isinstance(num_blocks, int) else list(num_blocks)
         if len(pools) != layout.num_groups:

@@ -96,6 +96,12 @@ class Runner:
         self.arena: StepArena | None = None
         self.step_arena: StepArena | None = None
 
+    def drop_cache(self) -> None:
+        """Let go of the KV cache's tensors: the layers' lookup of them (attention.layer) too, which is otherwise
+        renewed only by the next step's first attention."""
+        self.kv = []
+        self.attention_layers = (None, None, {})
+
     def set_cache(self, kv: list[tuple[torch.Tensor, ...]], max_positions: int) -> None:
         """Caches per layer [num_blocks, block_size, Hkv, D] (k and v, or a latent's one); rope tables for positions
         below max_positions. A longrope table holds the short rows, then the long ones: a token of a long sequence
