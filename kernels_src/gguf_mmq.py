@@ -27,6 +27,8 @@ per256 (x per super-block, MMAs combined in int32): mmq(.., variant=), VARIANTS,
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ir.formats.gguf_quants import row_bytes
@@ -69,10 +71,13 @@ def _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_
     return m, n, wrow, mc, xq + mc[None, :] * xq_stride + tl.arange(0, 32)[:, None], tl.program_id(2) * steps_per_split
 
 
-def _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N):
+def _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N,
+            LOOP_STAGES: int = 0):
     """The K loop (acc = step(super-block, acc)) over this program's split, and the store of its tile of y (or of
-    its split's fp32 partial): acc is [BLOCK_N, BLOCK_M] (W @ x.T)."""
-    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
+    its split's fp32 partial): acc is [BLOCK_N, BLOCK_M] (W @ x.T). LOOP_STAGES (0: none): the loop software-pipelined
+    over that many stages (LOOP_STAGES_ENV)."""
+    acc = tl.fori_loop(lo, tl.minimum(lo + steps_per_split, n_steps), step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32),
+                       stages=LOOP_STAGES)
     dst = y + tl.program_id(2).to(tl.int64) * split_stride
     tl.store(dst + m[None, :] * y_stride + n[:, None], acc, mask=(m[None, :] < m_rows) & (n[:, None] < n_rows))
 
@@ -101,7 +106,8 @@ def _q4k_head(blk):
 
 
 def mmq_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride, n_steps,
-                   steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                   steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+                   LOOP_STAGES: tl.constexpr = 0):
     """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., super-blocks s * steps_per_split..; y is the
     output (split_stride 0) or fp32 partials [SPLIT, M, N]. xq int8 [M, K]; xd, xs fp32 [M, K / 32] (d and
     d * sum(q) of each 32-element block, strided alike)."""
@@ -127,11 +133,13 @@ def mmq_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_str
                     - (dmin * mn.to(tl.float32))[:, None] * sx[None, :]
         return acc
 
-    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N,
+            LOOP_STAGES)
 
 
 def mmq_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride, n_steps,
-                   steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                   steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+                   LOOP_STAGES: tl.constexpr = 0):
     """mmq_q4k_kernel for Q6_K (ql[128], qh[64], int8 scales[16], d; 210-byte super-blocks, so 2-byte aligned):
     in half h, chunk k's 32 elements 128h + 32k + l are nibble k // 2 of ql[64h + 32(k % 2) + l] with bits 2k, 2k + 1
     of qh[32h + l] on top, minus 32: signed int8 operands, no offset term. The chunk meets one int8 block of x, but
@@ -156,7 +164,8 @@ def mmq_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_str
                 acc = acc + part * ((d * s)[:, None] * dx[None, :])
         return acc
 
-    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N,
+            LOOP_STAGES)
 
 
 KERNELS = {"Q4_K": mmq_q4k_kernel, "Q6_K": mmq_q6k_kernel}
@@ -177,6 +186,14 @@ MIN_ROWS = {"Q4_K": 4, "Q6_K": 4}
 # it lost to dequant_gemm (4,554 against 4,878), so MAX_ROWS stays 32; again on 2026-12-05 with x's codes from the
 # norm and 64-row tiles (sweep_mmq --ms 64: 0.61-0.82x dequant_gemm; the step 4,606 against 7,224 tok/s).
 VARIANTS = ("per32", "per32p", "per256")
+# The K loop software-pipelined over this many stages (tl.range's num_stages; 0: the plain loop). Plain, W's loads
+# are issued and waited for within their step (sm_90: 40 LDG a super-block in the Q4_K per256 loop at 16 rows; Triton
+# pipelines only x's, which feed a dot directly), so each of a program's few steps (8 at 14336 x 4096, split 2) waits
+# a load's latency; pipelined, W comes by cp.async one or more steps ahead (no LDG left in the loop, 167 registers
+# against 174). Not yet timed (GPU_QUEUE): LLM_ENGINE_MMQ_LOOP_STAGES=2|3 sets it where MMQ_TUNED says nothing.
+# Q6_K gains nothing from it: its 210-byte super-blocks are 2-byte aligned, and cp.async moves 4 bytes or more.
+LOOP_STAGES_ENV = "LLM_ENGINE_MMQ_LOOP_STAGES"
+LOOP_STAGES = int(os.environ.get(LOOP_STAGES_ENV, "0") or 0)
 MMQ_VARIANT = "per256"
 MAX_ROWS = 32  # and up to here: at 64 rows dequant_gemm is 1.1-1.3x faster (Q4_K, H200)
 # (qtype, row bucket 16 / 32, n, k) -> launcher keywords measured best on an H200 (tools/sweep_mmq.py prints this
@@ -219,13 +236,14 @@ def mmq_tiles(qtype: str, m: int, n: int, k: int, sms: int = SMS, variant: str |
     if tuned.get("variant", "per32") != variant:  # an entry without one was measured for per32 (2026-12-01)
         tuned = {}
     warps = 8 if variant == "per256" and block_m >= 64 else 4
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=warps, num_stages=None, variant=variant)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, num_warps=warps, num_stages=None, variant=variant,
+               LOOP_STAGES=LOOP_STAGES)
     cfg.update({_KEYS[key]: v for key, v in tuned.items()})
     return cfg
 
 
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", split_k="SPLIT", num_warps="num_warps", num_stages="num_stages",
-             variant="variant")
+             variant="variant", loop_stages="LOOP_STAGES")
 
 
 def _per32_pre_pass(x2, qtype: str, block_m: int, target: str):
@@ -277,7 +295,7 @@ def mmq(x2, w, qtype: str, *, out=None, target: str = "numpy", pdl: bool | None 
     for per32 or gguf_mmq_sb.pre_pass (its layout depends on BLOCK_M) for per256, to share one pre-pass between
     GEMMs of one input); out (made
     when not given) in x2's dtype. `over` overrides mmq_tiles (block_m, block_n, split_k, num_warps, num_stages,
-    variant)."""
+    variant, loop_stages)."""
     qtype = qtype.upper()
     if qtype not in MMQ_QTYPES:
         raise ValueError(f"mmq: unsupported qtype {qtype!r} (supported: {', '.join(MMQ_QTYPES)})")

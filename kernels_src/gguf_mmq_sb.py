@@ -169,7 +169,7 @@ SUPER_BLOCKS = {"Q4_K": (q4k_super_block, 144), "Q6_K": (q6k_super_block, 210)}
 
 def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, xs_stride, y_stride,
                       split_stride, n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 0):
     """Program (i, j, s) as gguf_mmq.mmq_q4k_kernel, on pre_pass's output: xd one scale a super-block, xs the sums
     of each 32 elements' q (split in fp16 pairs from MMA_MINS_ROWS)."""
     m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
@@ -179,12 +179,13 @@ def mmq_sb_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
     def step(sb, acc):
         return acc + q4k_super_block(wrow + sb * 144, xrow, srow, drow, sb, BLOCK_M, BLOCK_N)
 
-    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N,
+            LOOP_STAGES)
 
 
 def mmq_sb_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, xs_stride, y_stride,
                       split_stride, n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 0):
     """mmq_sb_q4k_kernel for Q6_K: q6k_super_block a step (xs unused)."""
     m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
                                         BLOCK_N, PDL)
@@ -193,7 +194,8 @@ def mmq_sb_q6k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_
     def step(sb, acc):
         return acc + q6k_super_block(wrow + sb * 210, xrow, None, drow, sb, BLOCK_M, BLOCK_N)
 
-    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N,
+            LOOP_STAGES)
 
 
 KERNELS = {"Q4_K": mmq_sb_q4k_kernel, "Q6_K": mmq_sb_q6k_kernel}
@@ -201,7 +203,7 @@ KERNELS = {"Q4_K": mmq_sb_q4k_kernel, "Q6_K": mmq_sb_q6k_kernel}
 
 def mmq_p32_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd_stride, y_stride, split_stride,
                        n_steps, steps_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 0):
     """gguf_mmq.mmq_q4k_kernel's arithmetic (x per 32: quantize_x's d and d * sum(q), strided alike) with this
     file's decoding: high nibbles as 16 q - 128, scales and mins from packed words."""
     m, n, wrow, mc, xrow, lo = _program(m_rows, n_rows, w, xq, w_stride, xq_stride, steps_per_split, BLOCK_M,
@@ -225,4 +227,5 @@ def mmq_p32_q4k_kernel(w, xq, xd, xs, y, m_rows, n_rows, w_stride, xq_stride, xd
                 acc = acc + dot * scale + coef[:, None] * tl.load(srow + sb * 8 + j)[None, :]
         return acc
 
-    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N)
+    _finish(step, lo, steps_per_split, n_steps, y, m, n, m_rows, n_rows, y_stride, split_stride, BLOCK_M, BLOCK_N,
+            LOOP_STAGES)

@@ -81,6 +81,20 @@ def test_mmq_triton_interpreter(qtype, m, variant, rng):
     _check(_run("triton-interpret", x, w, qtype, split_k=2, variant=variant), x, w, qtype, 1e-5, variant)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton/torch not installed")
+@pytest.mark.parametrize("qtype", mq.MMQ_QTYPES)
+def test_mmq_loop_stages_change_no_number(qtype, rng):
+    """The K loop pipelined (loop_stages, LLM_ENGINE_MMQ_LOOP_STAGES: Triton's tl.range stages) computes what the
+    plain loop does, bit for bit, through Triton's own source (the interpreter); its loads are test_aot_sm90's."""
+    k = 1024
+    w = padded_weights(rng, qtype, 37, k)
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    plain = _run("triton-interpret", x, w, qtype, split_k=2, variant="per256")
+    np.testing.assert_array_equal(_run("triton-interpret", x, w, qtype, split_k=2, variant="per256", loop_stages=2),
+                                  plain)
+    _check(plain, x, w, qtype, 1e-5, "per256")
+
+
 @pytest.mark.parametrize("qtype,variant", CASES)
 def test_mmq_simt_cpu(qtype, variant, rng):
     """The SIMT lowering (the CPU oracle of the Metal and CUDA C emitters) runs the int8 dot too."""
@@ -266,11 +280,13 @@ SASS_LIMIT = {"per32": 950, "per32p": 740, "per256": 600}
 
 
 @needs_aot
-@pytest.mark.parametrize("qtype,m,n,k,variant", [
-    (q, m, n, k, v) for q, m, n, k in [("Q4_K", 16, 14336, 4096), ("Q6_K", 16, 4096, 14336), ("Q4_K", 32, 4096, 4096)]
+@pytest.mark.parametrize("qtype,m,n,k,variant,loop_stages", [
+    (q, m, n, k, v, 0)
+    for q, m, n, k in [("Q4_K", 16, 14336, 4096), ("Q6_K", 16, 4096, 14336), ("Q4_K", 32, 4096, 4096)]
     for v in mq.VARIANTS if q == "Q4_K" or v != "per32p"]  # per32p's Q6_K is per32's
-    + [("Q4_K", 64, 14336, 4096, "per256")])  # per32 spills at 64 rows (not sent there)
-def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
+    + [("Q4_K", 64, 14336, 4096, "per256", 0),  # per32 spills at 64 rows (not sent there)
+       ("Q4_K", 16, 14336, 4096, "per256", 3)])  # the K loop pipelined (LLM_ENGINE_MMQ_LOOP_STAGES)
+def test_aot_sm90(qtype, m, n, k, variant, loop_stages, tmp_path, monkeypatch):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -281,7 +297,7 @@ def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(mq, "MMQ_TUNED", {})  # the rule's 64-wide tile: what the instruction ceilings count
-    cfg = mq.mmq_tiles(qtype, m, n, k, variant=variant)
+    cfg = mq.mmq_tiles(qtype, m, n, k, variant=variant) | {"LOOP_STAGES": loop_stages}
     nw, ns, split = cfg.pop("num_warps"), cfg.pop("num_stages") or 3, cfg.pop("SPLIT")
     cfg.pop("variant")
     kern = dsl_compile(mq._variant(variant)[0][qtype], "triton", PDL=True, **cfg)
@@ -302,6 +318,8 @@ def test_aot_sm90(qtype, m, n, k, variant, tmp_path, monkeypatch):
         assert mix.opcodes["IGMMA"] == 8 and mix.instructions <= SASS_LIMIT[variant]
         assert variant == "per32" or mix.opcodes["PRMT"] <= 4  # no byte-by-byte unpacking
         assert variant != "per256" or mix.opcodes["I2FP"] <= 8  # no int-to-float conversion a sub-block
+        if variant == "per256":  # plain, W's loads are waited for in their own step; pipelined, cp.async ahead
+            assert (mix.opcodes["LDG"] == 0 < mix.opcodes["LDGSTS"]) if loop_stages else mix.opcodes["LDG"] >= 16
 
 
 @needs_aot
@@ -315,8 +333,8 @@ def test_dump_kernel_sass_mix(capsys):
 
 
 def test_sweep_mmq_settings():
-    """tools/sweep_mmq tries every variant asked for, 8 warps with 64-column tiles only for per256 at 64 rows, and
-    refuses an unknown variant by name before looking for a GPU."""
+    """tools/sweep_mmq tries every variant asked for, 8 warps with 64-column tiles only for per256 at 64 rows, the K
+    loop plain and pipelined, and refuses an unknown variant by name before looking for a GPU."""
     from tools.sweep_mmq import _settings, main
 
     for m in (16, 64):
@@ -324,5 +342,7 @@ def test_sweep_mmq_settings():
         assert {c["variant"] for c in got} == set(mq.VARIANTS) and all(c["split_k"] >= 1 for c in got)
         narrow8 = {c["variant"] for c in got if c["num_warps"] == 8 and c["block_n"] == 64}
         assert narrow8 == (set() if m == 16 else {"per256"})
+        assert {c["loop_stages"] for c in got} == {0, 2, 3}  # the K loop plain, then pipelined (gguf_mmq.LOOP_STAGES)
+        assert all(c["loop_stages"] == 0 or c["num_stages"] == 3 for c in got)
     with pytest.raises(SystemExit, match="--variants takes per32, per32p, per256, got 'per64'"):
         main(["--variants", "per64"])

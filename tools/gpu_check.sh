@@ -354,6 +354,22 @@ eager4k() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" eager4k "* ]] && step eager4k gpu 330 eager4k
+# Issue 13's F16 batch 16 at 32k (by name: GPU_CHECK_STEPS=long32k, ~300 s; an H200 alone holds it: 16 x 32k tokens
+# of Llama-3-8B's KV are 68.7 GB, so its call passes needs_h200): 0.96x llama.cpp on 2026-12-05 at 73% of the roofline,
+# while the decode kernel alone reads the cache at 97% of copy. Where the other ~6 ms of a 27 ms step go: the step by
+# kernel with PDL off (no kernel's time then holds its wait for the one before), every timed step's time, then the
+# rate with PDL on. --gen 400 outlasts the ~125 prefill steps, so every sequence still decodes when the clock starts.
+long32k() {
+    local rc=0
+    echo "== PDL off, by kernel"
+    timeout 240 "$PY" -m tools.bench_gpu --batches 16 --prompt 32000 --gen 400 --prefill 256 --no-quant --no-peer \
+        --profile 16 --ablate '' --no-pdl --step-times --json "$OUT"/long32k_nopdl.json || rc=1
+    echo "== PDL on"
+    timeout 200 "$PY" -m tools.bench_gpu --batches 16 --prompt 32000 --gen 400 --prefill 256 --no-quant --no-peer \
+        --profile '' --ablate '' --json "$OUT"/long32k.json || rc=1
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" long32k "* ]] && step long32k gpu 480 long32k
 # Issue 16's Qwen3-30B-A3B Q4_K_M batch 64 (by name: GPU_CHECK_STEPS=pending_moe, ~150 s): the MoE's grouped passes on
 # int8 tensor cores (kernels_src/moe_mmq.py; its sweep of 2026-12-05 set LLM_ENGINE_MOE_MMQ on, MMQ_MIN_SLOTS against
 # the GEMV, MMQ_SLOTS_PER_EXPERT against dequantize + dense, and TILES: rerun when they change), first its GPU cases
@@ -398,6 +414,25 @@ mmq_sweep16() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" mmq_sweep16 "* ]] && step mmq_sweep16 gpu 420 mmq_sweep16
+# Issue 13's Q4_K_M batch 16 (1.38x llama.cpp on the H200, 1.5x asked; by name: GPU_CHECK_STEPS=mmq_loop, ~330 s):
+# the MMQ's K loop pipelined (gguf_mmq.LOOP_STAGES, session 19: W by cp.async a step or more ahead, where the plain
+# loop waits for each step's loads) against the plain loop, by kernel on the two largest Q4_K shapes (sweep_mmq's
+# settings with loop_stages 2 / 3 beside the plain ones), then end to end at batch 16 with LLM_ENGINE_MMQ_LOOP_STAGES
+# 0, 3 and 0 again (the order's own effect shows as the two plain runs' difference).
+mmq_loop() {
+    local rc=0 run ls
+    timeout 200 "$PY" -m tools.sweep_mmq --ms 16 --variants per256 --budget 150 --shapes 28672x4096,4096x14336 || rc=1
+    for run in 0a 3a 0b; do
+        ls=${run%?}
+        echo "== LLM_ENGINE_MMQ_LOOP_STAGES=$ls (run $run)"
+        LLM_ENGINE_MMQ_LOOP_STAGES=$ls timeout 120 "$PY" -m tools.bench_gpu --batches 16 --quant q4km \
+            --q4km-batches 16 --no-peer --profile '' --ablate '' --prefill 256 --gen 64 \
+            --json "$OUT"/mmq_loop_$run.json > "$OUT"/mmq_loop_$run.log 2>&1 || rc=1
+        grep "decode batch" "$OUT"/mmq_loop_$run.log
+    done
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" mmq_loop "* ]] && step mmq_loop gpu 480 mmq_loop
 # Issue 13's Q4_K_M batch 64 (1.09x llama.cpp on 2026-12-03, 1.5x asked; by name: GPU_CHECK_STEPS=mmq64, ~400 s):
 # per256 at 64 rows against dequant_gemm on the Q4_K shapes (the MMQ stops at 32 rows: it lost at 64 on 2026-12-03,
 # with 16-row tiles and x's own pre-pass, both changed since), then the step A/B: bench_gpu's "MMQ to 64 rows".

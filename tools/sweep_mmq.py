@@ -4,11 +4,11 @@
 [--variants per32,per32p,per256]`.
 
 Q4_K (or --qtype Q6_K) at the Llama-3-8B shapes (N x K: fused gate/up, gate/up, down, fused qkv, o, and the head),
-bf16 x. Each mmq setting (variant, block_n, num_warps, num_stages, split_k around mmq_tiles' rule) is checked once
-against mmq_ref (the variant's x quantization) on sampled columns, then timed with CUDA graphs (the x pre-pass
-included: it is part of every call). Ends with a table (us of each variant's best, % of copy bandwidth, the
-speed-up over dequant_gemm) and `MMQ_TUNED = {...}` for kernels_src/gguf_mmq.py, the best setting of any variant
-(its `variant` named)."""
+bf16 x. Each mmq setting (variant, block_n, num_warps, num_stages or the K loop's own stages, split_k around
+mmq_tiles' rule) is checked once against mmq_ref (the variant's x quantization) on sampled columns, then timed with
+CUDA graphs (the x pre-pass included: it is part of every call). Ends with a table (us of each variant's best, % of
+copy bandwidth, the speed-up over dequant_gemm) and `MMQ_TUNED = {...}` for kernels_src/gguf_mmq.py, the best setting
+of any variant (its `variant` named)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,18 @@ def _check(torch, mmq, mmq_ref, x, w, cfg, qtype) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+# (num_stages, loop_stages): the compile's stages (Triton pipelines the loads that feed a dot: x's) with the plain K
+# loop, or the K loop itself pipelined (gguf_mmq.LOOP_STAGES: W's loads by cp.async too)
+STAGES = ((2, 0), (3, 0), (4, 0), (3, 2), (3, 3))
+
+
 def _settings(rule: dict, variants: list[str], m: int):
     """Each variant's settings: block_n 64 / 128, 4 / 8 warps (8 with block_n 64 only for per256 at 64 rows, where
-    two warpgroups share the rows and 4 warps spill), num_stages 2-4, split_k around the rule's."""
-    for var, bn, nw, ns, sf in itertools.product(variants, (64, 128), (4, 8), (2, 3, 4), (0.5, 1, 2)):
+    two warpgroups share the rows and 4 warps spill), STAGES, split_k around the rule's."""
+    for var, bn, nw, (ns, ls), sf in itertools.product(variants, (64, 128), (4, 8), STAGES, (0.5, 1, 2)):
         if nw == 4 or bn == 128 or (var == "per256" and m > 32):
-            yield dict(variant=var, block_n=bn, num_warps=nw, num_stages=ns, split_k=max(1, int(rule["SPLIT"] * sf)))
+            yield dict(variant=var, block_n=bn, num_warps=nw, num_stages=ns, loop_stages=ls,
+                       split_k=max(1, int(rule["SPLIT"] * sf)))
 
 
 def _problem(torch, weights, dequant_matmul, mmq, mmq_ref, rule: dict, m: int, n: int, k: int, qtype: str,
