@@ -104,7 +104,8 @@ MMQ_TILES = {
     128: dict(BLOCK_M=128, BLOCK_N=64, SWAP=True, num_warps=4, num_stages=3),
 }
 _KEYS = dict(block_m="BLOCK_M", block_n="BLOCK_N", sub="SUB", groups="KG", split_k="SPLIT", swap="SWAP",
-             num_warps="num_warps", num_stages="num_stages", bk="BK", accs="ACCS", prefetch="PREFETCH")
+             num_warps="num_warps", num_stages="num_stages", bk="BK", accs="ACCS", prefetch="PREFETCH",
+             loop_stages="LOOP_STAGES")
 # "blocked": int_group_gemm_kernel (words [N, KG, SUB / PER] unpacked along a new axis, then reshaped); "gather":
 # kernels_src/int_group_gemm_gather.py (a word a weight element, in the dot's order); "stream":
 # kernels_src/int_group_gemm_stream.py (the word tile split by field, a dot each, x permuted to match). The GPU sweep
@@ -235,12 +236,13 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
                      groups: int | None = None, split_k: int | None = None, swap: bool | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, variant: str | None = None,
                      bk: int | None = None, accs: int | None = None, prefetch: bool | None = None,
-                     x_mmq: tuple | None = None):
+                     loop_stages: int | None = None, x_mmq: tuple | None = None):
     """y [M, N] = x2 [M, K] @ W.T for intgroup blocks w (uint8 [N, row_bytes] or their int32 words); x2 fp32 / fp16
     / bf16, rows contiguous; out in x2's dtype. The keywords override default_tiles (sub = SUB, groups = KG); variant
     (VARIANTS, default VARIANT) picks the kernel, bk the gather and stream variants' step, accs stream's accumulators
-    (1 or 32 / bits; default int_group_gemm_stream.accs_for); mmq takes swap=True only, and prefetch (its epilogue's
-    loads a step ahead; default int_group_mmq.PREFETCH_OUTPUTS' rule) and x_mmq (x's int8 form as its pre-pass
+    (1 or 32 / bits; default int_group_gemm_stream.accs_for); mmq takes swap=True only, prefetch (its epilogue's
+    loads a step ahead; default int_group_mmq.PREFETCH_OUTPUTS' rule), loop_stages (its K loop pipelined; default
+    gguf_mmq.LOOP_STAGES) and x_mmq (x's int8 form as its pre-pass
     makes it, made with x: kernels_src/x_int8_groups; the other variants ignore it)."""
     variant = variant or tuned_variant(x2.shape[0], w.shape[0], x2.shape[1], bits, group)
     if variant not in VARIANTS:
@@ -256,7 +258,8 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
         return out
     cfg = default_tiles(m, n, k, bits, group, sm_count(x2), variant)
     over = dict(block_m=block_m, block_n=block_n, sub=sub, groups=groups, split_k=split_k, swap=swap,
-                num_warps=num_warps, num_stages=num_stages, bk=bk, accs=accs, prefetch=prefetch)
+                num_warps=num_warps, num_stages=num_stages, bk=bk, accs=accs, prefetch=prefetch,
+                loop_stages=loop_stages)
     cfg.update({_KEYS[key]: v for key, v in over.items() if v is not None})
     sub_, kg = cfg["SUB"], cfg["KG"]
     per = 32 // bits
@@ -265,12 +268,13 @@ def int_group_matmul(x2, w, bits: int, group: int, *, out=None, target: str = "n
                          "(sub must divide the group; several groups a step only whole)")
     nw, ns, split, bk = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("SPLIT"), cfg.pop("BK", None)
     accs = cfg.pop("ACCS", None)
-    prefetch = cfg.pop("PREFETCH", None)
+    prefetch, loop_stages = cfg.pop("PREFETCH", None), cfg.pop("LOOP_STAGES", None)
     pdl = use_pdl(target, pdl)
     if variant == "mmq":
         if not cfg["SWAP"]:
             raise ValueError("int_group_matmul: variant mmq runs W @ x.T only (swap=True)")
-        return launch_mmq(x2, w, bits, group, out, dict(cfg, PREFETCH=prefetch), nw, ns, split, target, pdl, x_mmq)
+        return launch_mmq(x2, w, bits, group, out, dict(cfg, PREFETCH=prefetch, LOOP_STAGES=loop_stages), nw, ns,
+                          split, target, pdl, x_mmq)
     if variant == "gather":
         step = gather_bk(group, k, bk)
         kern = compile(int_group_gemm_gather_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,

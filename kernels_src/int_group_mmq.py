@@ -86,11 +86,12 @@ def quantize_x_mmq_kernel(x, xq, xs, x_stride, xq_stride, xs_stride, xs_plane, B
 def int_group_mmq_kernel(w, xq, xs, y, m_rows, n_rows, w_stride, xq_stride, xs_stride, xs_plane, y_stride,
                          split_stride, n_steps, steps_per_split, BITS: tl.constexpr, GROUP: tl.constexpr,
                          STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                         PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 0):
     """Program (i, j, s): y rows BLOCK_M i.., columns BLOCK_N j.., steps s * steps_per_split.. (STEP inputs each); w
     int32 words [N, row_words]; xq, xs from quantize_x_mmq; y the output (split_stride 0) or fp32 partials.
     PREFETCH: the epilogue's scales, biases and D, P, Q (plain loads: Triton's pipeliner stages only what feeds a
-    dot) loaded a step ahead, carried in registers."""
+    dot) loaded a step ahead, carried in registers. LOOP_STAGES (0: none): the K loop software-pipelined by Triton,
+    W's q bytes by cp.async ahead too (gguf_mmq.LOOP_STAGES, LLM_ENGINE_MMQ_LOOP_STAGES)."""
     H = _halves(BITS)
     HALF = STEP // H  # x's inputs a dot; W's q bytes a row a step: STEP * BITS / 8 = HALF
     BW = 2 + GROUP * BITS // 32  # words a group block: scale, bias, q words
@@ -136,9 +137,10 @@ def int_group_mmq_kernel(w, xq, xs, y, m_rows, n_rows, w_stride, xq_stride, xs_s
 
     hi = tl.minimum(lo + steps_per_split, n_steps)
     if PREFETCH:
-        acc = tl.fori_loop(lo, hi, step, (tl.zeros((BLOCK_N, BLOCK_M), tl.float32), *epilogue_args(lo)))[0]
+        acc = tl.fori_loop(lo, hi, step, (tl.zeros((BLOCK_N, BLOCK_M), tl.float32), *epilogue_args(lo)),
+                           stages=LOOP_STAGES)[0]
     else:
-        acc = tl.fori_loop(lo, hi, step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32))
+        acc = tl.fori_loop(lo, hi, step, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), stages=LOOP_STAGES)
     store_tile(acc, y, m, n, m_rows, n_rows, y_stride, split_stride, True)
 
 
@@ -178,8 +180,9 @@ def quantize_x_mmq(x2, bits: int, step: int, target: str = "numpy"):
 def launch_mmq(x2, w, bits: int, group: int, out, cfg: dict, nw: int, ns: int | None, split: int, target: str,
                pdl: bool, x_mmq: tuple | None = None):
     """The pre-pass (or x_mmq, its (xq, xs) made with x: kernels_src/x_int8_groups), then int_group_mmq_kernel at
-    cfg's BLOCK_M / BLOCK_N (and PREFETCH: by default where a thread holds up to PREFETCH_OUTPUTS outputs) through
-    split_k.launch_split_k; w as int32 words, checked by the caller."""
+    cfg's BLOCK_M / BLOCK_N (and PREFETCH: by default where a thread holds up to PREFETCH_OUTPUTS outputs; LOOP_STAGES:
+    by default gguf_mmq.LOOP_STAGES) through split_k.launch_split_k; w as int32 words, checked by the caller."""
+    from kernels_src.gguf_mmq import LOOP_STAGES
     from kernels_src.split_k import launch_split_k
 
     m, k = x2.shape
@@ -201,7 +204,7 @@ def launch_mmq(x2, w, bits: int, group: int, out, cfg: dict, nw: int, ns: int | 
         prefetch = prefetch_for(cfg["BLOCK_M"], cfg["BLOCK_N"], nw)
     kern = compile(int_group_mmq_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
                    GROUP=group, STEP=step, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PREFETCH=bool(prefetch),
-                   PDL=pdl)
+                   PDL=pdl, LOOP_STAGES=LOOP_STAGES if cfg.get("LOOP_STAGES") is None else cfg["LOOP_STAGES"])
     args = (m, w.shape[0], elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xs, 0), elem_stride(xs, 1))
     return launch_split_k(kern, (w, xq, xs), args, out, k // step, split, cfg["BLOCK_M"], cfg["BLOCK_N"], target,
                           pdl)

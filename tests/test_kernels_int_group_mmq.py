@@ -103,6 +103,21 @@ def test_mmq_triton_interpreter(bits, group, dtype, rng):
     check(y.double().numpy(), x, w, bits, group, tol=2e-3 if dtype == "float16" else TIGHT)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton/torch not installed")
+def test_mmq_loop_stages_change_no_number(rng):
+    """The K loop pipelined (loop_stages, LLM_ENGINE_MMQ_LOOP_STAGES) computes what the plain loop does, bit for
+    bit, through Triton's own source (the interpreter), with the epilogue's loads ahead and without."""
+    import torch
+
+    w = torch.from_numpy(blocks(rng, 70, 512, 4, 128, sym=False))
+    x = torch.from_numpy(rng.standard_normal((20, 512)).astype("float32"))
+    for prefetch in (True, False):
+        runs = [igm.int_group_matmul(x, w, 4, 128, variant="mmq", target="triton-interpret", block_m=16, block_n=64,
+                                     split_k=2, prefetch=prefetch, loop_stages=stages).numpy() for stages in (0, 2)]
+        np.testing.assert_array_equal(runs[1], runs[0])
+    check(runs[0].astype(np.float64), x.numpy(), w.numpy(), 4, 128, tol=TIGHT)
+
+
 def test_mmq_simt_cpu(rng):
     """The SIMT lowering (Metal's and CUDA C's) on the CPU oracle: 4 bits, one tile."""
     w = blocks(rng, 64, 256, 4, 128, sym=False)
@@ -195,8 +210,8 @@ def test_tuned_mmq_runs(monkeypatch, rng):
 
 @pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="AOT builds need triton, and TRITON_INTERPRET unset")
-@pytest.mark.parametrize("rows", [16, 64, 128])
-def test_aot_sm90(rows, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("rows,loop_stages", [(16, 0), (64, 0), (128, 0), (64, 3)])
+def test_aot_sm90(rows, loop_stages, tmp_path, monkeypatch, capsys):
     """MMQ_TILES' builds for an H200 (4 bits, groups of 128, arguments 16-byte aligned as the JIT specializes; the
     epilogue's loads ahead by the launcher's rule): int8 MMAs, no I2F in the loop, nothing spilled; prints registers
     and the loop's mix a step."""
@@ -207,9 +222,12 @@ def test_aot_sm90(rows, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     t = igm.MMQ_TILES[rows]
     kir = REGISTRY["int_group_mmq"].trace(BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-                                          PREFETCH=mq.prefetch_for(t["BLOCK_M"], t["BLOCK_N"], t["num_warps"]))
+                                          PREFETCH=mq.prefetch_for(t["BLOCK_M"], t["BLOCK_N"], t["num_warps"]),
+                                          LOOP_STAGES=loop_stages)
     c = aot_compile(kir, arch=90, num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=True)
     mix = loop_mix(c.asm["cubin"])
     with capsys.disabled():
         print(f"\nint_group_mmq {rows} rows {t}: {mix.summary()}")
     assert mix.stack == 0 and mix.opcodes["IGMMA"] and not mix.opcodes["I2F"] and not mix.opcodes["LDL"]
+    if loop_stages:  # the K loop pipelined: W's q bytes by cp.async too, no global load waited for in the loop
+        assert mix.opcodes["LDG"] == 0 < mix.opcodes["LDGSTS"]

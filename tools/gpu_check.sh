@@ -414,25 +414,27 @@ mmq_sweep16() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" mmq_sweep16 "* ]] && step mmq_sweep16 gpu 420 mmq_sweep16
-# Issue 13's Q4_K_M batch 16 (1.38x llama.cpp on the H200, 1.5x asked; by name: GPU_CHECK_STEPS=mmq_loop, ~330 s):
+# Issue 13's Q4_K_M batch 16 (1.38x llama.cpp on the H200, 1.5x asked; by name: GPU_CHECK_STEPS=mmq_loop, ~450 s;
+# also issue 17's int4 batch 64, 0.96x bf16 of 1x):
 # the MMQ's K loop pipelined (gguf_mmq.LOOP_STAGES, session 19: W by cp.async a step or more ahead, where the plain
 # loop waits for each step's loads) against the plain loop, by kernel on the two largest Q4_K shapes (sweep_mmq's
-# settings with loop_stages 2 / 3 beside the plain ones), then end to end at batch 16 with LLM_ENGINE_MMQ_LOOP_STAGES
-# 0, 3 and 0 again (the order's own effect shows as the two plain runs' difference).
+# settings with loop_stages 2 / 3 beside the plain ones), then end to end (Q4_K_M at batch 16, int4 at 16 and 64:
+# int_group_mmq takes the switch too) with LLM_ENGINE_MMQ_LOOP_STAGES 0, 3 and 0 again (the order's own effect shows
+# as the two plain runs' difference).
 mmq_loop() {
     local rc=0 run ls
-    timeout 200 "$PY" -m tools.sweep_mmq --ms 16 --variants per256 --budget 150 --shapes 28672x4096,4096x14336 || rc=1
+    timeout 150 "$PY" -m tools.sweep_mmq --ms 16 --variants per256 --budget 90 --shapes 28672x4096,4096x14336 || rc=1
     for run in 0a 3a 0b; do
         ls=${run%?}
         echo "== LLM_ENGINE_MMQ_LOOP_STAGES=$ls (run $run)"
-        LLM_ENGINE_MMQ_LOOP_STAGES=$ls timeout 120 "$PY" -m tools.bench_gpu --batches 16 --quant q4km \
+        LLM_ENGINE_MMQ_LOOP_STAGES=$ls timeout 130 "$PY" -m tools.bench_gpu --batches 16,64 --quant q4km,int4 \
             --q4km-batches 16 --no-peer --profile '' --ablate '' --prefill 256 --gen 64 \
             --json "$OUT"/mmq_loop_$run.json > "$OUT"/mmq_loop_$run.log 2>&1 || rc=1
         grep "decode batch" "$OUT"/mmq_loop_$run.log
     done
     return $rc
 }
-[[ " ${GPU_CHECK_STEPS:-} " == *" mmq_loop "* ]] && step mmq_loop gpu 480 mmq_loop
+[[ " ${GPU_CHECK_STEPS:-} " == *" mmq_loop "* ]] && step mmq_loop gpu 560 mmq_loop
 # Issue 13's Q4_K_M batch 64 (1.09x llama.cpp on 2026-12-03, 1.5x asked; by name: GPU_CHECK_STEPS=mmq64, ~400 s):
 # per256 at 64 rows against dequant_gemm on the Q4_K shapes (the MMQ stops at 32 rows: it lost at 64 on 2026-12-03,
 # with 16-row tiles and x's own pre-pass, both changed since), then the step A/B: bench_gpu's "MMQ to 64 rows".
