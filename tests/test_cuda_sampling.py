@@ -260,3 +260,42 @@ def test_tiny_temperature_is_greedy_as_on_the_cpu(temperature):
     assert [tokens[0], tokens[1], tokens[3]] == x[[0, 1, 3]].argmax(axis=1).tolist()
     for a, b in zip(cpu, dev, strict=True):  # greedy rows draw nothing from their streams, on either sampler
         assert a.generator.random() == b.generator.random()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax(dtype):
+    """argmax_rows (the greedy argmax in 32 parts, then the first part holding the maximum) gives torch's argmax,
+    the first of equal maxima: ties inside a part, across parts (in 16-bit only too), a NaN (the largest, as in
+    torch), an all -inf row, a row whose only maximum sits at each part's edge; a row not split evenly takes
+    torch's own pass."""
+    from backends.cuda.sampling import argmax_rows
+
+    rng = np.random.default_rng(7)
+    vocab = 32 * 600
+    x = torch.from_numpy(rng.standard_normal((9, vocab)).astype(np.float32))
+    x[1, [5, 9000, 9001]] = 10.0  # the same maximum in part 0 and twice in part 15
+    x[2, [9001, 70]] = 10.0
+    x[3, 17000] = float("nan")
+    x[3, 100] = float("inf")
+    x[4] = float("-inf")
+    x[5, 599], x[6, 600], x[7, vocab - 1] = 50.0, 50.0, 50.0  # the last of part 0, the first of part 1, the very last
+    x[8, [1234, 1235]] = torch.tensor([8.0001, 8.0002])  # apart in fp32, the same bf16 value: the first in bf16
+    x = x.to(DEVICE, dtype)
+    want = x.argmax(1)
+    got = argmax_rows(x)
+    assert torch.equal(got, want) and got.dtype == want.dtype
+    assert got[1:4].tolist() == [5, 70, 17000] and got[4] == 0 and got[5:8].tolist() == [599, 600, vocab - 1]
+    assert got[8] == (1234 if dtype == torch.bfloat16 else 1235)
+    odd = x[:, :vocab - 1]
+    assert torch.equal(argmax_rows(odd), odd.argmax(1))
+
+
+def test_greedy_16bit_logits_take_no_conversion():
+    """The greedy path over bf16 logits (no conversion pass) picks what the fp32 logits give, the conversion being
+    exact, and leaves the caller's logits as they were."""
+    rng = np.random.default_rng(8)
+    logits = torch.from_numpy(rng.standard_normal((3, 32 * 512)).astype(np.float32)).to(DEVICE, torch.bfloat16)
+    before = logits.clone()
+    seqs = [Seq(SamplingParams(temperature=0.0)) for _ in range(3)]
+    got = [r.token for r in TorchSampler()(logits, seqs)]
+    assert got == logits.float().argmax(1).tolist() and torch.equal(logits, before)

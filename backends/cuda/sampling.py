@@ -9,6 +9,7 @@ engine reads only after launching the next step (`launch` returns before the dev
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,25 @@ _LONG = ("b_row", "b_id", "r_row", "r_id", "f_row", "f_id", "s_row", "top_k", "p
 _FLOAT = ("b_val", "rep", "temp", "min_p")  # float32: numpy applies these in float32
 _DOUBLE = ("fp", "pp", "f_cnt", "u", "top_p")
 _BLOCK = 256  # torch scans a row with one thread block; blocks of this size scan in parallel
+# torch's arg-reductions give a row one thread block too: a greedy step's argmax over a 128,256-wide vocabulary took
+# 27.6 us on an H200 at batch 1 and 26.8 at 16, every decode step (session 19's kernel profile, PDL off). Split in
+# this many parts, the first pass reduces PARTS rows a row in parallel and the second only PARTS values. Not yet
+# timed (GPU_QUEUE); LLM_ENGINE_ARGMAX_PARTS=1 keeps torch's one pass.
+_ARGMAX_PARTS = int(os.environ.get("LLM_ENGINE_ARGMAX_PARTS", "32") or 32)
+_ARGMAX_MIN_PART = 512  # a narrower row takes torch's one pass
+
+
+def argmax_rows(x: torch.Tensor, parts: int = _ARGMAX_PARTS) -> torch.Tensor:
+    """x.argmax(1), the first of equal maxima (and of NaNs, which count as the largest, as torch's): the row's
+    `parts` equal parts each reduced to its first maximum and where it lies, then the first part holding the row's.
+    A row not split evenly, or under parts * _ARGMAX_MIN_PART wide, takes torch's one pass."""
+    n, vocab = x.shape
+    if parts <= 1 or vocab % parts or vocab < parts * _ARGMAX_MIN_PART:
+        return x.argmax(1)
+    part = vocab // parts
+    best, at = x.reshape(n, parts, part).max(2)
+    which = best.argmax(1, keepdim=True)
+    return (at.gather(1, which) + which * part).squeeze(1)
 
 
 def _rows_and(rows: list[int], per_row: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -246,7 +266,6 @@ class TorchSampler:
         """(the tokens [n] on the device, their read-back): nothing here waits for the device."""
         if logits.ndim != 2 or logits.shape[0] != len(inputs):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(inputs)} inputs")
-        logits = logits.float()
         params = [s.params for s in inputs]
         adjusts = any(adjusts_logits(p) for p in params)
         masked = [i for i, s in enumerate(inputs) if getattr(s, "token_mask", None) is not None]  # rows, in order
@@ -254,16 +273,18 @@ class TorchSampler:
         if not adjusts and all(p.greedy and p.logprobs is None for p in params):
             if masked:  # greedy rows under token masks (a JSON schema's usual case): the masked argmax alone
                 words = self._stage.to_device(inputs, masked, logits.device)
-                logits = _apply_masks(logits.clone(), masked, words)
-            tokens = logits.argmax(1)
+                logits = _apply_masks(logits.to(torch.float32, copy=True), masked, words)
+            # 16-bit logits compare as their exact fp32 values do: no conversion pass before a plain argmax
+            tokens = argmax_rows(logits) if logits.device.type == "cuda" else logits.argmax(1)
             return tokens, PendingSample(tokens, n, [], [], 0)
+        logits = logits.float()
         h = _host_arrays(inputs, vocab)
         d = _to_device(h, logits.device)
         x = _adjust(logits, d) if adjusts else logits
         if masked:  # after the logit processors, before temperature and the cuts (vLLM's place)
             words = self._stage.to_device(inputs, masked, logits.device)
             x = _apply_masks(x if adjusts else x.clone(), d["m_row"], words)
-        tokens = x.argmax(1)  # greedy rows; sampled rows are overwritten below
+        tokens = argmax_rows(x) if x.device.type == "cuda" else x.argmax(1)  # greedy rows; sampled ones below
         if len(h["s_row"]):
             rows = d["s_row"]
             xs = x if len(rows) == n else x[rows]
