@@ -28,8 +28,15 @@ from kernels_src.decode_combine import (
     use_fused_reduce,
 )
 from kernels_src.dsl import Plans, compile, elem_stride, empty, int_class, signature, tl, use_pdl
-from kernels_src.paged_attend import LOG2E, CacheScales, attend, dequantize_tiles  # noqa: F401  (decode's loop; re-exported)
+from kernels_src.paged_attend import (  # noqa: F401  (decode's loop; re-exported)
+    LOG2E,
+    CacheScales,
+    attend,
+    dequantize_tiles,
+    key_tile,
+)
 from kernels_src.paged_cache_args import cache_strides, check_cache, quant_args
+from kernels_src.split_k import sm_count
 
 NO_WINDOW = 1 << 30
 
@@ -161,22 +168,29 @@ def decode_program(q, k_cache, v_cache, scales, block_tables, context_lens, out,
     # waiting for the kernel that writes q and the caches: one dependent load off each layer's critical path.
     ctx = tl.load(context_lens + b)
     lo, hi = partition_keys(ctx, part, max_parts, PARTITION, BLOCK_N, SPLIT)
+    keys_lo = tl.maximum(lo, kv_fp8.window_start(ctx - window, BS, scales))  # the first key read
+    table = block_tables + b * bt_stride
+    first = None
     if rope is not None:  # the rotation's rows come from the host too: cos and sin are loaded before the wait
-        from kernels_src.paged_decode_rope import rotation, write_kv
+        from kernels_src.paged_decode_rope import patch_step_key, rotation, write_kv
 
         cs = rotation(rope, b, d)
+        if rope.PREFETCH:  # the first key tile: the host's table entries, earlier steps' keys and values (this
+            # step's are patched in below)
+            first = key_tile(k_cache, v_cache, table, kvh, keys_lo, hi, 0, kv_block_stride, kv_tok_stride,
+                             kv_head_stride, d, dmask, BLOCK_N, BS)
     if PDL:  # q and the caches are earlier kernels' outputs
         tl.wait_prior_grid()
         tl.launch_dependents()
     if rope is None:
         qv = tl.load(q + b * q_stride + heads[:, None] * q_head_stride + d[None, :], mask=mask, other=0.0)
     else:
-        qv = write_kv(rope, cs, q + b * q_stride + heads[:, None] * q_head_stride, mask, b, kvh, d, dmask, ctx, lo,
-                      hi, k_cache, v_cache, kv_block_stride, kv_tok_stride, kv_head_stride, BS)
-    lo = tl.maximum(lo, kv_fp8.window_start(ctx - window, BS, scales))
+        qv, step_kv = write_kv(rope, cs, q + b * q_stride + heads[:, None] * q_head_stride, mask, b, kvh, d, dmask,
+                               ctx, lo, hi, k_cache, v_cache, kv_block_stride, kv_tok_stride, kv_head_stride, BS)
+        first = None if first is None else patch_step_key(first, step_kv, ctx)
     qi = tl.full([BLOCK_G], ctx - 1, tl.int32)
-    m, den, acc = attend(qv, qi, k_cache, v_cache, block_tables + b * bt_stride, kvh, lo, hi, scale, softcap, window,
-                       kv_block_stride, kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales)
+    m, den, acc = attend(qv, qi, k_cache, v_cache, table, kvh, keys_lo, hi, scale, softcap, window, kv_block_stride,
+                         kv_tok_stride, kv_head_stride, d, dmask, BLOCK_N, BS, SOFTCAP, scales, first)
     if SPLIT:
         row = (b * (tl.num_programs(1) * GROUP) + heads) * max_parts + part
         tl.store(part_m + row, m, mask=gmask)
@@ -272,7 +286,8 @@ def _decode_plan(q, k_cache, v_cache, context_lens, n_parts, block_n, partition,
         k, v, slots, rows, cos, sin, interleaved = rope
         pdr.check_rope(q, k, v, k_cache, v_cache, slots, rows, cos, sin)
         fn = pdr.paged_decode_rope_fused_kernel if fused else pdr.paged_decode_rope_kernel
-        extra = {"HALF": cos.shape[1], "INTERLEAVED": bool(interleaved)}
+        extra = {"HALF": cos.shape[1], "INTERLEAVED": bool(interleaved),
+                 "PREFETCH": pdr.prefetch_for(n_seq * k_cache.shape[2] * n_parts, sm_count(q))}
         tail_ints = (elem_stride(k, 0), elem_stride(k, 1), elem_stride(v, 0), elem_stride(v, 1), elem_stride(cos, 0))
     if fused:
         extra["BLOCK_P"] = combine_block(n_parts, group, consts["BLOCK_D"], FUSED_TILE)

@@ -18,13 +18,33 @@ rope and cache write is one more such launch a layer, between the qkv projection
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from kernels_src.dsl import tl
+from kernels_src.paged_attend import Tile
 from kernels_src.paged_attention import decode_program
 from kernels_src.rope_kv_write import _check as check_rope_kv_write
 
 TARGETS = ("triton", "triton-interpret", "numpy")
+# Each program's first key tile read before the PDL wait (RopeIn.PREFETCH): its table entries come from the host and
+# its keys and values from earlier steps, so none of them waits for the kernel before (the qkv projection); this
+# step's key and value, written after the wait, are put into the tile from registers (patch_step_key). At batch 1 a
+# decode program's keys are one or a few tiles, and its chain of dependent loads after the wait (q, then the table,
+# then K and V) was most of its ~5 us a layer on the H200 (session 19's profile: 166 us a step of 2,290 for a Q4_K_M
+# Llama-3-8B). Holding the tile across the wait takes registers (sm_90, Llama-3-8B's tile: 192 against 128: two
+# programs an SM instead of decode_table.WAVES' four), so only grids that two programs an SM hold at once take it.
+# The same numbers either way (tests/test_kernels_decode_rope.py); not yet timed: LLM_ENGINE_DECODE_PREFETCH=0 (never)
+# or 1 (every grid).
+PREFETCH_ENV = os.environ.get("LLM_ENGINE_DECODE_PREFETCH", "")
+PREFETCH_PROGRAMS_AN_SM = 2
+
+
+def prefetch_for(programs: int, sms: int) -> bool:
+    """RopeIn.PREFETCH for a decode grid of `programs` programs on `sms` SMs (LLM_ENGINE_DECODE_PREFETCH's, if set)."""
+    if PREFETCH_ENV in ("0", "1"):
+        return PREFETCH_ENV == "1"
+    return programs <= PREFETCH_PROGRAMS_AN_SM * sms
 
 
 class RopeIn(NamedTuple):
@@ -44,6 +64,7 @@ class RopeIn(NamedTuple):
     table_stride: object
     HALF: int
     INTERLEAVED: bool
+    PREFETCH: bool = False  # the first key tile read before the PDL wait (PREFETCH_ENV, above)
 
 
 def _pairs(d, HALF, INTERLEAVED):
@@ -76,8 +97,9 @@ def _rotated(rows, mask, d, c, s, rope: RopeIn):
 
 def write_kv(rope: RopeIn, cs, q_rows, qmask, b, kvh, d, dmask, ctx, lo, hi, k_cache, v_cache, kv_block_stride,
              kv_tok_stride, kv_head_stride, BS):
-    """q's rows `q_rows` [GROUP, 1] rotated; and, by the program whose keys [lo, hi) end at the context's last,
-    this step's key (rotated) and value in the cache, stored before the program reads the cache."""
+    """(q's rows `q_rows` [GROUP, 1] rotated, (this step's key and value rows [1, BLOCK_D], whether this program
+    wrote them)); by the program whose keys [lo, hi) end at the context's last, that key (rotated) and value in the
+    cache, stored before the program reads the cache."""
     c, s, slot = cs
     qv = _rotated(q_rows, qmask, d, c, s, rope)
     writes = (hi == ctx) & (lo < hi) & (slot >= 0)
@@ -89,7 +111,15 @@ def write_kv(rope: RopeIn, cs, q_rows, qmask, b, kvh, d, dmask, ctx, lo, hi, k_c
     vt = tl.load(rope.v + b * rope.v_stride + kvh * rope.v_head_stride + one + d[None, :], mask=wmask, other=0.0)
     tl.store(v_cache + at, vt, mask=wmask)
     tl.debug_barrier()  # the key and value stored by every thread before any reads the cache
-    return qv
+    return qv, (kt.to(k_cache.dtype.element_ty), vt.to(v_cache.dtype.element_ty), writes)
+
+
+def patch_step_key(tile: Tile, step_kv, ctx) -> Tile:
+    """A key tile loaded before this step's key and value were written (PREFETCH) with them put in at their index
+    (ctx - 1), as a load after the write would have read them."""
+    k, v, writes = step_kv
+    col = (tile.toks == ctx - 1) & writes
+    return tile._replace(kt=tl.where(col[None, :], tl.trans(k), tile.kt), vt=tl.where(col[:, None], v, tile.vt))
 
 
 def paged_decode_rope_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc, k, v,
@@ -99,14 +129,14 @@ def paged_decode_rope_kernel(q, k_cache, v_cache, block_tables, context_lens, ou
                              HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_N: tl.constexpr, BS: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
                              SOFTCAP: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """paged_decode_kernel over float caches, q unrotated: the rope and cache write of rope_kv_write done here."""
     decode_program(q, k_cache, v_cache, None, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
                    softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
                    kv_block_stride, kv_tok_stride, kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS,
                    PARTITION, SPLIT, SOFTCAP, PDL,
                    rope=RopeIn(k, v, slots, rows, cos, sin, k_stride, k_head_stride, v_stride, v_head_stride,
-                               table_stride, HALF, INTERLEAVED))
+                               table_stride, HALF, INTERLEAVED, PREFETCH))
 
 
 def paged_decode_rope_fused_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
@@ -117,14 +147,14 @@ def paged_decode_rope_fused_kernel(q, k_cache, v_cache, block_tables, context_le
                                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                                    PARTITION: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
                                    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_P: tl.constexpr = 1,
-                                   PDL: tl.constexpr = False):
+                                   PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """paged_decode_rope_kernel with the last partition combining (paged_decode_fused_kernel's `counters`)."""
     decode_program(q, k_cache, v_cache, None, block_tables, context_lens, out, part_m, part_l, part_acc, scale,
                    softcap, window, max_parts, q_stride, q_head_stride, out_stride, out_head_stride, bt_stride,
                    kv_block_stride, kv_tok_stride, kv_head_stride, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BS,
                    PARTITION, SPLIT, SOFTCAP, PDL, counters, BLOCK_P,
                    rope=RopeIn(k, v, slots, rows, cos, sin, k_stride, k_head_stride, v_stride, v_head_stride,
-                               table_stride, HALF, INTERLEAVED))
+                               table_stride, HALF, INTERLEAVED, PREFETCH))
 
 
 # --- host side ---------------------------------------------------------------------------------------------------

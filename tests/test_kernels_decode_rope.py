@@ -3,7 +3,8 @@ paged_attention.paged_decode's `rope`): bit for bit what rope_kv_write then page
 both caches, on both interpreters; and within tolerance of the numpy references. The cache slot each step writes
 is poisoned (NaN) before the launch: a program that read its key before the write would give NaN. Cases: GQA over
 many split-K partitions, with an empty padded row (slot -1), a one-key context and a context ending on a block's
-first slot; partial rotary in the interleaved (GLM) style with the fused reduce; MHA in one partition, fp16."""
+first slot; partial rotary in the interleaved (GLM) style with the fused reduce; MHA in one partition, fp16; each with
+the first key tile read before the PDL wait and without (paged_decode_rope.PREFETCH)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,16 @@ def _step(case, rng):
     return q, k, v, kc, vc, tables, ctx, slots, last.astype(np.int32), cos, sin, inter, kw
 
 
+@pytest.mark.parametrize("prefetch", ["1", "0"])
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_rope_decode_is_rope_kv_write_then_decode(target, case):
+def test_rope_decode_is_rope_kv_write_then_decode(target, case, prefetch, monkeypatch):
+    """With the first key tile read before the write (PREFETCH, this step's key put in from registers: the poisoned
+    slot would show as NaN) and without."""
+    from kernels_src.dsl import Plans
+
+    monkeypatch.setattr(pdr, "PREFETCH_ENV", prefetch)
+    monkeypatch.setattr(pa, "_DECODE_PLANS", Plans())  # the plans made with the other setting
     rng = np.random.default_rng(zlib.crc32(case.encode()))
     q, k, v, kc, vc, tables, ctx, slots, rows, cos, sin, inter, kw = _step(case, rng)
     d_ = lambda a: dev(a.copy(), target)  # noqa: E731
@@ -95,6 +103,9 @@ AOT = {
     "llama_split": (pdr.paged_decode_rope_kernel, LLAMA),
     "phi3_fused": (pdr.paged_decode_rope_fused_kernel, LLAMA | dict(GROUP=1, HEAD_DIM=96, HALF=48, BLOCK_P=32)),
     "glm_partial_unsplit": (pdr.paged_decode_rope_kernel, LLAMA | dict(SPLIT=False, HALF=32, INTERLEAVED=True)),
+    "llama_split_prefetch": (pdr.paged_decode_rope_kernel, LLAMA | dict(PREFETCH=True)),
+    "phi3_fused_prefetch": (pdr.paged_decode_rope_fused_kernel,
+                            LLAMA | dict(GROUP=1, HEAD_DIM=96, HALF=48, BLOCK_P=32, PREFETCH=True)),
 }
 
 
@@ -103,7 +114,8 @@ AOT = {
 @pytest.mark.parametrize("name", list(AOT))
 def test_aot_sm90(name, tmp_path, monkeypatch):
     """The sm_90 builds: the cache stores, then a bar.sync, before the loop's first load of the cache; no spills;
-    at most 128 registers (4 programs an SM, decode_table.WAVES: the plain decode's 96-104)."""
+    at most 128 registers (4 programs an SM, decode_table.WAVES: the plain decode's 96-104). PREFETCH: the first
+    tile's loads of the cache are issued before the PDL wait."""
     from test_kernels_decode_fused import _cuobjdump
     from test_kernels_gemv import _stack_bytes
 
@@ -124,9 +136,12 @@ def test_aot_sm90(name, tmp_path, monkeypatch):
     bar = next(i for i, ln in enumerate(lines) if i > kv[1] and ln.startswith("bar.sync"))
     first_copy = next(i for i, ln in enumerate(lines) if i > kv[0] and "cp.async" in ln)
     assert kv[1] < bar < first_copy, (kv, bar, first_copy)
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    early = [ln for ln in lines[:wait] if "ld.global.v4" in ln]  # (predicated: "@%p1 ld.global.v4.b32 ...")
+    assert (len(early) >= 8) == bool(consts.get("PREFETCH")), early  # K and V rows 16 bytes a load, or none
     assert _stack_bytes(compiled.asm["cubin"], tmp_path) == 0
     regs = int(re.search(r"REG:(\d+)", _cuobjdump(compiled.asm["cubin"], tmp_path, "--dump-resource-usage"))[1])
-    assert regs <= 128, regs
+    assert regs <= (208 if consts.get("PREFETCH") else 128), regs  # (prefetching: grids of few programs only)
 
 
 def _cuda() -> bool:
@@ -167,3 +182,16 @@ def test_on_the_gpu(case):
         torch.testing.assert_close(kcf, kcu, rtol=tol, atol=tol, equal_nan=True)
         assert torch.equal(vcf.isnan(), vcu.isnan()) and torch.equal(vcf.nan_to_num(), vcu.nan_to_num())
         assert torch.equal(qf, f(q))
+
+
+def test_prefetch_takes_grids_two_programs_an_sm_hold(monkeypatch):
+    """The first tile comes ahead (192 registers on sm_90, two programs an SM) only where two programs an SM hold the
+    whole grid: batch 1 of 8 KV heads at a short context, not batch 1 at 4k (64 partitions) nor batch 16 at 16k;
+    LLM_ENGINE_DECODE_PREFETCH=0 / 1 overrides the rule."""
+    monkeypatch.setattr(pdr, "PREFETCH_ENV", "")
+    assert pdr.prefetch_for(1 * 8 * 4, 132) and pdr.prefetch_for(264, 132)
+    assert not pdr.prefetch_for(1 * 8 * 64, 132) and not pdr.prefetch_for(16 * 8 * 8, 132)
+    monkeypatch.setattr(pdr, "PREFETCH_ENV", "0")
+    assert not pdr.prefetch_for(8, 132)
+    monkeypatch.setattr(pdr, "PREFETCH_ENV", "1")
+    assert pdr.prefetch_for(16 * 8 * 8, 132)

@@ -435,6 +435,28 @@ mmq_loop() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" mmq_loop "* ]] && step mmq_loop gpu 560 mmq_loop
+# Batch 1's fixed cost (issues 13, 17, 14: Q4_K_M 440 of 450 tok/s, int4 and FP8 against bf16, phi-3-mini's
+# fraction of the roofline; by name: GPU_CHECK_STEPS=decode_prefetch, ~300 s): the rope decode's first key tile read
+# before the PDL wait (paged_decode_rope.PREFETCH, session 19; on by its rule for grids two programs an SM hold) against
+# reading it after, Llama-3-8B bf16 / Q4_K_M / int4 then phi-3-mini bf16 at batch 1, the rule, off, the rule again.
+decode_prefetch() {
+    local rc=0 run p
+    for run in rule-a 0 rule-b; do
+        p=${run%-?}
+        [[ $p == rule ]] && p=""
+        echo "== LLM_ENGINE_DECODE_PREFETCH=${p:-(the rule)} (run $run)"
+        LLM_ENGINE_DECODE_PREFETCH=$p timeout 150 "$PY" -m tools.bench_gpu --batches 1 --quant q4km,int4 --no-peer \
+            --profile '' --ablate '' --prefill 256 --gen 128 --json "$OUT"/prefetch_llama_$run.json \
+            > "$OUT"/prefetch_llama_$run.log 2>&1 || rc=1
+        grep "decode batch" "$OUT"/prefetch_llama_$run.log
+        LLM_ENGINE_DECODE_PREFETCH=$p timeout 90 "$PY" -m tools.bench_gpu --shape phi3-mini --batches 1 --no-quant \
+            --no-peer --profile '' --ablate '' --prefill 256 --gen 128 --json "$OUT"/prefetch_phi3_$run.json \
+            > "$OUT"/prefetch_phi3_$run.log 2>&1 || rc=1
+        grep "decode batch" "$OUT"/prefetch_phi3_$run.log
+    done
+    return $rc
+}
+[[ " ${GPU_CHECK_STEPS:-} " == *" decode_prefetch "* ]] && step decode_prefetch gpu 560 decode_prefetch
 # Issue 13's Q4_K_M batch 64 (1.09x llama.cpp on 2026-12-03, 1.5x asked; by name: GPU_CHECK_STEPS=mmq64, ~400 s):
 # per256 at 64 rows against dequant_gemm on the Q4_K shapes (the MMQ stops at 32 rows: it lost at 64 on 2026-12-03,
 # with 16-row tiles and x's own pre-pass, both changed since), then the step A/B: bench_gpu's "MMQ to 64 rows".
