@@ -217,10 +217,10 @@ def paged_decode_reduce_kernel(part_m, part_l, part_acc, context_lens, out, max_
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     base = (b * tl.num_programs(1) + h) * max_parts
+    ctx = tl.load(context_lens + b)  # the host's: read before the wait, off the chain of loads after it
     if PDL:  # the partials are paged_decode_kernel's output
         tl.wait_prior_grid()
         tl.launch_dependents()
-    ctx = tl.load(context_lens + b)
     plen = partition_len(ctx, max_parts, PARTITION, BLOCK_N)
     n_parts = tl.minimum((ctx + plen - 1) // plen, max_parts)
     [o] = combine_rows(part_m, part_l, part_acc, base, 0, n_parts, (n_parts + BLOCK_P - 1) // BLOCK_P, d, dmask,
