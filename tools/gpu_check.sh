@@ -457,6 +457,12 @@ decode_prefetch() {
     return $rc
 }
 [[ " ${GPU_CHECK_STEPS:-} " == *" decode_prefetch "* ]] && step decode_prefetch gpu 560 decode_prefetch
+# Batch 1 by kernel for every weight format (issues 13, 17: Q4_K_M 440 of 450 tok/s, int4 1.88x of 2.5x bf16, FP8 1.59x
+# of 1.7x on the H200; by name: GPU_CHECK_STEPS=profile_b1, ~150 s): PDL off, so that no kernel's time holds its wait
+# for the one before (session 19: Q4_K_M's Q4_K GEMVs at 57% of copy, its Q6_K ones at copy speed; int4's and FP8's
+# not yet seen), bf16, Q4_K_M, int4 and FP8.
+[[ " ${GPU_CHECK_STEPS:-} " == *" profile_b1 "* ]] && step profile_b1 gpu 240 "$PY" -m tools.bench_gpu --batches 1 \
+    --quant q4km,int4,fp8 --no-peer --no-pdl --profile 1 --ablate '' --prefill 256 --gen 64 --json "$OUT"/profile_b1.json
 # Issue 13's Q4_K_M batch 64 (1.09x llama.cpp on 2026-12-03, 1.5x asked; by name: GPU_CHECK_STEPS=mmq64, ~400 s):
 # per256 at 64 rows against dequant_gemm on the Q4_K shapes (the MMQ stops at 32 rows: it lost at 64 on 2026-12-03,
 # with 16-row tiles and x's own pre-pass, both changed since), then the step A/B: bench_gpu's "MMQ to 64 rows".
