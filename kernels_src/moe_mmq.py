@@ -63,11 +63,12 @@ TILES = {False: (32, 4), True: (32, 4)}
 def moe_mmq_kernel(xq, xd, xs, w_a, w_b, y, rows, block_expert, weights, n_slots, n_cols, n_steps, xq_stride,
                    xd_stride, xs_stride, a_stride, b_stride, y_stride, TOP_K: tl.constexpr, GATED: tl.constexpr,
                    ACT: tl.constexpr, QTYPE_A: tl.constexpr, QTYPE_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_N: tl.constexpr, PDL: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 0):
     """Program (b, j): slots rows[b * BLOCK_M ..] (all of expert block_expert[b]), columns BLOCK_N j.. of y, on
     quantize_x256's (xq, xd, xs) of the pass's input. GATED: y = act(x[tok] @ A[e].T) * (x[tok] @ B[e].T), tok =
     slot // TOP_K; else y = (x[slot] @ A[e].T) * weights[slot]. A, B: Q4_K / Q6_K stacks of n_cols rows an expert,
-    n_steps super-blocks a row. The accumulators are [BLOCK_N, BLOCK_M] (W @ x.T)."""
+    n_steps super-blocks a row. The accumulators are [BLOCK_N, BLOCK_M] (W @ x.T). LOOP_STAGES: the K loop
+    software-pipelined (gguf_mmq.LOOP_STAGES)."""
     if PDL:  # x's quantization comes from the launch before, the routing from earlier ones
         tl.wait_prior_grid()
         tl.launch_dependents()
@@ -87,7 +88,7 @@ def moe_mmq_kernel(xq, xd, xs, w_a, w_b, y, rows, block_expert, weights, n_slots
         return acc_a, accs[1] + term_b(wb + s * size_b, xrow, srow, drow, s, BLOCK_M, BLOCK_N)
 
     swapped_block_out(step, rows, n_slots, n_steps, weights, y, slot, valid, src, n, n_cols, y_stride, GATED, ACT,
-                      BLOCK_M, BLOCK_N)
+                      BLOCK_M, BLOCK_N, LOOP_STAGES)
 
 
 # --- host side -------------------------------------------------------------------------------------------------
@@ -121,9 +122,12 @@ def pass_tiles(gated: bool, block_m: int, qtypes=("Q4_K",)) -> tuple[int, int]:
 
 
 def launch(src, a, b, dst, rows, block_expert, weights, n_slots: int, *, gated: bool, top_k: int, act: str,
-           block_m: int, target: str, pdl: bool, block_n: int | None = None, num_warps: int | None = None) -> None:
+           block_m: int, target: str, pdl: bool, block_n: int | None = None, num_warps: int | None = None,
+           loop_stages: int | None = None) -> None:
     """One pass of the fused MoE over Q4_K / Q6_K stacks a (and b when gated; `takes` says which): src quantized
-    by quantize_x256, then dst [S, n_cols] by slot."""
+    by quantize_x256, then dst [S, n_cols] by slot. loop_stages: the K loop pipelined (None: gguf_mmq.LOOP_STAGES)."""
+    from kernels_src.gguf_mmq import LOOP_STAGES
+
     if not gated:
         b = a
     k_dim = src.shape[1]
@@ -138,7 +142,8 @@ def launch(src, a, b, dst, rows, block_expert, weights, n_slots: int, *, gated: 
     block_n, num_warps = block_n or tile_n, num_warps or warps
     n_cols = a.shape[1]
     kern = compile(moe_mmq_kernel, target, num_warps=num_warps, launch_pdl=pdl, TOP_K=top_k, GATED=gated, ACT=act,
-                   QTYPE_A=qa, QTYPE_B=qb, BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl)
+                   QTYPE_A=qa, QTYPE_B=qb, BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl,
+                   LOOP_STAGES=LOOP_STAGES if loop_stages is None else loop_stages)
     kern[block_expert.shape[0], tl.cdiv(n_cols, block_n)](
         xq, xd, xs, a.data, b.data, dst, rows, block_expert, weights, n_slots, n_cols, k_dim // sb.GROUP,
         elem_stride(xq, 0), elem_stride(xd, 0), elem_stride(xs, 0), elem_stride(a.data, 0), elem_stride(b.data, 0),

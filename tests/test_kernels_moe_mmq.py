@@ -50,7 +50,7 @@ def dense(w) -> np.ndarray:
     return moe_gguf.dequantize_stack(w).astype(np.float64)
 
 
-def run_pass(target, src, a, b, ids, w, gated, block_m=moe_mmq.BLOCK_M, block_n=None):
+def run_pass(target, src, a, b, ids, w, gated, block_m=moe_mmq.BLOCK_M, block_n=None, loop_stages=None):
     """One pass through moe_mmq.launch on moe_align's layout: dst [S, n_cols], poisoned first."""
     experts, n_cols = a.shape[:2]
     k = ids.shape[1]
@@ -61,7 +61,7 @@ def run_pass(target, src, a, b, ids, w, gated, block_m=moe_mmq.BLOCK_M, block_n=
                              m.shape) for m in (a, b)]
     moe_mmq.launch(dev(src, target), on[0], on[1], dst, dev(rows, target), dev(block_expert, target),
                    dev(w.reshape(-1), target), s, gated=gated, top_k=k, act="silu", block_m=block_m, target=target,
-                   pdl=False, block_n=block_n)
+                   pdl=False, block_n=block_n, loop_stages=loop_stages)
     got = np.asarray(host(dst), np.float64)
     assert np.isfinite(got).all(), "slots left unwritten (NaN), or padding bytes read"
     return got
@@ -118,6 +118,19 @@ def test_passes_triton_interpreter(qtypes, rng):
     close(run_pass("triton-interpret", x, gate, up, ids, w, True, block_n=256), gated_ref(x, ids, gate, up))
     h = rng.standard_normal((ids.size, 256)).astype(np.float32)
     close(run_pass("triton-interpret", h, down, down, ids, w, False, block_n=256), down_ref(h, ids, w, down))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton/torch not installed")
+def test_loop_stages_change_no_number(rng):
+    """The K loop pipelined (loop_stages, LLM_ENGINE_MMQ_LOOP_STAGES) gives the plain loop's numbers, bit for bit,
+    through Triton's own source (the interpreter), in both passes."""
+    x, w, ids, gate, up, down = mmq_problem(rng, 5, Q4_K_M, crowd=True)
+    runs = [run_pass("triton-interpret", x, gate, up, ids, w, True, block_n=256, loop_stages=st) for st in (0, 2)]
+    np.testing.assert_array_equal(runs[1], runs[0])
+    h = rng.standard_normal((ids.size, 256)).astype(np.float32)
+    runs = [run_pass("triton-interpret", h, down, down, ids, w, False, block_n=256, loop_stages=st) for st in (0, 2)]
+    np.testing.assert_array_equal(runs[1], runs[0])
+    close(runs[0], down_ref(h, ids, w, down))
 
 
 def test_passes_simt_cpu(rng):
@@ -263,11 +276,12 @@ def test_moe_experts_routes_each_pass(rng, monkeypatch):
 
 @pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="AOT builds need triton, and TRITON_INTERPRET unset")
-@pytest.mark.parametrize("gated,qtypes,n_cols,k_dim", [(True, ("Q4_K", "Q4_K"), 768, 2048),
-                                                      (False, ("Q6_K", "Q6_K"), 2048, 768),
-                                                      (True, ("Q6_K", "Q6_K"), 768, 2048),
-                                                      (False, ("Q4_K", "Q4_K"), 2048, 768)])
-def test_aot_sm90(gated, qtypes, n_cols, k_dim, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("gated,qtypes,n_cols,k_dim,loop_stages", [(True, ("Q4_K", "Q4_K"), 768, 2048, 0),
+                                                                  (False, ("Q6_K", "Q6_K"), 2048, 768, 0),
+                                                                  (True, ("Q6_K", "Q6_K"), 768, 2048, 0),
+                                                                  (False, ("Q4_K", "Q4_K"), 2048, 768, 0),
+                                                                  (True, ("Q4_K", "Q4_K"), 768, 2048, 3)])
+def test_aot_sm90(gated, qtypes, n_cols, k_dim, loop_stages, tmp_path, monkeypatch, capsys):
     """Qwen3-30B-A3B's passes (Q4_K_M's, then the formats swapped) at the launcher's tiles, built for an H200 with
     the JIT's 16-byte specialization where the sizes have it: int8 MMAs, the grid-dependency wait, nothing spilled;
     prints registers and the main loop's instructions a super-block."""
@@ -285,7 +299,7 @@ def test_aot_sm90(gated, qtypes, n_cols, k_dim, tmp_path, monkeypatch, capsys):
     block_n, warps = moe_mmq.pass_tiles(gated, moe_mmq.BLOCK_M, qtypes)
     entry = REGISTRY["moe_mmq"]
     kir = entry.kernel("triton", num_warps=warps, GATED=gated, QTYPE_A=qtypes[0], QTYPE_B=qtypes[1],
-                       BLOCK_N=block_n).trace(signature=entry.signature)
+                       BLOCK_N=block_n, LOOP_STAGES=loop_stages).trace(signature=entry.signature)
     row_bytes = {"Q4_K": 144, "Q6_K": 210}[qtypes[0]] * k_dim // 256
     sizes = dict(xq_stride=k_dim, xd_stride=k_dim // 256, xs_stride=k_dim // 32, a_stride=row_bytes,
                  b_stride=row_bytes, y_stride=n_cols, n_cols=n_cols)
@@ -301,3 +315,5 @@ def test_aot_sm90(gated, qtypes, n_cols, k_dim, tmp_path, monkeypatch, capsys):
         print(f"\nmoe_mmq {'gated' if gated else 'down'} {'/'.join(qtypes)} BLOCK_N {block_n} x {warps} warps: "
               f"{mix.registers} registers, {mix.instructions} instructions a super-block, stack {mix.stack}")
     assert mix.stack == 0 and _stack_bytes(c.asm["cubin"], tmp_path) == 0
+    if loop_stages:  # the K loop pipelined: the weights by cp.async ahead, no global load waited for in the loop
+        assert mix.opcodes["LDG"] == 0 < mix.opcodes["LDGSTS"], mix.summary()
