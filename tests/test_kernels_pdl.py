@@ -38,7 +38,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None and importlib.util.f
 # batch's context lengths are copied in from the host before a step's first kernel)
 ALLOWED = {
     "rms_norm": {"w"}, "add_rms_norm": {"w"}, "silu_mul": set(), "rope": {"cos", "sin"}, "kv_write": set(),
-    "paged_decode": {"context_lens"}, "paged_decode_reduce": set(), "paged_prefill": set(), "moe_route": {"bias"},
+    "paged_decode": {"context_lens"}, "paged_decode_reduce": {"context_lens"}, "paged_prefill": set(),
+    "moe_route": {"bias"},
     **{f"dequant_gemv_{q.lower()}": {"w"} for q in dequant_gemv.QTYPES},
     **{f"dequantize_{q.lower()}": {"w"} for q in dequantize.QTYPES},
     **{name: {"w", "g"} for name in REGISTRY if name.startswith("dense_gemv")},  # the weights and the norm's
@@ -102,6 +103,30 @@ def test_waits_before_what_earlier_kernels_write(name):
     assert _body(default.trace(signature=entry.signature)) == _body(plain)  # PDL is off by default
     assert _without_grid_dep(pdl) == _without_grid_dep(plain)
     check_pdl(pdl, ALLOWED.get(name, set()), name in LOOP_WAIT)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_rope_decode_reads_ahead_only_what_no_kernel_of_the_step_writes(prefetch):
+    """paged_decode_rope loads the host's context lengths, slots, rope rows and cos / sin before its wait, and with
+    PREFETCH its first key tile too: the block table (the host's) and earlier steps' keys and values (this step's
+    key and value are written by this kernel, after the wait, and put into that tile from registers)."""
+    from test_kernels_basic import _sig
+
+    from kernels_src import paged_decode_rope as pdr
+
+    consts = {c: v for c, v in REGISTRY["paged_decode"].constexprs.items() if c != "PDL"} | dict(HALF=64,
+                                                                                                 INTERLEAVED=False)
+    ptrs = dict.fromkeys(("q", "k", "v", "k_cache", "v_cache", "out"), "*bf16") | dict.fromkeys(
+        ("block_tables", "context_lens", "slots", "rows"), "*i32") | dict.fromkeys(
+        ("cos", "sin", "part_m", "part_l", "part_acc"), "*fp32")
+    fn = pdr.paged_decode_rope_kernel
+    k = dsl_launch.compile(fn, PDL=True, PREFETCH=prefetch, **consts).trace(
+        signature=_sig(fn, ptrs, floats=("scale", "softcap")))
+    host = {"context_lens", "slots", "rows", "cos", "sin"}
+    check_pdl(k, host | ({"block_tables", "k_cache", "v_cache"} if prefetch else set()))
+    if prefetch:  # and not without it
+        with pytest.raises(AssertionError, match="before the wait"):
+            check_pdl(k, host)
 
 
 def _bad_kernel(x, w, out, LOOP: tl.constexpr, PDL: tl.constexpr = False):
