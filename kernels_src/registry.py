@@ -274,7 +274,7 @@ register(KernelEntry(
 register(KernelEntry(
     "moe_mmq", moe_mmq.moe_mmq_kernel,
     dict(TOP_K=8, GATED=True, ACT="silu", QTYPE_A="Q4_K", QTYPE_B="Q4_K", BLOCK_M=moe_mmq.BLOCK_M,
-         BLOCK_N=moe_mmq.TILES[False][0], PDL=True),
+         BLOCK_N=moe_mmq.TILES[False][0], PDL=True, LOOP_STAGES=0),
     _ptrs(BF16, "y", xq="*i8", xd="*fp32", xs="*fp32", w_a="*u8", w_b="*u8", rows="*i32", block_expert="*i32",
           weights="*fp32"),
     dict(tokens=64, hidden=2048, inner=768, experts=128, top_k=8, qtype="Q4_K", down_qtype="Q6_K", dtype=BF16),

@@ -191,7 +191,8 @@ register(KernelEntry(
 _tiles = int_group_gemm.default_tiles(16, 14336, 4096, 4, 128, variant="mmq")
 register(KernelEntry(
     "int_group_mmq", int_group_mmq.int_group_mmq_kernel,
-    dict(BITS=4, GROUP=128, STEP=128, BLOCK_M=_tiles["BLOCK_M"], BLOCK_N=_tiles["BLOCK_N"], PREFETCH=True, PDL=True),
+    dict(BITS=4, GROUP=128, STEP=128, BLOCK_M=_tiles["BLOCK_M"], BLOCK_N=_tiles["BLOCK_N"], PREFETCH=True, PDL=True,
+         LOOP_STAGES=0),
     dict(w="*i32", xq="*i8", xs="*fp32", y="*fp32"),
     dict(m=16, n=14336, k=4096, bits=4, group=128, dtype=BF16, variant="mmq"),
     lambda variant, **p: int_group_bytes(**p), flops=lambda m, n, k, **_: 2 * m * n * k,
