@@ -194,6 +194,11 @@ VARIANTS = ("per32", "per32p", "per256")
 # Q6_K gains nothing from it: its 210-byte super-blocks are 2-byte aligned, and cp.async moves 4 bytes or more.
 LOOP_STAGES_ENV = "LLM_ENGINE_MMQ_LOOP_STAGES"
 LOOP_STAGES = int(os.environ.get(LOOP_STAGES_ENV, "0") or 0)
+
+
+def loop_stages(given: int | None = None) -> int:
+    """The K loop's stages a launch takes: `given`, else LOOP_STAGES (the MMQs of int_group_mmq and moe_mmq too)."""
+    return LOOP_STAGES if given is None else given
 MMQ_VARIANT = "per256"
 MAX_ROWS = 32  # and up to here: at 64 rows dequant_gemm is 1.1-1.3x faster (Q4_K, H200)
 # (qtype, row bucket 16 / 32, n, k) -> launcher keywords measured best on an H200 (tools/sweep_mmq.py prints this

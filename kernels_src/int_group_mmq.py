@@ -35,6 +35,7 @@ from ir.formats import int_groups
 from kernels_src.dequant_gemm import _pow2_divisor
 from kernels_src.dequant_gemv_i8 import _MAGIC
 from kernels_src.dsl import compile, elem_stride, empty, tl
+from kernels_src.gguf_mmq import loop_stages
 from kernels_src.split_k import store_tile
 
 __all__ = ["mmq_error_bound", "mmq_fits", "mmq_ref", "mmq_step", "prefetch_for", "quantize_x_mmq",
@@ -182,7 +183,6 @@ def launch_mmq(x2, w, bits: int, group: int, out, cfg: dict, nw: int, ns: int | 
     """The pre-pass (or x_mmq, its (xq, xs) made with x: kernels_src/x_int8_groups), then int_group_mmq_kernel at
     cfg's BLOCK_M / BLOCK_N (and PREFETCH: by default where a thread holds up to PREFETCH_OUTPUTS outputs; LOOP_STAGES:
     by default gguf_mmq.LOOP_STAGES) through split_k.launch_split_k; w as int32 words, checked by the caller."""
-    from kernels_src.gguf_mmq import LOOP_STAGES
     from kernels_src.split_k import launch_split_k
 
     m, k = x2.shape
@@ -204,7 +204,7 @@ def launch_mmq(x2, w, bits: int, group: int, out, cfg: dict, nw: int, ns: int | 
         prefetch = prefetch_for(cfg["BLOCK_M"], cfg["BLOCK_N"], nw)
     kern = compile(int_group_mmq_kernel, target, num_warps=nw, num_stages=ns, launch_pdl=pdl, BITS=bits,
                    GROUP=group, STEP=step, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PREFETCH=bool(prefetch),
-                   PDL=pdl, LOOP_STAGES=LOOP_STAGES if cfg.get("LOOP_STAGES") is None else cfg["LOOP_STAGES"])
+                   PDL=pdl, LOOP_STAGES=loop_stages(cfg.get("LOOP_STAGES")))
     args = (m, w.shape[0], elem_stride(w, 0), elem_stride(xq, 0), elem_stride(xs, 0), elem_stride(xs, 1))
     return launch_split_k(kern, (w, xq, xs), args, out, k // step, split, cfg["BLOCK_M"], cfg["BLOCK_N"], target,
                           pdl)

@@ -26,8 +26,8 @@ import os
 
 import numpy as np
 
+from kernels_src import gguf_mmq, moe_gguf
 from kernels_src import gguf_mmq_sb as sb
-from kernels_src import moe_gguf
 from kernels_src.dsl import compile, elem_stride, tl
 from kernels_src.dsl.interpreter import round_bf16
 from kernels_src.moe_slots import block_slots, swapped_block_out
@@ -126,8 +126,6 @@ def launch(src, a, b, dst, rows, block_expert, weights, n_slots: int, *, gated: 
            loop_stages: int | None = None) -> None:
     """One pass of the fused MoE over Q4_K / Q6_K stacks a (and b when gated; `takes` says which): src quantized
     by quantize_x256, then dst [S, n_cols] by slot. loop_stages: the K loop pipelined (None: gguf_mmq.LOOP_STAGES)."""
-    from kernels_src.gguf_mmq import LOOP_STAGES
-
     if not gated:
         b = a
     k_dim = src.shape[1]
@@ -143,7 +141,7 @@ def launch(src, a, b, dst, rows, block_expert, weights, n_slots: int, *, gated: 
     n_cols = a.shape[1]
     kern = compile(moe_mmq_kernel, target, num_warps=num_warps, launch_pdl=pdl, TOP_K=top_k, GATED=gated, ACT=act,
                    QTYPE_A=qa, QTYPE_B=qb, BLOCK_M=block_m, BLOCK_N=block_n, PDL=pdl,
-                   LOOP_STAGES=LOOP_STAGES if loop_stages is None else loop_stages)
+                   LOOP_STAGES=gguf_mmq.loop_stages(loop_stages))
     kern[block_expert.shape[0], tl.cdiv(n_cols, block_n)](
         xq, xd, xs, a.data, b.data, dst, rows, block_expert, weights, n_slots, n_cols, k_dim // sb.GROUP,
         elem_stride(xq, 0), elem_stride(xd, 0), elem_stride(xs, 0), elem_stride(a.data, 0), elem_stride(b.data, 0),

@@ -34,9 +34,14 @@ _ARGMAX_MIN_PART = 512  # a narrower row takes torch's one pass
 
 
 def argmax_rows(x: torch.Tensor, parts: int = _ARGMAX_PARTS) -> torch.Tensor:
-    """x.argmax(1), the first of equal maxima (and of NaNs, which count as the largest, as torch's): the row's
-    `parts` equal parts each reduced to its first maximum and where it lies, then the first part holding the row's.
-    A row not split evenly, or under parts * _ARGMAX_MIN_PART wide, takes torch's one pass."""
+    """x.argmax(1), the first of equal maxima (and of NaNs, which count as the largest, as torch's): on a GPU, the
+    row's `parts` equal parts each reduced to its first maximum and where it lies, then the first part holding the
+    row's. CPU tensors, and a row not split evenly or under parts * _ARGMAX_MIN_PART wide, take torch's one pass."""
+    return _argmax_parts(x, parts) if x.device.type == "cuda" else x.argmax(1)
+
+
+def _argmax_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """argmax_rows's two passes, on any device."""
     n, vocab = x.shape
     if parts <= 1 or vocab % parts or vocab < parts * _ARGMAX_MIN_PART:
         return x.argmax(1)
@@ -275,7 +280,7 @@ class TorchSampler:
                 words = self._stage.to_device(inputs, masked, logits.device)
                 logits = _apply_masks(logits.to(torch.float32, copy=True), masked, words)
             # 16-bit logits compare as their exact fp32 values do: no conversion pass before a plain argmax
-            tokens = argmax_rows(logits) if logits.device.type == "cuda" else logits.argmax(1)
+            tokens = argmax_rows(logits)
             return tokens, PendingSample(tokens, n, [], [], 0)
         logits = logits.float()
         h = _host_arrays(inputs, vocab)
@@ -284,7 +289,7 @@ class TorchSampler:
         if masked:  # after the logit processors, before temperature and the cuts (vLLM's place)
             words = self._stage.to_device(inputs, masked, logits.device)
             x = _apply_masks(x if adjusts else x.clone(), d["m_row"], words)
-        tokens = argmax_rows(x) if x.device.type == "cuda" else x.argmax(1)  # greedy rows; sampled ones below
+        tokens = argmax_rows(x)  # greedy rows; sampled rows are overwritten below
         if len(h["s_row"]):
             rows = d["s_row"]
             xs = x if len(rows) == n else x[rows]
